@@ -1,0 +1,94 @@
+"""The one place that decides device, distributed backend and RNG for CUDA or CPU.
+
+Nothing here touches CUDA at import time: every query is a function call. The rest of the library asks
+this module instead of calling ``torch.cuda`` directly, so the same code runs on GPUs with NCCL and on
+CPU with gloo (our tests and CI).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device can be used (and the user did not force CPU with MEGATRON_FORCE_CPU=1)."""
+    if os.environ.get("MEGATRON_FORCE_CPU", "0") == "1":
+        return False
+    return torch.cuda.is_available()
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available, gloo otherwise."""
+    return "nccl" if cuda_available() else "gloo"
+
+
+def _backend_in_use() -> str | None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_backend()
+    return None
+
+
+def current_device() -> torch.device:
+    """The device that tensors and collectives of this process should use.
+
+    With a gloo process group every buffer lives on the CPU even if a GPU is present, because gloo's
+    collectives are CPU collectives.
+    """
+    backend = _backend_in_use()
+    if backend == "gloo" or not cuda_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def set_device_for_local_rank(local_rank: int) -> None:
+    """Bind this process to its GPU (``local_rank % device_count``); a no-op on CPU."""
+    if cuda_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def device_count() -> int:
+    return torch.cuda.device_count() if cuda_available() else 0
+
+
+def on_gpu() -> bool:
+    return current_device().type == "cuda"
+
+
+# --------------------------------------------------------------------------- RNG
+# The default RNG whose state the model-parallel tracker forks from: the CUDA generator of the current
+# device on GPU, torch's CPU generator otherwise.
+
+def get_rng_state() -> torch.Tensor:
+    if on_gpu():
+        return torch.cuda.get_rng_state()
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    if on_gpu():
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the default device generator (CUDA on GPU, CPU otherwise)."""
+    if on_gpu():
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+def synchronize() -> None:
+    if on_gpu():
+        torch.cuda.synchronize()
+
+
+def memory_allocated() -> int:
+    return torch.cuda.memory_allocated() if on_gpu() else 0
+
+
+def empty_cache() -> None:
+    if on_gpu():
+        torch.cuda.empty_cache()

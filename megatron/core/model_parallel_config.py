@@ -1,0 +1,67 @@
+"""ModelParallelConfig: how a model is split and run, with Megatron's fields and defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class ModelParallelConfig:
+    """Parallelism and precision settings shared by every megatron.core module.
+
+    Fields and defaults follow megatron-core; ``__post_init__`` validates what can be validated without
+    a process group.
+    """
+
+    # Model parallelism
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+
+    # Initialization
+    perform_initialization: bool = True
+    use_cpu_initialization: bool = False
+
+    # Training
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+    timers: Optional[Callable] = None
+
+    # Optimizations
+    gradient_accumulation_fusion: bool = False
+    async_tensor_model_parallel_allreduce: bool = False
+
+    # Pipeline parallel
+    pipeline_dtype: Optional[torch.dtype] = None
+    grad_scale_func: Optional[Callable] = None
+    enable_autocast: bool = False
+    autocast_dtype: Optional[torch.dtype] = None
+    variable_seq_lengths: bool = False
+    num_microbatches_with_partial_activation_checkpoints: Optional[int] = None
+    overlap_p2p_comm: bool = False
+    batch_p2p_comm: bool = True
+    batch_p2p_sync: bool = True
+    use_ring_exchange_p2p: bool = False
+    deallocate_pipeline_outputs: bool = False
+    no_sync_func: Optional[Callable] = None
+    grad_sync_func: Optional[Callable] = None
+    param_sync_func: Optional[Callable] = None
+
+    def __post_init__(self):
+        if self.sequence_parallel:
+            if self.tensor_model_parallel_size <= 1:
+                raise ValueError("Can not use sequence parallelism without tensor parallelism "
+                                 "(sequence_parallel=True needs tensor_model_parallel_size > 1)")
+            # Sequence parallelism replaces the async input all-reduce by an all-gather.
+            self.async_tensor_model_parallel_allreduce = False
+
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            raise ValueError("When using pipeline parallelism, pipeline_dtype must be specified "
+                             "(the dtype of tensors sent between stages)")
+
+        if self.autocast_dtype is None:
+            self.autocast_dtype = self.params_dtype

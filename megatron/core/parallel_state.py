@@ -1,0 +1,586 @@
+"""Model and data parallel process groups (megatron.core.parallel_state).
+
+The rank grid
+-------------
+Every rank of a world of size ``W = tp * cp * ep * dp * pp`` has one coordinate per named dimension.
+With Megatron's default order ``"tp-cp-ep-dp-pp"`` the first dimension varies fastest::
+
+    rank = tp_rank + tp * (cp_rank + cp * (ep_rank + ep * (dp_rank + dp * pp_rank)))
+
+so tensor-parallel groups are contiguous blocks of ranks (they share the fastest links of a node) and
+pipeline groups are strided by ``W / pp``. A *group kind* is a set of dimensions, e.g. ``"tp-pp"`` for the
+model-parallel group: ranks that agree on every *other* coordinate form one group. ``RankGenerator``
+enumerates them; all groups of every kind are created on every rank (``new_group`` is collective) and each
+rank keeps the one it belongs to.
+
+Worked example, W=8, TP=2, PP=2 (so DP=2):
+
+    tensor     [0,1] [2,3] [4,5] [6,7]
+    data       [0,2] [1,3] [4,6] [5,7]
+    pipeline   [0,4] [1,5] [2,6] [3,7]
+    model      [0,1,4,5] [2,3,6,7]
+    embedding  [0,4] [1,5] [2,6] [3,7]   (first and last stage of each pipeline)
+
+The ``set_*`` overrides (``_MPU_*`` globals) take precedence over group queries: tools that build a model
+for one rank of a layout without a process group use them.
+"""
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from megatron.core.utils import GlobalMemoryBuffer
+
+# Process groups of this rank.
+_TENSOR_MODEL_PARALLEL_GROUP = None
+_PIPELINE_MODEL_PARALLEL_GROUP = None
+_MODEL_PARALLEL_GROUP = None
+_EMBEDDING_GROUP = None
+_POSITION_EMBEDDING_GROUP = None
+_DATA_PARALLEL_GROUP = None
+_DATA_PARALLEL_GROUP_GLOO = None
+_CONTEXT_PARALLEL_GROUP = None
+_AMAX_REDUCTION_GROUP = None
+
+# Rank lists of this rank's groups (for queries that need global ranks, and the group table).
+_EMBEDDING_GLOBAL_RANKS = None
+_POSITION_EMBEDDING_GLOBAL_RANKS = None
+_PIPELINE_GLOBAL_RANKS = None
+_DATA_PARALLEL_GLOBAL_RANKS = None
+_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = None
+_CONTEXT_PARALLEL_GLOBAL_RANKS = None
+_ALL_GROUP_RANKS: Dict[str, List[List[int]]] = {}
+
+_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
+_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
+_PIPELINE_MODEL_PARALLEL_SPLIT_RANK = None
+
+# Overrides used by --lazy-mpu-init and offline tools.
+_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = None
+_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
+_MPU_TENSOR_MODEL_PARALLEL_RANK = None
+_MPU_PIPELINE_MODEL_PARALLEL_RANK = None
+
+_GLOBAL_MEMORY_BUFFER = None
+
+
+class RankGenerator:
+    """Enumerates the rank groups of a grid of named parallel dimensions.
+
+    ``order`` lists the dimensions from fastest- to slowest-varying, e.g. ``"tp-cp-ep-dp-pp"``. Dimensions of
+    size 1 may be present in the order and are simply trivial.
+    """
+
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str = "tp-cp-ep-dp-pp"):
+        self.sizes = {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "cp": cp}
+        self.order = [d.strip() for d in order.lower().split("-")]
+        unknown = [d for d in self.order if d not in self.sizes]
+        if unknown or len(set(self.order)) != len(self.order):
+            raise RuntimeError(f"invalid parallel order {order!r}: use each of {sorted(self.sizes)} at most once")
+        for name, size in self.sizes.items():
+            if size > 1 and name not in self.order:
+                raise RuntimeError(f"the order {order!r} must name '{name}' because its size is {size}")
+            if size < 1:
+                raise RuntimeError(f"parallel size of '{name}' must be >= 1, got {size}")
+        self.world_size = 1
+        for d in self.order:
+            self.world_size *= self.sizes[d]
+
+    def rank_of(self, coords: Dict[str, int]) -> int:
+        rank, stride = 0, 1
+        for d in self.order:
+            rank += coords.get(d, 0) * stride
+            stride *= self.sizes[d]
+        return rank
+
+    def coords_of(self, rank: int) -> Dict[str, int]:
+        coords = {}
+        for d in self.order:
+            coords[d] = rank % self.sizes[d]
+            rank //= self.sizes[d]
+        return coords
+
+    def get_ranks(self, token: str) -> List[List[int]]:
+        """All groups of the kind named by ``token`` (e.g. ``"dp"``, ``"tp-pp"``).
+
+        Within a group ranks are ordered with the first dimension of ``order`` varying fastest; groups are
+        ordered the same way over the remaining dimensions.
+        """
+        inside = set(d.strip() for d in token.lower().split("-"))
+        if not inside <= set(self.order):
+            raise RuntimeError(f"unknown dimension in group token {token!r}")
+        in_dims = [d for d in self.order if d in inside]
+        out_dims = [d for d in self.order if d not in inside]
+
+        def product(dims):
+            # itertools.product varies the *last* element fastest; reverse so the first dim is fastest.
+            for combo in itertools.product(*[range(self.sizes[d]) for d in reversed(dims)]):
+                yield dict(zip(reversed(dims), combo))
+
+        groups = []
+        for outer in product(out_dims):
+            groups.append([self.rank_of({**outer, **inner}) for inner in product(in_dims)])
+        return groups
+
+
+def _new_group(ranks: Sequence[int], timeout: Optional[timedelta], backend: Optional[str] = None):
+    kwargs = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if backend is not None:
+        kwargs["backend"] = backend
+    return torch.distributed.new_group(list(ranks), **kwargs)
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    pipeline_model_parallel_split_rank: Optional[int] = None,
+    use_fp8: bool = False,
+    use_sharp: bool = False,
+    context_parallel_size: int = 1,
+    order: str = "tp-cp-ep-dp-pp",
+    distributed_timeout_minutes: Optional[float] = None,
+) -> None:
+    """Create the tensor, pipeline, data, model, embedding and position-embedding groups.
+
+    Must be called on every rank after ``torch.distributed.init_process_group``. ``context_parallel_size``
+    and ``order`` shape the rank grid as in megatron-core (context-parallel layers are not implemented yet,
+    so only ``context_parallel_size=1`` is accepted).
+    """
+    global _TENSOR_MODEL_PARALLEL_GROUP, _PIPELINE_MODEL_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP
+    global _EMBEDDING_GROUP, _POSITION_EMBEDDING_GROUP, _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GROUP_GLOO
+    global _CONTEXT_PARALLEL_GROUP, _AMAX_REDUCTION_GROUP
+    global _EMBEDDING_GLOBAL_RANKS, _POSITION_EMBEDDING_GLOBAL_RANKS, _PIPELINE_GLOBAL_RANKS
+    global _DATA_PARALLEL_GLOBAL_RANKS, _TENSOR_MODEL_PARALLEL_GLOBAL_RANKS, _CONTEXT_PARALLEL_GLOBAL_RANKS
+    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    global _PIPELINE_MODEL_PARALLEL_SPLIT_RANK, _GLOBAL_MEMORY_BUFFER, _ALL_GROUP_RANKS
+
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group to be called first")
+    if _DATA_PARALLEL_GROUP is not None or _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        raise AssertionError("model parallel groups are already initialized: call destroy_model_parallel() first")
+    if context_parallel_size != 1:
+        raise RuntimeError("context_parallel_size > 1 is not supported yet (context-parallel attention is not implemented)")
+
+    world_size = torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank()
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    if tp < 1 or pp < 1:
+        raise RuntimeError(f"tensor ({tp}) and pipeline ({pp}) model parallel sizes must be >= 1")
+    if world_size % (tp * pp * cp) != 0:
+        raise RuntimeError(
+            f"world_size ({world_size}) is not divisible by tensor_model_parallel_size ({tp}) "
+            f"x pipeline_model_parallel_size ({pp})"
+            + (f" x context_parallel_size ({cp})" if cp > 1 else "")
+        )
+    dp = world_size // (tp * pp * cp)
+
+    if virtual_pipeline_model_parallel_size is not None:
+        if not pp > 2:
+            raise RuntimeError(
+                "pipeline-model-parallel size should be greater than 2 with interleaved schedule "
+                f"(virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}, "
+                f"pipeline_model_parallel_size={pp})"
+            )
+        _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = 0
+        _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = virtual_pipeline_model_parallel_size
+
+    if pipeline_model_parallel_split_rank is not None:
+        if not 0 <= pipeline_model_parallel_split_rank < pp:
+            raise RuntimeError(
+                f"pipeline_model_parallel_split_rank ({pipeline_model_parallel_split_rank}) must be in [0, {pp})"
+            )
+        _PIPELINE_MODEL_PARALLEL_SPLIT_RANK = pipeline_model_parallel_split_rank
+
+    timeout = timedelta(minutes=distributed_timeout_minutes) if distributed_timeout_minutes is not None else None
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+    _ALL_GROUP_RANKS = {}
+
+    def build(kind: str, token: str, backend: Optional[str] = None):
+        """Create every group of one kind; return (my group, my ranks)."""
+        mine = None
+        groups = gen.get_ranks(token)
+        for ranks in groups:
+            group = _new_group(ranks, timeout, backend)
+            if rank in ranks:
+                mine = (group, ranks)
+        _ALL_GROUP_RANKS[kind] = groups
+        return mine
+
+    _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GLOBAL_RANKS = build("data", "dp")
+    # A gloo twin of the DP group, for CPU-side collectives (e.g. distributed-optimizer checkpointing).
+    if torch.distributed.get_backend() == "gloo":
+        _DATA_PARALLEL_GROUP_GLOO = _DATA_PARALLEL_GROUP
+        _ALL_GROUP_RANKS["data_gloo"] = _ALL_GROUP_RANKS["data"]
+    else:
+        _DATA_PARALLEL_GROUP_GLOO, _ = build("data_gloo", "dp", backend="gloo")
+    _CONTEXT_PARALLEL_GROUP, _CONTEXT_PARALLEL_GLOBAL_RANKS = build("context", "cp")
+    _MODEL_PARALLEL_GROUP, _ = build("model", "tp-pp")
+    _TENSOR_MODEL_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = build("tensor", "tp")
+    _PIPELINE_MODEL_PARALLEL_GROUP, _PIPELINE_GLOBAL_RANKS = build("pipeline", "pp")
+
+    embedding_groups, position_groups = [], []
+    for ranks in _ALL_GROUP_RANKS["pipeline"]:
+        emb, pos = embedding_ranks_of(ranks, pipeline_model_parallel_split_rank)
+        embedding_groups.append(emb)
+        position_groups.append(pos)
+        group = _new_group(emb, timeout)
+        if rank in emb:
+            _EMBEDDING_GROUP, _EMBEDDING_GLOBAL_RANKS = group, emb
+        group = _new_group(pos, timeout)
+        if rank in pos:
+            _POSITION_EMBEDDING_GROUP, _POSITION_EMBEDDING_GLOBAL_RANKS = group, pos
+    _ALL_GROUP_RANKS["embedding"] = embedding_groups
+    _ALL_GROUP_RANKS["position_embedding"] = position_groups
+
+    if use_fp8:
+        _AMAX_REDUCTION_GROUP, _ = build("amax", "tp-dp")
+
+    if use_sharp:
+        # SHARP is an NCCL/InfiniBand feature; only meaningful with NCCL.
+        import os
+
+        torch.distributed.barrier(group=_DATA_PARALLEL_GROUP)
+        os.environ["NCCL_SHARP_DISABLE"] = "1"
+
+    _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+
+
+def embedding_ranks_of(pipeline_ranks: Sequence[int], split_rank: Optional[int] = None):
+    """(embedding ranks, position-embedding ranks) of one pipeline group.
+
+    The word embedding lives on the first stage and is tied to the output layer on the last stage (and the
+    decoder's first stage at ``split_rank`` for encoder-decoder models); the position embedding lives on
+    the first stage (and the split stage).
+    """
+    ranks = list(pipeline_ranks)
+    if len(ranks) == 1:
+        return ranks, ranks
+    emb = [ranks[0], ranks[-1]]
+    pos = [ranks[0]]
+    if split_rank is not None:
+        if ranks[split_rank] not in emb:
+            emb = [ranks[0], ranks[split_rank], ranks[-1]]
+        if ranks[split_rank] not in pos:
+            pos = [ranks[0], ranks[split_rank]]
+    return emb, pos
+
+
+# ----------------------------------------------------------------------------------------- status
+
+def is_unitialized() -> bool:
+    """True if the data-parallel group is not set (Megatron's spelling kept)."""
+    return _DATA_PARALLEL_GROUP is None
+
+
+is_uninitialized = is_unitialized
+
+
+def model_parallel_is_initialized() -> bool:
+    return not (_TENSOR_MODEL_PARALLEL_GROUP is None or _PIPELINE_MODEL_PARALLEL_GROUP is None
+                or _DATA_PARALLEL_GROUP is None)
+
+
+def is_initialized() -> bool:
+    return _DATA_PARALLEL_GROUP is not None
+
+
+def get_all_group_ranks() -> Dict[str, List[List[int]]]:
+    """Every group of every kind, as lists of global ranks (for logs and sanity checks)."""
+    return {kind: [list(g) for g in groups] for kind, groups in _ALL_GROUP_RANKS.items()}
+
+
+# ----------------------------------------------------------------------------------------- groups
+
+def _checked(group, name: str, check_initialized: bool = True):
+    if check_initialized and group is None:
+        raise AssertionError(f"{name} group is not initialized: call parallel_state.initialize_model_parallel() first")
+    return group
+
+
+def get_model_parallel_group():
+    return _checked(_MODEL_PARALLEL_GROUP, "model parallel")
+
+
+def get_tensor_model_parallel_group(check_initialized: bool = True):
+    return _checked(_TENSOR_MODEL_PARALLEL_GROUP, "tensor model parallel", check_initialized)
+
+
+def get_pipeline_model_parallel_group():
+    return _checked(_PIPELINE_MODEL_PARALLEL_GROUP, "pipeline_model parallel")
+
+
+def get_data_parallel_group():
+    return _checked(_DATA_PARALLEL_GROUP, "data parallel")
+
+
+def get_data_parallel_group_gloo():
+    return _checked(_DATA_PARALLEL_GROUP_GLOO, "data parallel gloo")
+
+
+def get_context_parallel_group(check_initialized: bool = True):
+    return _checked(_CONTEXT_PARALLEL_GROUP, "context parallel", check_initialized)
+
+
+def get_embedding_group():
+    return _checked(_EMBEDDING_GROUP, "embedding")
+
+
+def get_position_embedding_group():
+    return _checked(_POSITION_EMBEDDING_GROUP, "position embedding")
+
+
+def get_amax_reduction_group():
+    return _checked(_AMAX_REDUCTION_GROUP, "FP8 amax reduction")
+
+
+# ---------------------------------------------------------------------------------- sizes and ranks
+
+def set_tensor_model_parallel_world_size(world_size):
+    global _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = world_size
+
+
+def set_pipeline_model_parallel_world_size(world_size):
+    global _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = world_size
+
+
+def set_tensor_model_parallel_rank(rank):
+    global _MPU_TENSOR_MODEL_PARALLEL_RANK
+    _MPU_TENSOR_MODEL_PARALLEL_RANK = rank
+
+
+def set_pipeline_model_parallel_rank(rank):
+    global _MPU_PIPELINE_MODEL_PARALLEL_RANK
+    _MPU_PIPELINE_MODEL_PARALLEL_RANK = rank
+
+
+def set_pipeline_model_parallel_split_rank(rank):
+    global _PIPELINE_MODEL_PARALLEL_SPLIT_RANK
+    _PIPELINE_MODEL_PARALLEL_SPLIT_RANK = rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    if _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE is not None:
+        return _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    return torch.distributed.get_world_size(group=get_tensor_model_parallel_group())
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    if _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE is not None:
+        return _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    return torch.distributed.get_world_size(group=get_pipeline_model_parallel_group())
+
+
+def get_tensor_model_parallel_rank() -> int:
+    if _MPU_TENSOR_MODEL_PARALLEL_RANK is not None:
+        return _MPU_TENSOR_MODEL_PARALLEL_RANK
+    return torch.distributed.get_rank(group=get_tensor_model_parallel_group())
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    if _MPU_PIPELINE_MODEL_PARALLEL_RANK is not None:
+        return _MPU_PIPELINE_MODEL_PARALLEL_RANK
+    return torch.distributed.get_rank(group=get_pipeline_model_parallel_group())
+
+
+def get_pipeline_model_parallel_split_rank():
+    return _PIPELINE_MODEL_PARALLEL_SPLIT_RANK
+
+
+def get_context_parallel_world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and _CONTEXT_PARALLEL_GROUP is not None:
+        return torch.distributed.get_world_size(group=_CONTEXT_PARALLEL_GROUP)
+    return 1
+
+
+def get_context_parallel_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and _CONTEXT_PARALLEL_GROUP is not None:
+        return torch.distributed.get_rank(group=_CONTEXT_PARALLEL_GROUP)
+    return 0
+
+
+def get_data_parallel_world_size() -> int:
+    """Size of this rank's DP group; 0 when torch.distributed is not initialized (as Megatron)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(group=get_data_parallel_group())
+    return 0
+
+
+def get_data_parallel_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(group=get_data_parallel_group())
+    return 0
+
+
+def get_data_parallel_src_rank() -> int:
+    """The global rank of the first member of this rank's DP group."""
+    if _DATA_PARALLEL_GLOBAL_RANKS is None:
+        raise AssertionError("data parallel group is not initialized")
+    return _DATA_PARALLEL_GLOBAL_RANKS[0]
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of TP rank 0 of this rank's TP group (TP groups are contiguous blocks)."""
+    global_rank = torch.distributed.get_rank()
+    local_world_size = get_tensor_model_parallel_world_size()
+    return (global_rank // local_world_size) * local_world_size
+
+
+def get_model_parallel_src_rank() -> int:
+    return get_tensor_model_parallel_src_rank()
+
+
+# -------------------------------------------------------------------------------------- pipeline
+
+def _pipeline_ranks():
+    if _PIPELINE_GLOBAL_RANKS is None:
+        raise AssertionError("pipeline parallel group is not initialized")
+    return _PIPELINE_GLOBAL_RANKS
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    return _pipeline_ranks()[0]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    return _pipeline_ranks()[get_pipeline_model_parallel_world_size() - 1]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    ranks = _pipeline_ranks()
+    return ranks[(get_pipeline_model_parallel_rank() + 1) % get_pipeline_model_parallel_world_size()]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    ranks = _pipeline_ranks()
+    return ranks[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    """True on the first pipeline stage (and, unless ``ignore_virtual``, on its first virtual chunk)."""
+    if not ignore_virtual:
+        if (get_virtual_pipeline_model_parallel_world_size() is not None
+                and get_virtual_pipeline_model_parallel_rank() != 0):
+            return False
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    """True on the last pipeline stage (and, unless ``ignore_virtual``, on its last virtual chunk)."""
+    if not ignore_virtual:
+        vpp = get_virtual_pipeline_model_parallel_world_size()
+        if vpp is not None and get_virtual_pipeline_model_parallel_rank() != vpp - 1:
+            return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
+    rank = torch.distributed.get_rank()
+    ranks = _EMBEDDING_GLOBAL_RANKS or []
+    if ignore_virtual:
+        return rank in ranks
+    if rank in ranks:
+        if rank == ranks[0]:
+            return is_pipeline_first_stage(ignore_virtual=False)
+        if rank == ranks[-1]:
+            return is_pipeline_last_stage(ignore_virtual=False)
+        return True
+    return False
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    return torch.distributed.get_rank() in (_POSITION_EMBEDDING_GLOBAL_RANKS or [])
+
+
+def is_pipeline_stage_before_split(rank=None) -> bool:
+    """True if the stage executes the encoder (before the split rank) of an encoder-decoder model."""
+    if get_pipeline_model_parallel_world_size() == 1:
+        return True
+    if rank is None:
+        rank = get_pipeline_model_parallel_rank()
+    if _PIPELINE_MODEL_PARALLEL_SPLIT_RANK is None:
+        return True
+    return rank < _PIPELINE_MODEL_PARALLEL_SPLIT_RANK
+
+
+def is_pipeline_stage_after_split(rank=None) -> bool:
+    """True if the stage executes the decoder (at or after the split rank) of an encoder-decoder model."""
+    if get_pipeline_model_parallel_world_size() == 1:
+        return True
+    if rank is None:
+        rank = get_pipeline_model_parallel_rank()
+    if _PIPELINE_MODEL_PARALLEL_SPLIT_RANK is None:
+        return True
+    return rank >= _PIPELINE_MODEL_PARALLEL_SPLIT_RANK
+
+
+def is_pipeline_stage_at_split() -> bool:
+    """True if this stage is the last encoder stage and the next is the first decoder stage."""
+    rank = get_pipeline_model_parallel_rank()
+    return is_pipeline_stage_before_split(rank) and is_pipeline_stage_after_split(rank + 1)
+
+
+def get_virtual_pipeline_model_parallel_rank():
+    return _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
+
+
+def set_virtual_pipeline_model_parallel_rank(rank):
+    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
+    _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = rank
+
+
+def get_virtual_pipeline_model_parallel_world_size():
+    return _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size):
+    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = world_size
+
+
+# ----------------------------------------------------------------------------------- memory buffer
+
+def get_global_memory_buffer() -> GlobalMemoryBuffer:
+    if _GLOBAL_MEMORY_BUFFER is None:
+        raise AssertionError("global memory buffer is not initialized")
+    return _GLOBAL_MEMORY_BUFFER
+
+
+def destroy_global_memory_buffer():
+    global _GLOBAL_MEMORY_BUFFER
+    _GLOBAL_MEMORY_BUFFER = None
+
+
+def destroy_model_parallel():
+    """Forget every group and override so that ``initialize_model_parallel`` can be called again.
+
+    The torch.distributed groups themselves are not destroyed: other code may still hold them, and
+    destroying a subgroup is collective.
+    """
+    global _TENSOR_MODEL_PARALLEL_GROUP, _PIPELINE_MODEL_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP
+    global _EMBEDDING_GROUP, _POSITION_EMBEDDING_GROUP, _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GROUP_GLOO
+    global _CONTEXT_PARALLEL_GROUP, _AMAX_REDUCTION_GROUP
+    global _EMBEDDING_GLOBAL_RANKS, _POSITION_EMBEDDING_GLOBAL_RANKS, _PIPELINE_GLOBAL_RANKS
+    global _DATA_PARALLEL_GLOBAL_RANKS, _TENSOR_MODEL_PARALLEL_GLOBAL_RANKS, _CONTEXT_PARALLEL_GLOBAL_RANKS
+    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    global _PIPELINE_MODEL_PARALLEL_SPLIT_RANK, _ALL_GROUP_RANKS
+    global _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE, _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    global _MPU_TENSOR_MODEL_PARALLEL_RANK, _MPU_PIPELINE_MODEL_PARALLEL_RANK, _GLOBAL_MEMORY_BUFFER
+    _TENSOR_MODEL_PARALLEL_GROUP = _PIPELINE_MODEL_PARALLEL_GROUP = _MODEL_PARALLEL_GROUP = None
+    _EMBEDDING_GROUP = _POSITION_EMBEDDING_GROUP = _DATA_PARALLEL_GROUP = _DATA_PARALLEL_GROUP_GLOO = None
+    _CONTEXT_PARALLEL_GROUP = _AMAX_REDUCTION_GROUP = None
+    _EMBEDDING_GLOBAL_RANKS = _POSITION_EMBEDDING_GLOBAL_RANKS = _PIPELINE_GLOBAL_RANKS = None
+    _DATA_PARALLEL_GLOBAL_RANKS = _TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = _CONTEXT_PARALLEL_GLOBAL_RANKS = None
+    _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
+    _PIPELINE_MODEL_PARALLEL_SPLIT_RANK = None
+    _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
+    _MPU_TENSOR_MODEL_PARALLEL_RANK = _MPU_PIPELINE_MODEL_PARALLEL_RANK = None
+    _ALL_GROUP_RANKS = {}
+    _GLOBAL_MEMORY_BUFFER = None

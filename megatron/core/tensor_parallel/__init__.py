@@ -1,0 +1,1 @@
+"""megatron.core.tensor_parallel (being written)."""

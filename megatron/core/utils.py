@@ -1,0 +1,133 @@
+"""Small utilities shared by the whole library (megatron.core.utils)."""
+from __future__ import annotations
+
+import math
+import operator
+from functools import reduce
+from typing import Callable
+
+import torch
+
+from megatron.core import device as _device
+
+
+def ensure_divisibility(numerator: int, denominator: int) -> None:
+    """Raise if ``numerator`` is not divisible by ``denominator``."""
+    if numerator % denominator != 0:
+        raise AssertionError(f"{numerator} is not divisible by {denominator}")
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """Divide exactly, raising if the division leaves a remainder."""
+    ensure_divisibility(numerator, denominator)
+    return numerator // denominator
+
+
+def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Init method based on N(0, sigma)."""
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
+
+    return init_
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Init method based on N(0, sigma / sqrt(2 * num_layers)), for output projections."""
+    std = sigma / math.sqrt(2.0 * num_layers)
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=std)
+
+    return init_
+
+
+class GlobalMemoryBuffer:
+    """Reusable scratch tensors keyed by (name, dtype), grown on demand.
+
+    Used by sequence parallelism for the all-gather output so that every layer does not allocate a new
+    full-sequence buffer.
+    """
+
+    def __init__(self):
+        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(self, tensor_shape, dtype: torch.dtype, name: str) -> torch.Tensor:
+        required = reduce(operator.mul, tensor_shape, 1)
+        key = (name, dtype)
+        buf = self.buffer.get(key)
+        if buf is None or buf.numel() < required:
+            buf = torch.empty(required, dtype=dtype, device=_device.current_device(), requires_grad=False)
+            self.buffer[key] = buf
+        return buf[0:required].view(*tensor_shape)
+
+
+def _kernel_make_viewless_tensor(inp: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    out = torch.empty((1,), dtype=inp.dtype, device=inp.device, requires_grad=requires_grad)
+    out.data = inp.data
+    return out
+
+
+class MakeViewlessTensor(torch.autograd.Function):
+    """Autograd function that returns a tensor which is not a view, passing gradients straight through."""
+
+    @staticmethod
+    def forward(ctx, inp, requires_grad):
+        return _kernel_make_viewless_tensor(inp, requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+def make_viewless_tensor(inp: torch.Tensor, requires_grad: bool, keep_graph: bool) -> torch.Tensor:
+    """Return a tensor with ``._base`` set to None holding the same data as ``inp``.
+
+    Pipeline schedules free a stage's output after sending it by replacing ``.data``; that only frees
+    memory if the tensor is not a view of a larger one, hence this helper.
+    """
+    if inp._base is None:
+        return inp
+    if keep_graph:
+        return MakeViewlessTensor.apply(inp, requires_grad)
+    return _kernel_make_viewless_tensor(inp, requires_grad)
+
+
+def assert_viewless_tensor(tensor, extra_msg=None):
+    if isinstance(tensor, list):
+        for t in tensor:
+            assert_viewless_tensor(t, extra_msg)
+        return tensor
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    assert tensor._base is None, (
+        f"Ensure tensor._base is None before setting tensor.data or storing tensor to memory buffer. {extra_msg}"
+    )
+    return tensor
+
+
+def safely_set_viewless_tensor_data(tensor: torch.Tensor, new_data_tensor: torch.Tensor) -> None:
+    assert_viewless_tensor(tensor, extra_msg=f"FYI, tensor._base has shape {tensor._base.shape if tensor._base is not None else None}")
+    tensor.data = new_data_tensor
+
+
+def get_attr_wrapped_model(model, attr: str, allow_none: bool = True):
+    """Find ``attr`` on ``model`` or on the first ``.module`` in its wrapper chain that has it."""
+    if isinstance(model, list):
+        raise RuntimeError("get_attr_wrapped_model does not support lists of model chunks")
+    while not hasattr(model, attr):
+        if not hasattr(model, "module"):
+            raise RuntimeError(f"couldn't find attribute {attr} on the model or its wrappers")
+        model = model.module
+    value = getattr(model, attr)
+    if not allow_none and value is None:
+        raise RuntimeError(f"attribute {attr} of the model is None")
+    return value
+
+
+def get_model_type(model):
+    return get_attr_wrapped_model(model, "model_type")
+
+
+def get_model_config(model):
+    return get_attr_wrapped_model(model, "config", allow_none=False)
