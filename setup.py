@@ -3,7 +3,46 @@
 torch is declared as a range that 2.13.0 satisfies so that pip never replaces an installed CPU wheel
 with a multi-GB CUDA build.
 """
-from setuptools import find_packages, setup
+import sys
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+HELPERS_NOTICE = ("NOTICE: megatron.core.datasets.helpers_cpp was not built ({}); the library installs anyway "
+                  "and uses its NumPy implementation of the dataset index helpers (identical results, slower).")
+
+
+def _dataset_helpers_extensions():
+    """The optional pybind11 module with the dataset index builders (megatron/core/datasets/helpers.cpp)."""
+    try:
+        import pybind11
+    except ImportError:
+        print(HELPERS_NOTICE.format("pybind11 is not importable at build time"), file=sys.stderr)
+        return []
+    return [Extension(
+        "megatron.core.datasets.helpers_cpp",
+        sources=["megatron/core/datasets/helpers.cpp"],
+        include_dirs=[pybind11.get_include()],
+        language="c++",
+        extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
+        optional=True,
+    )]
+
+
+class OptionalBuildExt(build_ext):
+    """Build extensions, but never fail the installation because a compiler or header is missing."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as error:  # noqa: BLE001 - e.g. no compiler at all
+            print(HELPERS_NOTICE.format(error), file=sys.stderr)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as error:  # noqa: BLE001
+            print(HELPERS_NOTICE.format(error), file=sys.stderr)
 
 INSTALL_REQUIRES = [
     "torch>=2.1,<3",
@@ -38,4 +77,6 @@ setup(
     python_requires=">=3.9",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
+    ext_modules=_dataset_helpers_extensions(),
+    cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -1,0 +1,66 @@
+"""Small shared pieces of the dataset package: the split enum, weight normalisation, blend parsing,
+rank-aware logging."""
+from __future__ import annotations
+
+import logging
+from enum import Enum
+from typing import List, Optional, Tuple
+
+import numpy
+
+logger = logging.getLogger(__name__)
+
+
+class Split(Enum):
+    train = 0
+    valid = 1
+    test = 2
+
+
+def normalize(weights: List[float]) -> List[float]:
+    """Scale ``weights`` so that they sum to one (float64, as megatron-core does)."""
+    w = numpy.array(weights, dtype=numpy.float64)
+    w_sum = numpy.sum(w)
+    if not w_sum > 0:
+        raise ValueError(f"dataset weights must sum to a positive number, got {list(weights)}")
+    return (w / w_sum).tolist()
+
+
+def _global_rank() -> int:
+    try:
+        import torch
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank()
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        pass
+    return 0
+
+
+def log_single_rank(log: logging.Logger, *args, rank: int = 0, **kwargs) -> None:
+    """Log only on global rank ``rank`` (every process logs when torch.distributed is not initialised)."""
+    if _global_rank() == rank:
+        log.log(*args, **kwargs)
+
+
+def get_blend_from_list(blend: Optional[List[str]]) -> Optional[Tuple[List[str], Optional[List[float]]]]:
+    """Turn ``--data-path`` style lists into megatron-core's ``(prefixes, weights)`` blend.
+
+    ``["p1", "p2"]`` -> ``(["p1", "p2"], None)``; ``["0.3", "p1", "0.7", "p2"]`` -> ``(["p1", "p2"], [0.3, 0.7])``.
+    A single string containing spaces is split first (as when the list comes from a file).
+    """
+    if blend is None:
+        return None
+    if len(blend) == 1 and isinstance(blend[0], str) and len(blend[0].split()) > 1:
+        blend = blend[0].split()
+    if len(blend) == 0:
+        return None
+    if len(blend) % 2 == 1:
+        return [str(p).strip() for p in blend], None
+    raw_weights, raw_prefixes = blend[0::2], blend[1::2]
+    try:
+        weights = [float(w) for w in raw_weights]
+    except ValueError:
+        # An even number of plain prefixes: no weights were given.
+        return [str(p).strip() for p in blend], None
+    return [str(p).strip() for p in raw_prefixes], weights

@@ -1,0 +1,1 @@
+"""Training-side data plumbing: samplers and data loaders over megatron.core datasets."""
