@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from tools.preprocess_encoder import (  # noqa: E402
-    BLOCK_BYTES, EncodeFailure, Encoder, open_text_input, read_line_blocks)
+    BLOCK_BYTES, EncodeFailure, Encoder, open_input, read_line_blocks)
 
 
 def get_args(argv=None):
@@ -116,7 +116,7 @@ class Partition:
         total_bytes_processed = 0
         proc_start = time.time()
         try:
-            with open_text_input(input_file_name) as fin:
+            with open_input(input_file_name) as fin:
                 for result in self._encoded_blocks(fin, pool, encoder):
                     for key, (tokens, lengths, per_doc) in result.arrays.items():
                         builders[key].add_document_batch(tokens, lengths, per_doc)
@@ -146,13 +146,13 @@ class Partition:
         """Encoded blocks in input order, at most ``2 * workers + 1`` blocks in flight."""
         blocks = read_line_blocks(fin, BLOCK_BYTES)
         if pool is None:
-            for first_line, lines in blocks:
-                yield encoder.encode_block(first_line, lines)
+            for first_line, blob in blocks:
+                yield encoder.encode_block(first_line, blob)
             return
         pending = []
         window = 2 * self.workers + 1
-        for first_line, lines in blocks:
-            pending.append(pool.apply_async(Encoder.encode_block_in_worker, (first_line, lines)))
+        for first_line, blob in blocks:
+            pending.append(pool.apply_async(Encoder.encode_block_in_worker, (first_line, blob)))
             if len(pending) >= window:
                 yield pending.pop(0).get()
         while pending:
@@ -176,14 +176,14 @@ def write_partitions(args, names) -> None:
     if args.keep_sequential_samples:
         total = 0
         for name in in_file_names:
-            with open_text_input(name) as fin:
+            with open_input(name) as fin:
                 total += sum(1 for _ in fin)
         partition_size = max(1, math.ceil(total / args.partitions))
-    outputs = [open(n["partition"], "w", encoding="utf-8") for n in names]
+    outputs = [open(n["partition"], "wb") for n in names]
     try:
         index, line_count = 0, 0
         for name in in_file_names:
-            with open_text_input(name) as fin:
+            with open_input(name) as fin:
                 for line in fin:
                     outputs[index].write(line)
                     if partition_size is not None:

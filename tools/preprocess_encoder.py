@@ -40,24 +40,29 @@ class BlockResult:
     failure: Optional[LineFailure] = None
 
 
-def open_text_input(path: str):
-    """Open a JSON-lines file for text reading; gzip is detected from the content, not the name."""
+def open_input(path: str):
+    """Open a JSON-lines file for binary reading; gzip is detected from the content, not the name."""
     with open(path, "rb") as probe:
         magic = probe.read(2)
     if magic == b"\x1f\x8b":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="\n")
-    return open(path, "r", encoding="utf-8", newline="\n")
+        return gzip.open(path, "rb")
+    return open(path, "rb")
 
 
 def read_line_blocks(fin, block_bytes: int):
-    """Yield ``(number of the first line, list of lines)`` blocks of about ``block_bytes`` characters."""
+    """Yield ``(number of the first line, bytes of whole lines)`` blocks of about ``block_bytes`` bytes.
+
+    The parent only slices raw bytes; decoding and parsing happen in the workers.
+    """
     line_number = 1
     while True:
-        lines = fin.readlines(block_bytes)
-        if not lines:
+        blob = fin.read(block_bytes)
+        if not blob:
             return
-        yield line_number, lines
-        line_number += len(lines)
+        if not blob.endswith(b"\n"):
+            blob += fin.readline()  # complete the last line
+        yield line_number, blob
+        line_number += blob.count(b"\n")
 
 
 # ------------------------------------------------------------------------------------- sentence splitting
@@ -140,17 +145,18 @@ class Encoder:
 
         from megatron.core.datasets.indexed_dataset import DType
 
+        if Encoder.active is not None and Encoder.active.args is self.args:
+            return  # a forked worker inherits the parent's tokenizer (and its warm caches)
         Encoder.tokenizer = build_tokenizer(self.args)
         Encoder.token_dtype = DType.optimal_dtype(Encoder.tokenizer.vocab_size)
         if self.args.split_sentences:
             Encoder.splitter, name = build_sentence_splitter(self.args.lang, self.args.keep_newlines)
-            if Encoder.active is None:
-                logger.info("sentence splitting: %s", name)
+            logger.info("sentence splitting: %s", name)
         Encoder.active = self
 
     @staticmethod
-    def encode_block_in_worker(first_line: int, lines: List[str]) -> BlockResult:
-        return Encoder.active.encode_block(first_line, lines)
+    def encode_block_in_worker(first_line: int, blob: bytes) -> BlockResult:
+        return Encoder.active.encode_block(first_line, blob)
 
     def _sentences(self, text) -> List[str]:
         if isinstance(text, list):
@@ -162,10 +168,22 @@ class Encoder:
             pieces.extend(Encoder.splitter.tokenize(text[begin:begin + _MAX_CHARS_PER_SPLIT]))
         return pieces
 
-    def encode_block(self, first_line: int, lines: List[str]) -> BlockResult:
+    def encode_block(self, first_line: int, blob: bytes) -> BlockResult:
         tokenizer = Encoder.tokenizer
         keys = self.args.json_keys
         result = BlockResult()
+        bad_encoding = None
+        try:
+            text = blob.decode("utf-8")
+        except UnicodeDecodeError as error:
+            # Keep the lines before the undecodable one; report that one.
+            line_start = blob.rfind(b"\n", 0, error.start) + 1
+            text = blob[:line_start].decode("utf-8")
+            bad_encoding = LineFailure(first_line + blob.count(b"\n", 0, line_start),
+                                       f"not valid UTF-8 ({error.reason} at byte {error.start - line_start})")
+        lines = text.split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
         # Decode and split every line first, then tokenise all sentences in one batch per key.
         sentences_per_key: Dict[str, List[List[str]]] = {key: [] for key in keys}
         for offset, line in enumerate(lines):
@@ -190,7 +208,9 @@ class Encoder:
                 break
             for key, sentences in zip(keys, values):
                 sentences_per_key[key].append(sentences)
-            result.chars_per_doc.append(len(line))
+            result.chars_per_doc.append(len(line) + 1)  # Megatron counts the line with its newline
+        if result.failure is None:
+            result.failure = bad_encoding
         for key in keys:
             result.arrays[key] = self._tokenize_documents(tokenizer, sentences_per_key[key])
         return result

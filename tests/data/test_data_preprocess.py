@@ -151,6 +151,11 @@ def test_malformed_line_reports_its_number_and_keeps_earlier_documents(tmp_path,
         f.write(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text key"}) + "\n")
     rc, _ = run(tmp_path, source, "missing_key")
     assert rc == 1 and f"{source}:2: bad JSON record: no key 'text' (--json-keys)" in capsys.readouterr().err
+    with open(source, "wb") as f:
+        f.write(b'{"text": "fine"}\n{"text": "fine"}\n{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    rc, prefix = run(tmp_path, source, "latin1")
+    assert rc == 1 and f"{source}:3: not valid UTF-8" in capsys.readouterr().err
+    assert len(IndexedDataset(prefix + "_text_document")) == 2
 
 
 def test_command_line_names_progress_line_and_errors(tmp_path):
@@ -208,10 +213,12 @@ def test_reading_is_streamed_with_a_bounded_window(tmp_path, monkeypatch):
     source = str(tmp_path / "many.jsonl")
     with open(source, "w") as f:
         f.writelines(lines)
-    with open(source) as f:
+    with open(source, "rb") as f:
         blocks = list(read_line_blocks(f, 300))
-    assert sum(len(b) for _, b in blocks) == 1000 and max(len("".join(b)) for _, b in blocks) < 300 + 30
-    assert [first for first, _ in blocks][:3] == [1, 1 + len(blocks[0][1]), 1 + len(blocks[0][1]) + len(blocks[1][1])]
+    counts = [blob.count(b"\n") for _, blob in blocks]
+    assert sum(counts) == 1000 and max(len(blob) for _, blob in blocks) < 300 + 30
+    assert all(blob.endswith(b"\n") for _, blob in blocks)  # whole lines only
+    assert [first for first, _ in blocks][:3] == [1, 1 + counts[0], 1 + counts[0] + counts[1]]
 
     class CountingPool:
         def __init__(self):
@@ -235,6 +242,6 @@ def test_reading_is_streamed_with_a_bounded_window(tmp_path, monkeypatch):
     encoder.initializer()
     monkeypatch.setattr(preprocess_data, "BLOCK_BYTES", 300)
     pool = CountingPool()
-    with open(source) as f:
+    with open(source, "rb") as f:
         results = list(partition._encoded_blocks(f, pool, encoder))
     assert sum(len(r.chars_per_doc) for r in results) == 1000 and pool.peak == 5

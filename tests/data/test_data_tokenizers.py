@@ -15,6 +15,7 @@ TRICKY = [
     "Unicode: naïve café Ünïcödé, 東京, Ελληνικά, emoji 🙂👍🏽 and ß.",
     "numbers 3.14159 and 1,000,000; code: x = f(a[1], **kw)  # comment",
     "<|endoftext|> is plain text for GPT-2, not the eod token.",
+    "Classes the two regex engines disagree on: x\x1cy, 2² ½ Ⅻ, a_b __init__, \u2028line\u00a0nbsp",
     "",
 ]
 
