@@ -216,3 +216,16 @@ def test_caches_build_once_per_node_under_torch_distributed(tiny_prefix, tmp_pat
     for node in ("node0", "node1"):
         assert len([n for n in os.listdir(tmp_path / node) if n.endswith(".npy")]) == 3
         assert not [n for n in os.listdir(tmp_path / node) if "lock" in n or ".tmp-" in n]
+
+
+def test_data_loader_workers_and_legacy_import_paths(tiny_prefix):
+    from megatron.data import blendable_dataset, data_samplers, gpt_dataset, indexed_dataset
+
+    assert gpt_dataset.GPTDataset is GPTDataset and indexed_dataset.MMapIndexedDataset is IndexedDataset
+    assert blendable_dataset.BlendableDataset.__name__ == "BlendedDataset"
+    assert data_samplers.MegatronPretrainingSampler.__module__ == "megatron.training.datasets.data_samplers"
+    dataset = GPTDataset(IndexedDataset(tiny_prefix), tiny_prefix, numpy.arange(10, dtype=numpy.int32), 11,
+                         Split.train, make_config())
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=1)  # pickles the dataset
+    first = next(iter(loader))
+    assert first["tokens"].tolist() == [dataset[i]["tokens"].tolist() for i in range(4)]

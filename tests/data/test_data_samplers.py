@@ -96,3 +96,33 @@ def test_iterators_for_mock_gpt_data(capsys):
     assert "    train:      40" in out and "    validation: 24" in out and "    test:       8" in out
     assert "> building train, validation, and test datasets for GPT ..." in out
     assert datasets_provider.get_train_valid_test_num_samples(args) == [40, 24, 8]
+
+
+def _iterators_under_model_parallelism():
+    import torch
+
+    from megatron.core import parallel_state
+    from megatron.training import datasets_provider
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    args = SimpleNamespace(
+        tokenizer_type="NullTokenizer", vocab_size=500, rank=torch.distributed.get_rank(),
+        make_vocab_size_divisible_by=128, tensor_model_parallel_size=2, mock_data=True, data_path=None,
+        split="98,1,1", seq_length=256, seed=3, data_cache_path=None, reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, train_iters=4, global_batch_size=2, micro_batch_size=2,
+        eval_interval=2, eval_iters=1, num_workers=0, dataloader_type="single", iteration=0,
+        consumed_train_samples=0, consumed_valid_samples=0)
+    train, valid, test = datasets_provider.build_train_valid_test_data_iterators(
+        datasets_provider.gpt_train_valid_test_datasets_provider, args)
+    first = next(train)["tokens"].tolist() if train is not None else None
+    return train is not None, (args.do_train, args.do_valid, args.do_test), first
+
+
+def test_only_tensor_parallel_rank_0_of_first_and_last_stage_reads_data():
+    from dist_harness import run_distributed
+
+    results = run_distributed(_iterators_under_model_parallelism, 4, timeout=120)
+    # Ranks 0-1 are pipeline stage 0 (tensor ranks 0, 1), ranks 2-3 stage 1.
+    assert [r[0] for r in results] == [True, False, True, False]
+    assert all(r[1] == (True, True, True) for r in results)  # flags reach the ranks without data
+    assert results[0][2] == results[2][2] and results[1][2] is None
