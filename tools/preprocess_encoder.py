@@ -7,7 +7,6 @@ whole document without --split-sentences) and the number of sequences of every d
 from __future__ import annotations
 
 import gzip
-import io
 import itertools
 import json
 import logging

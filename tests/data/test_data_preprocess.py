@@ -245,3 +245,15 @@ def test_reading_is_streamed_with_a_bounded_window(tmp_path, monkeypatch):
     with open(source, "rb") as f:
         results = list(partition._encoded_blocks(f, pool, encoder))
     assert sum(len(r.chars_per_doc) for r in results) == 1000 and pool.peak == 5
+
+
+def test_rule_based_sentence_splitter():
+    from tools.preprocess_encoder import _RuleSentenceSplitter
+
+    text = 'Alpha beta. Gamma delta!\n\nNew paragraph, e.g. this one, by Dr. Smith. "Quoted?" Yes.\nlower case. End'
+    assert _RuleSentenceSplitter(False).tokenize(text) == [
+        "Alpha beta.", "Gamma delta!", "New paragraph, e.g. this one, by Dr. Smith.", '"Quoted?"',
+        "Yes.\nlower case.", "End"]
+    # --keep-newlines keeps the whitespace after each sentence, so sentences concatenate back to the text.
+    kept = _RuleSentenceSplitter(True).tokenize(text)
+    assert "".join(kept) == text and kept[1] == "Gamma delta!\n\n"

@@ -11,7 +11,7 @@ import numpy
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
-from megatron.core.datasets.utils import Split, log_single_rank
+from megatron.core.datasets.utils import log_single_rank
 
 logger = logging.getLogger(__name__)
 
