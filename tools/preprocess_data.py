@@ -165,6 +165,8 @@ def partition_file_names(args, file_id: int):
         base, extension = f"{args.output_prefix}_input", ".jsonl"
     else:
         base, extension = os.path.splitext(args.input)
+        if extension == ".gz":  # partitions are written uncompressed
+            base, extension = os.path.splitext(base)
     return {"partition": f"{base}_{file_id}{extension}", "output_prefix": f"{args.output_prefix}_{file_id}"}
 
 
