@@ -5,6 +5,8 @@ The input is the shipped corpus (data/stdlib_prose.jsonl.gz) written out as plai
   wall MB/s   input file bytes / wall-clock time of the whole command (start-up included)
   tool MB/s   Megatron's progress-line figure (characters of JSON / time after start-up), last line
   docs/s      documents / wall-clock time
+  cpu s       CPU seconds of the command and its workers (user + system): on a shared machine, wall time
+              above cpu s / cores means other processes took the cores
 Both runs must produce byte-identical outputs, which is checked.
 
     python benchmarks/bench_preprocess.py [--repeat 4] [--workers 1 2]
@@ -16,6 +18,7 @@ import filecmp
 import gzip
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -42,13 +45,16 @@ def run(input_path: str, output_prefix: str, workers: int):
            "--output-prefix", output_prefix, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", VOCAB,
            "--merge-file", MERGES, "--append-eod", "--workers", str(workers), "--log-interval", "500"]
     env = dict(os.environ, PYTHONPATH=REPO)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if done.returncode != 0:
         raise SystemExit(f"preprocess_data.py failed:\n{done.stderr}")
     rates = re.findall(r"\(([\d.e+-]+) docs/s, ([\d.e+-]+) MB/s\)", done.stderr)
-    return elapsed, float(rates[-1][1]) if rates else float("nan")
+    return elapsed, cpu, float(rates[-1][1]) if rates else float("nan")
 
 
 def main(argv=None) -> None:
@@ -62,16 +68,16 @@ def main(argv=None) -> None:
         num_docs = make_input(input_path, args.repeat)
         size_mb = os.path.getsize(input_path) / 1024 / 1024
         print(f"input: {input_path} ({size_mb:.1f} MB, {num_docs} documents = shipped corpus x{args.repeat}); "
-              f"GPT-2 BPE, --append-eod; {os.cpu_count()} CPU cores")
-        print(f"{'workers':>7} | {'seconds':>7} | {'wall MB/s':>9} | {'tool MB/s':>9} | {'docs/s':>8}")
-        print("-" * 53)
+              f"GPT-2 BPE, --append-eod; {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.2f}")
+        print(f"{'workers':>7} | {'seconds':>7} | {'wall MB/s':>9} | {'tool MB/s':>9} | {'docs/s':>8} | {'cpu s':>6}")
+        print("-" * 62)
         outputs = []
         for workers in args.workers:
             prefix = os.path.join(workdir, f"w{workers}")
-            elapsed, tool_mbs = run(input_path, prefix, workers)
+            elapsed, cpu, tool_mbs = run(input_path, prefix, workers)
             outputs.append(prefix + "_text_document")
             print(f"{workers:>7} | {elapsed:>7.2f} | {size_mb / elapsed:>9.2f} | {tool_mbs:>9.2f} | "
-                  f"{num_docs / elapsed:>8.0f}")
+                  f"{num_docs / elapsed:>8.0f} | {cpu:>6.2f}")
         for other in outputs[1:]:
             for ext in (".bin", ".idx"):
                 if not filecmp.cmp(outputs[0] + ext, other + ext, shallow=False):
