@@ -64,3 +64,11 @@ def get_blend_from_list(blend: Optional[List[str]]) -> Optional[Tuple[List[str],
         # An even number of plain prefixes: no weights were given.
         return [str(p).strip() for p in blend], None
     return [str(p).strip() for p in raw_prefixes], weights
+
+
+def compile_helpers() -> None:
+    """Kept for callers of megatron-core's run-time compile step: here the helpers are compiled by
+    ``pip install`` (or replaced by their NumPy twin), so this only reports which implementation is used."""
+    from megatron.core.datasets import helpers
+
+    log_single_rank(logger, logging.INFO, f"dataset index helpers: {helpers.IMPLEMENTATION} (built at install time)")
