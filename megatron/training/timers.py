@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from megatron.core import device
+from megatron.core.utils import all_gather_into_tensor
 
 
 def _dist_ready() -> bool:
@@ -156,7 +157,7 @@ class Timers:
                 # No barrier here: the ranks are already in step and timers may have different barrier groups.
                 times[rank, i] = self._timers[name].elapsed(reset=reset)
         if world_size > 1:
-            torch.distributed.all_gather_into_tensor(times.view(-1), times[rank, :].contiguous().view(-1))
+            all_gather_into_tensor(times.view(-1), times[rank, :].contiguous().view(-1))
         return times.cpu()
 
     def _get_global_min_max_time(self, names, reset, barrier, normalizer):
