@@ -10,12 +10,13 @@ import signal
 import torch
 
 from megatron.core import device
+from megatron.training.utils import distributed_is_initialized
 
 
 def all_gather_item(item, dtype, group=None, async_op=False):
     """Every rank's value of the scalar ``item``, as a list indexed by rank."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [item]
+    if not distributed_is_initialized():
+        return [torch.tensor(item, dtype=dtype).item()]
     world_size = torch.distributed.get_world_size(group=group)
     tensor = torch.tensor([item], device=device.current_device(), dtype=dtype)
     output = [torch.zeros_like(tensor) for _ in range(world_size)]

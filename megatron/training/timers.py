@@ -15,10 +15,7 @@ import torch
 
 from megatron.core import device
 from megatron.core.utils import all_gather_into_tensor
-
-
-def _dist_ready() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+from megatron.training.utils import distributed_is_initialized
 
 
 class TimerBase(ABC):
@@ -75,7 +72,7 @@ class Timer(TimerBase):
         self._barrier_group = barrier_group
 
     def _sync(self, barrier):
-        if barrier and _dist_ready():
+        if barrier and distributed_is_initialized():
             torch.distributed.barrier(group=self._barrier_group)
         device.synchronize()
 
@@ -144,7 +141,7 @@ class Timers:
 
         Every rank must call this with the same ``names`` (it is a collective).
         """
-        if _dist_ready():
+        if distributed_is_initialized():
             if barrier:
                 torch.distributed.barrier()
             world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -214,8 +211,8 @@ class Timers:
     def log(self, names, rank=None, normalizer=1.0, reset=True, barrier=False):
         """Print the report for ``names`` on ``rank`` (the last rank if None); every rank must call it."""
         output_string = self.get_log_string(names, normalizer=normalizer, reset=reset, barrier=barrier)
-        world_size = torch.distributed.get_world_size() if _dist_ready() else 1
-        my_rank = torch.distributed.get_rank() if _dist_ready() else 0
+        world_size = torch.distributed.get_world_size() if distributed_is_initialized() else 1
+        my_rank = torch.distributed.get_rank() if distributed_is_initialized() else 0
         if rank is None:
             rank = world_size - 1
         if rank == my_rank and output_string is not None:

@@ -4,18 +4,18 @@ from __future__ import annotations
 import torch
 
 
-def _dist_ready() -> bool:
+def distributed_is_initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def is_rank_0() -> bool:
     """True on global rank 0, and in a process without torch.distributed."""
-    return not _dist_ready() or torch.distributed.get_rank() == 0
+    return not distributed_is_initialized() or torch.distributed.get_rank() == 0
 
 
 def is_last_rank() -> bool:
     """True on the last global rank (where Megatron prints training logs), and without torch.distributed."""
-    return not _dist_ready() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    return not distributed_is_initialized() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
 def print_rank_0(message):

@@ -224,3 +224,41 @@ def test_resolve_launch_env():
     assert (got.rank, got.world_size, got.local_rank, got.master_port, got.source) == (0, 1, 0, 6000, "single process")
     with pytest.raises(ConfigurationError, match="RANK='x' must be an integer"):
         resolve_launch_env({"RANK": "x"})
+
+
+def test_global_singletons(clean_env, capsys, tmp_path):
+    """Tensorboard writer (or the warning when tensorboard is missing), signal handler, lazy MPU init."""
+    import importlib.util
+    import signal
+
+    from megatron.core import parallel_state as ps
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.initialize import initialize_megatron
+
+    args = validate_args(parse_args(argv=BASE_ARGV + ["--tensorboard-dir", str(tmp_path), "--exit-signal-handler"]))
+    original_sigterm = signal.getsignal(signal.SIGTERM)
+    global_vars.set_global_variables(args, build_tokenizer=False)
+    out = capsys.readouterr().out
+    if importlib.util.find_spec("tensorboard") is None:
+        assert global_vars.get_tensorboard_writer() is None
+        assert "WARNING: TensorBoard writing requested but is not available" in out
+    else:
+        assert global_vars.get_tensorboard_writer() is not None and "> setting tensorboard ..." in out
+    handler = global_vars.get_signal_handler()
+    assert handler.signals_received() == [0]
+    os.kill(os.getpid(), signal.SIGTERM)  # caught: the run saves and exits at the next check
+    assert handler.signals_received() == [1]
+    with pytest.raises(AssertionError, match="args is already initialized"):
+        global_vars.set_global_variables(args, build_tokenizer=False)
+    global_vars.destroy_global_vars()
+    assert signal.getsignal(signal.SIGTERM) == original_sigterm  # restored
+    with pytest.raises(AssertionError, match="args is not initialized"):
+        global_vars.get_args()
+
+    try:
+        finish = initialize_megatron(argv=BASE_ARGV + ["--lazy-mpu-init", "1", "--tensor-model-parallel-size", "1"])
+        assert callable(finish) and global_vars.get_args().use_cpu_initialization is True
+        assert ps.get_tensor_model_parallel_world_size() == 1
+    finally:
+        ps.destroy_model_parallel()
