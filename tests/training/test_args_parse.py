@@ -1,6 +1,7 @@
 """parse_args: flag defaults and destinations against Megatron-LM's (reference §4, typed in by hand), the
 argument groups, argv / extra-args handling, and the arguments table."""
 import argparse
+import importlib
 
 import pytest
 from args_test_helpers import BASE_ARGV, clean_env, validated  # noqa: F401  (fixture)
@@ -219,3 +220,27 @@ def test_validate_prints_table_on_rank_0_only(clean_env, capsys):
     clean_env.setenv("WORLD_SIZE", "2")
     validated(world_size=2)
     assert capsys.readouterr().out == ""
+
+
+def test_legacy_import_paths_are_the_same_objects():
+    import megatron
+    import megatron.arguments
+    import megatron.global_vars
+    import megatron.initialize
+    import megatron.microbatches
+    import megatron.timers
+    import megatron.training
+    import megatron.utils
+    from megatron.training import arguments, global_vars, initialize, microbatches, timers, utils
+
+    assert megatron.arguments.parse_args is arguments.parse_args
+    assert megatron.arguments.validate_args is arguments.validate_args
+    assert megatron.arguments.core_transformer_config_from_args is arguments.core_transformer_config_from_args
+    assert megatron.initialize.initialize_megatron is initialize.initialize_megatron
+    assert megatron.global_vars.get_args is global_vars.get_args
+    assert megatron.timers.Timers is timers.Timers
+    assert megatron.microbatches.RampupBatchsizeNumMicroBatches is microbatches.RampupBatchsizeNumMicroBatches
+    assert megatron.utils.print_rank_0 is utils.print_rank_0
+    for package in (megatron, megatron.training):
+        for name, module in package._LAZY.items():
+            assert getattr(package, name) is getattr(importlib.import_module(module), name)
