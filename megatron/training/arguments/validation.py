@@ -18,6 +18,7 @@ from megatron.core import device
 from megatron.tokenizer.vocab_padding import vocab_size_with_padding
 from megatron.training.arguments.printing import _print_args
 from megatron.training.errors import ConfigurationError
+from megatron.training.global_vars import get_retro_args, set_retro_args
 
 # Deprecated flag -> what to use instead (Megatron's wording).
 _REMOVED_FLAGS = {
@@ -70,8 +71,6 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
             args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, rank=args.rank)
 
     _print_args("arguments", args)
-    from megatron.training.global_vars import get_retro_args
-
     retro_args = get_retro_args()
     if retro_args and args != retro_args:
         retro_only = {k: v for k, v in vars(retro_args).items() if k.startswith("retro")}
@@ -369,8 +368,6 @@ def get_retro_args_path(workdir):
 
 def _load_retro_args(args):
     """Read the retro preprocessing arguments (``<--retro-workdir>/args.json``) into the global retro args."""
-    from megatron.training.global_vars import set_retro_args
-
     _require(args.retro_workdir is not None, "--retro-add-retriever needs --retro-workdir")
     path = get_retro_args_path(args.retro_workdir)
     _require(os.path.exists(path), f"--retro-workdir {args.retro_workdir} has no args.json: run retro preprocessing")
