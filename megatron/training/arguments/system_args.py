@@ -53,6 +53,12 @@ def _add_distributed_args(parser):
                        help="Give the input embedding a pipeline stage of its own.")
     group.add_argument("--use-distributed-optimizer", action="store_true",
                        help="Shard the optimizer state across data-parallel ranks.")
+    group.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="Overlap the data-parallel gradient reduction with the backward pass (bucketed).")
+    group.add_argument("--ddp-bucket-size", type=int, default=None,
+                       help="Elements per gradient bucket with --overlap-grad-reduce (default 40M).")
+    group.add_argument("--check-for-nan-in-grad", action="store_true",
+                       help="Check each gradient bucket for NaN/inf before the data-parallel reduction.")
     return parser
 
 
@@ -136,6 +142,9 @@ def _add_logging_args(parser):
     group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write memory usage to TensorBoard.")
     group.add_argument("--log-world-size-to-tensorboard", action="store_true",
                        help="Write the world size to TensorBoard.")
+    group.add_argument("--wandb-project", type=str, default="", help="Weights & Biases project (optional; needs wandb).")
+    group.add_argument("--wandb-exp-name", type=str, default="", help="Weights & Biases run name.")
+    group.add_argument("--wandb-save-dir", type=str, default="", help="Directory for Weights & Biases files.")
     return parser
 
 
