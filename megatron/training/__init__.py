@@ -20,6 +20,8 @@ _LAZY = {
     "print_rank_0": "megatron.training.utils",
     "is_last_rank": "megatron.training.utils",
     "print_rank_last": "megatron.training.utils",
+    "pretrain": "megatron.training.training",
+    "get_model": "megatron.training.training",
 }
 
 
