@@ -45,9 +45,13 @@ _COMPILED = {}
 
 
 def compiled(fn: Callable) -> Callable:
-    """``torch.compile(fn)``, built once per function (dynamic shapes, so sequence lengths may vary)."""
+    """``torch.compile(fn)``, built once per function (dynamic shapes, so sequence lengths may vary).
+
+    ``fallback_random`` makes compiled dropout draw exactly the numbers eager dropout draws, so the fused
+    bias-dropout-add equals the plain one bit for bit and activation recompute reproduces its masks.
+    """
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+        _COMPILED[fn] = torch.compile(fn, dynamic=True, options={"fallback_random": True})
     return _COMPILED[fn]
 
 
