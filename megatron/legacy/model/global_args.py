@@ -30,7 +30,7 @@ def legacy_config(config):
     if args is None or config is None:
         return config
     options = {name: getattr(args, name) for name in MODEL_OPTION_DEFAULTS
-               if hasattr(args, name) and not hasattr(config, name)}
+               if hasattr(args, name) and getattr(config, name, None) is None}
     return config_with_options(config, **options)
 
 
