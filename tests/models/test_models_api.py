@@ -161,3 +161,19 @@ def test_example_training_loop_runs():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     losses = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("Losses reduced")]
     assert len(losses) == 6 and losses[-1] < losses[0], proc.stdout
+
+
+def test_decoder_layer_with_cross_attention(single_rank):
+    from megatron.core.transformer.enums import AttnMaskType, LayerType
+    from megatron.core.transformer.transformer_layer import ParallelTransformerLayer
+
+    layer = ParallelTransformerLayer(tiny_config(), 1, layer_type=LayerType.decoder,
+                                     self_attn_mask_type=AttnMaskType.causal)
+    names = set(layer.state_dict())
+    for name in ("inter_attention.query.weight", "inter_attention.key_value.weight", "inter_attention.dense.weight",
+                 "post_attention_layernorm.weight", "post_inter_attention_layernorm.weight"):
+        assert name in names, name
+    x, encoder_output = torch.randn(6, 2, 32), torch.randn(9, 2, 32, requires_grad=True)
+    out = layer(x, causal_mask(6), encoder_output=encoder_output, enc_dec_attn_mask=None)
+    out.sum().backward()
+    assert out.shape == x.shape and encoder_output.grad.abs().sum() > 0

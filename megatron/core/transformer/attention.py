@@ -153,9 +153,9 @@ class ParallelAttention(MegatronModule):
 
         return tensor_parallel.checkpoint(custom_forward, False, query_layer, key_layer, value_layer, attention_mask)
 
-    def _allocate_memory(self, inference_max_sequence_len, batch_size, device):
+    def _allocate_memory(self, inference_max_sequence_len, batch_size, device, dtype):
         return torch.empty(inference_max_sequence_len, batch_size, self.num_query_groups_per_partition,
-                           self.hidden_size_per_attention_head, dtype=self.params_dtype, device=device)
+                           self.hidden_size_per_attention_head, dtype=dtype, device=device)
 
     def _split_qkv(self, hidden_states, encoder_output):
         hn = self.hidden_size_per_attention_head
@@ -181,10 +181,12 @@ class ParallelAttention(MegatronModule):
         if inference_params is not None:
             memory = inference_params.key_value_memory_dict
             if self.layer_number not in memory:
-                key_memory = self._allocate_memory(inference_params.max_sequence_length,
-                                                   inference_params.max_batch_size, hidden_states.device)
+                # The cache holds what the layer computes (the params dtype, or fp16/bf16 under Float16Module).
+                key_memory = self._allocate_memory(inference_params.max_sequence_length, inference_params.max_batch_size,
+                                                   hidden_states.device, hidden_states.dtype)
                 value_memory = self._allocate_memory(inference_params.max_sequence_length,
-                                                     inference_params.max_batch_size, hidden_states.device)
+                                                     inference_params.max_batch_size, hidden_states.device,
+                                                     hidden_states.dtype)
                 memory[self.layer_number] = (key_memory, value_memory)
                 is_first_step = True
             else:

@@ -16,3 +16,15 @@ def require_transformer_engine():
         ) from e
     log_once("transformer_engine", f"transformer implementation: Transformer Engine {transformer_engine.__version__}")
     return transformer_engine
+
+
+def transformer_engine_layers_unavailable():
+    """``--transformer-impl transformer_engine``: a clear error either way, never a silent fallback.
+
+    Without TE installed the error says how to install it; with TE installed it says that this library does not
+    build its transformer from TE modules yet (use ``--transformer-impl local``).
+    """
+    require_transformer_engine()
+    raise NotImplementedError("--transformer-impl transformer_engine: Transformer Engine is installed, but building "
+                              "the transformer from TE modules is not implemented in this library yet; use "
+                              "--transformer-impl local")

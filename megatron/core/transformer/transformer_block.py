@@ -73,9 +73,9 @@ class ParallelTransformer(MegatronModule):
         if model_type == ModelType.encoder_and_decoder and parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("encoder-decoder models (T5) with pipeline parallelism are not implemented")
         if model_option(config, "transformer_impl") == "transformer_engine":
-            from megatron.core.transformer.te_support import require_transformer_engine
+            from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
 
-            require_transformer_engine()
+            transformer_engine_layers_unavailable()
         self.layer_type = layer_type
         self.model_type = model_type
         self.post_layer_norm = post_layer_norm

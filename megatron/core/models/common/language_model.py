@@ -11,7 +11,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import Embedding
-from megatron.core.transformer.enums import AttnMaskType, LayerType
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.model_options import model_option, required_model_option
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import param_device
@@ -229,4 +229,4 @@ def get_language_model(config, num_tokentypes, add_pooler, encoder_attn_mask_typ
 
 
 __all__ = ["Embedding", "Pooler", "TransformerLanguageModel", "get_language_model", "parallel_lm_logits",
-           "get_linear_layer", "logits_or_loss", "LayerType"]
+           "get_linear_layer", "logits_or_loss"]

@@ -17,8 +17,6 @@ def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layern
 
 def get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False):
     """Transformer Engine layers: raises a clear error when TE is missing (and TE layers are not built yet)."""
-    from megatron.core.transformer.te_support import require_transformer_engine
+    from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
 
-    require_transformer_engine()
-    raise NotImplementedError("Transformer Engine layer specs are not implemented in this library yet; "
-                              "use get_gpt_layer_local_spec() (--transformer-impl local)")
+    transformer_engine_layers_unavailable()
