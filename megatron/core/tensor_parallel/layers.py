@@ -42,7 +42,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.utils import VocabUtility
-from megatron.core.utils import divide
+from megatron.core.utils import all_gather_into_tensor, divide, reduce_scatter_tensor
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
@@ -177,7 +177,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             dim_size = list(input.size())
             dim_size[0] = dim_size[0] * world_size
             total_input = get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu")
-            torch.distributed.all_gather_into_tensor(total_input, input.contiguous(),
+            all_gather_into_tensor(total_input, input.contiguous(),
                                                      group=get_tensor_model_parallel_group())
         else:
             total_input = input
@@ -199,7 +199,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             dim_size = list(input.size())
             dim_size[0] = dim_size[0] * world_size
             all_gather_buffer = get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu")
-            gather_handle = torch.distributed.all_gather_into_tensor(all_gather_buffer, input.contiguous(),
+            gather_handle = all_gather_into_tensor(all_gather_buffer, input.contiguous(),
                                                                      group=group, async_op=True)
             total_input = all_gather_buffer
         else:
@@ -223,7 +223,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             assert not ctx.async_grad_allreduce
             dim_size = list(input.size())
             sub_grad_input = torch.empty(dim_size, dtype=input.dtype, device=grad_input.device, requires_grad=False)
-            reduce_handle = torch.distributed.reduce_scatter_tensor(sub_grad_input, grad_input.contiguous(),
+            reduce_handle = reduce_scatter_tensor(sub_grad_input, grad_input.contiguous(),
                                                                     group=group, async_op=True)
 
         grad_weight = None

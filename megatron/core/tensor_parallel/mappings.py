@@ -30,6 +30,7 @@ from megatron.core.parallel_state import (
     get_tensor_model_parallel_world_size,
 )
 from megatron.core.tensor_parallel.utils import split_tensor_along_last_dim
+from megatron.core.utils import all_gather_into_tensor, reduce_scatter_tensor
 
 
 def _reduce(input_: torch.Tensor) -> torch.Tensor:
@@ -81,7 +82,7 @@ def _gather_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
     dim_size = list(input_.size())
     dim_size[0] = dim_size[0] * world_size
     output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
-    torch.distributed.all_gather_into_tensor(output, input_.contiguous(), group=get_tensor_model_parallel_group())
+    all_gather_into_tensor(output, input_.contiguous(), group=get_tensor_model_parallel_group())
     return output
 
 
@@ -96,7 +97,7 @@ def _reduce_scatter_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
         )
     dim_size[0] = dim_size[0] // world_size
     output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
-    torch.distributed.reduce_scatter_tensor(output, input_.contiguous(), group=get_tensor_model_parallel_group())
+    reduce_scatter_tensor(output, input_.contiguous(), group=get_tensor_model_parallel_group())
     return output
 
 

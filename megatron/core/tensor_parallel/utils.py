@@ -6,7 +6,7 @@ from typing import List, Sequence
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.utils import divide
+from megatron.core.utils import all_gather_into_tensor, divide
 
 
 def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
@@ -36,7 +36,7 @@ def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`split_tensor_into_1d_equal_chunks`: all-gather the 1-D slices of the TP group."""
     numel_gathered = torch.numel(tensor) * parallel_state.get_tensor_model_parallel_world_size()
     gathered = torch.empty(numel_gathered, dtype=tensor.dtype, device=tensor.device, requires_grad=False)
-    torch.distributed.all_gather_into_tensor(gathered, tensor.contiguous(),
+    all_gather_into_tensor(gathered, tensor.contiguous(),
                                              group=parallel_state.get_tensor_model_parallel_group())
     return gathered
 
