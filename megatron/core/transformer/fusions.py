@@ -190,12 +190,12 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
         self.scale = scale
         if not (self.scale is None or softmax_in_fp32):
             raise RuntimeError("softmax should be in fp32 when scaled")
-        if scaled_masked_softmax_fusion:
-            log_once("masked_softmax", "masked softmax: PyTorch implementation (Megatron's fused CUDA softmax "
-                                       "kernels are not built in this library)")
 
     def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         assert input.dim() == 4, "attention scores must be [b, np, sq, sk]"
+        if self.scaled_masked_softmax_fusion:
+            log_once("masked_softmax", "masked softmax: PyTorch implementation (Megatron's fused CUDA softmax "
+                                       "kernels are not built in this library)")
         if self.input_in_float16 and self.softmax_in_fp32:
             input = input.float()
         if self.scale is not None:
