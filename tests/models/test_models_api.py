@@ -89,7 +89,7 @@ def test_legacy_classes_read_global_args(single_rank, monkeypatch):
     fake.get_args = lambda: types.SimpleNamespace(padded_vocab_size=96, max_position_embeddings=12, openai_gelu=True,
                                                   untie_embeddings_and_output_weights=True)
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", fake)
-    config = tiny_config(padded_vocab_size=None, max_position_embeddings=None)
+    config = tiny_config(explicit_defaults=False, padded_vocab_size=None, max_position_embeddings=None)
     model = GPTModel(config)
     assert model.language_model.embedding.word_embeddings.weight.shape[0] == 96
     assert model.language_model.embedding.position_embeddings.weight.shape[0] == 12

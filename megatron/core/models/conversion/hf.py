@@ -24,11 +24,19 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.conversion.keys import legacy_to_mcore, mcore_to_legacy
+from megatron.core.transformer.model_options import MODEL_OPTION_DEFAULTS
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.tokenizer.vocab_padding import vocab_size_with_padding
 
 _P = "language_model.encoder.layers."
 _EMB = "language_model.embedding."
+
+
+def _with_all_options(config: TransformerConfig) -> TransformerConfig:
+    """Set every model option explicitly: the HF config fully describes the model (nothing from global args)."""
+    for name, value in MODEL_OPTION_DEFAULTS.items():
+        setattr(config, name, value)
+    return config
 
 
 def _pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
@@ -90,7 +98,7 @@ def gpt2_config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128, 
         tensor_model_parallel_size=tensor_model_parallel_size, init_method_std=hf_config.initializer_range,
     )
     kwargs.update(config_kwargs)
-    config = TransformerConfig(**kwargs)
+    config = _with_all_options(TransformerConfig(**kwargs))
     config.padded_vocab_size = vocab_size_with_padding(hf_config.vocab_size, make_vocab_size_divisible_by,
                                                        tensor_model_parallel_size, log=False)
     config.max_position_embeddings = hf_config.n_positions
@@ -200,7 +208,7 @@ def llama_config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128,
         bias_gelu_fusion=False,
     )
     kwargs.update(config_kwargs)
-    config = TransformerConfig(**kwargs)
+    config = _with_all_options(TransformerConfig(**kwargs))
     config.padded_vocab_size = vocab_size_with_padding(hf_config.vocab_size, make_vocab_size_divisible_by,
                                                        tensor_model_parallel_size, log=False)
     config.max_position_embeddings = hf_config.max_position_embeddings
