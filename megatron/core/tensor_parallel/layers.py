@@ -1,0 +1,461 @@
+"""Tensor-parallel linear and embedding layers (megatron.core.tensor_parallel.layers).
+
+Column parallelism: ``Y = X A + b`` with ``A = [A_1, ..., A_t]`` split by output columns; rank ``i`` holds
+``A_i`` (stored transposed as ``F.linear`` weights, shape ``[out/t, in]``) and computes ``Y_i = X A_i + b_i``
+without communication. The input gradient ``dX = sum_i dY_i A_i^T`` needs an all-reduce.
+
+Row parallelism: ``A = [A_1; ...; A_t]`` split by input rows (weight ``[out, in/t]``); rank ``i`` holds the
+matching slice ``X_i`` of the input and ``Y = sum_i X_i A_i + b`` needs an all-reduce of the partial outputs.
+
+A column-parallel layer followed by a row-parallel one (the MLP, attention) therefore needs one all-reduce
+in forward and one in backward. With sequence parallelism the input of the column layer is sharded along
+the sequence and all-gathered inside the GEMM's autograd function, and the row layer's all-reduce becomes
+a reduce-scatter along the sequence.
+
+Vocabulary-parallel embedding: the table ``[V, h]`` is split into ``t`` contiguous row ranges; each rank
+looks up the ids it owns, zeroes the rest, and an all-reduce sums the partial embeddings.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parameter import Parameter
+
+from megatron.core import device
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.parallel_state import (
+    get_global_memory_buffer,
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.utils import VocabUtility
+from megatron.core.utils import all_gather_into_tensor, divide, reduce_scatter_tensor
+
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+def param_is_not_tensor_parallel_duplicate(param) -> bool:
+    """True for parameters that are split across TP ranks, or for the copy held by TP rank 0."""
+    return (hasattr(param, "tensor_model_parallel") and param.tensor_model_parallel) or (
+        get_tensor_model_parallel_rank() == 0
+    )
+
+
+def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        assert not hasattr(tensor, attribute), f"tensor already has the attribute {attribute}"
+    setattr(tensor, "tensor_model_parallel", is_parallel)
+    setattr(tensor, "partition_dim", dim)
+    setattr(tensor, "partition_stride", stride)
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor) -> None:
+    for attribute, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, attribute):
+            setattr(tensor, attribute, value)
+
+
+def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor) -> None:
+    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source_tensor, attribute):
+            setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
+
+
+def _initialize_affine_weight_gpu(weight, init_method, partition_dim, stride=1):
+    """Initialise this rank's shard directly, drawing from the TP-rank-specific generator."""
+    set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
+    with get_cuda_rng_tracker().fork():
+        init_method(weight)
+
+
+def _initialize_affine_weight_cpu(weight, output_size, input_size, per_partition_size, partition_dim, init_method,
+                                  stride=1, return_master_weight=False, *, params_dtype=torch.float32):
+    """Initialise the full fp32 master weight, then keep this rank's slices.
+
+    The full weight depends only on the seed, so any TP size starts from the same model. With ``stride``
+    ``s`` the partition dimension is cut into ``t * s`` chunks and rank ``i`` takes chunks ``i, i+t, ...``
+    (used when one GEMM computes several interleaved outputs).
+    """
+    set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
+    master_weight = torch.empty(output_size, input_size, dtype=torch.float, requires_grad=False)
+    init_method(master_weight)
+    master_weight = master_weight.to(dtype=params_dtype)
+
+    per_partition_per_stride_size = divide(per_partition_size, stride)
+    weight_list = torch.split(master_weight, per_partition_per_stride_size, dim=partition_dim)
+    rank = get_tensor_model_parallel_rank()
+    world_size = get_tensor_model_parallel_world_size()
+    my_weight_list = weight_list[rank::world_size]
+    with torch.no_grad():
+        weight.data.copy_(torch.cat(my_weight_list, dim=partition_dim))
+    if return_master_weight:
+        return master_weight
+    return None
+
+
+def _param_device(config: ModelParallelConfig) -> torch.device:
+    return torch.device("cpu") if config.use_cpu_initialization else device.current_device()
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding whose table is split along the vocabulary across TP ranks. Returns one tensor."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: Callable,
+                 config: ModelParallelConfig):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tensor_model_parallel_size = get_tensor_model_parallel_world_size()
+        (self.vocab_start_index, self.vocab_end_index) = VocabUtility.vocab_range_from_global_vocab_size(
+            self.num_embeddings, get_tensor_model_parallel_rank(), self.tensor_model_parallel_size
+        )
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+
+        self.weight = Parameter(torch.empty(self.num_embeddings_per_partition, self.embedding_dim,
+                                            device=_param_device(config), dtype=config.params_dtype))
+        if config.use_cpu_initialization:
+            if config.perform_initialization:
+                _initialize_affine_weight_cpu(self.weight, self.num_embeddings, self.embedding_dim,
+                                              self.num_embeddings_per_partition, 0, init_method,
+                                              params_dtype=config.params_dtype)
+            else:
+                set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        else:
+            if config.perform_initialization:
+                _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=1)
+            else:
+                set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if self.tensor_model_parallel_size > 1:
+            input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            masked_input = input_.clone() - self.vocab_start_index
+            masked_input[input_mask] = 0
+        else:
+            masked_input = input_
+        output_parallel = F.embedding(masked_input, self.weight)
+        if self.tensor_model_parallel_size > 1:
+            output_parallel = output_parallel.masked_fill(input_mask.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(output_parallel)
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """``X W^T + b`` whose backward overlaps the input-gradient all-reduce with the weight-gradient GEMM.
+
+    * ``sequence_parallel``: the input arrives sharded along the sequence; forward all-gathers it (and
+      backward gathers it again instead of keeping the full copy), the input gradient is reduce-scattered.
+    * ``async_grad_allreduce``: the input-gradient all-reduce of a column-parallel layer is launched
+      asynchronously before the weight-gradient GEMM and waited for afterwards.
+    * ``gradient_accumulation_fusion``: the weight gradient is added straight into ``weight.main_grad``
+      (the data-parallel gradient buffer) instead of being returned; apex's fused CUDA kernel is used when
+      present, ``addmm_`` otherwise.
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel):
+        ctx.save_for_backward(input, weight)
+        ctx.use_bias = bias is not None
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        ctx.async_grad_allreduce = async_grad_allreduce
+        ctx.sequence_parallel = sequence_parallel
+
+        if sequence_parallel:
+            world_size = get_tensor_model_parallel_world_size()
+            dim_size = list(input.size())
+            dim_size[0] = dim_size[0] * world_size
+            total_input = get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu")
+            all_gather_into_tensor(total_input, input.contiguous(),
+                                                     group=get_tensor_model_parallel_group())
+        else:
+            total_input = input
+
+        output = torch.matmul(total_input, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        use_bias = ctx.use_bias
+        group = get_tensor_model_parallel_group()
+
+        gather_handle = None
+        if ctx.sequence_parallel:
+            world_size = get_tensor_model_parallel_world_size()
+            dim_size = list(input.size())
+            dim_size[0] = dim_size[0] * world_size
+            all_gather_buffer = get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu")
+            gather_handle = all_gather_into_tensor(all_gather_buffer, input.contiguous(),
+                                                                     group=group, async_op=True)
+            total_input = all_gather_buffer
+        else:
+            total_input = input
+
+        grad_input = grad_output.matmul(weight)
+        if gather_handle is not None:
+            gather_handle.wait()
+
+        # Flatten [s, b, h] to [s*b, h] for the weight-gradient GEMM.
+        grad_output = grad_output.contiguous()
+        grad_output_2d = grad_output.view(-1, grad_output.shape[-1])
+        total_input_2d = total_input.reshape(-1, total_input.shape[-1])
+
+        reduce_handle = None
+        if ctx.async_grad_allreduce:
+            reduce_handle = torch.distributed.all_reduce(grad_input, group=group, async_op=True)
+
+        sub_grad_input = None
+        if ctx.sequence_parallel:
+            assert not ctx.async_grad_allreduce
+            dim_size = list(input.size())
+            sub_grad_input = torch.empty(dim_size, dtype=input.dtype, device=grad_input.device, requires_grad=False)
+            reduce_handle = reduce_scatter_tensor(sub_grad_input, grad_input.contiguous(),
+                                                                    group=group, async_op=True)
+
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            if ctx.gradient_accumulation_fusion:
+                _accumulate_into_main_grad(weight, total_input_2d, grad_output_2d)
+            else:
+                grad_weight = grad_output_2d.t().matmul(total_input_2d)
+        grad_bias = grad_output_2d.sum(dim=0) if use_bias else None
+
+        if reduce_handle is not None:
+            reduce_handle.wait()
+        if ctx.sequence_parallel:
+            return sub_grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+_FUSED_WGRAD_MODULE = None
+_FUSED_WGRAD_CHECKED = False
+
+
+def _fused_wgrad_module():
+    """apex's fused weight-gradient accumulation kernel if installed (CUDA only), else None. Logged once."""
+    global _FUSED_WGRAD_MODULE, _FUSED_WGRAD_CHECKED
+    if not _FUSED_WGRAD_CHECKED:
+        _FUSED_WGRAD_CHECKED = True
+        if device.cuda_available():
+            try:
+                import fused_weight_gradient_mlp_cuda  # type: ignore
+
+                _FUSED_WGRAD_MODULE = fused_weight_gradient_mlp_cuda
+            except ImportError:
+                _FUSED_WGRAD_MODULE = None
+        impl = "apex fused_weight_gradient_mlp_cuda" if _FUSED_WGRAD_MODULE else "torch addmm_"
+        print(f"> gradient accumulation fusion: using {impl}", flush=True)
+    return _FUSED_WGRAD_MODULE
+
+
+def _accumulate_into_main_grad(weight, total_input_2d, grad_output_2d):
+    if not hasattr(weight, "main_grad") or weight.main_grad is None:
+        raise RuntimeError(
+            "gradient_accumulation_fusion adds weight gradients into param.main_grad, but this parameter has "
+            "none: wrap the model in megatron's DistributedDataParallel (which allocates grad buffers) or pass "
+            "--no-gradient-accumulation-fusion"
+        )
+    fused = _fused_wgrad_module()
+    main_grad = weight.main_grad
+    if fused is not None and total_input_2d.is_cuda:
+        if main_grad.dtype == torch.float32:
+            fused.wgrad_gemm_accum_fp32(total_input_2d, grad_output_2d, main_grad)
+            return
+        if main_grad.dtype in (torch.float16, torch.bfloat16):
+            fused.wgrad_gemm_accum_fp16(total_input_2d, grad_output_2d, main_grad)
+            return
+    main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), total_input_2d.to(main_grad.dtype))
+
+
+_WARNED_DEVICE_MAX_CONNECTIONS = False
+
+
+def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion,
+                                                      async_grad_allreduce, sequence_parallel):
+    """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`."""
+    global _WARNED_DEVICE_MAX_CONNECTIONS
+    if (async_grad_allreduce or sequence_parallel) and device.on_gpu() and not _WARNED_DEVICE_MAX_CONNECTIONS:
+        if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+            warnings.warn(
+                "When using sequence parallelism it is recommended to set the environment variable "
+                "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"
+            )
+            _WARNED_DEVICE_MAX_CONNECTIONS = True
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(
+        input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel
+    )
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``Y = XA + b`` with ``A`` split along its output dimension. Returns ``(output, bias_or_None)``."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: Callable,
+                 bias: bool = True, gather_output: bool = False, stride: int = 1,
+                 keep_master_weight_for_test: bool = False, skip_bias_add: bool = False,
+                 skip_weight_param_allocation: bool = False):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.gather_output = gather_output
+        world_size = get_tensor_model_parallel_world_size()
+        self.output_size_per_partition = divide(output_size, world_size)
+        self.skip_bias_add = skip_bias_add
+        self.config = config
+
+        if not skip_weight_param_allocation:
+            self.weight = Parameter(torch.empty(self.output_size_per_partition, self.input_size,
+                                                device=_param_device(config), dtype=config.params_dtype))
+            if config.perform_initialization:
+                if config.use_cpu_initialization:
+                    self.master_weight = _initialize_affine_weight_cpu(
+                        self.weight, self.output_size, self.input_size, self.output_size_per_partition, 0,
+                        init_method, stride=stride, return_master_weight=keep_master_weight_for_test,
+                        params_dtype=config.params_dtype)
+                else:
+                    _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=stride)
+            else:
+                set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        else:
+            self.weight = None
+
+        if bias:
+            self.bias = Parameter(torch.empty(self.output_size_per_partition, device=_param_device(config),
+                                              dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            if config.perform_initialization:
+                with torch.no_grad():
+                    self.bias.zero_()
+        else:
+            self.register_parameter("bias", None)
+
+        self.async_tensor_model_parallel_allreduce = config.async_tensor_model_parallel_allreduce and world_size > 1
+        self.sequence_parallel = config.sequence_parallel
+        if self.sequence_parallel and world_size <= 1:
+            warnings.warn(
+                f"`sequence_parallel` is set to `True`, but tensor model parallel size is {world_size}. "
+                "Disabling sequence parallel."
+            )
+            self.sequence_parallel = False
+        if self.async_tensor_model_parallel_allreduce and self.sequence_parallel:
+            raise RuntimeError(
+                "`async_tensor_model_parallel_allreduce` and `sequence_parallel` cannot be enabled at the same time."
+            )
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None):
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError(
+                    "weight was not supplied to ColumnParallelLinear forward pass and "
+                    "skip_weight_param_allocation is True."
+                )
+            weight = self.weight
+        else:
+            expected_shape = (self.output_size_per_partition, self.input_size)
+            if tuple(weight.shape) != expected_shape:
+                raise RuntimeError(
+                    f"supplied weight's shape is {tuple(weight.shape)}, not {expected_shape} as expected"
+                )
+
+        bias = self.bias if not self.skip_bias_add else None
+        if self.async_tensor_model_parallel_allreduce or self.sequence_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = copy_to_tensor_model_parallel_region(input_)
+
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input=input_parallel, weight=weight, bias=bias,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            async_grad_allreduce=self.async_tensor_model_parallel_allreduce,
+            sequence_parallel=self.sequence_parallel,
+        )
+        if self.gather_output:
+            if self.sequence_parallel:
+                raise RuntimeError("gather_output=True is not supported with sequence parallelism")
+            output = gather_from_tensor_model_parallel_region(output_parallel)
+        else:
+            output = output_parallel
+        output_bias = self.bias if self.skip_bias_add else None
+        return output, output_bias
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``Y = XA + b`` with ``A`` split along its input dimension. Returns ``(output, bias_or_None)``."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: Callable,
+                 bias: bool = True, input_is_parallel: bool = False, stride: int = 1,
+                 keep_master_weight_for_test: bool = False, skip_bias_add: bool = False):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_is_parallel = input_is_parallel
+        world_size = get_tensor_model_parallel_world_size()
+        self.input_size_per_partition = divide(input_size, world_size)
+        self.skip_bias_add = skip_bias_add
+        self.config = config
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.sequence_parallel = config.sequence_parallel
+        if self.sequence_parallel and not self.input_is_parallel:
+            raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
+
+        self.weight = Parameter(torch.empty(self.output_size, self.input_size_per_partition,
+                                            device=_param_device(config), dtype=config.params_dtype))
+        if config.perform_initialization:
+            if config.use_cpu_initialization:
+                self.master_weight = _initialize_affine_weight_cpu(
+                    self.weight, self.output_size, self.input_size, self.input_size_per_partition, 1, init_method,
+                    stride=stride, return_master_weight=keep_master_weight_for_test,
+                    params_dtype=config.params_dtype)
+            else:
+                _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=1, stride=stride)
+        else:
+            set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+
+        if bias:
+            self.bias = Parameter(torch.empty(self.output_size, device=_param_device(config),
+                                              dtype=config.params_dtype))
+            if config.perform_initialization:
+                with torch.no_grad():
+                    self.bias.zero_()
+            # The bias is replicated; with sequence parallelism each rank sees a different part of the
+            # sequence, so its gradient must be all-reduced over the TP group.
+            setattr(self.bias, "sequence_parallel", self.sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor):
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            assert not self.sequence_parallel
+            input_parallel = scatter_to_tensor_model_parallel_region(input_)
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input=input_parallel, weight=self.weight, bias=None,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            async_grad_allreduce=False, sequence_parallel=False,
+        )
+        if self.sequence_parallel:
+            output_ = reduce_scatter_to_sequence_parallel_region(output_parallel)
+        else:
+            output_ = reduce_from_tensor_model_parallel_region(output_parallel)
+        if not self.skip_bias_add:
+            output = output_ + self.bias if self.bias is not None else output_
+            output_bias = None
+        else:
+            output = output_
+            output_bias = self.bias
+        return output, output_bias

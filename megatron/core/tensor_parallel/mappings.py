@@ -1,0 +1,204 @@
+"""The seven tensor/sequence-parallel communication mappings as autograd functions.
+
+Each mapping is a pair of conjugate collectives over the tensor-parallel group: what the forward does,
+the backward undoes for gradients. With ``t`` the TP size and ``X_i`` rank ``i``'s tensor:
+
+=====================================  ============================  ==================================
+mapping                                forward                       backward
+=====================================  ============================  ==================================
+copy_to_tensor_model_parallel_region   Y_i = X                       dX = sum_i dY_i (all-reduce)
+reduce_from_tensor_model_parallel_...  Y = sum_i X_i (all-reduce)    dX_i = dY
+scatter_to_tensor_model_parallel_...   Y_i = X[..., chunk i]         dX = concat_last(dY_i) (all-gather)
+gather_from_tensor_model_parallel_...  Y = concat_last(X_i)          dX_i = dY[..., chunk i]
+scatter_to_sequence_parallel_region    Y_i = X[chunk i, ...]         dX = concat_first(dY_i)
+gather_from_sequence_parallel_region   Y = concat_first(X_i)         dX_i = (sum_j dY_j)[chunk i] (reduce-
+                                                                     scatter), or dY[chunk i] if the grad
+                                                                     is not TP-partial
+reduce_scatter_to_sequence_parallel_.  Y_i = (sum_j X_j)[chunk i]    dX = concat_first(dY_i)
+=====================================  ============================  ==================================
+
+All are identities when t == 1. Sequence-parallel mappings split the first (sequence) dimension of
+``[s, b, h]`` activations.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron.core.parallel_state import (
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
+from megatron.core.tensor_parallel.utils import split_tensor_along_last_dim
+from megatron.core.utils import all_gather_into_tensor, reduce_scatter_tensor
+
+
+def _reduce(input_: torch.Tensor) -> torch.Tensor:
+    """All-reduce (sum) across the TP group."""
+    if get_tensor_model_parallel_world_size() == 1:
+        return input_
+    input_ = input_.contiguous()
+    torch.distributed.all_reduce(input_, group=get_tensor_model_parallel_group())
+    return input_
+
+
+def _split_along_last_dim(input_: torch.Tensor) -> torch.Tensor:
+    world_size = get_tensor_model_parallel_world_size()
+    if world_size == 1:
+        return input_
+    input_list = split_tensor_along_last_dim(input_, world_size)
+    return input_list[get_tensor_model_parallel_rank()].contiguous()
+
+
+def _split_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
+    world_size = get_tensor_model_parallel_world_size()
+    if world_size == 1:
+        return input_
+    dim_size = input_.size(0)
+    if dim_size % world_size != 0:
+        raise RuntimeError(
+            f"First dimension of the tensor ({dim_size}) should be divisible by tensor parallel size ({world_size}); "
+            "with --sequence-parallel the sequence length must be a multiple of --tensor-model-parallel-size"
+        )
+    local_dim_size = dim_size // world_size
+    offset = get_tensor_model_parallel_rank() * local_dim_size
+    return input_[offset:offset + local_dim_size].contiguous()
+
+
+def _gather_along_last_dim(input_: torch.Tensor) -> torch.Tensor:
+    world_size = get_tensor_model_parallel_world_size()
+    if world_size == 1:
+        return input_
+    input_ = input_.contiguous()
+    tensor_list = [torch.empty_like(input_) for _ in range(world_size)]
+    torch.distributed.all_gather(tensor_list, input_, group=get_tensor_model_parallel_group())
+    return torch.cat(tensor_list, dim=-1).contiguous()
+
+
+def _gather_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
+    world_size = get_tensor_model_parallel_world_size()
+    if world_size == 1:
+        return input_
+    dim_size = list(input_.size())
+    dim_size[0] = dim_size[0] * world_size
+    output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
+    all_gather_into_tensor(output, input_.contiguous(), group=get_tensor_model_parallel_group())
+    return output
+
+
+def _reduce_scatter_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
+    world_size = get_tensor_model_parallel_world_size()
+    if world_size == 1:
+        return input_
+    dim_size = list(input_.size())
+    if dim_size[0] % world_size != 0:
+        raise RuntimeError(
+            f"First dimension of the tensor ({dim_size[0]}) should be divisible by tensor parallel size ({world_size})"
+        )
+    dim_size[0] = dim_size[0] // world_size
+    output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
+    reduce_scatter_tensor(output, input_.contiguous(), group=get_tensor_model_parallel_group())
+    return output
+
+
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce(grad_output)
+
+
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _reduce(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output
+
+
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _split_along_last_dim(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_last_dim(grad_output)
+
+
+class _GatherFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _gather_along_last_dim(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _split_along_last_dim(grad_output)
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _split_along_first_dim(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_first_dim(grad_output)
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_, tensor_parallel_output_grad=True):
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _gather_along_first_dim(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # If the consumer of the gathered tensor is tensor-parallel, each rank holds a partial gradient
+        # that must be summed before splitting; otherwise the gradient is already complete.
+        if ctx.tensor_parallel_output_grad:
+            return _reduce_scatter_along_first_dim(grad_output), None
+        return _split_along_first_dim(grad_output), None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _reduce_scatter_along_first_dim(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_first_dim(grad_output)
+
+
+def copy_to_tensor_model_parallel_region(input_):
+    return _CopyToModelParallelRegion.apply(input_)
+
+
+def reduce_from_tensor_model_parallel_region(input_):
+    return _ReduceFromModelParallelRegion.apply(input_)
+
+
+def scatter_to_tensor_model_parallel_region(input_):
+    return _ScatterToModelParallelRegion.apply(input_)
+
+
+def gather_from_tensor_model_parallel_region(input_):
+    return _GatherFromModelParallelRegion.apply(input_)
+
+
+def scatter_to_sequence_parallel_region(input_):
+    return _ScatterToSequenceParallelRegion.apply(input_)
+
+
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True):
+    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(input_):
+    return _ReduceScatterToSequenceParallelRegion.apply(input_)
