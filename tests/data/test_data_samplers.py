@@ -104,7 +104,7 @@ def _iterators_under_model_parallelism():
     from megatron.core import parallel_state
     from megatron.training import datasets_provider
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=3)
     args = SimpleNamespace(
         tokenizer_type="NullTokenizer", vocab_size=500, rank=torch.distributed.get_rank(),
         make_vocab_size_divisible_by=128, tensor_model_parallel_size=2, mock_data=True, data_path=None,
@@ -121,8 +121,8 @@ def _iterators_under_model_parallelism():
 def test_only_tensor_parallel_rank_0_of_first_and_last_stage_reads_data():
     from dist_harness import run_distributed
 
-    results = run_distributed(_iterators_under_model_parallelism, 4, timeout=120)
-    # Ranks 0-1 are pipeline stage 0 (tensor ranks 0, 1), ranks 2-3 stage 1.
-    assert [r[0] for r in results] == [True, False, True, False]
-    assert all(r[1] == (True, True, True) for r in results)  # flags reach the ranks without data
-    assert results[0][2] == results[2][2] and results[1][2] is None
+    results = run_distributed(_iterators_under_model_parallelism, 6, timeout=150)
+    # Pipeline stage s holds ranks 2s (tensor rank 0) and 2s + 1; the middle stage reads no data.
+    assert [r[0] for r in results] == [True, False, False, False, True, False]
+    assert all(r[1] == (True, True, True) for r in results)  # flags reach every rank, middle stage included
+    assert results[0][2] == results[4][2] and results[2][2] is None
