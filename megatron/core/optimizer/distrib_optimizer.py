@@ -37,8 +37,6 @@ from megatron.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
     _print_rank_0,
     _zero_grad_group_helper,
-    inner_state_dict,
-    load_inner_state_dict,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
@@ -194,12 +192,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         state[key] = torch.zeros_like(shard, memory_format=torch.preserve_format)
                 if torch_adam and "step" not in state:
                     on_device = group.get("fused") or group.get("capturable")
-                    state["step"] = torch.tensor(float(group.get("step", 0)), dtype=torch.float32,
+                    state["step"] = torch.tensor(float(self._inner_steps), dtype=torch.float32,
                                                  device=shard.device if on_device else "cpu")
 
     def state_dict(self) -> dict:
         """Param-group hyper-parameters and the scaler; the sharded tensors go to get_parameter_state()."""
-        inner = inner_state_dict(self.optimizer)
+        inner = self._inner_state_dict()
         groups = []
         for group in inner["param_groups"]:
             groups.append({k: v for k, v in group.items() if k != "params"})
@@ -223,7 +221,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for order, shard in enumerate(group["params"]):
                 index = current["param_groups"][group_index]["params"][order]
                 state[index] = {key: torch.zeros_like(shard) for key in keys}
-        load_inner_state_dict(self.optimizer, {"state": state, "param_groups": param_groups})
+        self._load_inner_state_dict({"state": state, "param_groups": param_groups})
 
         if "grad_scaler" not in state_dict:
             if self.config.fp16:

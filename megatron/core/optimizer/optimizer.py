@@ -50,36 +50,6 @@ def _model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     return grad if grad is not None else param.grad
 
 
-def _is_torch_adam(optimizer) -> bool:
-    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-
-
-def inner_state_dict(optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer.state_dict()`` with Megatron's per-group ``'step'``.
-
-    Megatron's checkpoints come from apex FusedAdam, which counts steps per param group; torch's Adam counts
-    per parameter. Writing the group count too keeps our checkpoints loadable by either.
-    """
-    sd = optimizer.state_dict()
-    for group in sd["param_groups"]:
-        steps = [sd["state"][i]["step"] for i in group["params"] if "step" in sd["state"].get(i, {})]
-        if steps and "step" not in group:
-            group["step"] = int(max(float(s) for s in steps))
-    return sd
-
-
-def load_inner_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict):
-    """Load a state dict written by apex FusedAdam or torch Adam into ``optimizer`` (see inner_state_dict)."""
-    if _is_torch_adam(optimizer):
-        state = {k: dict(v) for k, v in state_dict["state"].items()}
-        for group in state_dict["param_groups"]:
-            for i in group["params"]:
-                if i in state and "step" not in state[i]:
-                    state[i]["step"] = torch.tensor(float(group.get("step", 0)), dtype=torch.float32)
-        state_dict = {"state": state, "param_groups": state_dict["param_groups"]}
-    optimizer.load_state_dict(state_dict)
-
-
 class MegatronOptimizer(ABC):
     """Base class: owns the torch optimizer (``self.optimizer``) and the config."""
 
@@ -88,6 +58,8 @@ class MegatronOptimizer(ABC):
             raise ValueError("no torch optimizer was given")
         self.optimizer = optimizer
         self.config = config
+        # Number of inner optimizer steps taken (restored from checkpoints), see _inner_state_dict.
+        self._inner_steps = 0
 
     # ------------------------------------------------------------------ parameters and gradients
     def get_parameters(self) -> List[torch.Tensor]:
@@ -162,6 +134,39 @@ class MegatronOptimizer(ABC):
     param_groups = property(_get_param_groups, _set_param_groups)
 
     # ------------------------------------------------------------------ helpers
+    def _inner_step(self):
+        self.optimizer.step()
+        self._inner_steps += 1
+
+    def _inner_state_dict(self) -> dict:
+        """``optimizer.state_dict()`` with Megatron's per-group ``'step'``.
+
+        Megatron's checkpoints come from apex FusedAdam, which counts steps per param group; torch's Adam
+        counts per parameter. Writing the group count too keeps our checkpoints loadable by either, and
+        gives a count to groups that hold no parameter on this rank (distributed optimizer shards).
+        """
+        sd = self.optimizer.state_dict()
+        for group in sd["param_groups"]:
+            if "step" not in group:
+                steps = [float(sd["state"][i]["step"]) for i in group["params"] if "step" in sd["state"].get(i, {})]
+                group["step"] = int(max(steps)) if steps else self._inner_steps
+        return sd
+
+    def _load_inner_state_dict(self, state_dict: dict):
+        """Load a state dict written by apex FusedAdam or torch Adam (see _inner_state_dict)."""
+        steps = [g["step"] for g in state_dict["param_groups"] if g.get("step") is not None]
+        steps += [v["step"] for v in state_dict["state"].values() if "step" in v]
+        self._inner_steps = int(max(float(s) for s in steps)) if steps else 0
+        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            state = {k: dict(v) for k, v in state_dict["state"].items()}
+            for group in state_dict["param_groups"]:
+                for i in group["params"]:
+                    if i in state and "step" not in state[i]:
+                        state[i]["step"] = torch.tensor(float(group.get("step", self._inner_steps)),
+                                                        dtype=torch.float32)
+            state_dict = {"state": state, "param_groups": state_dict["param_groups"]}
+        self.optimizer.load_state_dict(state_dict)
+
     @contextmanager
     def _timed(self, name: str):
         timers = self.config.timers
@@ -240,7 +245,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
         grad_norm, num_zeros = self._clip_and_count()
         with self._timed("optimizer-inner-step"):
-            self.optimizer.step()
+            self._inner_step()
         with self._timed("optimizer-copy-main-to-model-params"):
             self._copy_main_params_to_model_params()
         return True, grad_norm, num_zeros
@@ -331,7 +336,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         self._copy_model_params_to_main_params()
 
     def state_dict(self) -> dict:
-        state_dict = {"optimizer": inner_state_dict(self.optimizer)}
+        state_dict = {"optimizer": self._inner_state_dict()}
         if self.grad_scaler is not None:
             state_dict["grad_scaler"] = self.grad_scaler.state_dict()
         state_dict["fp32_from_fp16_params"] = self.fp32_from_float16_groups
@@ -341,7 +346,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         optimizer_key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
         if optimizer_key == "optimizer_state_dict":
             _print_rank_0("***WARNING*** loading optimizer from an old checkpoint ...")
-        load_inner_state_dict(self.optimizer, state_dict[optimizer_key])
+        self._load_inner_state_dict(state_dict[optimizer_key])
 
         if "grad_scaler" not in state_dict:
             if self.config.fp16:
@@ -387,17 +392,17 @@ class FP32Optimizer(MegatronOptimizer):
                     param.grad = main_grad
         grad_norm, num_zeros = self._clip_and_count()
         with self._timed("optimizer-inner-step"):
-            self.optimizer.step()
+            self._inner_step()
         return True, grad_norm, num_zeros
 
     def reload_model_params(self):
         pass
 
     def state_dict(self) -> dict:
-        return inner_state_dict(self.optimizer)
+        return self._inner_state_dict()
 
     def load_state_dict(self, state_dict: dict):
-        load_inner_state_dict(self.optimizer, state_dict)
+        self._load_inner_state_dict(state_dict)
 
 
 def _print_rank_0(message: str):
