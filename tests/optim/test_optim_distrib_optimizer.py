@@ -14,6 +14,7 @@ boundaries cut through parameters and buckets need padding. Checked on every ran
 """
 import copy
 import io
+import os
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def _step(model, opt, step, dp, r, inject=None):
     return opt.step()
 
 
-def distrib_body(dp):
+def distrib_body(dp, tmpdir):
     from megatron.core import parallel_state
 
     init_parallel()
@@ -101,13 +102,22 @@ def distrib_body(dp):
     fresh.load_state_dict(dist.state_dict())
     fresh_opt.load_state_dict(saved["optimizer"])
     fresh_opt.load_parameter_state(saved["param_state"] if r == 0 else None)
+    # The file path form (distrib_optim.pt) gives the same shards.
+    path = os.path.join(tmpdir, "distrib_optim.pt")
+    dist_opt.save_parameter_state(path)
+    from_file, from_file_opt = _build(base, torch.float32, distributed=True, seed_model=ToyModel(seed=6))
+    from_file.load_state_dict(dist.state_dict())
+    from_file_opt.load_state_dict(saved["optimizer"])
+    from_file_opt.load_parameter_state(path if r == 0 else None)
     out["group_steps"] = [g["step"] for g in optimizer_sd["optimizer"]["param_groups"]]
     for step in range(3, 5):
         _step(plain, plain_opt, step, dp, r)
         _step(dist, dist_opt, step, dp, r)
         _step(fresh, fresh_opt, step, dp, r)
+        _step(from_file, from_file_opt, step, dp, r)
     out["roundtrip_vs_dist"] = max(rel(p, q) for p, q in zip(fresh.parameters(), dist.parameters()))
     out["roundtrip_vs_plain"] = max(rel(p, q) for p, q in zip(fresh.parameters(), plain.parameters()))
+    out["roundtrip_file"] = max(rel(p, q) for p, q in zip(from_file.parameters(), dist.parameters()))
 
     # 4. bf16 params: distributed vs non-distributed mixed-precision optimizer.
     plain16, plain16_opt = _build(base, torch.bfloat16, distributed=False)
@@ -150,8 +160,8 @@ def _same_param(plain_model, dist_model, dist_param):
 
 
 @pytest.mark.parametrize("dp", [2, 4])
-def test_distributed_optimizer_matches_plain_optimizer(dp):
-    results = run_distributed(distrib_body, dp, dp, timeout=150)
+def test_distributed_optimizer_matches_plain_optimizer(dp, tmp_path):
+    results = run_distributed(distrib_body, dp, dp, str(tmp_path), timeout=150)
     for rank, out in enumerate(results):
         assert out["shards_cut_params"] and out["padded"], "the layout must exercise uneven shard boundaries"
         for ok_plain, ok_dist, norm_err, zeros_plain, zeros_dist in out["fp32_steps"]:
@@ -159,6 +169,7 @@ def test_distributed_optimizer_matches_plain_optimizer(dp):
         assert out["fp32_steps"][1][3] >= 13, out["fp32_steps"]
         assert out["fp32_params"] < 1e-6, (rank, out)
         assert out["roundtrip_vs_dist"] < 1e-6 and out["roundtrip_vs_plain"] < 1e-6, (rank, out)
+        assert out["roundtrip_file"] < 1e-6, (rank, out)
         assert out["bf16_main_shards"] < 1e-6, (rank, out)
         assert out["bf16_params"] < 5e-3, (rank, out)  # a bf16 rounding flip at most
         assert out["fp16_trace"] == [(True, False, 1024.0), (False, True, 512.0), (True, False, 512.0)], out

@@ -14,17 +14,9 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import unwrap_model_chunk
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.core.transformer.transformer_config import TransformerConfig
-
-
-def _unwrap(module):
-    """The innermost model (through Float16Module and similar wrappers that keep it as ``.module``)."""
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-        if hasattr(module, "shared_embedding_or_output_weight"):
-            break
-        module = module.module
-    return module
 
 
 def shared_embedding_params(module) -> set:
@@ -34,7 +26,7 @@ def shared_embedding_params(module) -> set:
     ``share_embeddings_and_output_weights``) and any parameter marked ``shared_embedding = True``.
     """
     found = {p for p in module.parameters() if getattr(p, "shared_embedding", False)}
-    inner = _unwrap(module)
+    inner = unwrap_model_chunk(module)
     if getattr(inner, "share_embeddings_and_output_weights", False) and hasattr(inner, "shared_embedding_or_output_weight"):
         try:
             weight = inner.shared_embedding_or_output_weight()

@@ -29,8 +29,9 @@ def _main_grad(param):
     return grad if grad is not None else param.grad
 
 
-def _unwrap_model(module):
-    """Strip DDP / Float16Module wrappers (anything keeping the model as ``.module``)."""
+def unwrap_model_chunk(module):
+    """The model inside DDP / Float16Module wrappers (anything keeping it as ``.module``), stopping at the
+    first object that has ``shared_embedding_or_output_weight``."""
     while not hasattr(module, "shared_embedding_or_output_weight") and isinstance(
             getattr(module, "module", None), torch.nn.Module):
         module = module.module
@@ -79,7 +80,7 @@ def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
             chunk = model[-1]
         else:  # the decoder's first stage at the split rank holds the embedding in its first chunk
             chunk = model[0]
-        inner = _unwrap_model(chunk)
+        inner = unwrap_model_chunk(chunk)
         if getattr(inner, "share_embeddings_and_output_weights", False):
             weight = inner.shared_embedding_or_output_weight()
             grad = _main_grad(weight)
@@ -90,7 +91,7 @@ def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
 
     if (parallel_state.is_rank_in_position_embedding_group()
             and parallel_state.get_pipeline_model_parallel_split_rank() is not None):
-        inner = _unwrap_model(model[0])
+        inner = unwrap_model_chunk(model[0])
         weight = _position_embedding_weight(inner)
         if weight is not None:
             grad = _main_grad(weight)
@@ -130,7 +131,7 @@ def finalize_model_grads(model: List[torch.nn.Module], *unused):
     """Finish DP sync of every chunk, then the sequence-parallel and the embedding all-reduces."""
     if not isinstance(model, (list, tuple)):
         model = [model]
-    config = getattr(model[0], "config", None) or getattr(_unwrap_model(model[0]), "config", None)
+    config = getattr(model[0], "config", None) or getattr(unwrap_model_chunk(model[0]), "config", None)
 
     with _timed(config, "all-grads-sync"):
         for chunk in model:

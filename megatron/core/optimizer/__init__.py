@@ -72,9 +72,11 @@ def get_param_groups(model_chunks: List[torch.nn.Module], no_weight_decay_cond: 
 
 
 def _adam(param_groups, config: OptimizerConfig, on_cuda: bool) -> torch.optim.Optimizer:
-    """apex FusedAdam on CUDA when installed, else torch's fused AdamW on CUDA, else foreach AdamW on CPU.
+    """apex FusedAdam on CUDA when installed, else torch's fused AdamW (CUDA, and CPU where this torch has the
+    kernel), else torch's foreach AdamW.
 
-    All are Adam with decoupled weight decay (AdamW), as Megatron uses apex's default ``adam_w_mode``.
+    All are Adam with decoupled weight decay (AdamW), as Megatron uses apex's default ``adam_w_mode``. On CPU
+    the fused kernel is ~4x faster than foreach for a 20M-parameter step (benchmarks/bench_optimizer.py).
     """
     kwargs = dict(lr=config.lr, weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
                   eps=config.adam_eps)
@@ -86,10 +88,13 @@ def _adam(param_groups, config: OptimizerConfig, on_cuda: bool) -> torch.optim.O
             return FusedAdam(param_groups, adam_w_mode=True, **kwargs)
         except ImportError:
             pass
+    try:
+        optimizer = torch.optim.AdamW(param_groups, fused=True, **kwargs)
         log_implementation_once("Adam", "torch.optim.AdamW(fused=True)")
-        return torch.optim.AdamW(param_groups, fused=True, **kwargs)
-    log_implementation_once("Adam", "torch.optim.AdamW(foreach=True)")
-    return torch.optim.AdamW(param_groups, foreach=True, **kwargs)
+        return optimizer
+    except (RuntimeError, TypeError):  # no fused kernel for this device in this torch version
+        log_implementation_once("Adam", "torch.optim.AdamW(foreach=True)")
+        return torch.optim.AdamW(param_groups, foreach=True, **kwargs)
 
 
 def _sgd(param_groups, config: OptimizerConfig, on_cuda: bool) -> torch.optim.Optimizer:

@@ -26,6 +26,7 @@ buffer order with the bucket padding removed, so the file does not depend on the
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -278,8 +279,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 state[gbuf_idx] = {(buffer.param_dtype, buffer.grad_dtype): entry}
         return state
 
-    def load_parameter_state(self, state: Optional[dict]):
-        """Scatter a ``get_parameter_state()`` result (needed on DP rank 0 only) back into the shards."""
+    def save_parameter_state(self, filename: str):
+        """Write ``get_parameter_state()`` to ``filename`` (distrib_optim.pt) from DP rank 0. Collective over DP."""
+        state = self.get_parameter_state()
+        if self.dp_rank == 0:
+            torch.save(state, filename)
+
+    def load_parameter_state(self, state):
+        """Scatter a ``get_parameter_state()`` result back into the shards. Collective over DP.
+
+        ``state`` (the dict, or the path of a distrib_optim.pt file) is only read on DP rank 0; other ranks
+        may pass None.
+        """
+        if self.dp_rank == 0 and isinstance(state, (str, os.PathLike)):
+            state = torch.load(state, map_location="cpu", weights_only=False)
         self._ensure_state()
         keys = ["param"] + _state_keys(self.optimizer)
         group, src = self.data_parallel_group_gloo, parallel_state.get_data_parallel_src_rank()
