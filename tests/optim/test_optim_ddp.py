@@ -32,7 +32,7 @@ def _worst(ours, ref):
 
 
 def _buckets(model):
-    return [b for buf in model.buffers for b in buf.buckets]
+    return [b for buf in model.param_and_grad_buffers for b in buf.buckets]
 
 
 def ddp_body(dp):

@@ -64,7 +64,7 @@ def distrib_body(dp, tmpdir):
     dist, dist_opt = _build(base, torch.float32, distributed=True)
     out["shards_cut_params"] = any(
         rng.numel != p.numel() for p, rng in dist_opt.param_ranges.items())
-    out["padded"] = any(b.numel != b.numel_unpadded for b in dist.buffers)
+    out["padded"] = any(b.numel != b.numel_unpadded for b in dist.param_and_grad_buffers)
     results = []
     for step in range(3):
         a = _step(plain, plain_opt, step, dp, r)
@@ -139,7 +139,7 @@ def distrib_body(dp, tmpdir):
 
     def overflow_on_last_rank(model):
         if r == dp - 1:
-            bucket = model.buffers[0].buckets[0]
+            bucket = model.param_and_grad_buffers[0].buckets[0]
             shard = bucket.grad_data.numel() // dp
             bucket.grad_data[r * shard] = float("inf")
 

@@ -77,12 +77,12 @@ class DistributedDataParallel(torch.nn.Module):
             params_by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
 
         own_bucket = shared_embedding_params(self.module)
-        self.buffers: List[ParamAndGradBuffer] = []
+        self.param_and_grad_buffers: List[ParamAndGradBuffer] = []
         self.param_to_buffer: Dict[torch.nn.Parameter, ParamAndGradBuffer] = {}
         for (param_dtype, grad_dtype), params in params_by_dtype.items():
             buffer = ParamAndGradBuffer(ddp_config, param_dtype, grad_dtype, params, self.data_parallel_group,
                                         self.bucket_size, param_to_name, gradient_scaling_factor, own_bucket)
-            self.buffers.append(buffer)
+            self.param_and_grad_buffers.append(buffer)
             for p in params:
                 self.param_to_buffer[p] = buffer
 
@@ -115,29 +115,29 @@ class DistributedDataParallel(torch.nn.Module):
     @contextmanager
     def no_sync(self):
         """Backward passes inside only accumulate into the buffers (no data-parallel communication)."""
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             buffer.is_last_microbatch = False
         try:
             yield
         finally:
-            for buffer in self.buffers:
+            for buffer in self.param_and_grad_buffers:
                 buffer.is_last_microbatch = True
 
     def start_grad_sync(self, *unused):
         """Start the reduction of every bucket not started yet (asynchronous when overlapping)."""
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             buffer.start_grad_sync()
 
     def finish_grad_sync(self):
         """Make every ``main_grad`` hold the DP-averaged gradient (own shards only with the distributed optimizer)."""
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             buffer.finish_grad_sync()
 
     def zero_grad_buffer(self, zero_buffer: bool = True):
         """Reset for a new iteration: zero the buffers and the bookkeeping of which gradients are ready."""
         for param in self.param_to_buffer:
             param.grad_added_to_main_grad = False
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             if zero_buffer:
                 buffer.reset()
             else:
@@ -153,7 +153,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def all_gather_params(self):
         """Distributed optimizer: all-gather the parameter shards updated on each DP rank."""
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             buffer.all_gather_params()
 
     def state_dict(self, prefix: str = "", keep_vars: bool = False):

@@ -73,7 +73,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.model_chunks = model_chunks
         self.buffers: List[ParamAndGradBuffer] = []
         for chunk in model_chunks:
-            buffers = getattr(chunk, "buffers", None)
+            buffers = getattr(chunk, "param_and_grad_buffers", None)
             if buffers is None or not getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False):
                 raise ValueError("--use-distributed-optimizer needs every model chunk wrapped in megatron's "
                                  "DistributedDataParallel (--DDP-impl local) with "
@@ -238,8 +238,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         shard_size = bucket.grad_data.numel() // self.dp_size
         local = torch.zeros(shard_size, dtype=torch.float32)
         for param in bucket.params_list:
-            if param not in self.param_ranges:
-                continue
+            if param not in self.model_param_group_index_map:
+                continue  # no piece of it on this rank
             r = self.param_ranges[param]
             group_index, order = self.model_param_group_index_map[param]
             shard_main = self.optimizer.param_groups[group_index]["params"][order]
@@ -249,7 +249,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _write_shard(self, bucket, key: Optional[str], local: torch.Tensor):
         for param in bucket.params_list:
-            if param not in self.param_ranges:
+            if param not in self.model_param_group_index_map:
                 continue
             r = self.param_ranges[param]
             group_index, order = self.model_param_group_index_map[param]
