@@ -92,3 +92,16 @@ def memory_allocated() -> int:
 def empty_cache() -> None:
     if on_gpu():
         torch.cuda.empty_cache()
+
+
+def memory_stats_mb() -> dict:
+    """Allocated / max allocated / reserved / max reserved accelerator memory in MB (empty on CPU)."""
+    if not on_gpu():
+        return {}
+    mb = 1024.0 * 1024.0
+    return {
+        "allocated": torch.cuda.memory_allocated() / mb,
+        "max allocated": torch.cuda.max_memory_allocated() / mb,
+        "reserved": torch.cuda.memory_reserved() / mb,
+        "max reserved": torch.cuda.max_memory_reserved() / mb,
+    }

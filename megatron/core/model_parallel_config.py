@@ -50,6 +50,9 @@ class ModelParallelConfig:
     no_sync_func: Optional[Callable] = None
     grad_sync_func: Optional[Callable] = None
     param_sync_func: Optional[Callable] = None
+    # Called by the schedules after the last backward pass of a step with the list of model chunks
+    # (training sets it to megatron.core.distributed.finalize_model_grads).
+    finalize_model_grads_func: Optional[Callable] = None
 
     def __post_init__(self):
         if self.sequence_parallel:

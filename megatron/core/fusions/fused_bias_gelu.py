@@ -1,0 +1,4 @@
+"""megatron.core.fusions.fused_bias_gelu (megatron-core path)."""
+from megatron.core.transformer.fusions import GeLUFunction, bias_gelu, bias_gelu_back, bias_gelu_impl
+
+__all__ = ["bias_gelu", "bias_gelu_back", "GeLUFunction", "bias_gelu_impl"]

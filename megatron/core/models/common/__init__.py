@@ -1,0 +1,1 @@
+"""Building blocks shared by megatron.core's models: embeddings, language model, LM head."""

@@ -1,0 +1,232 @@
+"""Megatron's language model: embedding -> transformer -> (pooler, output layer), and the LM logits and loss.
+
+``TransformerLanguageModel`` holds the parts that GPT and BERT share; settings Megatron reads from the command
+line (vocabulary size, position-embedding type, untied output layer ...) are model options on the config
+(see :mod:`megatron.core.transformer.model_options`).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.models.common.embedding import Embedding
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.model_options import model_option, required_model_option
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import param_device
+from megatron.core.transformer.rotary import RotaryEmbedding
+from megatron.core.transformer.transformer_block import ParallelTransformer
+
+
+def get_linear_layer(rows, columns, init_method, perform_initialization=True, config=None):
+    """A replicated ``torch.nn.Linear(rows, columns)`` with ``init_method`` weights and a zero bias."""
+    kwargs = {}
+    if config is not None:
+        kwargs = {"dtype": config.params_dtype, "device": param_device(config)}
+        perform_initialization = config.perform_initialization
+    layer = torch.nn.Linear(rows, columns, **kwargs)
+    if perform_initialization:
+        init_method(layer.weight)
+    with torch.no_grad():
+        layer.bias.zero_()
+    return layer
+
+
+def parallel_lm_logits(input_, word_embeddings_weight, parallel_output, bias=None, *, config=None):
+    """Logits ``[s, b, V/tp]`` (or all-gathered ``[s, b, V]`` when not ``parallel_output``) against a
+    vocabulary-parallel weight ``[V/tp, h]``. With sequence parallelism ``input_`` is ``[s/tp, b, h]`` and is
+    all-gathered inside the GEMM."""
+    sequence_parallel = bool(config is not None and config.sequence_parallel)
+    async_allreduce = bool(config is not None and config.async_tensor_model_parallel_allreduce)
+    grad_accumulation_fusion = bool(config is not None and config.gradient_accumulation_fusion)
+    if async_allreduce or sequence_parallel:
+        input_parallel = input_
+        model_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+        async_grad_allreduce = async_allreduce and model_parallel and not sequence_parallel
+    else:
+        input_parallel = tensor_parallel.copy_to_tensor_model_parallel_region(input_)
+        async_grad_allreduce = False
+    logits_parallel = tensor_parallel.linear_with_grad_accumulation_and_async_allreduce(
+        input=input_parallel, weight=word_embeddings_weight, bias=bias,
+        gradient_accumulation_fusion=grad_accumulation_fusion, async_grad_allreduce=async_grad_allreduce,
+        sequence_parallel=sequence_parallel)
+    if parallel_output:
+        return logits_parallel
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits_parallel)
+
+
+def logits_or_loss(logits, labels, fp16_lm_cross_entropy=False):
+    """``[s, b, V]`` logits -> ``[b, s, V]`` logits, or the per-token loss ``[b, s]`` when labels ``[b, s]`` are given."""
+    if labels is None:
+        return logits.transpose(0, 1).contiguous()
+    labels = labels.transpose(0, 1).contiguous()
+    if fp16_lm_cross_entropy:
+        assert logits.dtype == torch.half, "--fp16-lm-cross-entropy needs fp16 logits (--fp16)"
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+    else:
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+    return loss.transpose(0, 1).contiguous()
+
+
+class Pooler(MegatronModule):
+    """``Pooler(hidden_size, init_method)``: ``tanh(dense(h[sequence_index]))`` (BERT's [CLS] representation)."""
+
+    def __init__(self, hidden_size, init_method, *, config=None):
+        super().__init__(config=config)
+        self.dense = get_linear_layer(hidden_size, hidden_size, init_method, config=config)
+        self.sequence_parallel = bool(config is not None and config.sequence_parallel)
+
+    def forward(self, hidden_states, sequence_index=0):
+        # hidden_states: [s, b, h]; with sequence parallelism gather the sequence first. The pooler is
+        # replicated, so the gradient needs no reduction: split it back (tensor_parallel_output_grad=False).
+        if self.sequence_parallel:
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
+        pooled = hidden_states[sequence_index, :, :]
+        pooled = self.dense(pooled)
+        return torch.tanh(pooled)
+
+
+class TransformerLanguageModel(MegatronModule):
+    """``TransformerLanguageModel(config, encoder_attn_mask_type, num_tokentypes=0, add_encoder=True,
+    add_decoder=False, decoder_attn_mask_type=causal, add_pooler=False, pre_process=True, post_process=True)``.
+
+    Submodules (checkpoint keys): ``embedding`` (first stage), ``encoder``, ``pooler``, ``output_layer`` (untied
+    embeddings, last stage).
+    """
+
+    def __init__(self, config, encoder_attn_mask_type, num_tokentypes=0, add_encoder=True, add_decoder=False,
+                 decoder_attn_mask_type=AttnMaskType.causal, add_pooler=False, pre_process=True, post_process=True):
+        untie = model_option(config, "untie_embeddings_and_output_weights")
+        super().__init__(config=config, share_embeddings_and_output_weights=not untie)
+        if add_decoder:
+            raise NotImplementedError("encoder-decoder language models (T5, add_decoder=True) are not implemented")
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.hidden_size = config.hidden_size
+        self.num_tokentypes = num_tokentypes
+        self.init_method = config.init_method
+        self.add_encoder = add_encoder
+        self.encoder_attn_mask_type = encoder_attn_mask_type
+        self.add_decoder = add_decoder
+        self.decoder_attn_mask_type = decoder_attn_mask_type
+        self.add_pooler = add_pooler
+        self.encoder_hidden_state = None
+        self.untie_embeddings_and_output_weights = untie
+        self.sequence_parallel = config.sequence_parallel
+        padded_vocab_size = required_model_option(config, "padded_vocab_size", "--vocab-size/--vocab-file")
+
+        if self.pre_process:
+            self.embedding = Embedding(self.hidden_size, padded_vocab_size, model_option(config, "max_position_embeddings"),
+                                       config.hidden_dropout, config, self.num_tokentypes,
+                                       model_option(config, "embedding_weights_in_fp32"))
+            self._embedding_key = "embedding"
+
+        position_embedding_type = model_option(config, "position_embedding_type")
+        if position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError(f"--position-embedding-type must be learned_absolute or rope, got {position_embedding_type!r}")
+        self.use_rotary_position_embeddings = position_embedding_type == "rope"
+        if self.use_rotary_position_embeddings:
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels, model_option(config, "rotary_percent"),
+                seq_len_interpolation_factor=model_option(config, "rotary_seq_len_interpolation_factor"),
+                rotary_base=model_option(config, "rotary_base"))
+
+        if self.add_encoder:
+            self.encoder = ParallelTransformer(config, model_type=ModelType.encoder_or_decoder,
+                                               self_attn_mask_type=self.encoder_attn_mask_type,
+                                               pre_process=self.pre_process, post_process=self.post_process)
+            self._encoder_key = "encoder"
+        else:
+            self.encoder = None
+        self.decoder = None
+
+        if self.post_process:
+            if self.add_pooler:
+                self.pooler = Pooler(self.hidden_size, self.init_method, config=config)
+                self._pooler_key = "pooler"
+            if self.untie_embeddings_and_output_weights:
+                self.output_layer = tensor_parallel.ColumnParallelLinear(
+                    config.hidden_size, padded_vocab_size, config=config, init_method=self.init_method, bias=False)
+                self._output_layer_key = "output_layer"
+
+    def set_input_tensor(self, input_tensor):
+        """See megatron.core.pipeline_parallel: the schedule hands each stage its received activation."""
+        if not isinstance(input_tensor, list):
+            input_tensor = [input_tensor]
+        assert len(input_tensor) == 1, "input_tensor should only be length 1 for an encoder-only model"
+        if self.add_encoder:
+            self.encoder.set_input_tensor(input_tensor[0])
+        else:
+            self.encoder_hidden_state = input_tensor[0]
+
+    def _rotary_seq_len(self, enc_input_ids, inference_params):
+        if inference_params is not None:
+            return inference_params.max_sequence_length
+        if enc_input_ids is not None:
+            return enc_input_ids.size(1)
+        hidden = self.encoder.input_tensor
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        return hidden.size(0) * (tp if self.sequence_parallel else 1)
+
+    def forward(self, enc_input_ids, enc_position_ids, enc_attn_mask, dec_input_ids=None, dec_position_ids=None,
+                dec_attn_mask=None, retriever_input_ids=None, retriever_position_ids=None, retriever_attn_mask=None,
+                enc_dec_attn_mask=None, tokentype_ids=None, inference_params=None, pooling_sequence_index=0,
+                enc_hidden_states=None, output_enc_hidden=False):
+        if retriever_input_ids is not None:
+            raise NotImplementedError("retro (retriever_input_ids) is not implemented")
+        encoder_input = None
+        if self.pre_process:
+            encoder_input = self.embedding(enc_input_ids, enc_position_ids, tokentype_ids=tokentype_ids)
+
+        rotary_pos_emb = None
+        if self.use_rotary_position_embeddings:
+            rotary_pos_emb = self.rotary_pos_emb(self._rotary_seq_len(enc_input_ids, inference_params))
+
+        if enc_hidden_states is None:
+            if self.encoder is not None:
+                encoder_output = self.encoder(encoder_input, enc_attn_mask, inference_params=inference_params,
+                                              rotary_pos_emb=rotary_pos_emb)
+            else:
+                encoder_output = self.encoder_hidden_state
+        else:
+            encoder_output = enc_hidden_states.to(encoder_input.dtype)
+
+        if self.post_process and self.add_pooler:
+            pooled_output = self.pooler(encoder_output, pooling_sequence_index)
+            return encoder_output, pooled_output
+        return encoder_output
+
+    def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
+        """Megatron's nested checkpoint layout: ``{'embedding': ..., 'encoder': ..., 'pooler': ..., 'output_layer': ...}``."""
+        state_dict_ = {}
+        if self.pre_process:
+            state_dict_[self._embedding_key] = self.embedding.state_dict_for_save_checkpoint(prefix=prefix,
+                                                                                            keep_vars=keep_vars)
+        if self.add_encoder:
+            state_dict_[self._encoder_key] = self.encoder.state_dict_for_save_checkpoint(prefix=prefix,
+                                                                                        keep_vars=keep_vars)
+        if self.post_process:
+            if self.add_pooler:
+                state_dict_[self._pooler_key] = self.pooler.state_dict_for_save_checkpoint(prefix=prefix,
+                                                                                          keep_vars=keep_vars)
+            if self.untie_embeddings_and_output_weights:
+                state_dict_[self._output_layer_key] = self.output_layer.state_dict(prefix=prefix, keep_vars=keep_vars)
+        return state_dict_
+
+
+def get_language_model(config, num_tokentypes, add_pooler, encoder_attn_mask_type, add_encoder=True, add_decoder=False,
+                       decoder_attn_mask_type=AttnMaskType.causal, pre_process=True, post_process=True):
+    """Megatron's factory: ``(TransformerLanguageModel, 'language_model')``."""
+    if config.init_method is None or config.output_layer_init_method is None:
+        raise ValueError("config.init_method and config.output_layer_init_method must be set")
+    language_model = TransformerLanguageModel(
+        config, encoder_attn_mask_type, num_tokentypes=num_tokentypes, add_encoder=add_encoder,
+        add_decoder=add_decoder, decoder_attn_mask_type=decoder_attn_mask_type, add_pooler=add_pooler,
+        pre_process=pre_process, post_process=post_process)
+    return language_model, "language_model"
+
+
+__all__ = ["Embedding", "Pooler", "TransformerLanguageModel", "get_language_model", "parallel_lm_logits",
+           "get_linear_layer", "logits_or_loss"]

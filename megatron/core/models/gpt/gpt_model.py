@@ -1,0 +1,124 @@
+"""megatron-core's GPTModel (``megatron.core.models.gpt.GPTModel``) over the one transformer implementation.
+
+Submodule names are megatron-core's (``embedding``, ``decoder.layers.{i}.self_attention.linear_qkv`` ...,
+``output_layer``); :mod:`megatron.core.models.conversion.keys` maps them to Megatron's legacy checkpoint names.
+"""
+from __future__ import annotations
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.models.common.embedding import LanguageModelEmbedding
+from megatron.core.models.common.language_model import logits_or_loss
+from megatron.core.transformer.module import MegatronModule, sync_tied_weight_across_pipeline
+from megatron.core.transformer.rotary import RotaryEmbedding
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
+
+
+class LanguageModule(MegatronModule):
+    """Shared-embedding handling of megatron-core language models (tied weight lives in ``output_layer`` on
+    the last stage)."""
+
+    def shared_embedding_or_output_weight(self):
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def setup_embeddings_and_output_layer(self):
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+        if not self.share_embeddings_and_output_weights:
+            return
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            self.shared_embedding_or_output_weight().zero_out_wgrad = True
+            return
+        if parallel_state.is_pipeline_first_stage() and self.pre_process and not self.post_process:
+            self.shared_embedding_or_output_weight().shared_embedding = True
+        is_copy = self.post_process and not self.pre_process
+        sync_tied_weight_across_pipeline(self.shared_embedding_or_output_weight(), is_copy)
+
+    def compute_language_model_loss(self, labels, logits):
+        """Per-token loss ``[b, s]`` from ``[s, b, V/tp]`` logits and ``[b, s]`` labels."""
+        return logits_or_loss(logits, labels, self.fp16_lm_cross_entropy)
+
+
+class GPTModel(LanguageModule):
+    """``GPTModel(config, transformer_layer_spec, vocab_size, max_sequence_length, pre_process=True,
+    post_process=True, fp16_lm_cross_entropy=False, parallel_output=True, share_embeddings_and_output_weights=False,
+    position_embedding_type='learned_absolute', rotary_percent=1.0, rotary_base=10000,
+    seq_len_interpolation_factor=None)``.
+
+    ``forward(input_ids [b, s], position_ids [b, s], attention_mask, decoder_input=None, labels=None,
+    inference_params=None)`` -> logits ``[b, s, V/tp]``, or the per-token loss ``[b, s]`` with ``labels``.
+    """
+
+    def __init__(self, config, transformer_layer_spec: ModuleSpec, vocab_size: int, max_sequence_length: int,
+                 pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
+                 parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
+                 position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
+                 rotary_base: int = 10000, seq_len_interpolation_factor=None):
+        super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+        if position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError(f"position_embedding_type must be 'learned_absolute' or 'rope', got {position_embedding_type!r}")
+        self.transformer_layer_spec = transformer_layer_spec
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.position_embedding_type = position_embedding_type
+        self.model_type = ModelType.encoder_or_decoder
+
+        if self.pre_process:
+            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
+                                                    position_embedding_type=position_embedding_type)
+        if self.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
+                                                  seq_len_interpolation_factor=seq_len_interpolation_factor,
+                                                  rotary_base=rotary_base)
+        self.decoder = TransformerBlock(config, spec=transformer_layer_spec, pre_process=self.pre_process,
+                                        post_process=self.post_process)
+        if self.post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
+                skip_bias_add=False, gather_output=not self.parallel_output,
+                skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights)
+        if self.pre_process or self.post_process:
+            self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor):
+        if not isinstance(input_tensor, list):
+            input_tensor = [input_tensor]
+        assert len(input_tensor) == 1, "input_tensor should only be length 1 for gpt"
+        self.decoder.set_input_tensor(input_tensor[0])
+
+    def _rotary_seq_len(self, input_ids, decoder_input, inference_params):
+        if inference_params is not None:
+            return inference_params.max_sequence_length
+        if input_ids is not None:
+            return input_ids.size(1)
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        return hidden.size(0) * (tp if self.config.sequence_parallel else 1)
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, inference_params=None,
+                packed_seq_params=None, extra_block_kwargs=None):
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        rotary_pos_emb = None
+        if self.position_embedding_type == "rope":
+            rotary_pos_emb = self.rotary_pos_emb(self._rotary_seq_len(input_ids, decoder_input, inference_params))
+        hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                                     inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
+        if not self.post_process:
+            return hidden_states
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=output_weight)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)

@@ -1,0 +1,8 @@
+"""Megatron's legacy model API (GPTModel(config, num_tokentypes, ...), BertModel) implemented in megatron.core.
+
+``megatron.legacy.model`` and ``megatron.model`` expose these classes with Megatron's global-args behaviour.
+"""
+from megatron.core.models.legacy.bert_model import BertLMHead, BertModel
+from megatron.core.models.legacy.gpt_model import GPTModel
+
+__all__ = ["GPTModel", "BertModel", "BertLMHead"]

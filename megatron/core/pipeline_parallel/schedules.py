@@ -1,0 +1,446 @@
+"""Forward-backward schedules over micro-batches (megatron.core.pipeline_parallel.schedules).
+
+All three schedules share one keyword-only signature and the ``forward_step_func(data_iterator, model) ->
+(output_tensor, loss_func)`` contract. On the last pipeline stage ``loss_func(output_tensor)`` returns
+``(loss, reported_dict)``; the schedule divides ``loss`` by the number of micro-batches (so gradients
+are averaged over them), stores ``reported_dict`` and backpropagates ``config.grad_scale_func(loss)``.
+
+1F1B (``forward_backward_pipelining_without_interleaving``), with ``p`` stages, stage ``r``, ``M``
+micro-batches: stage ``r`` first runs ``w = min(p - r - 1, M)`` forward passes (warm-up), then alternates
+one forward and one backward ``M - w`` times (steady state), then runs the remaining ``w`` backward passes
+(cool-down). At most ``p - r`` activations are alive on stage ``r``.
+
+Interleaved (``forward_backward_pipelining_with_interleaving``): each rank holds ``C`` model chunks
+(virtual stages); virtual stage ``c * p + r`` lives on rank ``r``. Forward micro-batch step ``k`` runs chunk
+``(k mod pC) div p`` (backward: reversed), so ranks cycle through their chunks in groups of ``p``
+micro-batches; warm-up is ``(p - r - 1) * 2 + (C - 1) * p`` steps (all of them when ``M == p`` or
+forward-only). Requires ``M % p == 0``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, List, Optional, Union
+
+import torch
+from torch.autograd.variable import Variable
+
+from megatron.core import device, parallel_state
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel import p2p_communication
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
+
+
+def get_forward_backward_func():
+    """The schedule for the current parallel layout (pp == 1, pp > 1, or pp > 1 with virtual stages)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
+            return forward_backward_pipelining_with_interleaving
+        return forward_backward_pipelining_without_interleaving
+    return forward_backward_no_pipelining
+
+
+def deallocate_output_tensor(out, deallocate_pipeline_outputs: bool = False):
+    """Free a sent activation's storage, keeping its autograd node (``.data`` becomes one element).
+
+    Only the ``grad_fn`` of a stage output is needed for its backward pass; :func:`custom_backward` runs the
+    engine without the shape check that the shrunken tensor would fail.
+    """
+    if out is None or not deallocate_pipeline_outputs:
+        return
+    assert isinstance(out, torch.Tensor), f"expected Tensor, found {type(out).__name__}"
+    assert out._base is None, "counter-productive to free a view of another tensor"
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def custom_backward(output, grad_output):
+    """Backward from ``output`` with ``grad_output`` straight through the autograd engine (no shape check)."""
+    assert output.numel() == 1, "output should be pseudo-freed in schedule, to optimize memory"
+    assert isinstance(output, torch.Tensor), f"output == {type(output).__name__}"
+    assert isinstance(grad_output, (torch.Tensor, type(None))), f"grad_output == {type(grad_output).__name__}"
+    if grad_output is None:
+        assert output.numel() == 1, "implicit grad requires scalar output."
+        grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
+    Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False, inputs=tuple(),
+        allow_unreachable=True, accumulate_grad=True,
+    )
+
+
+def _autocast(config):
+    if not config.enable_autocast:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.current_device().type, dtype=config.autocast_dtype)
+
+
+def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store,
+                 config, collect_non_loss_data=False, checkpoint_activations_microbatch=None):
+    """Run one micro-batch forward; on the last stage, apply the loss function and store its report."""
+    if config.timers is not None:
+        config.timers("forward-compute", log_level=2).start()
+    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+    set_input_tensor([input_tensor])
+
+    with _autocast(config):
+        if checkpoint_activations_microbatch is None:
+            output_tensor, loss_func = forward_step_func(data_iterator, model)
+        else:
+            output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
+
+    if parallel_state.is_pipeline_last_stage():
+        if not collect_non_loss_data:
+            result = loss_func(output_tensor)
+            if not (isinstance(result, (tuple, list)) and len(result) == 2):
+                raise RuntimeError(
+                    "loss_func must return (loss, reported_dict), e.g. (loss, {'lm loss': averaged_loss}); "
+                    f"got {type(result).__name__}"
+                )
+            loss, loss_reduced = result
+            output_tensor = loss / num_microbatches
+            forward_data_store.append(loss_reduced)
+        else:
+            forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+
+    if config.timers is not None:
+        config.timers("forward-compute").stop()
+    return output_tensor
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    """Backpropagate one micro-batch; return the gradient of this stage's input (None on the first stage)."""
+    if config.timers is not None:
+        config.timers("backward-compute", log_level=2).start()
+    if input_tensor is not None:
+        input_tensor.retain_grad()
+    if output_tensor_grad is None and config.grad_scale_func is not None:
+        output_tensor = config.grad_scale_func(output_tensor)
+
+    if config.deallocate_pipeline_outputs and output_tensor_grad is not None:
+        custom_backward(output_tensor, output_tensor_grad)
+    else:
+        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+
+    input_tensor_grad = input_tensor.grad if input_tensor is not None else None
+    if config.timers is not None:
+        config.timers("backward-compute").stop()
+    return input_tensor_grad
+
+
+def _single(value, name):
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise RuntimeError(f"this schedule expects one model chunk, but {name} is a list of {len(value)}; "
+                               "interleaved schedules need --num-layers-per-virtual-pipeline-stage")
+        return value[0]
+    return value
+
+
+def _check_model_type(model):
+    try:
+        model_type = get_model_type(model)
+    except RuntimeError:
+        model_type = ModelType.encoder_or_decoder
+    if model_type == ModelType.encoder_and_decoder and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise RuntimeError("encoder-decoder models are not supported by the pipeline schedules of this library")
+    return model_type
+
+
+def _no_sync_func(config, model):
+    if config.no_sync_func is not None:
+        return config.no_sync_func
+    if hasattr(model, "no_sync"):
+        return model.no_sync
+    return contextlib.nullcontext
+
+
+def _finalize(config, models, forward_only):
+    if not forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
+        config.finalize_model_grads_func(models)
+
+
+def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[Iterator, List[Iterator]],
+                                   model: Union[torch.nn.Module, List[torch.nn.Module]], num_microbatches: int,
+                                   seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int] = None,
+                                   forward_only: bool = False, collect_non_loss_data: bool = False):
+    """All micro-batches on one stage; gradients are reduced only during the last backward pass."""
+    model = _single(model, "model")
+    data_iterator = _single(data_iterator, "data_iterator")
+    config = get_model_config(model)
+    model_type = _check_model_type(model)
+    no_sync = _no_sync_func(config, model)
+
+    forward_data_store = []
+    input_tensor, output_tensor_grad = None, None
+    with no_sync():
+        for _ in range(num_microbatches - 1):
+            output_tensor = forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
+                                         forward_data_store, config, collect_non_loss_data)
+            if not forward_only:
+                backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+    # The last micro-batch runs outside no_sync so that the gradient reduction happens once.
+    output_tensor = forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
+                                 forward_data_store, config, collect_non_loss_data)
+    if not forward_only:
+        backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+    _finalize(config, [model], forward_only)
+    return forward_data_store
+
+
+def get_tensor_shapes(*, seq_length: int, micro_batch_size: int, config) -> List[tuple]:
+    """Shape of the activation passed between stages: ``(s [/tp with SP], b, h)``."""
+    if config.sequence_parallel:
+        seq_length = seq_length // parallel_state.get_tensor_model_parallel_world_size()
+    return [(seq_length, micro_batch_size, config.hidden_size)]
+
+
+class _GradSyncToggle:
+    """Hold the DDP ``no_sync`` context open until the last backward pass of the step."""
+
+    def __init__(self, no_sync_func):
+        self.no_sync_func = no_sync_func
+        self.context = None
+
+    def disable(self):
+        if self.context is None:
+            self.context = self.no_sync_func()
+            self.context.__enter__()
+
+    def enable(self):
+        if self.context is not None:
+            self.context.__exit__(None, None, None)
+            self.context = None
+
+
+def forward_backward_pipelining_without_interleaving(
+        *, forward_step_func, data_iterator: Union[Iterator, List[Iterator]],
+        model: Union[torch.nn.Module, List[torch.nn.Module]], num_microbatches: int, seq_length: int,
+        micro_batch_size: int, decoder_seq_length: Optional[int] = None, forward_only: bool = False,
+        collect_non_loss_data: bool = False):
+    """1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards (see module docstring)."""
+    model = _single(model, "model")
+    data_iterator = _single(data_iterator, "data_iterator")
+    config = get_model_config(model)
+    model_type = _check_model_type(model)
+    grad_sync = _GradSyncToggle(_no_sync_func(config, model))
+    grad_sync.disable()
+
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    num_warmup = num_microbatches if forward_only else min(pp_size - pp_rank - 1, num_microbatches)
+    num_remaining = num_microbatches - num_warmup
+    (shape,) = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, config=config)
+
+    def fwd(input_tensor):
+        return forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
+                            forward_data_store, config, collect_non_loss_data)
+
+    forward_data_store = []
+    input_tensors, output_tensors = [], []
+
+    for _ in range(num_warmup):
+        input_tensor = p2p_communication.recv_forward(shape, config)
+        output_tensor = fwd(input_tensor)
+        p2p_communication.send_forward(output_tensor, config)
+        if not forward_only:
+            input_tensors.append(input_tensor)
+            output_tensors.append(output_tensor)
+            deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
+
+    input_tensor = p2p_communication.recv_forward(shape, config) if num_remaining > 0 else None
+
+    for i in range(num_remaining):
+        last_iteration = i == num_remaining - 1
+        output_tensor = fwd(input_tensor)
+        if forward_only:
+            p2p_communication.send_forward(output_tensor, config)
+            if not last_iteration:
+                input_tensor = p2p_communication.recv_forward(shape, config)
+            continue
+
+        output_tensor_grad = p2p_communication.send_forward_recv_backward(output_tensor, shape, config)
+        input_tensors.append(input_tensor)
+        output_tensors.append(output_tensor)
+        deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
+
+        input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
+        if num_warmup == 0 and last_iteration:
+            grad_sync.enable()
+        input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+        if last_iteration:
+            input_tensor = None
+            p2p_communication.send_backward(input_tensor_grad, config)
+        else:
+            input_tensor = p2p_communication.send_backward_recv_forward(input_tensor_grad, shape, config)
+
+    if not forward_only:
+        for i in range(num_warmup):
+            if i == num_warmup - 1:
+                grad_sync.enable()
+            input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
+            output_tensor_grad = p2p_communication.recv_backward(shape, config)
+            input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+            p2p_communication.send_backward(input_tensor_grad, config)
+    grad_sync.enable()
+    _finalize(config, [model], forward_only)
+    return forward_data_store
+
+
+def forward_backward_pipelining_with_interleaving(
+        *, forward_step_func, data_iterator: List[Iterator], model: List[torch.nn.Module], num_microbatches: int,
+        seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int] = None,
+        forward_only: bool = False, collect_non_loss_data: bool = False):
+    """Interleaved 1F1B over ``len(model)`` virtual stages per rank (see module docstring)."""
+    if not isinstance(model, list) or not isinstance(data_iterator, list):
+        raise RuntimeError("the interleaved schedule needs a list of model chunks and a list of data iterators")
+    if len(model) != len(data_iterator):
+        raise RuntimeError(f"{len(model)} model chunks but {len(data_iterator)} data iterators")
+    config = get_model_config(model[0])
+    model_type = _check_model_type(model[0])
+    # Gradient reduction stays off until each chunk's own last backward pass (one toggle per chunk), or
+    # until the step's last backward pass when the caller gave a single no_sync_func.
+    if config.no_sync_func is not None:
+        toggles = [_GradSyncToggle(config.no_sync_func)]
+    else:
+        toggles = [_GradSyncToggle(_no_sync_func(config, chunk)) for chunk in model]
+    for toggle in toggles:
+        toggle.disable()
+    backward_counts = [0] * len(model)
+
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    num_chunks = len(model)
+    if num_microbatches % pp_size != 0:
+        raise RuntimeError(
+            f"number of microbatches ({num_microbatches}) is not divisible by pipeline-model-parallel-size "
+            f"({pp_size}) when using interleaved schedule"
+        )
+    total = num_microbatches * num_chunks
+    all_warmup = False
+    if forward_only:
+        num_warmup = total
+    elif num_microbatches == pp_size:
+        num_warmup, all_warmup = total, True
+    else:
+        num_warmup = min((pp_size - pp_rank - 1) * 2 + (num_chunks - 1) * pp_size, total)
+    num_remaining = total - num_warmup
+    (shape,) = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, config=config)
+
+    input_tensors = [[] for _ in range(num_chunks)]
+    output_tensors = [[] for _ in range(num_chunks)]
+    output_tensor_grads = [[] for _ in range(num_chunks)]
+    forward_data_store = []
+
+    def chunk_id(k, forward):
+        c = (k % (pp_size * num_chunks)) // pp_size
+        return c if forward else num_chunks - c - 1
+
+    def set_chunk(c):
+        parallel_state.set_virtual_pipeline_model_parallel_rank(c)
+
+    def forward_helper(k):
+        c = chunk_id(k, forward=True)
+        set_chunk(c)
+        if parallel_state.is_pipeline_first_stage() and len(input_tensors[c]) == len(output_tensors[c]):
+            input_tensors[c].append(None)
+        output_tensor = forward_step(forward_step_func, data_iterator[c], model[c], num_microbatches,
+                                     input_tensors[c][-1], forward_data_store, config, collect_non_loss_data)
+        output_tensors[c].append(output_tensor)
+        if forward_only:
+            input_tensors[c].pop()
+            output_tensors[c].pop()
+        return output_tensor
+
+    def backward_helper(k):
+        c = chunk_id(k, forward=False)
+        set_chunk(c)
+        if parallel_state.is_pipeline_last_stage() and len(output_tensor_grads[c]) == 0:
+            output_tensor_grads[c].append(None)
+        backward_counts[c] += 1
+        if len(toggles) > 1 and backward_counts[c] == num_microbatches:
+            toggles[c].enable()  # this chunk's last backward: let its DDP reduce gradients
+        elif len(toggles) == 1 and k == total - 1:
+            toggles[0].enable()
+        return backward_step(input_tensors[c].pop(0), output_tensors[c].pop(0), output_tensor_grads[c].pop(0),
+                             model_type, config)
+
+    # Warm-up: forward passes only.
+    set_chunk(0)
+    input_tensors[0].append(p2p_communication.recv_forward(shape, config))
+    for k in range(num_warmup):
+        output_tensor = forward_helper(k)
+        next_c = chunk_id(k + 1, forward=True)
+        recv_prev = not (parallel_state.is_pipeline_first_stage(ignore_virtual=True) and next_c == 0)
+        if k == total - 1:
+            recv_prev = False
+        if parallel_state.is_pipeline_last_stage():
+            output_tensor = None
+        if k == num_warmup - 1 and not forward_only and not all_warmup:
+            recv_next = not parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            input_tensor, output_tensor_grad = p2p_communication.send_forward_backward_recv_forward_backward(
+                output_tensor, None, recv_prev=recv_prev, recv_next=recv_next, tensor_shape=shape, config=config)
+            output_tensor_grads[num_chunks - 1].append(output_tensor_grad)
+        else:
+            input_tensor = p2p_communication.send_forward_recv_forward(output_tensor, recv_prev=recv_prev,
+                                                                       tensor_shape=shape, config=config)
+        input_tensors[next_c].append(input_tensor)
+        deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
+
+    # Steady state: one forward and one backward per step.
+    for k in range(num_remaining):
+        forward_k = k + num_warmup
+        output_tensor = forward_helper(forward_k)
+        input_tensor_grad = backward_helper(k)
+
+        set_chunk(chunk_id(forward_k, forward=True))
+        if parallel_state.is_pipeline_last_stage():
+            output_tensor = None
+        set_chunk(chunk_id(k, forward=False))
+        if parallel_state.is_pipeline_first_stage():
+            input_tensor_grad = None
+
+        # The first rank runs p - 1 forward steps ahead of the last rank (and vice versa for backward),
+        # so the chunk that the next received tensor belongs to is computed from that lag.
+        recv_prev = True
+        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+            next_forward_c = chunk_id(forward_k - (pp_size - 1), forward=True)
+            if next_forward_c == num_chunks - 1:
+                recv_prev = False
+            next_forward_c += 1
+        else:
+            next_forward_c = chunk_id(forward_k + 1, forward=True)
+        recv_next = True
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            next_backward_c = chunk_id(k - (pp_size - 1), forward=False)
+            if next_backward_c == 0:
+                recv_next = False
+            next_backward_c -= 1
+        else:
+            next_backward_c = chunk_id(k + 1, forward=False)
+        if k == num_remaining - 1:
+            recv_prev = False
+
+        input_tensor, output_tensor_grad = p2p_communication.send_forward_backward_recv_forward_backward(
+            output_tensor, input_tensor_grad, recv_prev=recv_prev, recv_next=recv_next, tensor_shape=shape,
+            config=config)
+        deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
+        if recv_prev:
+            input_tensors[next_forward_c].append(input_tensor)
+        if recv_next:
+            output_tensor_grads[next_backward_c].append(output_tensor_grad)
+
+    # Cool-down: the remaining backward passes.
+    if not forward_only:
+        if all_warmup:
+            output_tensor_grads[num_chunks - 1].append(p2p_communication.recv_backward(shape, config))
+        for k in range(num_remaining, total):
+            input_tensor_grad = backward_helper(k)
+            next_c = chunk_id(k + 1, forward=False)
+            recv_next = not (parallel_state.is_pipeline_last_stage(ignore_virtual=True) and next_c == num_chunks - 1)
+            if k == total - 1:
+                recv_next = False
+            output_tensor_grads[next_c].append(p2p_communication.send_backward_recv_backward(
+                input_tensor_grad, recv_next=recv_next, tensor_shape=shape, config=config))
+    for toggle in toggles:
+        toggle.enable()
+    set_chunk(0)
+    _finalize(config, model, forward_only)
+    return forward_data_store

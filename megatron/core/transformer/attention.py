@@ -1,0 +1,266 @@
+"""Tensor-parallel multi-head / grouped-query attention (self and cross), with KV cache and RoPE.
+
+``ParallelAttention`` is the one implementation; megatron-core's ``SelfAttention`` / ``CrossAttention`` are
+the same class with megatron-core's submodule names (``linear_qkv``/``linear_proj`` instead of Megatron's
+legacy ``query_key_value``/``dense``), so legacy checkpoints and megatron-core state dicts map key for key.
+
+Fused QKV layout (per TP partition): the output of ``query_key_value`` viewed as ``[sq, b, ng, (np/ng + 2) * hn]``
+holds, for each of the ``ng`` query groups, the group's ``np/ng`` query heads, then its key head, then its value
+head. Without GQA (``ng == np``) that is ``[q_h, k_h, v_h]`` per head. Splitting the weight's rows into TP
+contiguous chunks therefore gives each rank whole groups.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType, AttnType
+from megatron.core.transformer.fusions import log_once
+from megatron.core.transformer.model_options import model_option
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.rotary import apply_rotary_pos_emb
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.utils import divide
+
+# Submodule names: Megatron legacy checkpoints vs megatron-core.
+ATTENTION_NAMES = {
+    "legacy": {"qkv": "query_key_value", "q": "query", "kv": "key_value", "proj": "dense"},
+    "mcore": {"qkv": "linear_qkv", "q": "linear_q", "kv": "linear_kv", "proj": "linear_proj"},
+}
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    linear_qkv: Union[ModuleSpec, type] = None
+    core_attention: Union[ModuleSpec, type] = None
+    linear_proj: Union[ModuleSpec, type] = None
+
+
+@dataclass
+class CrossAttentionSubmodules:
+    linear_q: Union[ModuleSpec, type] = None
+    linear_kv: Union[ModuleSpec, type] = None
+    core_attention: Union[ModuleSpec, type] = None
+    linear_proj: Union[ModuleSpec, type] = None
+
+
+class FlashSelfAttention(torch.nn.Module):
+    """flash-attn's kernel (``--use-flash-attn``); inputs ``[b, s, heads, hn]``. Needs the flash-attn package."""
+
+    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0):
+        super().__init__()
+        try:
+            from flash_attn import flash_attn_func  # type: ignore
+        except ImportError as e:
+            raise ImportError("--use-flash-attn was given but the flash-attn package is not installed: "
+                              "`pip install flash-attn` (CUDA only) or drop --use-flash-attn") from e
+        self._flash_attn_func = flash_attn_func
+        self.causal = causal
+        self.softmax_scale = softmax_scale
+        self.dropout_p = attention_dropout
+        log_once("attention_flash", "attention: flash-attn (flash_attn_func)")
+
+    def forward(self, q, k, v):
+        if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError("flash-attn needs fp16/bf16 CUDA tensors (--fp16/--bf16 on a GPU); "
+                               "drop --use-flash-attn on CPU")
+        dropout_p = self.dropout_p if self.training else 0.0
+        return self._flash_attn_func(q, k, v, dropout_p, softmax_scale=self.softmax_scale, causal=self.causal)
+
+
+def _class_of(spec, default):
+    if spec is None:
+        return default
+    return spec.module if isinstance(spec, ModuleSpec) else spec
+
+
+class ParallelAttention(MegatronModule):
+    """``ParallelAttention(config, layer_number, attention_type, attn_mask_type)``.
+
+    ``forward(hidden_states [s, b, h], attention_mask, encoder_output=None, inference_params=None,
+    rotary_pos_emb=None) -> (output, bias)``; ``bias`` is the output projection's bias, left for the fused
+    bias-dropout-add of the layer.
+    """
+
+    def __init__(self, config, layer_number, attention_type=AttnType.self_attn,
+                 attn_mask_type=AttnMaskType.padding, *, naming: str = "legacy", submodules=None):
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attention_type = attention_type
+        self.attn_mask_type = attn_mask_type
+        self.params_dtype = config.params_dtype
+        self.sequence_parallel = config.sequence_parallel
+        self.names = ATTENTION_NAMES[naming]
+        self.recompute_core_attention = config.recompute_granularity == "selective"
+
+        query_projection_size = config.kv_channels * config.num_attention_heads
+        kv_projection_size = config.kv_channels * config.num_query_groups
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.hidden_size_per_attention_head = config.kv_channels
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, world_size)
+
+        self.use_flash_attn = (model_option(config, "use_flash_attn") and attention_type == AttnType.self_attn
+                               and attn_mask_type == AttnMaskType.causal)
+
+        qkv_bias = config.add_bias_linear or model_option(config, "add_qkv_bias")
+        common = dict(config=config, init_method=config.init_method, gather_output=False)
+        sub = submodules
+        if attention_type == AttnType.self_attn:
+            col = _class_of(getattr(sub, "linear_qkv", None), tensor_parallel.ColumnParallelLinear)
+            self.add_module(self.names["qkv"], col(config.hidden_size, query_projection_size + 2 * kv_projection_size,
+                                                   bias=qkv_bias, **common))
+        else:
+            assert attention_type == AttnType.cross_attn
+            col_q = _class_of(getattr(sub, "linear_q", None), tensor_parallel.ColumnParallelLinear)
+            col_kv = _class_of(getattr(sub, "linear_kv", None), tensor_parallel.ColumnParallelLinear)
+            self.add_module(self.names["q"], col_q(config.hidden_size, query_projection_size, bias=qkv_bias, **common))
+            self.add_module(self.names["kv"], col_kv(config.hidden_size, 2 * kv_projection_size, bias=qkv_bias,
+                                                     **common))
+
+        if naming == "mcore" or getattr(sub, "core_attention", None) is not None:
+            self.core_attention = build_module(getattr(sub, "core_attention", None) or DotProductAttention,
+                                               config=config, layer_number=self.layer_number,
+                                               attn_mask_type=attn_mask_type)
+        else:
+            self.core_attention = CoreAttention(self.layer_number, config, attn_mask_type)
+
+        if self.use_flash_attn:
+            self.core_attention_flash = FlashSelfAttention(
+                causal=True, softmax_scale=1.0 / (self.hidden_size_per_attention_head ** 0.5),
+                attention_dropout=config.attention_dropout)
+
+        row = _class_of(getattr(sub, "linear_proj", None), tensor_parallel.RowParallelLinear)
+        self.add_module(self.names["proj"], row(query_projection_size, config.hidden_size, config=config,
+                                                init_method=config.output_layer_init_method,
+                                                bias=config.add_bias_linear, input_is_parallel=True,
+                                                skip_bias_add=True))
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _sub(self, role: str):
+        return getattr(self, self.names[role])
+
+    def _checkpointed_attention_forward(self, query_layer, key_layer, value_layer, attention_mask):
+        """Selective recompute: keep no activations of the core attention (the s^2 part) for backward."""
+
+        def custom_forward(*inputs):
+            return self.core_attention(inputs[0], inputs[1], inputs[2], inputs[3])
+
+        return tensor_parallel.checkpoint(custom_forward, False, query_layer, key_layer, value_layer, attention_mask)
+
+    def _allocate_memory(self, inference_max_sequence_len, batch_size, device, dtype):
+        return torch.empty(inference_max_sequence_len, batch_size, self.num_query_groups_per_partition,
+                           self.hidden_size_per_attention_head, dtype=dtype, device=device)
+
+    def _split_qkv(self, hidden_states, encoder_output):
+        hn = self.hidden_size_per_attention_head
+        ng = self.num_query_groups_per_partition
+        heads_per_group = self.num_attention_heads_per_partition // ng
+        if self.attention_type == AttnType.self_attn:
+            mixed, _ = self._sub("qkv")(hidden_states)
+            mixed = mixed.view(*mixed.size()[:-1], ng, (heads_per_group + 2) * hn)
+            query, key, value = torch.split(mixed, [heads_per_group * hn, hn, hn], dim=3)
+            query = query.reshape(query.size(0), query.size(1), -1, hn)
+        else:
+            mixed_kv, _ = self._sub("kv")(encoder_output)
+            mixed_kv = mixed_kv.view(*mixed_kv.size()[:-1], ng, 2 * hn)
+            key, value = torch.split(mixed_kv, [hn, hn], dim=3)
+            query, _ = self._sub("q")(hidden_states)
+            query = query.view(*query.size()[:-1], self.num_attention_heads_per_partition, hn)
+        return query, key, value
+
+    # ------------------------------------------------------------------------------------------ forward
+    def forward(self, hidden_states, attention_mask, encoder_output=None, inference_params=None,
+                rotary_pos_emb=None):
+        is_first_step = False
+        if inference_params is not None:
+            memory = inference_params.key_value_memory_dict
+            if self.layer_number not in memory:
+                # The cache holds what the layer computes (the params dtype, or fp16/bf16 under Float16Module).
+                key_memory = self._allocate_memory(inference_params.max_sequence_length, inference_params.max_batch_size,
+                                                   hidden_states.device, hidden_states.dtype)
+                value_memory = self._allocate_memory(inference_params.max_sequence_length,
+                                                     inference_params.max_batch_size, hidden_states.device,
+                                                     hidden_states.dtype)
+                memory[self.layer_number] = (key_memory, value_memory)
+                is_first_step = True
+            else:
+                key_memory, value_memory = memory[self.layer_number]
+
+        query_layer, key_layer, value_layer = self._split_qkv(hidden_states, encoder_output)
+
+        if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb,) * 2
+
+        if inference_params is not None:
+            batch_start = inference_params.batch_size_offset
+            batch_end = batch_start + key_layer.size(1)
+            sequence_start = inference_params.sequence_len_offset
+            sequence_end = sequence_start + key_layer.size(0)
+            key_memory[sequence_start:sequence_end, batch_start:batch_end, ...] = key_layer
+            value_memory[sequence_start:sequence_end, batch_start:batch_end, ...] = value_layer
+            key_layer = key_memory[:sequence_end, batch_start:batch_end, ...]
+            value_layer = value_memory[:sequence_end, batch_start:batch_end, ...]
+            if rotary_pos_emb is not None:
+                q_pos_emb, k_pos_emb = rotary_pos_emb
+                if not is_first_step:
+                    q_pos_emb = q_pos_emb[sequence_start:sequence_end]
+                else:
+                    q_pos_emb = q_pos_emb[:sequence_end]
+                rotary_pos_emb = (q_pos_emb, k_pos_emb[:sequence_end])
+
+        if rotary_pos_emb is not None:
+            q_pos_emb, k_pos_emb = rotary_pos_emb
+            query_layer = apply_rotary_pos_emb(query_layer, q_pos_emb[: query_layer.size(0)])
+            key_layer = apply_rotary_pos_emb(key_layer, k_pos_emb[: key_layer.size(0)])
+
+        if self.use_flash_attn:
+            groups = query_layer.size(2) // key_layer.size(2)
+            if groups > 1:
+                key_layer = key_layer.repeat_interleave(groups, dim=2)
+                value_layer = value_layer.repeat_interleave(groups, dim=2)
+            q, k, v = [x.transpose(0, 1).contiguous() for x in (query_layer, key_layer, value_layer)]
+            rng = (tensor_parallel.get_cuda_rng_tracker().fork() if not self.sequence_parallel
+                   else contextlib.nullcontext())
+            with rng:
+                context_layer = self.core_attention_flash(q, k, v)
+            context_layer = context_layer.transpose(0, 1).reshape(context_layer.size(1), context_layer.size(0), -1)
+        elif self.recompute_core_attention and self.training:
+            context_layer = self._checkpointed_attention_forward(query_layer, key_layer, value_layer, attention_mask)
+        else:
+            context_layer = self.core_attention(query_layer, key_layer, value_layer, attention_mask)
+
+        output, bias = self._sub("proj")(context_layer)
+        return output, bias
+
+
+class SelfAttention(ParallelAttention):
+    """megatron-core: ``SelfAttention(config, submodules, layer_number=1, attn_mask_type=padding)``;
+    ``forward(hidden_states, attention_mask, key_value_states=None, inference_params=None, rotary_pos_emb=None)``."""
+
+    def __init__(self, config, submodules: Optional[SelfAttentionSubmodules] = None, layer_number: int = 1,
+                 attn_mask_type=AttnMaskType.padding, **unused):
+        super().__init__(config, layer_number, AttnType.self_attn, attn_mask_type, naming="mcore",
+                         submodules=submodules)
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_params=None,
+                rotary_pos_emb=None, packed_seq_params=None):
+        return super().forward(hidden_states, attention_mask, None, inference_params, rotary_pos_emb)
+
+
+class CrossAttention(ParallelAttention):
+    """megatron-core: ``CrossAttention(config, submodules, layer_number=1, attn_mask_type=padding)``."""
+
+    def __init__(self, config, submodules: Optional[CrossAttentionSubmodules] = None, layer_number: int = 1,
+                 attn_mask_type=AttnMaskType.padding, **unused):
+        super().__init__(config, layer_number, AttnType.cross_attn, attn_mask_type, naming="mcore",
+                         submodules=submodules)
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_params=None,
+                rotary_pos_emb=None, packed_seq_params=None):
+        return super().forward(hidden_states, attention_mask, key_value_states, inference_params, rotary_pos_emb)

@@ -1,0 +1,177 @@
+"""Core attention: softmax(Q K^T / sqrt(d) + mask) V for the heads of this tensor-parallel rank.
+
+``CoreAttention`` (Megatron's legacy class; megatron-core calls it ``DotProductAttention``) has three
+implementations of the same function, chosen per call and printed once:
+
+* ``torch.nn.functional.scaled_dot_product_attention`` (SDPA: flash / memory-efficient kernels on GPU) for
+  causal and boolean padding masks — the default (model option ``attention_backend='auto'``);
+* the explicit path of Megatron (``baddbmm`` into a reused buffer, scale-mask-softmax, dropout, ``bmm``)
+  for ``attention_backend='unfused'`` or masks that are not boolean;
+* ``flash-attn``'s kernel when ``--use-flash-attn`` is given (see :mod:`megatron.core.transformer.attention`).
+
+Masks are boolean with True = masked. Rows that are masked entirely (padding queries in BERT) get the
+uniform average of the values in the explicit path (all scores equal -10000); the SDPA path reproduces
+that instead of returning NaNs.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.fusions import FusedScaleMaskSoftmax, attention_mask_func, causal_mask, log_once
+from megatron.core.transformer.model_options import model_option
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+_CAUSAL_CHECK_CACHE = {}
+
+
+def _is_plain_causal(mask: torch.Tensor, sq: int, sk: int) -> bool:
+    """True if ``mask`` is the standard ``[1, 1, s, s]`` causal mask (cached per tensor version)."""
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or sq != sk:
+        return False
+    key = (mask.data_ptr(), tuple(mask.shape), mask._version, mask.device)
+    hit = _CAUSAL_CHECK_CACHE.get(key)
+    if hit is None:
+        hit = bool(torch.equal(mask[0, 0], causal_mask(sq, sk, mask.device)[0, 0]))
+        _CAUSAL_CHECK_CACHE.clear()
+        _CAUSAL_CHECK_CACHE[key] = hit
+    return hit
+
+
+class CoreAttention(MegatronModule):
+    """``CoreAttention(layer_number, config, attn_mask_type)``; ``forward(q, k, v, mask) -> [sq, b, hp]``.
+
+    Inputs are ``[s, b, heads, hn]``; keys and values with fewer heads than the queries (grouped-query
+    attention) are repeated to match.
+    """
+
+    def __init__(self, layer_number, config, attn_mask_type=AttnMaskType.padding, attention_dropout=None):
+        super().__init__(config=config)
+        self.fp16 = config.fp16
+        self.bf16 = config.bf16
+        self.apply_query_key_layer_scaling = config.apply_query_key_layer_scaling
+        self.attention_softmax_in_fp32 = config.attention_softmax_in_fp32 or self.apply_query_key_layer_scaling
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.sequence_parallel = config.sequence_parallel
+        self.backend = model_option(config, "attention_backend")
+
+        projection_size = config.kv_channels * config.num_attention_heads
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.hidden_size_per_partition = divide(projection_size, world_size)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
+
+        # Query-key layer scaling divides the scores by the layer number in the (fp16) GEMM and multiplies
+        # them back in the fp32 softmax, which keeps deep fp16 models from overflowing.
+        coeff = None
+        self.norm_factor = math.sqrt(self.hidden_size_per_attention_head)
+        if self.apply_query_key_layer_scaling:
+            coeff = self.layer_number
+            self.norm_factor *= coeff
+        self.scale_mask_softmax = FusedScaleMaskSoftmax(
+            self.fp16, self.bf16, self.attn_mask_type, config.masked_softmax_fusion, attention_mask_func,
+            self.attention_softmax_in_fp32, coeff)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.attention_dropout = torch.nn.Dropout(dropout)
+
+    # ------------------------------------------------------------------------------------------- dispatch
+    def _dropout_rng(self):
+        # Attention heads are split across TP ranks, so their dropout must differ per rank: draw from the
+        # TP-specific tracker state (with sequence parallelism the whole layer already runs inside it).
+        if self.sequence_parallel:
+            return contextlib.nullcontext()
+        return tensor_parallel.get_cuda_rng_tracker().fork()
+
+    def use_sdpa(self, attention_mask) -> bool:
+        if self.backend in ("unfused", "local"):
+            return False
+        return attention_mask is None or attention_mask.dtype == torch.bool
+
+    def forward(self, query_layer, key_layer, value_layer, attention_mask):
+        groups = query_layer.size(2) // key_layer.size(2)
+        if groups > 1:
+            key_layer = key_layer.repeat_interleave(groups, dim=2)
+            value_layer = value_layer.repeat_interleave(groups, dim=2)
+        if self.use_sdpa(attention_mask):
+            log_once("attention_sdpa", "attention: torch.nn.functional.scaled_dot_product_attention (SDPA)")
+            return self._sdpa_forward(query_layer, key_layer, value_layer, attention_mask)
+        log_once("attention_unfused", "attention: explicit masked softmax (unfused)")
+        return self._explicit_forward(query_layer, key_layer, value_layer, attention_mask)
+
+    # ----------------------------------------------------------------------------------- explicit path
+    def _explicit_forward(self, query_layer, key_layer, value_layer, attention_mask):
+        sq, b, np_, hn = query_layer.shape
+        sk = key_layer.size(0)
+        output_size = (b, np_, sq, sk)
+        query_layer = query_layer.reshape(sq, b * np_, hn)
+        key_layer = key_layer.reshape(sk, b * np_, hn)
+        matmul_input_buffer = parallel_state.get_global_memory_buffer().get_tensor(
+            (b * np_, sq, sk), query_layer.dtype, "mpu")
+        if matmul_input_buffer.device != query_layer.device:
+            matmul_input_buffer = torch.empty((b * np_, sq, sk), dtype=query_layer.dtype, device=query_layer.device)
+        matmul_result = torch.baddbmm(
+            matmul_input_buffer, query_layer.transpose(0, 1), key_layer.transpose(0, 1).transpose(1, 2),
+            beta=0.0, alpha=(1.0 / self.norm_factor))
+        attention_scores = matmul_result.view(*output_size)
+
+        attention_probs = self.scale_mask_softmax(attention_scores, attention_mask)
+        with self._dropout_rng():
+            attention_probs = self.attention_dropout(attention_probs)
+
+        value_layer = value_layer.reshape(sk, b * np_, hn)
+        attention_probs = attention_probs.view(b * np_, sq, sk)
+        context_layer = torch.bmm(attention_probs, value_layer.transpose(0, 1))
+        context_layer = context_layer.view(b, np_, sq, hn).permute(2, 0, 1, 3).contiguous()
+        return context_layer.view(sq, b, np_ * hn)
+
+    # --------------------------------------------------------------------------------------- SDPA path
+    def _sdpa_forward(self, query_layer, key_layer, value_layer, attention_mask):
+        sq, b, np_, hn = query_layer.shape
+        sk = key_layer.size(0)
+        q = query_layer.permute(1, 2, 0, 3)
+        k = key_layer.permute(1, 2, 0, 3)
+        v = value_layer.permute(1, 2, 0, 3)
+
+        is_causal, keep, fully_masked = False, None, None
+        if attention_mask is None:
+            if self.attn_mask_type == AttnMaskType.causal:
+                if sq == sk:
+                    is_causal = True
+                else:
+                    keep = ~causal_mask(sq, sk, q.device)
+        elif self.attn_mask_type == AttnMaskType.causal and _is_plain_causal(attention_mask, sq, sk):
+            is_causal = True
+        else:
+            # SDPA's boolean mask means "may attend". Fully masked rows would give NaN: let them attend to
+            # every key and replace their output below by the mean of the values, as the explicit path gives.
+            fully_masked = attention_mask.all(dim=-1, keepdim=True)
+            keep = (~attention_mask) | fully_masked
+
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        rng = self._dropout_rng() if dropout_p > 0.0 else contextlib.nullcontext()
+        with rng:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal,
+                                                 scale=1.0 / math.sqrt(hn))
+        if fully_masked is not None:
+            out = torch.where(fully_masked, v.mean(dim=-2, keepdim=True).to(out.dtype), out)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+class DotProductAttention(CoreAttention):
+    """megatron-core's name and signature: ``DotProductAttention(config, layer_number, attn_mask_type, ...)``."""
+
+    def __init__(self, config, layer_number: int = 1, attn_mask_type=AttnMaskType.padding, attention_type=None,
+                 attention_dropout=None):
+        super().__init__(layer_number, config, attn_mask_type, attention_dropout=attention_dropout)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences (packed_seq_params) are not supported by this attention")
+        return super().forward(query, key, value, attention_mask)

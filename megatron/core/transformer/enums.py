@@ -1,0 +1,31 @@
+"""Enums of the transformer (Megatron's legacy values; megatron-core uses the same names)."""
+import enum
+
+from megatron.core.enums import ModelType  # noqa: F401  (re-exported as Megatron does)
+
+
+class LayerType(enum.Enum):
+    encoder = 1
+    decoder = 2
+    retro_encoder = 3
+    retro_decoder = 4
+    retro_decoder_with_retriever = 5
+
+
+class AttnType(enum.Enum):
+    self_attn = 1
+    cross_attn = 2
+
+
+class AttnMaskType(enum.Enum):
+    padding = 1
+    causal = 2
+
+
+class AttnBackend(enum.Enum):
+    """Attention implementation choice (megatron-core's ``--attention-backend``)."""
+    flash = 1
+    fused = 2
+    unfused = 3
+    local = 4
+    auto = 5

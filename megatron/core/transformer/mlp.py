@@ -1,0 +1,107 @@
+"""Tensor-parallel MLP: h -> ffn (column parallel) -> activation -> h (row parallel).
+
+With a gated linear unit (``--swiglu``: ``gated_linear_unit=True, activation_func=F.silu``) the first linear
+produces ``2 * ffn`` features; on every TP rank its local output is ``[gate_shard; up_shard]`` and the
+activation is ``act(gate) * up``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.fusions import bias_gelu_impl, erf_gelu, log_once, openai_gelu, squared_relu
+from megatron.core.transformer.model_options import model_option
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+MLP_NAMES = {
+    "legacy": {"fc1": "dense_h_to_4h", "fc2": "dense_4h_to_h"},
+    "mcore": {"fc1": "linear_fc1", "fc2": "linear_fc2"},
+}
+
+
+def swiglu_ffn_hidden_size(hidden_size: int) -> int:
+    """Megatron's default FFN size with ``--swiglu`` and no ``--ffn-hidden-size``: 2/3 of 4h, rounded down to 64.
+
+    Two input projections instead of one keep the parameter count close to the 4h GeLU MLP.
+    """
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+@dataclass
+class MLPSubmodules:
+    linear_fc1: Union[ModuleSpec, type] = None
+    linear_fc2: Union[ModuleSpec, type] = None
+
+
+def _class_of(spec, default):
+    if spec is None:
+        return default
+    return spec.module if isinstance(spec, ModuleSpec) else spec
+
+
+class ParallelMLP(MegatronModule):
+    """``ParallelMLP(config)``; ``forward(hidden_states) -> (output, output_bias)``."""
+
+    def __init__(self, config, is_expert: bool = False, *, naming: str = "legacy", submodules=None):
+        super().__init__(config=config)
+        self.names = MLP_NAMES[naming]
+        self.add_bias = config.add_bias_linear
+        ffn_hidden_size = config.ffn_hidden_size
+        if config.gated_linear_unit:
+            ffn_hidden_size *= 2
+
+        col = _class_of(getattr(submodules, "linear_fc1", None), tensor_parallel.ColumnParallelLinear)
+        row = _class_of(getattr(submodules, "linear_fc2", None), tensor_parallel.RowParallelLinear)
+        self.add_module(self.names["fc1"], col(config.hidden_size, ffn_hidden_size, config=config,
+                                               init_method=config.init_method, bias=self.add_bias,
+                                               gather_output=False, skip_bias_add=True))
+
+        self.bias_gelu_fusion = False
+        self.gated = config.gated_linear_unit
+        if self.gated:
+            act = config.activation_func
+
+            def glu(x):
+                x = torch.chunk(x, 2, dim=-1)
+                return act(x[0]) * x[1]
+
+            self.activation_func = glu
+            name = f"gated {getattr(act, '__name__', 'activation')} (swiglu when silu)"
+        elif model_option(config, "openai_gelu"):
+            self.activation_func, name = openai_gelu, "openai_gelu (tanh approximation)"
+        elif model_option(config, "onnx_safe"):
+            self.activation_func, name = erf_gelu, "erf_gelu"
+        elif model_option(config, "squared_relu"):
+            self.activation_func, name = squared_relu, "squared_relu"
+        else:
+            self.activation_func = config.activation_func
+            self.bias_gelu_fusion = config.bias_gelu_fusion and self.add_bias and config.activation_func is F.gelu
+            name = "fused bias-gelu" if self.bias_gelu_fusion else getattr(config.activation_func, "__name__", "custom")
+        log_once("mlp_activation", f"MLP activation: {name}")
+
+        self.add_module(self.names["fc2"], row(config.ffn_hidden_size, config.hidden_size, config=config,
+                                               init_method=config.output_layer_init_method, bias=self.add_bias,
+                                               input_is_parallel=True, skip_bias_add=True))
+
+    def forward(self, hidden_states):
+        intermediate_parallel, bias_parallel = getattr(self, self.names["fc1"])(hidden_states)
+        if self.bias_gelu_fusion:
+            intermediate_parallel = bias_gelu_impl(intermediate_parallel, bias_parallel)
+        else:
+            if bias_parallel is not None:
+                intermediate_parallel = intermediate_parallel + bias_parallel
+            intermediate_parallel = self.activation_func(intermediate_parallel)
+        output, output_bias = getattr(self, self.names["fc2"])(intermediate_parallel)
+        return output, output_bias
+
+
+class MLP(ParallelMLP):
+    """megatron-core: ``MLP(config, submodules, is_expert=False)`` with ``linear_fc1``/``linear_fc2``."""
+
+    def __init__(self, config, submodules: Optional[MLPSubmodules] = None, is_expert: bool = False, **unused):
+        super().__init__(config, is_expert, naming="mcore", submodules=submodules)

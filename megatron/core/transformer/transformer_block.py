@@ -1,0 +1,209 @@
+"""The stack of transformer layers of one pipeline stage (and virtual-pipeline chunk), with recompute.
+
+``ParallelTransformer`` is Megatron's legacy class; megatron-core's ``TransformerBlock`` is the same class
+built from a layer spec. Submodule names (``layers.{i}``, ``final_layernorm``) are the same in both APIs.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.transformer.enums import AttnMaskType, LayerType
+from megatron.core.transformer.model_options import model_option
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import get_norm
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import NoopTransformerLayer, ParallelTransformerLayer, TransformerLayer
+from megatron.core.utils import make_viewless_tensor
+
+
+def get_num_layers_to_build(config, standalone_embedding_stage: bool = False) -> int:
+    """Layers held by this pipeline stage (per virtual chunk): ``num_layers / pp [/ vpp]``."""
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    num_layers = config.num_layers
+    if pp > 1:
+        transformer_pp = pp - 1 if standalone_embedding_stage else pp
+        if standalone_embedding_stage and parallel_state.get_pipeline_model_parallel_rank() == 0:
+            return 0
+        if num_layers % transformer_pp != 0:
+            raise ValueError(f"num_layers ({num_layers}) must be divisible by the number of pipeline stages that hold "
+                             f"layers ({transformer_pp}); change --num-layers or --pipeline-model-parallel-size")
+        num_layers //= transformer_pp
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None:
+        if num_layers % vpp != 0:
+            raise ValueError(f"layers per pipeline stage ({num_layers}) must be divisible by the virtual pipeline "
+                             f"size ({vpp}); check --num-layers-per-virtual-pipeline-stage")
+        num_layers //= vpp
+    return num_layers
+
+
+def get_layer_offset(config, num_layers_here: int, standalone_embedding_stage: bool = False) -> int:
+    """Global index of this chunk's first layer.
+
+    Without virtual stages: ``pp_rank * layers_per_stage``. With ``vpp`` chunks, chunk ``v`` of stage ``p``
+    starts at ``v * (L / vpp) + p * layers_per_chunk`` (8 layers, pp 2, vpp 2: stage 0 holds [0,1] and
+    [4,5], stage 1 holds [2,3] and [6,7]).
+    """
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if standalone_embedding_stage and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        pp_rank = max(pp_rank - 1, 0)
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None:
+        vp_rank = parallel_state.get_virtual_pipeline_model_parallel_rank() or 0
+        return vp_rank * (config.num_layers // vpp) + pp_rank * num_layers_here
+    return pp_rank * num_layers_here
+
+
+class ParallelTransformer(MegatronModule):
+    """``ParallelTransformer(config, model_type, layer_type, self_attn_mask_type, post_layer_norm, pre_process,
+    post_process, drop_path_rate)``; ``forward(hidden_states, attention_mask, encoder_output=None,
+    enc_dec_attn_mask=None, ..., inference_params=None, rotary_pos_emb=None) -> hidden_states``.
+
+    On stages other than the first the input comes from :meth:`set_input_tensor` (the pipeline schedule).
+    """
+
+    def __init__(self, config, model_type=ModelType.encoder_or_decoder, layer_type=LayerType.encoder,
+                 self_attn_mask_type=AttnMaskType.padding, post_layer_norm=True, pre_process=True,
+                 post_process=True, drop_path_rate=0.0, *, layer_spec=None):
+        super().__init__(config=config)
+        if model_type == ModelType.encoder_and_decoder and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            raise NotImplementedError("encoder-decoder models (T5) with pipeline parallelism are not implemented")
+        if model_option(config, "transformer_impl") == "transformer_engine":
+            from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
+
+            transformer_engine_layers_unavailable()
+        self.layer_type = layer_type
+        self.model_type = model_type
+        self.post_layer_norm = post_layer_norm
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.input_tensor = None
+        self.drop_path_rate = drop_path_rate
+        self.sequence_parallel = config.sequence_parallel
+        self.recompute_granularity = config.recompute_granularity
+        self.recompute_method = config.recompute_method
+        self.recompute_num_layers = config.recompute_num_layers
+        self.distribute_saved_activations = bool(config.distribute_saved_activations) and not config.sequence_parallel
+
+        standalone = model_option(config, "standalone_embedding_stage")
+        self.num_layers = get_num_layers_to_build(config, standalone)
+        offset = get_layer_offset(config, self.num_layers, standalone)
+        self.drop_path_rates = [rate.item() for rate in torch.linspace(0, drop_path_rate, max(config.num_layers, 1))]
+
+        def build_layer(layer_number):
+            if layer_spec is not None:
+                return build_module(layer_spec, config=config, layer_number=layer_number)
+            return ParallelTransformerLayer(config, layer_number, layer_type=layer_type,
+                                            self_attn_mask_type=self_attn_mask_type,
+                                            drop_path_rate=self.drop_path_rates[layer_number - 1])
+
+        if self.num_layers == 0:
+            # A stage without layers must still return a tensor that is not its input (see NoopTransformerLayer).
+            self.num_layers = 1
+            self.layers = torch.nn.ModuleList([NoopTransformerLayer(1)])
+        else:
+            self.layers = torch.nn.ModuleList([build_layer(i + 1 + offset) for i in range(self.num_layers)])
+
+        if self.post_process and self.post_layer_norm:
+            self.final_layernorm = get_norm(config)
+
+    def _get_layer(self, layer_number):
+        return self.layers[layer_number]
+
+    def set_input_tensor(self, input_tensor):
+        """The activation received from the previous pipeline stage (used instead of forward's input)."""
+        self.input_tensor = input_tensor
+
+    @staticmethod
+    def _run_layer(layer, hidden_states, attention_mask, encoder_output, enc_dec_attn_mask, inference_params,
+                   rotary_pos_emb):
+        if isinstance(layer, TransformerLayer):
+            hidden_states, _ = layer(hidden_states, attention_mask, context=encoder_output,
+                                     context_mask=enc_dec_attn_mask, rotary_pos_emb=rotary_pos_emb,
+                                     inference_params=inference_params)
+            return hidden_states
+        return layer(hidden_states, attention_mask, encoder_output=encoder_output,
+                     enc_dec_attn_mask=enc_dec_attn_mask, inference_params=inference_params,
+                     rotary_pos_emb=rotary_pos_emb)
+
+    def _checkpointed_forward(self, hidden_states, attention_mask, encoder_output, enc_dec_attn_mask,
+                              rotary_pos_emb):
+        """Full recompute: only the inputs of each recomputed chunk of layers are kept for backward."""
+
+        def custom(start, end):
+            def custom_forward(x_, mask, enc_out, enc_dec_mask, rope):
+                for index in range(start, end):
+                    x_ = self._run_layer(self._get_layer(index), x_, mask, enc_out, enc_dec_mask, None, rope)
+                return x_
+
+            return custom_forward
+
+        n = self.recompute_num_layers
+        args = (attention_mask, encoder_output, enc_dec_attn_mask, rotary_pos_emb)
+        if self.recompute_method == "uniform":
+            # Checkpoint every n consecutive layers: fewest stored activations, one extra forward overall.
+            layer = 0
+            while layer < self.num_layers:
+                end = min(layer + n, self.num_layers)
+                hidden_states = tensor_parallel.checkpoint(custom(layer, end), self.distribute_saved_activations,
+                                                           hidden_states, *args)
+                layer = end
+        elif self.recompute_method == "block":
+            # Checkpoint only the first n layers of the stage; the rest keep their activations.
+            for layer in range(self.num_layers):
+                if layer < n:
+                    hidden_states = tensor_parallel.checkpoint(custom(layer, layer + 1),
+                                                               self.distribute_saved_activations, hidden_states, *args)
+                else:
+                    hidden_states = custom(layer, layer + 1)(hidden_states, *args)
+        else:
+            raise ValueError(f"invalid recompute_method {self.recompute_method!r} (--recompute-method uniform|block)")
+        return hidden_states
+
+    def forward(self, hidden_states, attention_mask, encoder_output=None, enc_dec_attn_mask=None,
+                retriever_input=None, retriever_output=None, retriever_attn_mask=None, inference_params=None,
+                rotary_pos_emb=None):
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        # Viewless so that the pipeline schedule can free it after sending (see make_viewless_tensor).
+        hidden_states = make_viewless_tensor(hidden_states, requires_grad=True, keep_graph=True)
+
+        # With sequence parallelism every TP rank holds different tokens: hidden dropout must differ per rank.
+        rng_context = (tensor_parallel.get_cuda_rng_tracker().fork() if self.sequence_parallel
+                       else contextlib.nullcontext())
+        with rng_context:
+            if self.recompute_granularity == "full" and self.training:
+                hidden_states = self._checkpointed_forward(hidden_states, attention_mask, encoder_output,
+                                                           enc_dec_attn_mask, rotary_pos_emb)
+            else:
+                for layer in self.layers:
+                    hidden_states = self._run_layer(layer, hidden_states, attention_mask, encoder_output,
+                                                    enc_dec_attn_mask, inference_params, rotary_pos_emb)
+
+        if self.post_process and self.post_layer_norm:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states
+
+
+class TransformerBlock(ParallelTransformer):
+    """megatron-core: ``TransformerBlock(config, spec, post_layer_norm=True, pre_process=True, post_process=True)``;
+    ``forward(hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
+    inference_params=None)``. ``spec`` is a layer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec()``)."""
+
+    def __init__(self, config, spec: ModuleSpec = None, post_layer_norm: bool = True, pre_process: bool = True,
+                 post_process: bool = True, **unused):
+        if spec is None:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+            spec = get_gpt_layer_local_spec()
+        super().__init__(config, post_layer_norm=post_layer_norm, pre_process=pre_process,
+                         post_process=post_process, layer_spec=spec)
+
+    def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
+                inference_params=None, packed_seq_params=None):
+        return super().forward(hidden_states, attention_mask, encoder_output=context, enc_dec_attn_mask=context_mask,
+                               inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)

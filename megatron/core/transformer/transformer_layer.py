@@ -1,0 +1,211 @@
+"""One transformer layer: norm -> attention -> bias-dropout-add -> norm -> MLP -> bias-dropout-add.
+
+``ParallelTransformerLayer`` (Megatron's legacy API and checkpoint names) and megatron-core's
+``TransformerLayer`` (spec-built, megatron-core names) are one class; only the submodule names and the
+constructor/forward signatures differ.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from megatron.core.transformer.attention import ParallelAttention, SelfAttention
+from megatron.core.transformer.enums import AttnMaskType, AttnType, LayerType
+from megatron.core.transformer.fusions import get_bias_dropout_add_func
+from megatron.core.transformer.mlp import MLP, ParallelMLP
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import FusedLayerNorm, get_norm
+from megatron.core.transformer.spec_utils import IdentityFuncOp, IdentityOp, ModuleSpec, build_module
+from megatron.core.utils import make_viewless_tensor
+
+# role -> submodule name. Legacy names depend on the layer type (the decoder has a cross-attention block).
+LEGACY_LAYER_NAMES = {
+    "ln_attn": "input_layernorm", "self_attention": "self_attention",
+    "ln_cross": "post_attention_layernorm", "cross_attention": "inter_attention",
+    "ln_mlp_after_cross": "post_inter_attention_layernorm", "ln_mlp": "post_attention_layernorm", "mlp": "mlp",
+}
+MCORE_LAYER_NAMES = {
+    "ln_attn": "input_layernorm", "self_attention": "self_attention",
+    "ln_cross": "pre_cross_attn_layernorm", "cross_attention": "cross_attention",
+    "ln_mlp_after_cross": "pre_mlp_layernorm", "ln_mlp": "pre_mlp_layernorm", "mlp": "mlp",
+}
+
+
+@dataclass
+class TransformerLayerSubmodules:
+    input_layernorm: Union[ModuleSpec, type] = IdentityOp
+    self_attention: Union[ModuleSpec, type] = IdentityOp
+    self_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    pre_cross_attn_layernorm: Union[ModuleSpec, type] = IdentityOp
+    cross_attention: Union[ModuleSpec, type] = IdentityOp
+    cross_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    pre_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
+    mlp: Union[ModuleSpec, type] = IdentityOp
+    mlp_bda: Union[ModuleSpec, type] = IdentityFuncOp
+
+
+class DropPath(torch.nn.Module):
+    """Stochastic depth: drop the whole residual branch of a sample with probability ``drop_prob``."""
+
+    def __init__(self, drop_prob: float = 0.0):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, hidden_state):
+        if self.drop_prob == 0.0 or not self.training:
+            return hidden_state
+        keep_prob = 1 - self.drop_prob
+        # activations are [s, b, h]: one draw per sample (dim 1)
+        shape = (1,) + (hidden_state.shape[1],) + (1,) * (hidden_state.ndim - 2)
+        random_tensor = keep_prob + torch.rand(shape, dtype=hidden_state.dtype, device=hidden_state.device)
+        random_tensor.floor_()
+        return hidden_state.div(keep_prob) * random_tensor
+
+
+class ParallelTransformerLayer(MegatronModule):
+    """``ParallelTransformerLayer(config, layer_number, layer_type, self_attn_mask_type, drop_path_rate)``.
+
+    ``forward(hidden_states [s, b, h], attention_mask, encoder_output=None, enc_dec_attn_mask=None,
+    ..., inference_params=None, rotary_pos_emb=None) -> [s, b, h]``.
+    """
+
+    def __init__(self, config, layer_number, layer_type=LayerType.encoder, self_attn_mask_type=AttnMaskType.padding,
+                 drop_path_rate=0.0, *, naming: str = "legacy", submodules: TransformerLayerSubmodules = None,
+                 hidden_dropout=None):
+        super().__init__(config=config)
+        if layer_type not in (LayerType.encoder, LayerType.decoder):
+            raise NotImplementedError(f"layer type {layer_type} (retro) is not implemented")
+        self.layer_number = layer_number
+        self.layer_type = layer_type
+        self.apply_residual_connection_post_layernorm = config.apply_residual_connection_post_layernorm
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
+        self.bias_dropout_fusion = config.bias_dropout_fusion
+        self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0.0 else None
+        names = dict(LEGACY_LAYER_NAMES if naming == "legacy" else MCORE_LAYER_NAMES)
+        h = config.hidden_size
+
+        if submodules is None:  # Megatron's legacy layer: fixed classes
+            has_cross = layer_type == LayerType.decoder
+            self.add_module(names["ln_attn"], get_norm(config))
+            self.add_module(names["self_attention"], ParallelAttention(
+                config, layer_number, attention_type=AttnType.self_attn, attn_mask_type=self_attn_mask_type,
+                naming=naming))
+            if has_cross:
+                self.add_module(names["ln_cross"], get_norm(config))
+                self.add_module(names["cross_attention"], ParallelAttention(
+                    config, layer_number, attention_type=AttnType.cross_attn, naming=naming))
+                names["ln_mlp"] = names["ln_mlp_after_cross"]
+            self.add_module(names["ln_mlp"], get_norm(config))
+            self.add_module(names["mlp"], ParallelMLP(config, naming=naming))
+        else:  # megatron-core: classes from the spec
+            eps = config.layernorm_epsilon
+            has_cross = submodules.cross_attention not in (None, IdentityOp)
+            self.add_module(names["ln_attn"], build_module(submodules.input_layernorm, config=config,
+                                                           hidden_size=h, eps=eps))
+            self.add_module(names["self_attention"], build_module(submodules.self_attention, config=config,
+                                                                  layer_number=layer_number))
+            if has_cross:
+                self.add_module(names["ln_cross"], build_module(submodules.pre_cross_attn_layernorm, config=config,
+                                                                hidden_size=h, eps=eps))
+                self.add_module(names["cross_attention"], build_module(submodules.cross_attention, config=config,
+                                                                       layer_number=layer_number))
+            self.add_module(names["ln_mlp"], build_module(submodules.pre_mlp_layernorm, config=config,
+                                                          hidden_size=h, eps=eps))
+            self.add_module(names["mlp"], build_module(submodules.mlp, config=config))
+        self.has_cross_attention = has_cross
+        self._names = names
+
+    def _m(self, role):
+        return getattr(self, self._names[role])
+
+    def _bias_dropout_add(self, x, bias, residual):
+        if self.drop_path is None:
+            bda = get_bias_dropout_add_func(self.training, self.bias_dropout_fusion, on_cuda=x.is_cuda)
+            return bda(x, bias, residual, self.hidden_dropout)
+        out = x + bias if bias is not None else x
+        out = torch.nn.functional.dropout(out, p=self.hidden_dropout, training=self.training)
+        return residual + self.drop_path(out)
+
+    def forward(self, hidden_states, attention_mask, encoder_output=None, enc_dec_attn_mask=None,
+                retriever_input=None, retriever_output=None, retriever_attn_mask=None, inference_params=None,
+                rotary_pos_emb=None):
+        if retriever_input is not None or retriever_output is not None:
+            raise NotImplementedError("retro layers are not implemented")
+        # Self attention.
+        layernorm_output = self._m("ln_attn")(hidden_states)
+        attention_output, attention_bias = self._m("self_attention")(
+            layernorm_output, attention_mask, inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
+        residual = layernorm_output if self.apply_residual_connection_post_layernorm else hidden_states
+        layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual)
+
+        layernorm_output = self._m("ln_mlp" if not self.has_cross_attention else "ln_cross")(layernorm_input)
+
+        if self.has_cross_attention:
+            attention_output, attention_bias = self._m("cross_attention")(
+                layernorm_output, enc_dec_attn_mask, encoder_output)
+            residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input
+            layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual)
+            layernorm_output = self._m("ln_mlp")(layernorm_input)
+
+        mlp_output, mlp_bias = self._m("mlp")(layernorm_output)
+        residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input
+        output = self._bias_dropout_add(mlp_output, mlp_bias, residual)
+        # Pipeline schedules free stage outputs by swapping .data, which needs a tensor that is not a view.
+        return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
+
+
+class NoopTransformerLayer(MegatronModule):
+    """Stands in for the zero layers of a standalone-embedding stage: returns a copy of its input so that the
+    stage's output is not the received tensor itself."""
+
+    def __init__(self, layer_number):
+        super().__init__()
+        self.layer_number = layer_number
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states.clone()
+
+
+class TransformerLayer(ParallelTransformerLayer):
+    """megatron-core: ``TransformerLayer(config, submodules, layer_number=1, hidden_dropout=None)``;
+    ``forward(hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
+    inference_params=None) -> (hidden_states, context)``."""
+
+    def __init__(self, config, submodules: TransformerLayerSubmodules = None, layer_number: int = 1,
+                 hidden_dropout=None, **unused):
+        if submodules is None:
+            submodules = default_layer_submodules(AttnMaskType.padding)
+        super().__init__(config, layer_number, naming="mcore", submodules=submodules, hidden_dropout=hidden_dropout)
+
+    def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
+                inference_params=None, packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences (packed_seq_params) are not supported")
+        output = super().forward(hidden_states, attention_mask, encoder_output=context,
+                                 enc_dec_attn_mask=context_mask, inference_params=inference_params,
+                                 rotary_pos_emb=rotary_pos_emb)
+        return output, context
+
+
+def default_layer_submodules(attn_mask_type) -> TransformerLayerSubmodules:
+    """The local (non-Transformer-Engine) layer: our norms, SelfAttention, MLP."""
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.fusions import get_bias_dropout_add
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    return TransformerLayerSubmodules(
+        input_layernorm=FusedLayerNorm,
+        self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": attn_mask_type},
+                                  submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
+                                                                     core_attention=DotProductAttention,
+                                                                     linear_proj=RowParallelLinear)),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=FusedLayerNorm,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear)),
+        mlp_bda=get_bias_dropout_add,
+    )

@@ -1,0 +1,1 @@
+"""Megatron's legacy (pre-megatron-core) APIs, kept as thin layers over megatron.core."""

@@ -1,0 +1,161 @@
+"""Flags about the job rather than the model: distributed, data, autoresume, logging, inference.
+
+Names, types, defaults and destinations follow Megatron-LM (reference §4).
+"""
+from __future__ import annotations
+
+TOKENIZER_TYPES = [
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+]
+
+
+def _add_distributed_args(parser):
+    group = parser.add_argument_group(title="distributed")
+
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor model parallel size.")
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline model parallel size.")
+    group.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
+                       help="Pipeline rank where the decoder starts (encoder-decoder models).")
+    group.add_argument("--model-parallel-size", type=int, default=None,
+                       help="Deprecated: use --tensor-model-parallel-size.")
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="Layers per virtual pipeline stage (interleaved schedule).")
+    group.add_argument("--overlap-p2p-communication", action="store_true", dest="overlap_p2p_comm",
+                       help="Overlap pipeline send/receive with computation.")
+    group.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],
+                       help="torch.distributed backend (gloo is used whenever CUDA is not available).")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="Timeout of torch.distributed collectives, in minutes.")
+    group.add_argument("--DDP-impl", default="local", choices=["local", "torch"],
+                       help="Data-parallel implementation.")
+    group.add_argument("--no-contiguous-buffers-in-local-ddp", action="store_false",
+                       dest="use_contiguous_buffers_in_local_ddp",
+                       help="Do not keep gradients in one contiguous buffer in local DDP.")
+    group.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_false",
+                       dest="scatter_gather_tensors_in_pipeline",
+                       help="Send whole tensors between pipeline stages instead of tensor-parallel slices.")
+    group.add_argument("--use-ring-exchange-p2p", action="store_true",
+                       help="Use ring exchange for pipeline communication (custom PyTorch builds only).")
+    group.add_argument("--local_rank", type=int, default=None, help="Local rank passed by torch.distributed.launch.")
+    group.add_argument("--lazy-mpu-init", type=bool, required=False,
+                       help="Defer process-group creation to an external launcher (returns a continuation).")
+    group.add_argument("--use-cpu-initialization", action="store_true", default=None,
+                       help="Initialise full weights on the CPU, then slice (same weights for every layout).")
+    group.add_argument("--empty-unused-memory-level", default=0, type=int, choices=[0, 1, 2],
+                       help="Release cached accelerator memory each iteration: 0 never, 1 moderately, 2 aggressively.")
+    group.add_argument("--standalone-embedding-stage", action="store_true",
+                       help="Give the input embedding a pipeline stage of its own.")
+    group.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="Shard the optimizer state across data-parallel ranks.")
+    group.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="Overlap the data-parallel gradient reduction with the backward pass (bucketed).")
+    group.add_argument("--ddp-bucket-size", type=int, default=None,
+                       help="Elements per gradient bucket with --overlap-grad-reduce (default 40M).")
+    group.add_argument("--check-for-nan-in-grad", action="store_true",
+                       help="Check each gradient bucket for NaN/inf before the data-parallel reduction.")
+    return parser
+
+
+def _add_data_args(parser):
+    group = parser.add_argument_group(title="data and dataloader")
+
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="One dataset prefix, or weights and prefixes: w1 p1 w2 p2 ...")
+    group.add_argument("--split", type=str, default="969, 30, 1",
+                       help="Train/validation/test split as comma-separated weights, e.g. '90,5,5'.")
+    group.add_argument("--train-data-path", nargs="*", default=None, help="Training dataset prefix(es).")
+    group.add_argument("--valid-data-path", nargs="*", default=None, help="Validation dataset prefix(es).")
+    group.add_argument("--test-data-path", nargs="*", default=None, help="Test dataset prefix(es).")
+    group.add_argument("--data-cache-path", default=None, help="Directory for the dataset index caches.")
+    group.add_argument("--mock-data", action="store_true",
+                       help="Train on generated tokens instead of --data-path (for testing).")
+    group.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (with NullTokenizer).")
+    group.add_argument("--vocab-file", type=str, default=None, help="Vocabulary file.")
+    group.add_argument("--merge-file", type=str, default=None, help="BPE merge file.")
+    group.add_argument("--vocab-extra-ids", type=int, default=0,
+                       help="Number of extra sentinel tokens added to the vocabulary (T5).")
+    group.add_argument("--seq-length", type=int, default=None, help="Maximum sequence length to process.")
+    group.add_argument("--encoder-seq-length", type=int, default=None,
+                       help="Encoder sequence length (alternative to --seq-length).")
+    group.add_argument("--decoder-seq-length", type=int, default=None, help="Decoder sequence length.")
+    group.add_argument("--retriever-seq-length", type=int, default=256,
+                       help="Sequence length of the biencoder retriever model.")
+    group.add_argument("--sample-rate", type=float, default=1.0,
+                       help="Fraction of the input data used for training (0, 1].")
+    group.add_argument("--mask-prob", type=float, default=0.15, help="Probability of masking a token (BERT).")
+    group.add_argument("--short-seq-prob", type=float, default=0.1,
+                       help="Probability of producing a short sequence (BERT).")
+    group.add_argument("--mmap-warmup", action="store_true", help="Warm up the memory-mapped dataset files.")
+    group.add_argument("--num-workers", type=int, default=2, help="Data loader worker processes.")
+    group.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES, help="Tokenizer.")
+    group.add_argument("--tokenizer-model", type=str, default=None,
+                       help="SentencePiece model file, or Hugging Face tokenizer name/path.")
+    group.add_argument("--data-impl", type=str, default="infer", choices=["mmap", "infer"],
+                       help="Indexed dataset implementation.")
+    group.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each EOD token.")
+    group.add_argument("--reset-attention-mask", action="store_true",
+                       help="Do not attend across EOD tokens (documents).")
+    group.add_argument("--eod-mask-loss", action="store_true", help="Exclude EOD tokens from the loss.")
+    return parser
+
+
+def _add_autoresume_args(parser):
+    group = parser.add_argument_group(title="autoresume")
+
+    group.add_argument("--adlr-autoresume", action="store_true", help="Enable ADLR autoresume.")
+    group.add_argument("--adlr-autoresume-interval", type=int, default=1000,
+                       help="Check for an autoresume request every this many iterations.")
+    return parser
+
+
+def _add_logging_args(parser):
+    group = parser.add_argument_group(title="logging")
+
+    group.add_argument("--log-params-norm", action="store_true", help="Log the norm of the parameters.")
+    group.add_argument("--log-num-zeros-in-grad", action="store_true", help="Log the number of zeros in the gradient.")
+    group.add_argument("--log-throughput", action="store_true", help="Log the throughput per GPU (TFLOP/s).")
+    group.add_argument("--timing-log-level", type=int, default=0, choices=range(0, 3),
+                       help="Which timers to record: 0 iteration only, 1 + coarse phases, 2 + fine-grained.")
+    group.add_argument("--no-barrier-with-level-1-timing", action="store_false", dest="barrier_with_L1_time",
+                       help="Do not synchronise ranks before level-1 timers.")
+    group.add_argument("--timing-log-option", type=str, default="minmax", choices=["max", "minmax", "all"],
+                       help="Report timers as the max, the (min, max), or every rank's value.")
+    group.add_argument("--tensorboard-log-interval", type=int, default=1, help="TensorBoard logging interval.")
+    group.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                       help="Events TensorBoard queues before flushing to disk.")
+    group.add_argument("--log-timers-to-tensorboard", action="store_true", help="Write timers to TensorBoard.")
+    group.add_argument("--log-batch-size-to-tensorboard", action="store_true",
+                       help="Write the batch size to TensorBoard.")
+    group.add_argument("--no-log-learnig-rate-to-tensorboard", action="store_false",
+                       dest="log_learning_rate_to_tensorboard",
+                       help="Do not write the learning rate to TensorBoard (flag spelled as in Megatron-LM).")
+    group.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                       dest="log_loss_scale_to_tensorboard", help="Do not write the loss scale to TensorBoard.")
+    group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                       help="Write the validation perplexity to TensorBoard.")
+    group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write memory usage to TensorBoard.")
+    group.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                       help="Write the world size to TensorBoard.")
+    group.add_argument("--wandb-project", type=str, default="", help="Weights & Biases project (optional; needs wandb).")
+    group.add_argument("--wandb-exp-name", type=str, default="", help="Weights & Biases run name.")
+    group.add_argument("--wandb-save-dir", type=str, default="", help="Directory for Weights & Biases files.")
+    return parser
+
+
+def _add_inference_args(parser):
+    group = parser.add_argument_group(title="inference")
+
+    group.add_argument("--inference-batch-times-seqlen-threshold", type=int, default=512,
+                       help="Above this batch * sequence length, inference pipelines micro-batches.")
+    group.add_argument("--max-tokens-to-oom", type=int, default=12000,
+                       help="Maximum number of tokens generated before running out of memory is likely.")
+    group.add_argument("--output-bert-embeddings", action="store_true", help="Output BERT embeddings.")
+    group.add_argument("--bert-embedder-type", default="megatron", choices=["megatron", "huggingface"],
+                       help="Which BERT embedder to use.")
+    return parser

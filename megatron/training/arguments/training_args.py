@@ -1,0 +1,149 @@
+"""Flags that describe a training run: training, learning rate, checkpointing, mixed precision, validation.
+
+Names, types, defaults and destinations follow Megatron-LM (reference §4).
+"""
+from __future__ import annotations
+
+
+def _add_training_args(parser):
+    group = parser.add_argument_group(title="training")
+
+    group.add_argument("--micro-batch-size", type=int, default=None,
+                       help="Batch size per model instance (local batch size).")
+    group.add_argument("--batch-size", type=int, default=None, help="Deprecated: use --micro-batch-size.")
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="Training batch size; micro-batch-size * data-parallel size if not given.")
+    group.add_argument("--rampup-batch-size", nargs="*", default=None,
+                       help="Batch-size ramp-up: <start batch size> <batch size increment> <ramp-up samples>.")
+    group.add_argument("--recompute-activations", action="store_true",
+                       help="Recompute activations (selective granularity).")
+    group.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
+                       help="Recompute whole transformer layers (full) or only the attention core (selective).")
+    group.add_argument("--distribute-saved-activations", action="store_true",
+                       help="Split recomputed activations across the tensor-parallel group.")
+    group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
+                       help="uniform: recompute groups of layers; block: recompute the first layers of each stage.")
+    group.add_argument("--recompute-num-layers", type=int, default=1,
+                       help="Layers per recompute group (uniform) or recomputed layers per stage (block).")
+    group.add_argument("--profile", action="store_true", help="Enable the torch profiler.")
+    group.add_argument("--profile-step-start", type=int, default=10, help="Global step at which to start profiling.")
+    group.add_argument("--profile-step-end", type=int, default=12, help="Global step at which to stop profiling.")
+    group.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="Global ranks to profile.")
+    group.add_argument("--checkpoint-activations", action="store_true",
+                       help="Deprecated: use --recompute-activations or --recompute-granularity.")
+    group.add_argument("--train-iters", type=int, default=None,
+                       help="Total number of iterations to train (exclusive with --train-samples).")
+    group.add_argument("--train-samples", type=int, default=None,
+                       help="Total number of samples to train (exclusive with --train-iters).")
+    group.add_argument("--log-interval", type=int, default=100, help="Report loss and timing every this many iterations.")
+    group.add_argument("--exit-interval", type=int, default=None,
+                       help="Exit when the iteration is divisible by this value.")
+    group.add_argument("--exit-duration-in-mins", type=int, default=None, help="Exit after this many minutes.")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="Save a checkpoint and exit when SIGTERM is received.")
+    group.add_argument("--tensorboard-dir", type=str, default=None, help="Write TensorBoard logs to this directory.")
+    group.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+                       help="Do not fuse scaling, masking and softmax.")
+    group.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                       help="Do not fuse the bias add and GeLU.")
+    group.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
+                       help="Do not fuse the bias add and dropout.")
+    group.add_argument("--use-flash-attn", action="store_true", help="Use FlashAttention when available.")
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                       help="Drop the biases of the linear layers.")
+    group.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
+    group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic"],
+                       help="Single pass or cyclic data loader ('single' if not given).")
+    group.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",
+                       dest="async_tensor_model_parallel_allreduce",
+                       help="Do not overlap the input-gradient all-reduce with the weight-gradient GEMM.")
+    group.add_argument("--no-persist-layer-norm", action="store_true",
+                       help="Do not use the persistent fused layer-norm kernel.")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="Shard layer-norm and dropout activations along the sequence over tensor-parallel ranks.")
+    group.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                       help="Do not fuse weight-gradient computation with accumulation into main_grad.")
+    group.add_argument("--use-mcore-models", action="store_true",
+                       help="Build models from megatron.core instead of the legacy megatron.model classes.")
+    return parser
+
+
+def _add_learning_rate_args(parser):
+    group = parser.add_argument_group(title="learning rate")
+
+    group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    group.add_argument("--lr-decay-style", type=str, default="linear",
+                       choices=["constant", "linear", "cosine", "inverse-square-root"], help="Learning rate decay.")
+    group.add_argument("--lr-decay-iters", type=int, default=None,
+                       help="Iterations to decay over (--train-iters if not given).")
+    group.add_argument("--lr-decay-samples", type=int, default=None,
+                       help="Samples to decay over (--train-samples if not given).")
+    group.add_argument("--lr-warmup-fraction", type=float, default=None,
+                       help="Fraction of the decay steps used for linear warmup.")
+    group.add_argument("--lr-warmup-iters", type=int, default=0, help="Iterations of linear warmup.")
+    group.add_argument("--lr-warmup-samples", type=int, default=0, help="Samples of linear warmup.")
+    group.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warmup.")
+    group.add_argument("--warmup", type=int, default=None, help="Deprecated: use --lr-warmup-fraction.")
+    group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor of the decay.")
+    group.add_argument("--override-opt_param-scheduler", action="store_true",
+                       help="Use the scheduler values from the flags, ignoring those in the checkpoint.")
+    group.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                       help="Use the scheduler values from the checkpoint, ignoring the flags.")
+    return parser
+
+
+def _add_checkpointing_args(parser):
+    group = parser.add_argument_group(title="checkpointing")
+
+    group.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
+    group.add_argument("--save-interval", type=int, default=None, help="Save a checkpoint every this many iterations.")
+    group.add_argument("--no-save-optim", action="store_true", default=None, help="Do not save the optimizer state.")
+    group.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save the RNG state.")
+    group.add_argument("--load", type=str, default=None, help="Directory containing a checkpoint to load.")
+    group.add_argument("--no-load-optim", action="store_true", default=None, help="Do not load the optimizer state.")
+    group.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load the RNG state.")
+    group.add_argument("--finetune", action="store_true",
+                       help="Load model weights only; reset iteration, optimizer and RNG state.")
+    group.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
+                       help="Skip weight initialisation (weights come from a checkpoint).")
+    group.add_argument("--use-checkpoint-args", action="store_true",
+                       help="Override model flags with those stored in the checkpoint given by --load.")
+    group.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                       help="Exit instead of training from scratch when --load has no checkpoint.")
+    group.add_argument("--ckpt-format", type=str, default="torch", choices=["torch", "torch_dist"],
+                       help="Checkpoint format: one file per model-parallel rank (torch) or distributed (torch_dist).")
+    return parser
+
+
+def _add_mixed_precision_args(parser):
+    group = parser.add_argument_group(title="mixed precision")
+
+    group.add_argument("--fp16", action="store_true", help="Run the model in fp16.")
+    group.add_argument("--bf16", action="store_true", help="Run the model in bfloat16.")
+    group.add_argument("--loss-scale", type=float, default=None,
+                       help="Static loss scale (a power of 2 helps convergence); dynamic if not given.")
+    group.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="Initial dynamic loss scale.")
+    group.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")
+    group.add_argument("--loss-scale-window", type=float, default=1000,
+                       help="Iterations without overflow before the dynamic loss scale grows.")
+    group.add_argument("--hysteresis", type=int, default=2, help="Hysteresis of the dynamic loss scale.")
+    group.add_argument("--fp32-residual-connection", action="store_true",
+                       help="Keep the residual connection in fp32.")
+    group.add_argument("--no-query-key-layer-scaling", action="store_false", dest="apply_query_key_layer_scaling",
+                       help="Do not scale Q * K^T by 1 / layer-number.")
+    group.add_argument("--attention-softmax-in-fp32", action="store_true",
+                       help="Compute the attention softmax in fp32.")
+    group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                       help="Accumulate and all-reduce gradients in fp32.")
+    group.add_argument("--fp16-lm-cross-entropy", action="store_true",
+                       help="Compute the unreduced cross entropy of the LM head in fp16.")
+    return parser
+
+
+def _add_validation_args(parser):
+    group = parser.add_argument_group(title="validation")
+
+    group.add_argument("--eval-iters", type=int, default=100, help="Iterations per validation/test evaluation.")
+    group.add_argument("--eval-interval", type=int, default=1000, help="Evaluate every this many iterations.")
+    group.add_argument("--skip-train", action="store_true", help="Only evaluate; do not train.")
+    return parser

@@ -1,0 +1,59 @@
+"""``core_transformer_config_from_args``: Megatron-LM's mapping from flags onto ``TransformerConfig`` (§2.5)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def _mlp_activation(args):
+    """(activation_func, gated_linear_unit) chosen by --swiglu / --openai-gelu / --squared-relu / --onnx-safe."""
+    if args.swiglu:
+        return F.silu, True
+    if args.openai_gelu or args.squared_relu or args.onnx_safe:
+        # The activations live with the fused ops of megatron.core.transformer; imported only when asked for.
+        from megatron.core.transformer import fusions
+
+        if args.openai_gelu:
+            return fusions.openai_gelu, False
+        if args.squared_relu:
+            return fusions.squared_relu, False
+        return fusions.erf_gelu, False
+    return F.gelu, False
+
+
+def core_transformer_config_from_args(args, config_class=TransformerConfig):
+    """Build the ``TransformerConfig`` that ``args`` (after ``validate_args``) describe.
+
+    Every arg whose name is a config field is copied; then the fields whose flag has another name or meaning
+    are set as Megatron sets them.
+    """
+    kw_args = {}
+    for field in dataclasses.fields(config_class):
+        if hasattr(args, field.name):
+            kw_args[field.name] = getattr(args, field.name)
+    kw_args["persist_layer_norm"] = not args.no_persist_layer_norm
+    kw_args["layernorm_zero_centered_gamma"] = args.apply_layernorm_1p
+    kw_args["deallocate_pipeline_outputs"] = True
+    kw_args["pipeline_dtype"] = args.params_dtype
+    kw_args["batch_p2p_comm"] = not args.overlap_p2p_comm
+
+    activation_func, gated = _mlp_activation(args)
+    kw_args["activation_func"] = activation_func
+    kw_args["gated_linear_unit"] = gated
+    if activation_func is not F.gelu:
+        # The fused bias-GeLU kernel only computes GeLU.
+        kw_args["bias_gelu_fusion"] = False
+
+    if args.init_method_xavier_uniform:
+        kw_args["init_method"] = torch.nn.init.xavier_uniform_
+        kw_args["output_layer_init_method"] = torch.nn.init.xavier_uniform_
+    kw_args["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
+    # --recompute-num-layers defaults to 1 but means nothing with selective recompute, where the config
+    # rejects a layer count.
+    if args.recompute_granularity == "selective":
+        kw_args["recompute_num_layers"] = None
+    return config_class(**kw_args)

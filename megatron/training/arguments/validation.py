@@ -1,0 +1,378 @@
+"""``validate_args``: Megatron-LM's checks and derived values, in Megatron's order (reference §4).
+
+Every user mistake raises :class:`ConfigurationError` with one line naming the flag(s) and the fix. Nothing
+here needs a process group: the world size comes from the launcher's environment (``args.world_size``), so a
+bad configuration fails before any rank waits on another. A few checks go beyond Megatron's own
+``validate_args`` where Megatron would only fail later, deep inside model construction or training (heads vs.
+TP size, layers vs. pipeline stages, batch ramp-up steps, recompute method); they are marked "(early)".
+"""
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import torch
+
+from megatron.core import device
+from megatron.tokenizer.vocab_padding import vocab_size_with_padding
+from megatron.training.arguments.printing import _print_args
+from megatron.training.errors import ConfigurationError
+from megatron.training.global_vars import get_retro_args, set_retro_args
+
+# Deprecated flag -> what to use instead (Megatron's wording).
+_REMOVED_FLAGS = {
+    "batch_size": ("--batch-size", "use --micro-batch-size instead"),
+    "warmup": ("--warmup", "use --lr-warmup-fraction instead"),
+    "model_parallel_size": ("--model-parallel-size", "use --tensor-model-parallel-size instead"),
+}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigurationError(message)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _log(args, message: str) -> None:
+    if args.rank == 0:
+        print(message, flush=True)
+
+
+def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defaults is never mutated
+    _validate_parallel_sizes(args)
+    _apply_deprecations(args)
+    _apply_defaults(args, defaults)
+    _validate_batch_sizes(args)
+    _set_virtual_pipeline_size(args)
+    _set_precision(args)
+
+    if args.dataloader_type is None:
+        args.dataloader_type = "single"
+    args.consumed_train_samples = 0
+    args.consumed_valid_samples = 0
+    # Only a data loader that yields sequences of different lengths sets this (it costs extra pipeline
+    # communication to exchange shapes).
+    args.variable_seq_lengths = False
+
+    _validate_schedule_units(args)
+    _validate_model_shape(args)
+    _validate_lengths_and_misc(args)
+    _set_weight_decay(args)
+    _validate_recompute(args)
+    _validate_sequence_parallel(args)
+    _validate_features(args)
+
+    if args.vocab_size is not None:
+        args.padded_vocab_size = vocab_size_with_padding(
+            args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, rank=args.rank)
+
+    _print_args("arguments", args)
+    retro_args = get_retro_args()
+    if retro_args and args != retro_args:
+        retro_only = {k: v for k, v in vars(retro_args).items() if k.startswith("retro")}
+        _print_args("retro arguments", types.SimpleNamespace(**retro_only, rank=args.rank))
+    return args
+
+
+def _validate_parallel_sizes(args):
+    world = args.world_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _require(tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    _require(pp >= 1, f"--pipeline-model-parallel-size must be >= 1, got {pp}")
+    # Megatron clips both sizes to what the world can hold (a TP=8 recipe run on fewer ranks still starts).
+    tp = args.tensor_model_parallel_size = min(tp, world)
+    _require(world % tp == 0, f"--tensor-model-parallel-size ({tp}) must divide the world size ({world}): "
+                              f"choose a divisor of {world}")
+    pp = args.pipeline_model_parallel_size = min(pp, world // tp)
+    args.transformer_pipeline_model_parallel_size = pp - 1 if args.standalone_embedding_stage else pp
+    _require(world % (tp * pp) == 0,
+             f"world size ({world}) must be a multiple of --tensor-model-parallel-size ({tp}) x "
+             f"--pipeline-model-parallel-size ({pp}): change either size or the number of processes")
+    args.data_parallel_size = world // (tp * pp)
+    _log(args, "using world size: {}, data-parallel-size: {}, tensor-model-parallel size: {}, "
+               "pipeline-model-parallel size: {} ".format(world, args.data_parallel_size, tp, pp))
+    if pp > 1 and args.pipeline_model_parallel_split_rank is not None:
+        _require(args.pipeline_model_parallel_split_rank < pp,
+                 f"--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) must be smaller "
+                 f"than --pipeline-model-parallel-size ({pp})")
+
+
+def _apply_deprecations(args):
+    for dest, (flag, instead) in _REMOVED_FLAGS.items():
+        _require(getattr(args, dest) is None, f"{flag} is no longer valid: {instead}")
+        delattr(args, dest)
+    _require(not args.checkpoint_activations,
+             "--checkpoint-activations is no longer valid: use --recompute-activations, or, for more control, "
+             "--recompute-granularity and --recompute-method")
+    del args.checkpoint_activations
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    del args.recompute_activations
+
+
+def _apply_defaults(args, defaults):
+    # A script's default only fills a flag the user left unset; an explicit flag wins, with a warning.
+    for key, value in defaults.items():
+        if getattr(args, key, None) is not None:
+            _log(args, "WARNING: overriding default arguments for {key}:{v} with {key}:{v2}".format(
+                key=key, v=value, v2=getattr(args, key)))
+        else:
+            setattr(args, key, value)
+
+
+def _validate_batch_sizes(args):
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    _require(mbs is not None, "--micro-batch-size is required: pass the per-rank batch size, e.g. --micro-batch-size 1")
+    _require(mbs > 0, f"--micro-batch-size must be > 0, got {mbs}")
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+        _log(args, "setting global batch size to {}".format(args.global_batch_size))
+    gbs = args.global_batch_size
+    _require(gbs > 0, f"--global-batch-size must be > 0, got {gbs}")
+
+    if args.rampup_batch_size is None:
+        _require(gbs % (mbs * dp) == 0,
+                 f"--global-batch-size ({gbs}) must be a multiple of --micro-batch-size ({mbs}) x "
+                 f"data-parallel size ({dp})")
+        return
+    _require(len(args.rampup_batch_size) == 3,
+             "--rampup-batch-size expects 3 values: <start batch size> <batch size increment> <ramp-up samples>, "
+             f"got {len(args.rampup_batch_size)}")
+    try:
+        start, increment, samples = (int(v) for v in args.rampup_batch_size)
+    except ValueError:
+        raise ConfigurationError(f"--rampup-batch-size values must be integers, got {args.rampup_batch_size}") from None
+    _require(start > 0 and increment > 0 and samples >= 0,
+             f"--rampup-batch-size needs start > 0, increment > 0 and samples >= 0, got {start} {increment} {samples}")
+    _require(start <= gbs and (gbs - start) % increment == 0,
+             f"--rampup-batch-size: --global-batch-size ({gbs}) minus the start batch size ({start}) must be a "
+             f"non-negative multiple of the increment ({increment})")
+    # (early) every batch size of the ramp is start + k * increment and must split into micro-batches.
+    _require(start % (mbs * dp) == 0 and increment % (mbs * dp) == 0,
+             f"--rampup-batch-size start ({start}) and increment ({increment}) must be multiples of "
+             f"--micro-batch-size ({mbs}) x data-parallel size ({dp})")
+
+
+def _set_virtual_pipeline_size(args):
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    if per_stage is None:
+        args.virtual_pipeline_model_parallel_size = None
+        return
+    pp = args.pipeline_model_parallel_size
+    _require(pp > 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 2 "
+                     f"(interleaved schedule), got {pp}")
+    _require(args.num_layers is not None, "--num-layers-per-virtual-pipeline-stage needs --num-layers")
+    _require(per_stage > 0, f"--num-layers-per-virtual-pipeline-stage must be > 0, got {per_stage}")
+    _require(args.num_layers % per_stage == 0,
+             f"--num-layers ({args.num_layers}) must be divisible by --num-layers-per-virtual-pipeline-stage "
+             f"({per_stage})")
+    stages = args.transformer_pipeline_model_parallel_size
+    # (early) each pipeline stage must hold a whole number of virtual stages.
+    _require(args.num_layers % stages == 0 and (args.num_layers // stages) % per_stage == 0,
+             f"--num-layers ({args.num_layers}) / pipeline stages ({stages}) must be a multiple of "
+             f"--num-layers-per-virtual-pipeline-stage ({per_stage})")
+    args.virtual_pipeline_model_parallel_size = (args.num_layers // stages) // per_stage
+
+
+def _set_precision(args):
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 cannot be used together: pass only one")
+    args.params_dtype = torch.float
+    if args.fp16:
+        args.params_dtype = torch.half
+    if args.bf16:
+        args.params_dtype = torch.bfloat16
+        # bf16 has too few mantissa bits to accumulate gradients in.
+        if not args.accumulate_allreduce_grads_in_fp32:
+            args.accumulate_allreduce_grads_in_fp32 = True
+            _log(args, "accumulate and all-reduce gradients in fp32 for bfloat16 data type.")
+    _log(args, "using {} for parameters ...".format(args.params_dtype))
+
+    # fp32 main-grad buffers and the distributed optimizer both live in local DDP's contiguous buffer.
+    fp32_grads = "--bf16 (which accumulates gradients in fp32)" if args.bf16 else "--accumulate-allreduce-grads-in-fp32"
+    for flag, enabled in ((fp32_grads, args.accumulate_allreduce_grads_in_fp32),
+                          ("--use-distributed-optimizer", args.use_distributed_optimizer)):
+        if enabled:
+            _require(args.DDP_impl == "local", f"{flag} needs --DDP-impl local, got --DDP-impl {args.DDP_impl}")
+            _require(args.use_contiguous_buffers_in_local_ddp,
+                     f"{flag} needs contiguous gradient buffers: drop --no-contiguous-buffers-in-local-ddp")
+    if args.DDP_impl == "torch":
+        args.use_contiguous_buffers_in_local_ddp = False
+
+
+def _validate_schedule_units(args):
+    if args.train_iters:
+        for dest, value in (("train_samples", args.train_samples), ("lr_decay_samples", args.lr_decay_samples),
+                            ("rampup_batch_size", args.rampup_batch_size)):
+            _require(value is None, f"--train-iters (iteration-based training) cannot be combined with "
+                                    f"{_flag(dest)}: use --train-samples for sample-based training")
+        _require(args.lr_warmup_samples == 0, "--train-iters (iteration-based training) cannot be combined with "
+                                              "--lr-warmup-samples: use --lr-warmup-iters")
+        if args.lr_warmup_fraction is not None:
+            _require(args.lr_warmup_iters == 0,
+                     "--lr-warmup-fraction and --lr-warmup-iters are exclusive: pass only one")
+    if args.train_samples:
+        for dest, value in (("train_iters", args.train_iters), ("lr_decay_iters", args.lr_decay_iters)):
+            _require(value is None, f"--train-samples (sample-based training) cannot be combined with "
+                                    f"{_flag(dest)}: use --train-iters for iteration-based training")
+        _require(args.lr_warmup_iters == 0, "--train-samples (sample-based training) cannot be combined with "
+                                            "--lr-warmup-iters: use --lr-warmup-samples")
+        if args.lr_warmup_fraction is not None:
+            _require(args.lr_warmup_samples == 0,
+                     "--lr-warmup-fraction and --lr-warmup-samples are exclusive: pass only one")
+
+
+def _validate_model_shape(args):
+    if args.num_layers is not None:
+        _require(args.encoder_num_layers is None,
+                 "--num-layers and --encoder-num-layers are exclusive: pass only one")
+        args.encoder_num_layers = args.num_layers
+    else:
+        _require(args.encoder_num_layers is not None, "--num-layers (or --encoder-num-layers) is required")
+        args.num_layers = args.encoder_num_layers
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):
+        _require(getattr(args, dest) is not None, f"{_flag(dest)} is required")
+        _require(getattr(args, dest) > 0, f"{_flag(dest)} must be > 0, got {getattr(args, dest)}")
+
+    activations = [f for f, on in (("--openai-gelu", args.openai_gelu), ("--squared-relu", args.squared_relu),
+                                   ("--swiglu", args.swiglu)) if on]
+    _require(len(activations) <= 1, f"{' and '.join(activations)} each choose the MLP activation: pass only one")
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            # Two input projections instead of one: 2/3 of 4h keeps the parameter count about the same,
+            # rounded down to a multiple of 64 so every TP shard stays GEMM-friendly.
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None:
+        _require(args.hidden_size % args.num_attention_heads == 0,
+                 f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
+                 f"({args.num_attention_heads}), or pass --kv-channels")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+
+    tp = args.tensor_model_parallel_size
+    # (early) attention heads and query groups are split across TP ranks.
+    _require(args.num_attention_heads % tp == 0,
+             f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+             f"--tensor-model-parallel-size ({tp})")
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        _require(groups > 0 and args.num_attention_heads % groups == 0,
+                 f"--num-attention-heads ({args.num_attention_heads}) must be divisible by --num-query-groups ({groups})")
+        _require(groups % tp == 0,
+                 f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})")
+    stages = args.transformer_pipeline_model_parallel_size
+    if args.pipeline_model_parallel_size > 1 and stages > 0 and args.pipeline_model_parallel_split_rank is None:
+        # (early) each pipeline stage holds the same number of transformer layers.
+        _require(args.num_layers % stages == 0,
+                 f"--num-layers ({args.num_layers}) must be divisible by the number of transformer pipeline "
+                 f"stages ({stages}, from --pipeline-model-parallel-size)")
+
+
+def _validate_lengths_and_misc(args):
+    if args.seq_length is not None:
+        _require(args.encoder_seq_length is None, "--seq-length and --encoder-seq-length are exclusive: pass only one")
+        args.encoder_seq_length = args.seq_length
+    else:
+        _require(args.encoder_seq_length is not None, "--seq-length (or --encoder-seq-length) is required")
+        args.seq_length = args.encoder_seq_length
+    _require(args.max_position_embeddings >= args.seq_length,
+             f"--max-position-embeddings ({args.max_position_embeddings}) must be >= --seq-length ({args.seq_length})")
+    if args.decoder_seq_length is not None:
+        _require(args.max_position_embeddings >= args.decoder_seq_length,
+                 f"--max-position-embeddings ({args.max_position_embeddings}) must be >= --decoder-seq-length "
+                 f"({args.decoder_seq_length})")
+    _require(args.seed is not None and args.seed > 0, f"--seed must be a positive integer, got {args.seed}")
+    if args.lr is not None:
+        _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    if args.save is not None:
+        _require(args.save_interval is not None, "--save needs --save-interval: pass how often to save, in iterations")
+    if args.fp16_lm_cross_entropy:
+        _require(args.fp16, "--fp16-lm-cross-entropy needs --fp16")
+    if args.fp32_residual_connection:
+        _require(args.fp16 or args.bf16, "--fp32-residual-connection needs --fp16 or --bf16")
+
+
+def _set_weight_decay(args):
+    if args.weight_decay_incr_style == "constant":
+        _require(args.start_weight_decay is None and args.end_weight_decay is None,
+                 "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine; "
+                 "with constant use --weight-decay")
+        args.start_weight_decay = args.weight_decay
+        args.end_weight_decay = args.weight_decay
+    else:
+        _require(args.start_weight_decay is not None and args.end_weight_decay is not None,
+                 f"--weight-decay-incr-style {args.weight_decay_incr_style} needs both --start-weight-decay and "
+                 "--end-weight-decay")
+
+
+def _validate_recompute(args):
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    if (major, minor) < (1, 11):
+        args.no_persist_layer_norm = True
+        _log(args, "Persistent fused layer norm kernel is supported from pytorch v1.11; "
+                   "defaulting to no_persist_layer_norm=True")
+    if args.distribute_saved_activations:
+        _require(args.tensor_model_parallel_size > 1,
+                 "--distribute-saved-activations needs --tensor-model-parallel-size > 1")
+        _require(args.recompute_granularity == "full",
+                 "--distribute-saved-activations needs --recompute-granularity full")
+        _require(args.recompute_method is not None,
+                 "--distribute-saved-activations needs --recompute-method uniform or block")
+    if args.recompute_granularity == "selective":
+        _require(args.recompute_method is None,
+                 "--recompute-method is not supported with --recompute-granularity selective (or "
+                 "--recompute-activations): drop --recompute-method")
+    if args.recompute_granularity == "full":
+        # (early) TransformerConfig rejects full recompute without a method.
+        _require(args.recompute_method is not None,
+                 "--recompute-granularity full needs --recompute-method uniform or block")
+
+
+def _validate_sequence_parallel(args):
+    # With one TP rank sequence parallelism would only change numerics, not memory.
+    if args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False
+    if args.sequence_parallel:
+        args.async_tensor_model_parallel_allreduce = False
+    # The ordering guarantee matters only for CUDA streams; a CPU (gloo) run has none.
+    cuda_in_use = device.cuda_available() and args.distributed_backend != "gloo"
+    if cuda_in_use and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        _require(not args.sequence_parallel,
+                 "--sequence-parallel requires the environment variable CUDA_DEVICE_MAX_CONNECTIONS=1: export it")
+        _require(not args.async_tensor_model_parallel_allreduce,
+                 "async tensor-parallel all-reduce (on by default) requires the environment variable "
+                 "CUDA_DEVICE_MAX_CONNECTIONS=1: export it, or pass --no-async-tensor-model-parallel-allreduce")
+
+
+def _validate_features(args):
+    if not args.add_bias_linear:
+        args.bias_gelu_fusion = False
+    if args.retro_add_retriever:
+        _require(not args.sequence_parallel, "--retro-add-retriever does not support --sequence-parallel")
+        _require(args.pipeline_model_parallel_size == 1,
+                 "--retro-add-retriever does not support --pipeline-model-parallel-size > 1")
+        _load_retro_args(args)
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    _require(args.add_position_embedding or args.position_embedding_type == "rope",
+             "--no-position-embedding is deprecated: use --position-embedding-type rope")
+
+
+def get_retro_args_path(workdir):
+    return os.path.join(workdir, "args.json")
+
+
+def _load_retro_args(args):
+    """Read the retro preprocessing arguments (``<--retro-workdir>/args.json``) into the global retro args."""
+    _require(args.retro_workdir is not None, "--retro-add-retriever needs --retro-workdir")
+    path = get_retro_args_path(args.retro_workdir)
+    _require(os.path.exists(path), f"--retro-workdir {args.retro_workdir} has no args.json: run retro preprocessing")
+    with open(path) as f:
+        retro_args = types.SimpleNamespace(**json.load(f))
+    retro_args.retro_return_doc_ids = args.retro_return_doc_ids
+    retro_args.retro_gpt_retrieved_length = args.retro_num_retrieved_chunks * retro_args.retro_gpt_chunk_length
+    set_retro_args(retro_args)

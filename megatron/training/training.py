@@ -1,0 +1,444 @@
+"""The training framework's main loop (megatron.training.training).
+
+``pretrain`` reads top to bottom: initialise → build model, optimizer and LR schedule (optionally from a
+checkpoint) → build data iterators → ``train`` (one ``train_step`` per iteration, then logging,
+evaluation, checkpointing and exit checks) → final validation and test.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+
+import torch
+
+from megatron.core import device, parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+from megatron.core.utils import get_model_config
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.data_iterators import build_train_valid_test_data_iterators
+from megatron.training.global_vars import (
+    get_args,
+    get_num_microbatches,
+    get_signal_handler,
+    get_tensorboard_writer,
+    get_timers,
+    update_num_microbatches,
+)
+from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
+from megatron.training.training_log import LogState, training_log
+from megatron.training.utils import calc_params_l2_norm, print_datetime, print_rank_0, print_rank_last
+
+_TRAIN_START_TIME = time.time()
+
+
+def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+             process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}):  # noqa: B006
+    """Initialise, build everything, train, then evaluate on the validation and test sets."""
+    initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+    set_jit_fusion_options()
+    _report_initialization_time()
+    args, timers = get_args(), get_timers()
+
+    timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
+    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
+    timers("model-and-optimizer-setup").stop()
+    print_datetime("after model, optimizer, and learning rate scheduler are built")
+    config = get_model_config(model[0])
+
+    timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
+    if args.virtual_pipeline_model_parallel_size is not None:
+        iterators = []
+        for chunk in range(len(model)):
+            parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+            iterators.append(build_train_valid_test_data_iterators(train_valid_test_dataset_provider))
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+        train_data_iterator, valid_data_iterator, test_data_iterator = (list(x) for x in zip(*iterators))
+    else:
+        train_data_iterator, valid_data_iterator, test_data_iterator = build_train_valid_test_data_iterators(
+            train_valid_test_dataset_provider)
+    timers("train/valid/test-data-iterators-setup").stop()
+    print_datetime("after dataloaders are built")
+    timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
+
+    iteration = args.iteration
+    if not args.skip_train and args.do_train and args.train_iters > 0:
+        print_rank_0("training ...")
+        iteration = train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
+                          valid_data_iterator, process_non_loss_data_func, config)
+        print_datetime("after training is done")
+        if args.save and iteration != 0 and iteration % args.save_interval != 0:
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+    else:
+        print_rank_0("skipping training (--skip-train is on) ...")
+
+    if args.do_valid:
+        evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step_func,
+                                   valid_data_iterator, model, iteration, process_non_loss_data_func, config)
+    if args.do_test:
+        evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_data_iterator,
+                                   model, iteration, process_non_loss_data_func, config)
+    return model
+
+
+def _report_initialization_time():
+    global _TRAIN_START_TIME
+    start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64, device=device.current_device())
+    torch.distributed.all_reduce(start, op=torch.distributed.ReduceOp.MIN)
+    _TRAIN_START_TIME = start.item()
+    print_rank_0("time to initialize megatron (seconds): {:.3f}".format(time.time() - _TRAIN_START_TIME))
+    print_datetime("after megatron is initialized")
+
+
+def update_train_iters(args):
+    """Derive ``--train-iters`` from ``--train-samples`` (with or without batch-size ramp-up)."""
+    if args.train_iters is not None:
+        return
+    if args.rampup_batch_size is None:
+        args.train_iters = args.train_samples // args.global_batch_size
+    else:
+        iterations, consumed = 0, 0
+        while consumed <= int(args.rampup_batch_size[2]) and consumed < args.train_samples:
+            update_num_microbatches(consumed, consistency_check=False)
+            consumed += get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+            iterations += 1
+        update_num_microbatches(0, consistency_check=False)
+        iterations += (args.train_samples - consumed) // args.global_batch_size
+        args.train_iters = iterations
+    print_rank_0("setting training iterations to {}".format(args.train_iters))
+
+
+# ------------------------------------------------------------------------------------------- model
+
+def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp=True):
+    """Build this rank's model chunks (one per virtual stage), move them to the device, wrap for mixed
+    precision and data parallelism. Always returns a list."""
+    args = get_args()
+    args.model_type = model_type
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if model_type != ModelType.encoder_or_decoder:
+        raise RuntimeError("only decoder-only / encoder-only models (GPT, BERT) are supported")
+
+    if pp_size > 1 and args.virtual_pipeline_model_parallel_size is not None:
+        model = []
+        for i in range(args.virtual_pipeline_model_parallel_size):
+            parallel_state.set_virtual_pipeline_model_parallel_rank(i)
+            chunk = model_provider_func(pre_process=parallel_state.is_pipeline_first_stage(),
+                                        post_process=parallel_state.is_pipeline_last_stage())
+            chunk.model_type = model_type
+            model.append(chunk)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    else:
+        chunk = model_provider_func(pre_process=parallel_state.is_pipeline_first_stage(),
+                                    post_process=parallel_state.is_pipeline_last_stage())
+        chunk.model_type = model_type
+        model = [chunk]
+
+    for chunk in model:
+        for param in chunk.parameters():
+            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+
+    if parallel_state.get_data_parallel_rank() == 0:
+        print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
+            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+            sum(sum(p.nelement() for p in chunk.parameters()) for chunk in model)), flush=True)
+
+    for chunk in model:
+        chunk.to(device.current_device())
+
+    if args.fp16 or args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = [Float16Module(get_model_config(chunk), chunk) for chunk in model]
+
+    if not wrap_with_ddp:
+        return model
+    if args.DDP_impl == "torch":
+        from megatron.core.distributed.torch_ddp import TorchDistributedDataParallel
+
+        return [TorchDistributedDataParallel(chunk, process_group=parallel_state.get_data_parallel_group())
+                for chunk in model]
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+        check_for_nan_in_grad=args.check_for_nan_in_grad,
+    )
+    # Only the first chunk is bucketed: later chunks' backward passes finish last anyway.
+    model = [DistributedDataParallel(get_model_config(chunk), ddp_config, chunk, disable_bucketing=(i > 0))
+             for i, chunk in enumerate(model)]
+    if args.data_parallel_random_init:
+        for chunk in model:
+            chunk.broadcast_params()
+    return model
+
+
+def get_optimizer_param_scheduler(optimizer):
+    """The LR / weight-decay schedule; steps are counted in samples, as in Megatron."""
+    args = get_args()
+    if args.train_iters:
+        lr_decay_steps = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
+        wd_incr_steps = args.train_iters * args.global_batch_size
+        if args.lr_warmup_fraction is not None:
+            lr_warmup_steps = args.lr_warmup_fraction * lr_decay_steps
+        else:
+            lr_warmup_steps = args.lr_warmup_iters * args.global_batch_size
+    elif args.train_samples:
+        lr_decay_steps = args.lr_decay_samples or args.train_samples
+        wd_incr_steps = args.train_samples
+        if args.lr_warmup_fraction is not None:
+            lr_warmup_steps = args.lr_warmup_fraction * lr_decay_steps
+        else:
+            lr_warmup_steps = args.lr_warmup_samples
+    else:
+        raise RuntimeError("either --train-iters or --train-samples must be provided")
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=lr_warmup_steps,
+        lr_decay_steps=lr_decay_steps, lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay, wd_incr_steps=wd_incr_steps, wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
+
+
+def optimizer_config_from_args(args) -> OptimizerConfig:
+    """Copy every flag whose name is an OptimizerConfig field."""
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(OptimizerConfig) if hasattr(args, f.name)}
+    kwargs["timers"] = get_timers()
+    return OptimizerConfig(**kwargs)
+
+
+def setup_model_and_optimizer(model_provider_func, model_type, no_wd_decay_cond=None, scale_lr_cond=None,
+                              lr_mult=1.0):
+    """Model chunks, optimizer and LR scheduler; loads ``--load`` if given (sets ``args.iteration``)."""
+    args = get_args()
+    update_train_iters(args)
+    model = get_model(model_provider_func, model_type)
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model, no_wd_decay_cond, scale_lr_cond,
+                                       lr_mult)
+    opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
+    if args.load is not None:
+        timers = get_timers()
+        timers("load-checkpoint", log_level=0).start(barrier=True)
+        args.iteration = load_checkpoint(model, optimizer, opt_param_scheduler)
+        timers("load-checkpoint").stop(barrier=True)
+        timers.log(["load-checkpoint"])
+    else:
+        args.iteration = 0
+    return model, optimizer, opt_param_scheduler
+
+
+# ------------------------------------------------------------------------------------------ train
+
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
+    """One iteration: forward and backward over every micro-batch, then one optimizer step."""
+    args, timers = get_args(), get_timers()
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    forward_backward_func = get_forward_backward_func()
+    losses_reduced = forward_backward_func(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=get_num_microbatches(), seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=args.decoder_seq_length, forward_only=False)
+    if args.empty_unused_memory_level >= 1:
+        device.empty_cache()
+
+    timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    timers("optimizer").stop()
+
+    if update_successful:
+        increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+        opt_param_scheduler.step(increment=increment)
+        skipped_iter = 0
+    else:
+        skipped_iter = 1
+    if args.empty_unused_memory_level >= 2:
+        device.empty_cache()
+
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        loss_reduced = {}
+        for key in losses_reduced[0]:
+            values = [d[key] for d in losses_reduced]
+            loss_reduced[key] = sum(values) / len(values)
+        return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
+    return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _configure_schedule_hooks(config, model, optimizer):
+    """Let the schedules scale the loss, defer DDP gradient reduction and finalise gradients."""
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = get_timers()
+    if len(model) == 1:
+        config.no_sync_func = model[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+
+
+def _wandb_run(args):
+    if not getattr(args, "wandb_project", ""):
+        return None
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True) or torch.distributed.get_rank() != \
+            torch.distributed.get_world_size() - 1:
+        return None
+    try:
+        import wandb  # optional
+    except ImportError:
+        print_rank_last("--wandb-project is set but wandb is not installed: not logging to Weights & Biases")
+        return None
+    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=args.wandb_save_dir or None,
+                      config=vars(args))
+
+
+def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
+          process_non_loss_data_func, config):
+    """Run ``train_step`` until ``--train-iters``; log, evaluate, save and exit as the flags ask."""
+    args, timers = get_args(), get_timers()
+    for chunk in model:
+        chunk.train()
+    _configure_schedule_hooks(config, model, optimizer)
+    log_state = LogState()
+    wandb_run = _wandb_run(args)
+    iteration = args.iteration
+
+    timers("interval-time", log_level=0).start(barrier=True)
+    print_datetime("before the start of training step")
+    while iteration < args.train_iters:
+        update_num_microbatches(args.consumed_train_samples)
+        loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
+            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
+        iteration += 1
+        args.iteration = iteration
+        args.consumed_train_samples += args.data_parallel_size * args.micro_batch_size * get_num_microbatches()
+
+        loss_scale = optimizer.get_loss_scale().item()
+        params_norm = calc_params_l2_norm(model) if args.log_params_norm else None
+        learning_rate = optimizer.param_groups[0]["lr"]
+        training_log(log_state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, grad_norm,
+                     params_norm, num_zeros_in_grad, wandb_run)
+
+        if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+            evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
+                                       iteration, process_non_loss_data_func, config)
+        if _should_exit(iteration, model, optimizer, opt_param_scheduler):
+            break
+    if wandb_run is not None:
+        wandb_run.finish()
+    return iteration
+
+
+def _should_exit(iteration, model, optimizer, opt_param_scheduler) -> bool:
+    """Save and exit checks after each iteration, in Megatron's order."""
+    args = get_args()
+    saved = False
+    if args.exit_signal_handler:
+        if get_signal_handler().signals_received():
+            if args.save:
+                save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+            print_datetime("exiting program after receiving SIGTERM.")
+            _exit()
+    if args.save and args.save_interval and iteration % args.save_interval == 0:
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+        saved = True
+    if args.exit_duration_in_mins:
+        elapsed = torch.tensor([(time.time() - _TRAIN_START_TIME) / 60.0], device=device.current_device())
+        torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+        if elapsed.item() > args.exit_duration_in_mins:
+            if args.save and not saved:
+                save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+            print_datetime("exiting program after {} minutes".format(elapsed.item()))
+            _exit()
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        if args.save and not saved:
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+        torch.distributed.barrier()
+        print_datetime("exiting program at iteration {}".format(iteration))
+        _exit()
+    return False
+
+
+def _exit():
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        writer.flush()
+    sys.exit()
+
+
+# --------------------------------------------------------------------------------------- evaluate
+
+def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False):
+    """Average each reported loss over ``--eval-iters`` global batches (forward only)."""
+    args, timers = get_args(), get_timers()
+    timers("evaluate", log_level=0).start(barrier=True)
+    for chunk in model:
+        chunk.eval()
+    total_loss_dict = {}
+    eval_batch_size = args.global_batch_size
+    eval_num_microbatches = eval_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    forward_backward_func = get_forward_backward_func()
+    with torch.no_grad():
+        for iteration in range(args.eval_iters):
+            if verbose:
+                print_rank_0(f"Evaluating iter {iteration + 1}/{args.eval_iters}")
+            loss_dicts = forward_backward_func(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=eval_num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.decoder_seq_length,
+                forward_only=True)
+            if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+                for loss_dict in loss_dicts:
+                    for key, value in loss_dict.items():
+                        total_loss_dict[key] = total_loss_dict.get(key, 0.0) + float(value)
+            args.consumed_valid_samples += eval_batch_size
+
+    collected_non_loss_data = None
+    if process_non_loss_data_func is not None and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        with torch.no_grad():
+            collected_non_loss_data = forward_backward_func(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.decoder_seq_length,
+                forward_only=True, collect_non_loss_data=True)
+    for chunk in model:
+        chunk.train()
+    for key in total_loss_dict:
+        total_loss_dict[key] /= args.eval_iters * eval_num_microbatches
+    timers("evaluate").stop()
+    timers.log(["evaluate"])
+    return total_loss_dict, collected_non_loss_data
+
+
+def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
+                               process_non_loss_data_func, config, verbose=False, write_to_tensorboard=True):
+    """Evaluate and print Megatron's validation block (loss and PPL per key) on the last rank."""
+    args = get_args()
+    writer = get_tensorboard_writer() if write_to_tensorboard else None
+    total_loss_dict, collected_non_loss_data = evaluate(forward_step_func, data_iterator, model,
+                                                        process_non_loss_data_func, config, verbose)
+    string = " validation loss at {} | ".format(prefix)
+    for key, value in total_loss_dict.items():
+        ppl = math.exp(min(20, value))
+        string += "{} value: {:.6E} | ".format(key, value)
+        string += "{} PPL: {:.6E} | ".format(key, ppl)
+        if writer is not None:
+            writer.add_scalar("{} validation".format(key), value, iteration)
+            writer.add_scalar("{} validation vs samples".format(key), value, args.consumed_train_samples)
+            if args.log_validation_ppl_to_tensorboard:
+                writer.add_scalar("{} validation ppl".format(key), ppl, iteration)
+    if process_non_loss_data_func is not None and writer is not None and collected_non_loss_data is not None:
+        process_non_loss_data_func(collected_non_loss_data, iteration, writer)
+    length = len(string) + 1
+    print_rank_last("-" * length)
+    print_rank_last(string)
+    print_rank_last("-" * length)
+    return total_loss_dict
+

@@ -1,0 +1,102 @@
+"""Rank-aware printing helpers of the training framework (more utilities join later)."""
+from __future__ import annotations
+
+import torch
+
+
+def distributed_is_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def is_rank_0() -> bool:
+    """True on global rank 0, and in a process without torch.distributed."""
+    return not distributed_is_initialized() or torch.distributed.get_rank() == 0
+
+
+def is_last_rank() -> bool:
+    """True on the last global rank (where Megatron prints training logs), and without torch.distributed."""
+    return not distributed_is_initialized() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+def print_rank_0(message):
+    """Print on rank 0 only (or always, without torch.distributed)."""
+    if is_rank_0():
+        print(message, flush=True)
+
+
+def print_rank_last(message):
+    """Print on the last rank only (or always, without torch.distributed)."""
+    if is_last_rank():
+        print(message, flush=True)
+
+
+# ------------------------------------------------------------------------------- model helpers
+
+def unwrap_model(model, module_instances=None):
+    """Strip DDP / Float16Module wrappers (anything with ``.module``) from a model or list of chunks."""
+    return_list = True
+    if not isinstance(model, list):
+        model = [model]
+        return_list = False
+    unwrapped = []
+    for chunk in model:
+        while hasattr(chunk, "module") and (module_instances is None or isinstance(chunk, module_instances)):
+            chunk = chunk.module
+        unwrapped.append(chunk)
+    return unwrapped if return_list else unwrapped[0]
+
+
+def calc_params_l2_norm(model) -> float:
+    """L2 norm of all parameters, each counted once across TP (duplicates skipped) and summed over PP."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    if not isinstance(model, list):
+        model = [model]
+    sq = torch.zeros(1, dtype=torch.float64, device=_device())
+    for chunk in model:
+        for param in chunk.parameters():
+            if getattr(param, "shared", False) and not parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+                continue  # the tied output copy of the embedding is counted on the first stage
+            if param_is_not_tensor_parallel_duplicate(param):
+                sq += param.detach().double().pow(2).sum()
+    torch.distributed.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+    return sq.sqrt().item()
+
+
+def average_losses_across_data_parallel_group(losses):
+    """Mean of each loss over the data-parallel group (the values reported in the log line)."""
+    from megatron.core import parallel_state
+
+    averaged = torch.cat([loss.clone().detach().view(1).float() for loss in losses])
+    torch.distributed.all_reduce(averaged, group=parallel_state.get_data_parallel_group())
+    return averaged / torch.distributed.get_world_size(group=parallel_state.get_data_parallel_group())
+
+
+def report_memory(name):
+    """Print accelerator memory use as Megatron does (nothing on CPU)."""
+    from megatron.core import device
+
+    stats = device.memory_stats_mb()
+    if not stats:
+        return
+    string = name + " memory (MB)" + "".join(" | {}: {}".format(k, v) for k, v in stats.items())
+    rank = torch.distributed.get_rank() if distributed_is_initialized() else 0
+    if rank % 8 == 0:
+        print("[Rank {}] {}".format(rank, string), flush=True)
+
+
+def _device():
+    from megatron.core import device
+
+    return device.current_device()
+
+
+def print_datetime(string):
+    """Print ``[string] datetime: ...`` on rank 0 after a barrier, as Megatron marks phases."""
+    import datetime
+
+    if distributed_is_initialized():
+        torch.distributed.barrier()
+    time_str = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    print_rank_0("[" + string + "] datetime: {} ".format(time_str))

@@ -1,0 +1,81 @@
+"""Pretrain GPT (Megatron-LM's entry point): ``torchrun pretrain_gpt.py <Megatron flags>``."""
+from functools import partial
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.training import get_args, get_timers, pretrain, print_rank_0
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.datasets_provider import gpt_train_valid_test_datasets_provider
+from megatron.training.errors import exit_on_configuration_error
+from megatron.training.utils import average_losses_across_data_parallel_group
+
+
+def model_provider(pre_process=True, post_process=True):
+    """The GPT model of this pipeline stage (megatron-core's GPTModel with --use-mcore-models)."""
+    args = get_args()
+    config = core_transformer_config_from_args(args)
+    print_rank_0("building GPT model ...")
+    if args.use_mcore_models:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                        pre_process=pre_process, post_process=post_process,
+                        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+                        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent)
+    from megatron.legacy.model import GPTModel
+
+    return GPTModel(config, num_tokentypes=0, parallel_output=True, pre_process=pre_process,
+                    post_process=post_process)
+
+
+def get_batch(data_iterator):
+    """Read a micro-batch on TP rank 0 and broadcast it to the rest of the tensor-parallel group."""
+    args = get_args()
+    data = next(data_iterator) if data_iterator is not None else None
+    ints = tensor_parallel.broadcast_data(["tokens", "labels", "position_ids"], data, torch.int64)
+    floats = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32)
+    attention_mask = None
+    if args.reset_attention_mask:
+        # Document-level masks differ per sample; otherwise the model applies the causal mask itself.
+        mask = {"attention_mask": data["attention_mask"].to(torch.int64)} if data is not None else None
+        attention_mask = tensor_parallel.broadcast_data(["attention_mask"], mask, torch.int64)["attention_mask"].bool()
+    return ints["tokens"], ints["labels"], floats["loss_mask"], attention_mask, ints["position_ids"]
+
+
+def loss_func(loss_mask, output_tensor):
+    """Masked mean of the per-token losses; the DP-averaged value is what the log line reports."""
+    losses = output_tensor.float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum()
+    averaged_loss = average_losses_across_data_parallel_group([loss])
+    return loss, {"lm loss": averaged_loss[0]}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch: the schedule calls ``loss_func(output_tensor)`` on the last stage."""
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers("batch-generator").stop()
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """GPT datasets from --data-path / --split (or --mock-data)."""
+    return gpt_train_valid_test_datasets_provider(train_val_test_num_samples)
+
+
+@exit_on_configuration_error()
+def main():
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+             args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Shared helpers of the model tests: a one-rank process group, tiny configs, error metrics."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.model_options import MODEL_OPTION_DEFAULTS
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    """A 1-rank gloo group with TP=PP=1, for single-process model tests (torn down after the module)."""
+    created = False
+    if not dist.is_initialized():
+        fd, path = tempfile.mkstemp(prefix="models_pg_")
+        os.close(fd)
+        os.remove(path)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+        created = True
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    yield
+    parallel_state.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - e| / max |e| (0 when both are 0)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    scale = expected.abs().max().item()
+    diff = (actual - expected).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def causal_mask(s: int) -> torch.Tensor:
+    """Megatron's causal mask: [1, 1, s, s] boolean, True = masked (above the diagonal)."""
+    return torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+
+
+def tiny_config(tp: int = 1, pp: int = 1, sp: bool = False, style: str = "gpt2", explicit_defaults: bool = True,
+                **overrides) -> TransformerConfig:
+    """A small TransformerConfig with model options set.
+
+    ``style='gpt2'``: LayerNorm, gelu, biases, learned positions, tied output layer.
+    ``style='llama'``: RMSNorm, swiglu, RoPE, grouped-query attention (8 heads, 4 groups), no biases, untied.
+    """
+    kwargs = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+                  use_cpu_initialization=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                  sequence_parallel=sp, pipeline_dtype=torch.float32 if pp > 1 else None)
+    # All model options are set on the config so that global args left by other tests cannot leak in through
+    # the legacy classes' global-args bridge (explicit_defaults=False tests that bridge).
+    options = dict(MODEL_OPTION_DEFAULTS) if explicit_defaults else {}
+    options.update(padded_vocab_size=64, max_position_embeddings=16)
+    if style == "llama":
+        import torch.nn.functional as F
+
+        kwargs.update(num_attention_heads=8, num_query_groups=4, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                      add_bias_linear=False, ffn_hidden_size=48, layernorm_epsilon=1e-6)
+        options.update(position_embedding_type="rope", untie_embeddings_and_output_weights=True)
+    for key in list(overrides):
+        if key in MODEL_OPTION_DEFAULTS:
+            options[key] = overrides.pop(key)
+    kwargs.update(overrides)
+    config = TransformerConfig(**kwargs)
+    for key, value in options.items():
+        setattr(config, key, value)
+    return config
+
+
+def gpt_inputs(batch: int = 2, seq: int = 8, vocab: int = 60, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    pos = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    return ids, pos, causal_mask(seq), labels
+
+
+def bert_inputs(batch: int = 2, seq: int = 8, vocab: int = 60, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    types = torch.randint(0, 2, (batch, seq), generator=g)
+    padding = torch.ones(batch, seq, dtype=torch.long)
+    padding[1, seq - 3:] = 0  # the second sample is padded: exercises fully masked attention rows
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    return ids, padding, types, labels
