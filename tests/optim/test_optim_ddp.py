@@ -125,10 +125,14 @@ def ddp_body(dp):
     torch.manual_seed(5)
     for p in plain.parameters():
         torch.nn.init.normal_(p)
-    tp_model = TPModel()
-    with torch.no_grad():
-        for (_, src), (_, dst) in zip(plain.named_parameters(), tp_model.named_parameters()):
-            dst.copy_(src)
+    def make_tp_model():
+        tp_model = TPModel()
+        with torch.no_grad():
+            for (_, src), (_, dst) in zip(plain.named_parameters(), tp_model.named_parameters()):
+                dst.copy_(src)
+        return tp_model
+
+    tp_model = make_tp_model()
     model = DistributedDataParallel(fused_config, DistributedDataParallelConfig(overlap_grad_reduce=True,
                                                                                 bucket_size=50), tp_model)
     xt = torch.randn(4 * dp, 6, generator=torch.Generator().manual_seed(3))
@@ -148,6 +152,14 @@ def ddp_body(dp):
     toy_loss(model, dp_slice(x, r, dp), dp_slice(y, r, dp)).backward()
     model.finish_grad_sync()
     out["torch_ddp"] = _worst(main_grads(model), ref)
+
+    # 5b. torch DDP over layers configured for gradient accumulation fusion: fusion is switched off.
+    model = TorchDistributedDataParallel(make_tp_model())
+    model.zero_grad_buffer()
+    ((model(dp_slice(xt, r, dp)) - dp_slice(yt, r, dp)) ** 2).mean().backward()
+    model.finish_grad_sync()
+    out["torch_ddp_fusion_off"] = max(rel(p.main_grad, q.grad)
+                                      for p, q in zip(model.module.parameters(), ref_plain.parameters()))
 
     # 6. The legacy signature and allreduce_gradients().
     model = LegacyDDP(copy.deepcopy(base), accumulate_allreduce_grads_in_fp32=True, use_contiguous_buffers=True)
@@ -179,7 +191,8 @@ def ddp_body(dp):
 def test_ddp_matches_single_process_over_concatenated_batch(dp):
     results = run_distributed(ddp_body, dp, dp, timeout=120)
     for rank, out in enumerate(results):
-        for key in ("one_bucket", "overlap_small_buckets", "no_sync", "fusion", "torch_ddp", "legacy",
+        for key in ("one_bucket", "overlap_small_buckets", "no_sync", "fusion", "torch_ddp", "torch_ddp_fusion_off",
+                    "legacy",
                     "bf16_fp32_reduce"):
             assert out[key] < 1e-6, (rank, key, out[key])
         assert out["broadcast"] == 0.0, out

@@ -27,7 +27,8 @@ def shared_embedding_params(module) -> set:
     """
     found = {p for p in module.parameters() if getattr(p, "shared_embedding", False)}
     inner = unwrap_model_chunk(module)
-    if getattr(inner, "share_embeddings_and_output_weights", False) and hasattr(inner, "shared_embedding_or_output_weight"):
+    if (getattr(inner, "share_embeddings_and_output_weights", False)
+            and hasattr(inner, "shared_embedding_or_output_weight")):
         try:
             weight = inner.shared_embedding_or_output_weight()
         except (AttributeError, RuntimeError, AssertionError):

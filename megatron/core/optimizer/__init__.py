@@ -13,7 +13,7 @@ from megatron.core.optimizer.clip_grads import (
 )
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from megatron.core.optimizer.implementation_log import log_implementation_once
+from megatron.core.transformer.fusions import log_once
 from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
@@ -84,16 +84,16 @@ def _adam(param_groups, config: OptimizerConfig, on_cuda: bool) -> torch.optim.O
         try:
             from apex.optimizers import FusedAdam  # type: ignore
 
-            log_implementation_once("Adam", "apex.optimizers.FusedAdam")
+            log_once("Adam=apex.optimizers.FusedAdam", "Adam: using apex.optimizers.FusedAdam")
             return FusedAdam(param_groups, adam_w_mode=True, **kwargs)
         except ImportError:
             pass
     try:
         optimizer = torch.optim.AdamW(param_groups, fused=True, **kwargs)
-        log_implementation_once("Adam", "torch.optim.AdamW(fused=True)")
+        log_once("Adam=torch.optim.AdamW(fused=True)", "Adam: using torch.optim.AdamW(fused=True)")
         return optimizer
     except (RuntimeError, TypeError):  # no fused kernel for this device in this torch version
-        log_implementation_once("Adam", "torch.optim.AdamW(foreach=True)")
+        log_once("Adam=torch.optim.AdamW(foreach=True)", "Adam: using torch.optim.AdamW(foreach=True)")
         return torch.optim.AdamW(param_groups, foreach=True, **kwargs)
 
 
@@ -103,11 +103,11 @@ def _sgd(param_groups, config: OptimizerConfig, on_cuda: bool) -> torch.optim.Op
         try:
             from apex.optimizers import FusedSGD  # type: ignore
 
-            log_implementation_once("SGD", "apex.optimizers.FusedSGD")
+            log_once("SGD=apex.optimizers.FusedSGD", "SGD: using apex.optimizers.FusedSGD")
             return FusedSGD(param_groups, **kwargs)
         except ImportError:
             pass
-    log_implementation_once("SGD", "torch.optim.SGD(foreach=True)")
+    log_once("SGD=torch.optim.SGD(foreach=True)", "SGD: using torch.optim.SGD(foreach=True)")
     return torch.optim.SGD(param_groups, foreach=True, **kwargs)
 
 

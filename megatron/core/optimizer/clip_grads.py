@@ -14,7 +14,7 @@ from typing import Iterable, List, Optional, Union
 
 import torch
 
-from megatron.core.optimizer.implementation_log import log_implementation_once
+from megatron.core.transformer.fusions import log_once
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 _APEX_L2NORM = None
@@ -43,12 +43,12 @@ def _sum_of_squares(grads: List[torch.Tensor], dev: torch.device) -> torch.Tenso
         return torch.zeros((), dtype=torch.float32, device=dev)
     fused = _apex_l2norm() if grads[0].is_cuda else None
     if fused is not None:
-        log_implementation_once("gradient norm", "apex amp_C.multi_tensor_l2norm")
+        log_once("gradient norm=apex", "gradient norm: using apex amp_C.multi_tensor_l2norm")
         l2norm, applier = fused
         overflow = torch.zeros(1, dtype=torch.int, device=dev)
         norm, _ = applier(l2norm, overflow, [grads], False)
         return (norm.float() ** 2).reshape(())
-    log_implementation_once("gradient norm", "torch._foreach_norm")
+    log_once("gradient norm=torch", "gradient norm: using torch._foreach_norm")
     norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2)
     return torch.stack(norms).square().sum()
 
