@@ -30,10 +30,10 @@ def _main_grad(param):
 
 
 def unwrap_model_chunk(module):
-    """The model inside DDP / Float16Module wrappers (anything keeping it as ``.module``), stopping at the
-    first object that has ``shared_embedding_or_output_weight``."""
-    while not hasattr(module, "shared_embedding_or_output_weight") and isinstance(
-            getattr(module, "module", None), torch.nn.Module):
+    """The model inside DDP / Float16Module wrappers: follow ``.module`` down to the first object that has
+    ``pre_process`` (what Megatron's models set; Float16Module inherits MegatronModule's methods but not the
+    model's state, so stopping at ``shared_embedding_or_output_weight`` would be wrong)."""
+    while not hasattr(module, "pre_process") and isinstance(getattr(module, "module", None), torch.nn.Module):
         module = module.module
     return module
 
