@@ -1,0 +1,170 @@
+"""Megatron's local DistributedDataParallel (``--DDP-impl local``): contiguous gradient buffers.
+
+Why not torch's DDP: the optimizer wants every gradient in one flat buffer per dtype (``param.main_grad``)
+so that micro-batches accumulate in fp32 when asked, tensor-parallel layers can add their weight
+gradients straight into it (gradient accumulation fusion), the distributed optimizer can reduce-scatter
+and own contiguous shards, and the reduction runs once per iteration (not once per micro-batch).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Dict, List
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import unwrap_model_chunk
+from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def shared_embedding_params(module) -> set:
+    """Parameters kept identical across pipeline stages by an all-reduce of their gradients.
+
+    The tied word embedding (``shared_embedding_or_output_weight()`` when
+    ``share_embeddings_and_output_weights``) and any parameter marked ``shared_embedding = True``.
+    """
+    found = {p for p in module.parameters() if getattr(p, "shared_embedding", False)}
+    inner = unwrap_model_chunk(module)
+    if (getattr(inner, "share_embeddings_and_output_weights", False)
+            and hasattr(inner, "shared_embedding_or_output_weight")):
+        try:
+            weight = inner.shared_embedding_or_output_weight()
+        except (AttributeError, RuntimeError, AssertionError):
+            weight = None  # a middle pipeline stage holds neither the embedding nor the output layer
+        if isinstance(weight, torch.nn.Parameter):
+            found.add(weight)
+    return found
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wraps ``module``; gradients land in contiguous per-dtype buffers and are averaged over DP.
+
+    Use::
+
+        model = DistributedDataParallel(config, ddp_config, model)
+        model.zero_grad_buffer()
+        with model.no_sync():            # micro-batches 1..n-1: only accumulate
+            loss(...).backward()
+        loss(...).backward()             # last micro-batch: buckets reduce as they fill (overlap)
+        model.finish_grad_sync()         # or finalize_model_grads([model])
+    """
+
+    def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
+                 module: torch.nn.Module, disable_bucketing: bool = False):
+        super().__init__()
+        self.config = config
+        self.ddp_config = ddp_config
+        self.module = module
+        self.bucket_size = ddp_config.effective_bucket_size(disable_bucketing)
+
+        self.data_parallel_group = parallel_state.get_data_parallel_group()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        gradient_scaling_factor = 1.0 / dp_size
+
+        param_to_name: Dict[torch.nn.Parameter, str] = {}
+        params_by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
+        for name, param in self.module.named_parameters():
+            if not param.requires_grad:
+                continue
+            param_to_name[param] = name
+            param.grad_added_to_main_grad = False
+            grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+            params_by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+
+        own_bucket = shared_embedding_params(self.module)
+        self.param_and_grad_buffers: List[ParamAndGradBuffer] = []
+        self.param_to_buffer: Dict[torch.nn.Parameter, ParamAndGradBuffer] = {}
+        for (param_dtype, grad_dtype), params in params_by_dtype.items():
+            buffer = ParamAndGradBuffer(ddp_config, param_dtype, grad_dtype, params, self.data_parallel_group,
+                                        self.bucket_size, param_to_name, gradient_scaling_factor, own_bucket)
+            self.param_and_grad_buffers.append(buffer)
+            for p in params:
+                self.param_to_buffer[p] = buffer
+
+        # Fires after autograd accumulated the parameter's gradient (also when it accumulated nothing,
+        # e.g. a tensor-parallel layer that added its weight gradient into main_grad itself).
+        self._hook_handles = [
+            param.register_post_accumulate_grad_hook(self._make_param_hook(self.param_to_buffer[param]))
+            for param in self.param_to_buffer
+        ]
+
+    @staticmethod
+    def _make_param_hook(buffer: ParamAndGradBuffer):
+        def hook(param: torch.nn.Parameter):
+            grad = param.grad
+            if grad is not None:
+                # Skip when the gradient was already added to main_grad: by the layer itself
+                # (grad_added_to_main_grad), or by autograd accumulating in place into a .grad that an
+                # optimizer pointed at main_grad.
+                if not getattr(param, "grad_added_to_main_grad", False) and not _aliases(grad, param.main_grad):
+                    param.main_grad.add_(grad.data)
+                param.grad = None
+            buffer.register_grad_ready(param)
+
+        return hook
+
+    # ------------------------------------------------------------------------------ public API
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate into the buffers (no data-parallel communication)."""
+        for buffer in self.param_and_grad_buffers:
+            buffer.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for buffer in self.param_and_grad_buffers:
+                buffer.is_last_microbatch = True
+
+    def start_grad_sync(self, *unused):
+        """Start the reduction of every bucket not started yet (asynchronous when overlapping)."""
+        for buffer in self.param_and_grad_buffers:
+            buffer.start_grad_sync()
+
+    def finish_grad_sync(self):
+        """Make every ``main_grad`` hold the DP-averaged gradient (own shards only with the distributed optimizer)."""
+        for buffer in self.param_and_grad_buffers:
+            buffer.finish_grad_sync()
+
+    def zero_grad_buffer(self, zero_buffer: bool = True):
+        """Reset for a new iteration: zero the buffers and the bookkeeping of which gradients are ready."""
+        for param in self.param_to_buffer:
+            param.grad_added_to_main_grad = False
+        for buffer in self.param_and_grad_buffers:
+            if zero_buffer:
+                buffer.reset()
+            else:
+                for bucket in buffer.buckets:
+                    bucket.reset()
+                buffer.is_last_microbatch = True
+
+    def broadcast_params(self):
+        """Copy every parameter of DP rank 0 to the other ranks of its data-parallel group."""
+        src = parallel_state.get_data_parallel_src_rank()
+        for param in self.module.parameters():
+            torch.distributed.broadcast(param.data, src=src, group=self.data_parallel_group)
+
+    def all_gather_params(self):
+        """Distributed optimizer: all-gather the parameter shards updated on each DP rank."""
+        for buffer in self.param_and_grad_buffers:
+            buffer.all_gather_params()
+
+    def state_dict(self, prefix: str = "", keep_vars: bool = False):
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        inner = self.module
+        if hasattr(inner, "state_dict_for_save_checkpoint"):
+            return inner.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+        return inner.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,41 @@
+"""DistributedDataParallelConfig: how Megatron's DDP lays out and reduces gradients."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# Elements per bucket when --overlap-grad-reduce is on and no bucket size is given.
+DEFAULT_BUCKET_SIZE = 40_000_000
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    """Settings of :class:`megatron.core.distributed.DistributedDataParallel`.
+
+    grad_reduce_in_fp32: keep the gradient buffer (``param.main_grad``) in fp32 whatever the parameter
+        dtype, so micro-batch accumulation and the data-parallel reduction happen in fp32
+        (``--accumulate-allreduce-grads-in-fp32``; forced on with bf16).
+    overlap_grad_reduce: launch each bucket's asynchronous all-reduce (reduce-scatter with the distributed
+        optimizer) as soon as every gradient in it is ready during the last micro-batch's backward pass.
+    use_distributed_optimizer: reduce-scatter instead of all-reduce, pad every bucket to a multiple of the
+        data-parallel size and keep a parameter buffer that the distributed optimizer all-gathers into.
+    bucket_size: maximum elements per bucket; ``None`` means 40M when overlapping and one bucket per buffer
+        otherwise.
+    check_for_nan_in_grad: raise before the reduction if a bucket's local gradient norm is NaN/inf.
+    """
+
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    use_distributed_optimizer: bool = False
+    bucket_size: Optional[int] = None
+    check_for_nan_in_grad: bool = False
+
+    def __post_init__(self):
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(f"DistributedDataParallelConfig.bucket_size must be positive, got {self.bucket_size}")
+
+    def effective_bucket_size(self, disable_bucketing: bool = False) -> Optional[int]:
+        """Elements per bucket, or None for one bucket per buffer (no overlap, or bucketing disabled)."""
+        if disable_bucketing or not self.overlap_grad_reduce:
+            return None
+        return self.bucket_size if self.bucket_size is not None else DEFAULT_BUCKET_SIZE

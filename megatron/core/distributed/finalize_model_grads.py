@@ -1,0 +1,142 @@
+"""finalize_model_grads: everything that must happen to the gradients between backward and optimizer.step.
+
+Order (each step is a sum, so any order would be right for all-reduces; the DP step comes first because
+with ``--overlap-grad-reduce`` it is already running when backward ends):
+
+1. finish the data-parallel reduction of every model chunk (``finish_grad_sync``);
+2. all-reduce over the tensor-parallel group the gradients of parameters replicated across TP ranks but
+   fed with different tokens under sequence parallelism (``param.sequence_parallel``: layer-norm weights
+   and biases, row-parallel biases);
+3. all-reduce over the embedding group the gradient of the word embedding tied between the first and the
+   last pipeline stage (and of the position embedding between the first and the split stage of an
+   encoder-decoder pipeline).
+
+Gradients are read from ``param.main_grad`` (our DDP buffers; ``.grad`` when there is none).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import List
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron.core import parallel_state
+
+
+def _main_grad(param):
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad
+
+
+def unwrap_model_chunk(module):
+    """The model inside DDP / Float16Module wrappers: follow ``.module`` down to the first object that has
+    ``pre_process`` (what Megatron's models set; Float16Module inherits MegatronModule's methods but not the
+    model's state, so stopping at ``shared_embedding_or_output_weight`` would be wrong)."""
+    while not hasattr(module, "pre_process") and isinstance(getattr(module, "module", None), torch.nn.Module):
+        module = module.module
+    return module
+
+
+def _allreduce_coalesced(grads: List[torch.Tensor], group):
+    if not grads:
+        return
+    # One collective per dtype: flatten, reduce, copy back into the original views.
+    by_dtype = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        torch.distributed.all_reduce(flat, group=group)
+        for g, reduced in zip(same, _unflatten_dense_tensors(flat, same)):
+            g.copy_(reduced)
+
+
+def _allreduce_layernorm_grads(model: List[torch.nn.Module], config):
+    """Sequence parallelism: sum over TP the grads of replicated parameters that saw only a sequence shard."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    if not (getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)):
+        return
+    grads = []
+    for chunk in model:
+        for param in chunk.parameters():
+            if param.requires_grad and getattr(param, "sequence_parallel", False):
+                grad = _main_grad(param)
+                if grad is not None:
+                    grads.append(grad.data)
+    _allreduce_coalesced(grads, parallel_state.get_tensor_model_parallel_group())
+
+
+def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
+    """Sum the tied word-embedding grads of the first and last stage (and position embeddings at a split)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return
+
+    if parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+            chunk = model[0]
+        elif parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            chunk = model[-1]
+        else:  # the decoder's first stage at the split rank holds the embedding in its first chunk
+            chunk = model[0]
+        inner = unwrap_model_chunk(chunk)
+        if getattr(inner, "share_embeddings_and_output_weights", False):
+            weight = inner.shared_embedding_or_output_weight()
+            grad = _main_grad(weight)
+            if grad is None:
+                # Keep the collective matched on the other stage even if this copy got no gradient.
+                grad = torch.zeros_like(weight)
+            torch.distributed.all_reduce(grad, group=parallel_state.get_embedding_group())
+
+    if (parallel_state.is_rank_in_position_embedding_group()
+            and parallel_state.get_pipeline_model_parallel_split_rank() is not None):
+        inner = unwrap_model_chunk(model[0])
+        weight = _position_embedding_weight(inner)
+        if weight is not None:
+            grad = _main_grad(weight)
+            torch.distributed.all_reduce(grad if grad is not None else torch.zeros_like(weight),
+                                         group=parallel_state.get_position_embedding_group())
+
+
+def _position_embedding_weight(inner):
+    """The learned position-embedding table of a legacy (language_model.embedding) or core (embedding) model."""
+    for path in (("language_model", "embedding", "position_embeddings"), ("embedding", "position_embeddings")):
+        obj = inner
+        for attr in path:
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                break
+        if obj is not None and hasattr(obj, "weight"):
+            return obj.weight
+    return None
+
+
+@contextmanager
+def _timed(config, name: str):
+    """Megatron's timers (``config.timers``) around one phase, at log level 1; a no-op without timers."""
+    timers = getattr(config, "timers", None)
+    if timers is None:
+        yield
+        return
+    timer = timers(name, log_level=1)
+    timer.start(barrier=getattr(config, "barrier_with_L1_time", False))
+    try:
+        yield
+    finally:
+        timer.stop()
+
+
+def finalize_model_grads(model: List[torch.nn.Module], *unused):
+    """Finish DP sync of every chunk, then the sequence-parallel and the embedding all-reduces."""
+    if not isinstance(model, (list, tuple)):
+        model = [model]
+    config = getattr(model[0], "config", None) or getattr(unwrap_model_chunk(model[0]), "config", None)
+
+    with _timed(config, "all-grads-sync"):
+        for chunk in model:
+            chunk.finish_grad_sync()
+    with _timed(config, "layernorm-grads-all-reduce"):
+        _allreduce_layernorm_grads(model, config)
+    with _timed(config, "embedding-grads-all-reduce"):
+        _allreduce_embedding_grads(model, config)

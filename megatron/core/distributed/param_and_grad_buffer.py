@@ -1,0 +1,230 @@
+"""Contiguous gradient buffers split into buckets, and their data-parallel reduction.
+
+Layout of one buffer (one per (param dtype, grad dtype) pair of a model chunk)::
+
+    grad_data: [ bucket 0: p_k ... p_j | pad ][ bucket 1: p_i ... | pad ] ...
+
+Parameters are laid out in *reverse* order of ``module.parameters()``, because backward produces the
+gradients of the last layers first: the first bucket fills up first and its communication can start
+while the rest of the backward pass still runs. Every parameter's ``main_grad`` is a view into
+``grad_data``. A bucket closes when it holds at least ``bucket_size`` elements (a parameter is never
+split across buckets).
+
+With the distributed optimizer every bucket is padded to a multiple of the data-parallel size ``d`` and
+split into ``d`` equal contiguous shards; rank ``r`` owns shard ``r`` of every bucket. The gradients are
+reduce-scattered (rank ``r`` ends up with the DP-averaged shard ``r``) and the buffer also holds the
+parameters themselves (``param_data``, the model parameters' storage is rebound to views of it) so the
+updated shards can be all-gathered back in place.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Optional, Set
+
+import torch
+
+from megatron.core import device as _device
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.utils import all_gather_into_tensor, reduce_scatter_tensor
+
+
+def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> List[torch.Tensor]:
+    """Split a 1-D tensor whose size divides by the DP size into that many equal views."""
+    assert buffer.numel() % data_parallel_world_size == 0
+    size = buffer.numel() // data_parallel_world_size
+    return [buffer[r * size:(r + 1) * size] for r in range(data_parallel_world_size)]
+
+
+class Bucket:
+    """A contiguous range of a buffer whose gradients are reduced with one collective."""
+
+    def __init__(self, ddp_config: DistributedDataParallelConfig, params: List[torch.nn.Parameter],
+                 grad_data: torch.Tensor, param_data: Optional[torch.Tensor], offset: int, numel_unpadded: int,
+                 data_parallel_group, data_parallel_world_size: int, gradient_scaling_factor: float):
+        self.ddp_config = ddp_config
+        self.params_list = params
+        self.params = set(params)
+        self.grad_data = grad_data
+        self.param_data = param_data
+        self.offset = offset  # start of this bucket inside the buffer
+        self.numel_unpadded = numel_unpadded  # elements used by parameters (the rest is padding)
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = data_parallel_world_size
+        self.data_parallel_rank = (torch.distributed.get_rank(group=data_parallel_group)
+                                   if data_parallel_world_size > 1 else 0)
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.reset()
+
+    def reset(self):
+        self.params_with_grad: Set[torch.nn.Parameter] = set()
+        self.communication_handle = None
+        self.communication_issued = False
+
+    def _check_for_nan(self):
+        norm = self.grad_data.norm(p=2)
+        if not torch.isfinite(norm).item():
+            raise RuntimeError(
+                f"Rank {torch.distributed.get_rank()}: found NaN or inf in the local gradient (norm {norm.item()}) "
+                f"before the data-parallel reduction (--check-for-nan-in-grad). Node: {os.uname().nodename}"
+            )
+
+    def start_grad_sync(self):
+        """Average this bucket's gradients over the data-parallel group (asynchronously when overlapping)."""
+        if self.communication_issued:
+            raise RuntimeError("the gradient reduction of this bucket was already started: call "
+                               "zero_grad_buffer() before the next iteration's backward pass")
+        if self.ddp_config.check_for_nan_in_grad:
+            self._check_for_nan()
+        if self.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(self.gradient_scaling_factor)
+        if self.data_parallel_world_size > 1:
+            async_op = self.ddp_config.overlap_grad_reduce
+            if self.ddp_config.use_distributed_optimizer:
+                local = shard_buffer(self.grad_data, self.data_parallel_world_size)[self.data_parallel_rank]
+                self.communication_handle = reduce_scatter_tensor(local, self.grad_data,
+                                                                  group=self.data_parallel_group, async_op=async_op)
+            else:
+                self.communication_handle = torch.distributed.all_reduce(self.grad_data,
+                                                                         group=self.data_parallel_group,
+                                                                         async_op=async_op)
+            if not async_op:
+                self.communication_handle = None
+        self.communication_issued = True
+
+    def finish_grad_sync(self):
+        """Wait for the reduction; start it now if backward hooks did not (no overlap, or unused params)."""
+        if not self.communication_issued:
+            self.start_grad_sync()
+        if self.communication_handle is not None:
+            self.communication_handle.wait()
+            self.communication_handle = None
+
+    def register_grad_ready(self, param: torch.nn.Parameter):
+        """Called by the backward hook of ``param`` in the last micro-batch; starts the bucket when complete."""
+        if param in self.params_with_grad:
+            raise RuntimeError("a parameter's gradient was marked ready twice in one backward pass")
+        self.params_with_grad.add(param)
+        if len(self.params_with_grad) == len(self.params) and self.ddp_config.overlap_grad_reduce:
+            self.start_grad_sync()
+
+
+class ParamAndGradBuffer:
+    """Gradient (and, with the distributed optimizer, parameter) storage of parameters of one dtype."""
+
+    def __init__(self, ddp_config: DistributedDataParallelConfig, param_dtype: torch.dtype, grad_dtype: torch.dtype,
+                 params: List[torch.nn.Parameter], data_parallel_group, bucket_size: Optional[int],
+                 param_to_name: Dict[torch.nn.Parameter, str], gradient_scaling_factor: float,
+                 own_bucket_params: Optional[Set[torch.nn.Parameter]] = None):
+        self.ddp_config = ddp_config
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = torch.distributed.get_world_size(group=data_parallel_group)
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.is_last_microbatch = True
+        own_bucket_params = own_bucket_params or set()
+
+        # Pass 1: the index range of every parameter and the boundaries of every bucket.
+        self.param_index_map: Dict[torch.nn.Parameter, tuple] = {}  # param -> (start, end, bucket id)
+        bucket_ranges = []  # (start, end_padded, end_unpadded, [params])
+        offset, bucket_start, bucket_params = 0, 0, []
+
+        def close_bucket():
+            nonlocal offset, bucket_start, bucket_params
+            end = self._pad(offset) if ddp_config.use_distributed_optimizer else offset
+            bucket_ranges.append((bucket_start, end, offset, bucket_params))
+            offset = bucket_start = end
+            bucket_params = []
+
+        for param in reversed(params):
+            # Parameters synchronised across pipeline stages (the shared word embedding) get a bucket of their
+            # own with the distributed optimizer, so that every stage shards them identically and the
+            # embedding-group all-reduce after the reduce-scatter combines matching shards.
+            alone = ddp_config.use_distributed_optimizer and param in own_bucket_params
+            if alone and bucket_params:
+                close_bucket()
+            self.param_index_map[param] = (offset, offset + param.numel(), len(bucket_ranges))
+            offset += param.numel()
+            bucket_params.append(param)
+            if alone or (bucket_size is not None and offset - bucket_start >= bucket_size):
+                close_bucket()
+        if bucket_params:
+            close_bucket()
+
+        self.numel = offset
+        self.numel_unpadded = sum(p.numel() for p in params)
+        # The buffers live with the parameters (the model is moved to its device before being wrapped).
+        dev = params[0].device if params else _device.current_device()
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=dev)
+        self.param_data = None
+        if ddp_config.use_distributed_optimizer:
+            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=dev)
+
+        # Pass 2: views. The parameter storage moves into param_data (keeping its values).
+        for param, (start, end, _) in self.param_index_map.items():
+            if self.param_data is not None:
+                with torch.no_grad():
+                    self.param_data[start:end].copy_(param.data.reshape(-1))
+                param.data = self.param_data[start:end].view(param.data.shape)
+            param.main_grad = self.grad_data[start:end].view(param.data.shape)
+
+        self.buckets: List[Bucket] = []
+        self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
+        for start, end, end_unpadded, bparams in bucket_ranges:
+            bucket = Bucket(
+                ddp_config, bparams, self.grad_data[start:end],
+                self.param_data[start:end] if self.param_data is not None else None,
+                start, end_unpadded - start, data_parallel_group, self.data_parallel_world_size,
+                gradient_scaling_factor,
+            )
+            self.buckets.append(bucket)
+            for p in bparams:
+                self.param_to_bucket[p] = bucket
+
+        self._describe(param_to_name)
+
+    def _pad(self, index: int) -> int:
+        return int(math.ceil(index / self.data_parallel_world_size)) * self.data_parallel_world_size
+
+    def _describe(self, param_to_name):
+        if os.environ.get("MEGATRON_LOG_DDP_BUCKETS", "0") != "1":
+            return
+        if torch.distributed.get_rank() != 0:
+            return
+        print(f"> DDP buffer ({self.param_dtype} params, {self.grad_dtype} grads): {len(self.buckets)} bucket(s), "
+              f"{self.numel} elements ({self.numel_unpadded} used)", flush=True)
+        for i, bucket in enumerate(self.buckets):
+            names = [param_to_name.get(p, "?") for p in bucket.params_list]
+            print(f"    bucket {i}: offset {bucket.offset}, {bucket.grad_data.numel()} elements: {', '.join(names)}",
+                  flush=True)
+
+    def reset(self):
+        """Zero the gradients and forget which ones were ready; the next backward is a last micro-batch."""
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.reset()
+        self.is_last_microbatch = True
+
+    def start_grad_sync(self):
+        for bucket in self.buckets:
+            if not bucket.communication_issued:
+                bucket.start_grad_sync()
+
+    def finish_grad_sync(self):
+        for bucket in self.buckets:
+            bucket.finish_grad_sync()
+
+    def register_grad_ready(self, param: torch.nn.Parameter):
+        if self.is_last_microbatch and self.ddp_config.overlap_grad_reduce:
+            self.param_to_bucket[param].register_grad_ready(param)
+
+    def all_gather_params(self):
+        """Distributed optimizer: every rank contributes its updated shard of every bucket's parameters."""
+        if self.param_data is None:
+            raise RuntimeError("all_gather_params needs DistributedDataParallelConfig(use_distributed_optimizer=True)")
+        if self.data_parallel_world_size == 1:
+            return
+        for bucket in self.buckets:
+            local = shard_buffer(bucket.param_data, self.data_parallel_world_size)[bucket.data_parallel_rank]
+            all_gather_into_tensor(bucket.param_data, local, group=self.data_parallel_group)

@@ -1,0 +1,410 @@
+"""Megatron optimizers: a torch optimizer plus gradient plumbing, loss scaling, clipping and skipping.
+
+* :class:`FP32Optimizer`: fp32 model, the torch optimizer works on the model parameters directly.
+* :class:`Float16OptimizerWithFloat16Params`: fp16/bf16 model parameters, fp32 "main" copies that the torch
+  optimizer updates; gradients are copied (and up-cast) from ``main_grad`` into the main parameters,
+  unscaled and checked for inf/NaN, and the updated main parameters are copied back into the model.
+* ``DistributedOptimizer`` (``distrib_optimizer.py``) shards the main parameters and optimizer state over
+  the data-parallel group.
+
+``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``. A step whose gradients overflowed
+(fp16) is skipped: the parameters and the optimizer state are left untouched and the loss scaler backs off.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from typing import List, Optional
+
+import torch
+
+from megatron.core import device as _device
+from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_norm_fp32,
+    count_zeros_fp32,
+    param_is_not_shared,
+)
+from megatron.core.optimizer.grad_scaler import MegatronGradScaler
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes, param_is_not_tensor_parallel_duplicate
+
+
+def _zero_grad_group_helper(group: List[torch.Tensor], set_to_none: bool):
+    for param in group:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            if param.grad.grad_fn is not None:
+                param.grad.detach_()
+            else:
+                param.grad.requires_grad_(False)
+            param.grad.zero_()
+
+
+def _model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The accumulated, DP-reduced gradient of a model parameter: ``main_grad`` (DDP buffer) else ``.grad``."""
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad
+
+
+class MegatronOptimizer(ABC):
+    """Base class: owns the torch optimizer (``self.optimizer``) and the config."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig):
+        if optimizer is None:
+            raise ValueError("no torch optimizer was given")
+        self.optimizer = optimizer
+        self.config = config
+        # Number of inner optimizer steps taken (restored from checkpoints), see _inner_state_dict.
+        self._inner_steps = 0
+
+    # ------------------------------------------------------------------ parameters and gradients
+    def get_parameters(self) -> List[torch.Tensor]:
+        """The parameters the torch optimizer updates (main params for mixed precision / sharded optimizers)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        """Gradients that count towards the global norm: each model piece once over TP and PP."""
+        grads = []
+        for param in self.get_parameters():
+            if param.grad is None:
+                continue
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                grads.append(param.grad.detach())
+        return grads
+
+    def get_model_parallel_group(self):
+        """The group over which norms, zero counts and overflow flags are summed (None = world)."""
+        return parallel_state.get_model_parallel_group()
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        return clip_grad_norm_fp32(self.get_parameters(), self.get_main_grads_for_grad_norm(), clip_grad,
+                                   model_parallel_group=self.get_model_parallel_group())
+
+    def count_zeros(self) -> int:
+        return count_zeros_fp32(self.get_parameters(), model_parallel_group=self.get_model_parallel_group())
+
+    # ------------------------------------------------------------------ loss scaling
+    @abstractmethod
+    def get_loss_scale(self) -> torch.Tensor:
+        ...
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """What the schedules backpropagate (``config.grad_scale_func``): the loss times the loss scale."""
+        return self.get_loss_scale() * loss
+
+    # ------------------------------------------------------------------ torch optimizer passthrough
+    @abstractmethod
+    def zero_grad(self, set_to_none: bool = True):
+        ...
+
+    @abstractmethod
+    def reload_model_params(self):
+        """Refresh the optimizer's copies of the parameters after the model's were loaded from a checkpoint."""
+
+    @abstractmethod
+    def state_dict(self) -> dict:
+        ...
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: dict):
+        ...
+
+    @abstractmethod
+    def step(self):
+        ...
+
+    def _get_state(self):
+        return self.optimizer.state
+
+    def _set_state(self, value):
+        self.optimizer.state = value
+
+    state = property(_get_state, _set_state)
+
+    def _get_param_groups(self):
+        return self.optimizer.param_groups
+
+    def _set_param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    param_groups = property(_get_param_groups, _set_param_groups)
+
+    # ------------------------------------------------------------------ helpers
+    def _inner_step(self):
+        self.optimizer.step()
+        self._inner_steps += 1
+
+    def _inner_state_dict(self) -> dict:
+        """``optimizer.state_dict()`` with Megatron's per-group ``'step'``.
+
+        Megatron's checkpoints come from apex FusedAdam, which counts steps per param group; torch's Adam
+        counts per parameter. Writing the group count too keeps our checkpoints loadable by either, and
+        gives a count to groups that hold no parameter on this rank (distributed optimizer shards).
+        """
+        sd = self.optimizer.state_dict()
+        for group in sd["param_groups"]:
+            if "step" not in group:
+                steps = [float(sd["state"][i]["step"]) for i in group["params"] if "step" in sd["state"].get(i, {})]
+                group["step"] = int(max(steps)) if steps else self._inner_steps
+        return sd
+
+    def _load_inner_state_dict(self, state_dict: dict):
+        """Load a state dict written by apex FusedAdam or torch Adam (see _inner_state_dict)."""
+        steps = [g["step"] for g in state_dict["param_groups"] if g.get("step") is not None]
+        steps += [v["step"] for v in state_dict["state"].values() if "step" in v]
+        self._inner_steps = int(max(float(s) for s in steps)) if steps else 0
+        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            state = {k: dict(v) for k, v in state_dict["state"].items()}
+            for group in state_dict["param_groups"]:
+                for i in group["params"]:
+                    if i in state and "step" not in state[i]:
+                        state[i]["step"] = torch.tensor(float(group.get("step", self._inner_steps)),
+                                                        dtype=torch.float32)
+            state_dict = {"state": state, "param_groups": state_dict["param_groups"]}
+        self.optimizer.load_state_dict(state_dict)
+
+    @contextmanager
+    def _timed(self, name: str):
+        timers = self.config.timers
+        if timers is None:
+            yield
+            return
+        timer = timers(name, log_level=1)
+        timer.start(barrier=self.config.barrier_with_L1_time)
+        try:
+            yield
+        finally:
+            timer.stop()
+
+    def _clip_and_count(self):
+        grad_norm = None
+        if self.config.clip_grad > 0.0:
+            with self._timed("optimizer-clip-main-grad"):
+                grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = None
+        if self.config.log_num_zeros_in_grad:
+            with self._timed("optimizer-count-zeros"):
+                num_zeros = self.count_zeros()
+        return grad_norm, num_zeros
+
+
+class MixedPrecisionOptimizer(MegatronOptimizer):
+    """Shared logic of the fp16/bf16 optimizers: unscale, overflow check, skip, scaler update."""
+
+    def __init__(self, optimizer, config: OptimizerConfig, grad_scaler: Optional[MegatronGradScaler]):
+        super().__init__(optimizer, config)
+        self.grad_scaler = grad_scaler
+        if self.grad_scaler is None and config.fp16:
+            raise ValueError("fp16 training needs a loss scaler (constant --loss-scale or the dynamic one)")
+        dev = _device.current_device()
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=dev)
+        self._scale_one = torch.ones(1, dtype=torch.float32, device=dev)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
+
+    @abstractmethod
+    def _collect_main_grad_data_for_unscaling(self) -> List[torch.Tensor]:
+        ...
+
+    @abstractmethod
+    def _copy_model_grads_to_main_grads(self):
+        ...
+
+    @abstractmethod
+    def _copy_main_params_to_model_params(self):
+        ...
+
+    def _unscale_main_grads_and_check_for_nan(self) -> bool:
+        """Multiply the main grads by 1/scale; True if any rank of the group saw inf/NaN."""
+        main_grads = self._collect_main_grad_data_for_unscaling()
+        self.found_inf.fill_(0.0)
+        if main_grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                main_grads, self.found_inf, self.grad_scaler.inv_scale.to(self.found_inf.device))
+        # Every rank must take the same decision, or the model replicas/shards would diverge.
+        torch.distributed.all_reduce(self.found_inf, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.get_model_parallel_group())
+        return self.found_inf.item() > 0
+
+    @torch.no_grad()
+    def step(self):
+        with self._timed("optimizer-copy-to-main-grad"):
+            self._copy_model_grads_to_main_grads()
+
+        if self.grad_scaler is not None:
+            with self._timed("optimizer-unscale-and-check-inf"):
+                found_inf = self._unscale_main_grads_and_check_for_nan()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+
+        grad_norm, num_zeros = self._clip_and_count()
+        with self._timed("optimizer-inner-step"):
+            self._inner_step()
+        with self._timed("optimizer-copy-main-to-model-params"):
+            self._copy_main_params_to_model_params()
+        return True, grad_norm, num_zeros
+
+
+class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
+    """fp16/bf16 model parameters with fp32 main parameters owned by the torch optimizer.
+
+    The torch optimizer's param groups are rewritten in place: every fp16/bf16 parameter is replaced by an
+    fp32 clone (carrying the tensor-parallel and ``shared`` attributes); fp32 parameters of the model stay.
+    """
+
+    def __init__(self, optimizer, config: OptimizerConfig, grad_scaler: Optional[MegatronGradScaler]):
+        super().__init__(optimizer, config, grad_scaler)
+        self.float16_groups: List[List[torch.Tensor]] = []
+        self.fp32_from_float16_groups: List[List[torch.Tensor]] = []
+        self.fp32_from_fp32_groups: List[List[torch.Tensor]] = []
+
+        for group in self.optimizer.param_groups:
+            float16_params, fp32_from_float16, fp32_params = [], [], []
+            for i, param in enumerate(group["params"]):
+                if not param.requires_grad:
+                    continue
+                if param.dtype in (torch.float16, torch.bfloat16):
+                    float16_params.append(param)
+                    main_param = param.detach().clone().float()
+                    copy_tensor_model_parallel_attributes(main_param, param)
+                    if hasattr(param, "shared"):
+                        main_param.shared = param.shared
+                    group["params"][i] = main_param
+                    fp32_from_float16.append(main_param)
+                    if param in self.optimizer.state:
+                        self.optimizer.state[main_param] = self.optimizer.state.pop(param)
+                elif param.dtype == torch.float32:
+                    fp32_params.append(param)
+                    group["params"][i] = param
+                else:
+                    raise TypeError(f"wrapped parameters must be float32, float16 or bfloat16, got {param.dtype}")
+            self.float16_groups.append(float16_params)
+            self.fp32_from_float16_groups.append(fp32_from_float16)
+            self.fp32_from_fp32_groups.append(fp32_params)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear the model grads (fp16 and fp32) and the main grads; the DDP buffers are zeroed by DDP."""
+        for groups in (self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups):
+            for group in groups:
+                _zero_grad_group_helper(group, set_to_none)
+
+    def _collect_main_grad_data_for_unscaling(self):
+        grads = []
+        for groups in (self.fp32_from_float16_groups, self.fp32_from_fp32_groups):
+            for group in groups:
+                grads.extend(p.grad.data for p in group if p.grad is not None)
+        return grads
+
+    def _copy_model_grads_to_main_grads(self):
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                grad = _model_grad(model_param)
+                main_param.grad = grad.float() if grad is not None else None
+                # Drop the fp16 .grad now so that only one copy of the gradient lives on.
+                model_param.grad = None
+        for group in self.fp32_from_fp32_groups:
+            for param in group:
+                grad = _model_grad(param)
+                if grad is not None:
+                    param.grad = grad
+
+    def _copy_main_params_to_model_params(self):
+        model, main = self._flat_model_and_main()
+        if model:
+            torch._foreach_copy_(model, main)
+
+    def _copy_model_params_to_main_params(self):
+        model, main = self._flat_model_and_main()
+        if main:
+            torch._foreach_copy_(main, model)
+
+    def _flat_model_and_main(self):
+        model, main = [], []
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                model.append(model_param.data)
+                main.append(main_param.data)
+        return model, main
+
+    def reload_model_params(self):
+        self._copy_model_params_to_main_params()
+
+    def state_dict(self) -> dict:
+        state_dict = {"optimizer": self._inner_state_dict()}
+        if self.grad_scaler is not None:
+            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+        state_dict["fp32_from_fp16_params"] = self.fp32_from_float16_groups
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict):
+        optimizer_key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
+        if optimizer_key == "optimizer_state_dict":
+            _print_rank_0("***WARNING*** loading optimizer from an old checkpoint ...")
+        self._load_inner_state_dict(state_dict[optimizer_key])
+
+        if "grad_scaler" not in state_dict:
+            if self.config.fp16:
+                _print_rank_0("***WARNING*** found an old checkpoint, will not load grad scaler ...")
+        elif self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        else:
+            _print_rank_0("***WARNING*** found the grad scaler in the checkpoint but it is None in the class. "
+                          "Skipping loading grad scaler ...")
+
+        key = "fp32_from_fp16_params" if "fp32_from_fp16_params" in state_dict else "fp32_from_fp16"
+        saved_groups = state_dict[key]
+        if len(saved_groups) != len(self.fp32_from_float16_groups):
+            raise ValueError(f"optimizer checkpoint has {len(saved_groups)} groups of fp32 main params, this model "
+                             f"has {len(self.fp32_from_float16_groups)}: the model or --weight-decay rules differ")
+        for current_group, saved_group in zip(self.fp32_from_float16_groups, saved_groups):
+            if len(current_group) != len(saved_group):
+                raise ValueError("optimizer checkpoint's fp32 main params do not match the model's parameters")
+            for current, saved in zip(current_group, saved_group):
+                current.data.copy_(saved.data)
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """fp32 training: the torch optimizer updates the model parameters; ``.grad`` is pointed at ``main_grad``."""
+
+    def __init__(self, optimizer, config: OptimizerConfig):
+        super().__init__(optimizer, config)
+        self._scale = torch.ones(1, dtype=torch.float32, device=_device.current_device())
+
+    def zero_grad(self, set_to_none: bool = True):
+        for group in self.optimizer.param_groups:
+            _zero_grad_group_helper(group["params"], set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale
+
+    @torch.no_grad()
+    def step(self):
+        with self._timed("optimizer-copy-to-main-grad"):
+            for param in self.get_parameters():
+                main_grad = getattr(param, "main_grad", None)
+                if main_grad is not None:
+                    param.grad = main_grad
+        grad_norm, num_zeros = self._clip_and_count()
+        with self._timed("optimizer-inner-step"):
+            self._inner_step()
+        return True, grad_norm, num_zeros
+
+    def reload_model_params(self):
+        pass
+
+    def state_dict(self) -> dict:
+        return self._inner_state_dict()
+
+    def load_state_dict(self, state_dict: dict):
+        self._load_inner_state_dict(state_dict)
+
+
+def _print_rank_0(message: str):
+    if not (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        print(message, flush=True)

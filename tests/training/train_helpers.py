@@ -1,0 +1,111 @@
+"""Helpers to run ``pretrain`` for a few iterations inside dist_harness ranks and record what it logs.
+
+Every parameter is re-initialised from a generator keyed by its *global* name (layer indices shifted by the
+pipeline offset) and sliced for this TP rank, so every (TP, PP, DP) layout starts from the same model; the
+layout-independent losses are then the test.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import zlib
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GPT_ARGS = [
+    "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+    "--train-iters", "20", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine",
+    "--lr-warmup-iters", "2", "--weight-decay", "0.01", "--clip-grad", "1.0",
+    "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--seed", "1234",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "120", "--make-vocab-size-divisible-by", "64",
+    "--split", "98,1,1", "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "5",
+    "--distributed-backend", "gloo", "--num-workers", "0",
+]
+
+
+def load_entry_point(name):
+    """Import pretrain_gpt.py / pretrain_bert.py from the repository root as a module."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _global_name(name: str, layer_offset: int) -> str:
+    name = name.replace("word_embeddings_for_head", "language_model.embedding.word_embeddings")
+    return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + layer_offset}.", name)
+
+
+def deterministic_init(model, num_layers):
+    """Give every parameter a value that depends only on its global name and this rank's TP slice."""
+    from megatron.core import parallel_state as ps
+
+    pp, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    per_stage = num_layers // pp
+    if vpp is None:
+        offset = r * per_stage
+    else:
+        per_virtual = per_stage // vpp
+        offset = ps.get_virtual_pipeline_model_parallel_rank() * (num_layers // vpp) + r * per_virtual
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gname = _global_name(name, offset)
+            shape = list(p.shape)
+            dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+            if dim >= 0:
+                shape[dim] *= tp
+            g = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
+            full = torch.randn(shape, generator=g) * 0.02
+            if p.dim() == 1 and "norm" in name and name.endswith("weight"):
+                full = 1.0 + 10 * full
+            if dim >= 0:
+                full = full.chunk(tp, dim=dim)[tp_rank]
+            p.copy_(full.to(p.dtype))
+
+
+def run_pretrain(entry: str, extra_args, record_model=False):
+    """Run ``pretrain`` of ``entry`` with GPT_ARGS + extra_args; return the per-iteration records."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import global_vars
+    from megatron.training import training as training_mod
+
+    module = load_entry_point(entry)
+    records = []
+    original_log = training_mod.training_log
+
+    def recording_log(state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, grad_norm, *rest):
+        records.append({"iteration": iteration, "loss": {k: float(v) for k, v in loss_dict.items()},
+                        "lr": learning_rate, "loss_scale": loss_scale, "skipped": skipped_iter,
+                        "grad_norm": grad_norm})
+        line = original_log(state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, grad_norm, *rest)
+        if line is not None:
+            records[-1]["line"] = line
+        return line
+
+    num_layers = int(GPT_ARGS[GPT_ARGS.index("--num-layers") + 1])
+    original_provider = module.model_provider
+
+    def provider(pre_process=True, post_process=True):
+        model = original_provider(pre_process=pre_process, post_process=post_process)
+        deterministic_init(model, num_layers)
+        return model
+
+    training_mod.training_log = recording_log
+    argv = sys.argv
+    sys.argv = [f"{entry}.py"] + GPT_ARGS + list(extra_args)
+    try:
+        module.pretrain(module.train_valid_test_datasets_provider, provider, module.ModelType.encoder_or_decoder,
+                        module.forward_step, args_defaults={})
+    finally:
+        sys.argv = argv
+        training_mod.training_log = original_log
+        global_vars.destroy_global_vars()
+        ps.destroy_model_parallel()
+    return records
