@@ -1,8 +1,8 @@
 """Train / validation / test data iterators: re-exports of megatron.training.datasets_provider.
 
-One implementation: it builds datasets on the ranks that read data (tensor-parallel rank 0 of the first and
-last pipeline stages) and broadcasts the do_train/do_valid/do_test flags from global rank 0, so middle
-pipeline stages (which read no data) still learn what will run.
+One implementation: it builds datasets on the ranks that read data (tensor-parallel rank 0 of every pipeline
+stage) and broadcasts the do_train/do_valid/do_test flags from global rank 0, so every rank learns what
+will run.
 """
 from megatron.training.datasets_provider import (  # noqa: F401
     build_train_valid_test_data_iterators, build_train_valid_test_data_loaders, cyclic_iter,

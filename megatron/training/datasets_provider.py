@@ -50,12 +50,14 @@ def print_rank_0(message: str) -> None:
 
 
 def is_dataset_built_on_rank() -> bool:
-    """Data is read on tensor-parallel rank 0 of the first and last pipeline stages (others get it broadcast)."""
+    """Data is read on tensor-parallel rank 0 of every pipeline stage (others in the TP group get it broadcast).
+
+    Middle stages need the attention mask too (BERT's padding mask, GPT's --reset-attention-mask), so, as in
+    Megatron-LM 2023, every stage reads its own copy of the batch instead of only the first and last.
+    """
     if not parallel_state.model_parallel_is_initialized():
         return True
-    return ((parallel_state.is_pipeline_first_stage(ignore_virtual=True)
-             or parallel_state.is_pipeline_last_stage(ignore_virtual=True))
-            and parallel_state.get_tensor_model_parallel_rank() == 0)
+    return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def get_blend_and_blend_per_split(args):

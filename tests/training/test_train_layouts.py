@@ -10,13 +10,18 @@ import re
 import pytest
 
 from dist_harness import run_distributed
-from train_helpers import run_pretrain
+from train_helpers import preprocess_corpus_slice, run_pretrain
 
 REL_TOL = 1e-4
 
 
-def layouts_body(runs):
-    return {name: run_pretrain("pretrain_gpt", extra) for name, extra in runs}
+def layouts_body(runs, data_path):
+    return {name: run_pretrain("pretrain_gpt", ["--data-path", data_path] + extra) for name, extra in runs}
+
+
+@pytest.fixture(scope="module")
+def gpt_data(tmp_path_factory):
+    return preprocess_corpus_slice(str(tmp_path_factory.mktemp("gpt_data")))
 
 
 def _tp_pp(tp, pp, *extra):
@@ -43,8 +48,8 @@ def _losses(records_per_rank):
 
 
 @pytest.fixture(scope="module")
-def reference_losses():
-    (out,) = run_distributed(layouts_body, 1, RUNS[1], timeout=240)
+def reference_losses(gpt_data):
+    (out,) = run_distributed(layouts_body, 1, RUNS[1], gpt_data, timeout=240)
     losses = _losses([out["1-1-1"]])
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.3, f"the model did not learn: {losses[0]:.3f} -> {losses[-1]:.3f}"
@@ -52,8 +57,8 @@ def reference_losses():
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_loss_curve_is_layout_independent(world, reference_losses):
-    results = run_distributed(layouts_body, world, RUNS[world], timeout=400)
+def test_loss_curve_is_layout_independent(world, reference_losses, gpt_data):
+    results = run_distributed(layouts_body, world, RUNS[world], gpt_data, timeout=400)
     for name, _ in RUNS[world]:
         losses = _losses([rank[name] for rank in results])
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference_losses))
@@ -63,13 +68,14 @@ def test_loss_curve_is_layout_independent(world, reference_losses):
 LOG_FIELDS = re.compile(
     r"^ iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| elapsed time per iteration \(ms\): ([\d.]+) \|"
     r"( throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| tokens per second: [\d.]+ \|)?"
-    r" learning rate: ([\d.E+-]+) \| global batch size:\s+(\d+) \| lm loss: ([\d.E+-]+) \|"
-    r" loss scale: ([\d.]+) \| grad norm: ([\d.]+) \| number of skipped iterations:\s+(\d+) \|"
+    r" learning rate: ([\d.E+-]+) \| global batch size:\s+(\d+) \|( lm loss: [\d.E+-]+ \|)?"
+    r" loss scale: ([\d.]+) \|( grad norm: [\d.]+ \|)? number of skipped iterations:\s+(\d+) \|"
     r" number of nan iterations:\s+(\d+) \|$")
 
 
-def precision_body():
-    out = {"bf16": run_pretrain("pretrain_gpt", ["--bf16", "--log-throughput"])}
+def precision_body(data_path):
+    data = ["--data-path", data_path]
+    out = {"bf16": run_pretrain("pretrain_gpt", data + ["--bf16", "--log-throughput"])}
     # fp16 with dynamic loss scaling; iteration 3's loss is made infinite, which must skip that step and,
     # with --hysteresis 1, halve the scale.
     from megatron.training import global_vars
@@ -94,15 +100,15 @@ def precision_body():
 
     train_helpers.load_entry_point = poisoned
     try:
-        out["fp16"] = run_pretrain("pretrain_gpt", ["--fp16", "--initial-loss-scale", "4096", "--hysteresis", "1",
+        out["fp16"] = run_pretrain("pretrain_gpt", data + ["--fp16", "--initial-loss-scale", "4096", "--hysteresis", "1",
                                                     "--log-interval", "1"])
     finally:
         train_helpers.load_entry_point = original
     return out
 
 
-def test_bf16_fp16_loss_scaling_and_log_line(reference_losses):
-    (out,) = run_distributed(precision_body, 1, timeout=300)
+def test_bf16_fp16_loss_scaling_and_log_line(reference_losses, gpt_data):
+    (out,) = run_distributed(precision_body, 1, gpt_data, timeout=300)
     bf16 = [r["loss"]["lm loss"] for r in out["bf16"]]
     assert all(math.isfinite(x) for x in bf16) and bf16[-1] < bf16[0] - 0.3
     # bf16 follows the fp32 curve loosely (8-bit mantissa).
@@ -116,6 +122,9 @@ def test_bf16_fp16_loss_scaling_and_log_line(reference_losses):
     assert m, f"log line does not parse: {line!r}"
     assert int(m.group(11)) == 1 and int(m.group(12)) == 1  # one skipped, one nan iteration in this interval
     assert float(m.group(9)) == 2048.0
+    assert m.group(8) is None and m.group(10) is None  # nothing advanced: no loss, no grad norm (as Megatron)
+    m = LOG_FIELDS.match(fp16[3]["line"])
+    assert m and m.group(8) and m.group(10) and int(m.group(11)) == 0
     # The bf16 run logged throughput; parse one of its lines too.
     m = LOG_FIELDS.match(out["bf16"][4]["line"])
     assert m and m.group(5) and int(m.group(1)) == 5 and int(m.group(7)) == 4

@@ -19,13 +19,39 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 GPT_ARGS = [
     "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
     "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
-    "--train-iters", "20", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine",
+    "--train-iters", "20", "--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "cosine",
     "--lr-warmup-iters", "2", "--weight-decay", "0.01", "--clip-grad", "1.0",
     "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--seed", "1234",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "120", "--make-vocab-size-divisible-by", "64",
-    "--split", "98,1,1", "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "5",
+    "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", os.path.join(REPO, "data/tokenizers/gpt2/vocab.json"),
+    "--merge-file", os.path.join(REPO, "data/tokenizers/gpt2/merges.txt"), "--split", "98,1,1", "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "5",
     "--distributed-backend", "gloo", "--num-workers", "0",
 ]
+
+
+def preprocess_corpus_slice(out_dir, num_docs=400, tokenizer="gpt2"):
+    """Tokenise the first ``num_docs`` documents of the shipped corpus; return the dataset prefix."""
+    import gzip
+    import subprocess
+
+    src = os.path.join(REPO, "data", "stdlib_prose.jsonl.gz")
+    jsonl = os.path.join(out_dir, "slice.jsonl")
+    with gzip.open(src, "rt") as f, open(jsonl, "w") as out:
+        for i, line in enumerate(f):
+            if i >= num_docs:
+                break
+            out.write(line)
+    if tokenizer == "gpt2":
+        tok = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", os.path.join(REPO, "data/tokenizers/gpt2/vocab.json"),
+               "--merge-file", os.path.join(REPO, "data/tokenizers/gpt2/merges.txt"), "--append-eod"]
+        suffix = "_text_document"
+    else:
+        tok = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
+               os.path.join(REPO, "data/tokenizers/bert/vocab.txt"), "--split-sentences"]
+        suffix = "_text_sentence"
+    prefix = os.path.join(out_dir, tokenizer)
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", jsonl,
+                    "--output-prefix", prefix, "--workers", "1", *tok], check=True, capture_output=True)
+    return prefix + suffix
 
 
 def load_entry_point(name):
@@ -37,7 +63,8 @@ def load_entry_point(name):
 
 
 def _global_name(name: str, layer_offset: int) -> str:
-    name = name.replace("word_embeddings_for_head", "language_model.embedding.word_embeddings")
+    if name.startswith("word_embeddings."):  # the last stage's tied copy of the input embedding
+        name = "language_model.embedding." + name
     return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + layer_offset}.", name)
 
 
