@@ -42,7 +42,9 @@ def loss_func(loss_mask, sentence_order, output_tensor):
     lm_loss_, sop_logits = output_tensor
     lm_loss_ = lm_loss_.float()
     loss_mask = loss_mask.float()
-    lm_loss = torch.sum(lm_loss_.view(-1) * loss_mask.reshape(-1)) / loss_mask.sum()
+    # Short samples can end up with no masked token (the masking budget is 15% of the target length); such a
+    # micro-batch contributes zero MLM loss instead of Megatron's 0/0 = NaN, which would poison fp32/bf16 runs.
+    lm_loss = torch.sum(lm_loss_.view(-1) * loss_mask.reshape(-1)) / loss_mask.sum().clamp(min=1.0)
     if sop_logits is not None:
         sop_loss = F.cross_entropy(sop_logits.view(-1, 2).float(), sentence_order.view(-1), ignore_index=-1)
         loss = lm_loss + sop_loss

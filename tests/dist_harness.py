@@ -14,6 +14,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import tempfile
@@ -48,7 +49,9 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, stack_path, timeo
             init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=max(timeout - 8.0, 5.0)),
         )
         out = fn(*args, **kwargs)
-        results.put(("ok", rank, out))
+        # Plain pickle bytes: torch's queue reducer would pass tensors as shared-memory file descriptors,
+        # which disappear if this process exits before the parent reads them.
+        results.put(("ok", rank, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         results.put(("error", rank, traceback.format_exc()))
     finally:
@@ -107,12 +110,15 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
                 try:
                     while True:
                         status, rank, payload = results.get(timeout=0.5)
-                        (outputs if status == "ok" else errors)[rank] = payload
+                        if status == "ok":
+                            outputs[rank] = pickle.loads(payload)
+                        else:
+                            errors[rank] = payload
                 except queue.Empty:
                     break
             continue
         if status == "ok":
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
         else:
             errors[rank] = payload
             first_error_at = first_error_at or time.monotonic()
