@@ -156,7 +156,8 @@ def test_mock_dataset():
     assert item["tokens"].shape == (16,) and item["attention_mask"].shape == (1, 16, 16)
     assert len(valid) >= 8 and len(test) >= 4
     # A vocabulary smaller than the mock documents: ids wrap within [1, vocab - 2], eod stays the last id.
-    small = make_config(blend=None, split="1,0,0", tokenizer=build_tokenizer(tokenizer_args("NullTokenizer", vocab_size=119)))
+    small = make_config(blend=None, split="1,0,0", sequence_length=512,
+                        tokenizer=build_tokenizer(tokenizer_args("NullTokenizer", vocab_size=119)))
     tiny_vocab = BlendedMegatronDatasetBuilder(MockGPTDataset, [4, None, None], lambda: True, small).build()[0]
     document = tiny_vocab.dataset[0]
     assert document[:-1].max() == 118 and document[:-1].min() == 1 and document[-1] == 119
