@@ -144,16 +144,24 @@ def test_num_epochs_and_splits_through_the_builder(tmp_path):
 
 
 def test_mock_dataset():
-    config = make_config(blend=None, split="990,9,1", sequence_length=16)
+    big_vocab = build_tokenizer(tokenizer_args("NullTokenizer", vocab_size=50000))
+    config = make_config(blend=None, split="990,9,1", sequence_length=16, tokenizer=big_vocab)
     assert config.mock
     train, valid, test = BlendedMegatronDatasetBuilder(MockGPTDataset, [40, 8, 4], lambda: True, config).build()
     low = train.dataset
     expected_lengths = numpy.random.default_rng(seed=0).integers(1, 4096, size=100000, dtype=numpy.int32)
     assert isinstance(low, MockGPTLowLevelDataset) and numpy.array_equal(low.sequence_lengths, expected_lengths)
-    assert low[0].tolist() == list(range(1, int(expected_lengths[0]))) + [EOD]
+    assert low[0].tolist() == list(range(1, int(expected_lengths[0]))) + [50000]  # megatron-core's documents
     item = train[0]
     assert item["tokens"].shape == (16,) and item["attention_mask"].shape == (1, 16, 16)
     assert len(valid) >= 8 and len(test) >= 4
+    # A vocabulary smaller than the mock documents: ids wrap within [1, vocab - 2], eod stays the last id.
+    small = make_config(blend=None, split="1,0,0", sequence_length=512,
+                        tokenizer=build_tokenizer(tokenizer_args("NullTokenizer", vocab_size=119)))
+    tiny_vocab = BlendedMegatronDatasetBuilder(MockGPTDataset, [4, None, None], lambda: True, small).build()[0]
+    document = tiny_vocab.dataset[0]
+    assert document[:-1].max() == 118 and document[:-1].min() == 1 and document[-1] == 119
+    assert tiny_vocab[0]["tokens"].max() < 120
 
 
 def test_index_cache_is_written_once_and_reused(tiny_prefix, tmp_path):

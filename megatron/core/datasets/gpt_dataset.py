@@ -277,7 +277,12 @@ def _get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_p
 
 
 class MockGPTLowLevelDataset:
-    """Synthetic documents (``1, 2, ..., length-1, eod``) with lengths from ``default_rng(0)``, as megatron-core."""
+    """Synthetic documents (``1, 2, ..., length-1, eod``) with lengths from ``default_rng(0)``, as megatron-core.
+
+    With a vocabulary smaller than the longest document (tiny test models), the ids ``1, 2, ...`` wrap
+    around within ``[1, vocab_size - 2]`` instead of indexing past the embedding; with real vocabularies
+    the documents are megatron-core's.
+    """
 
     seed: int = 0
     size: int = 100000
@@ -287,14 +292,19 @@ class MockGPTLowLevelDataset:
         self.tokenizer = tokenizer
         rng = numpy.random.default_rng(seed=self.seed)
         self.sequence_lengths = rng.integers(low=1, high=self.max_sequence_length, size=self.size, dtype=numpy.int32)
+        self._wrap = None
+        vocab_size = getattr(tokenizer, "vocab_size", None)
+        if vocab_size is not None and vocab_size - 1 < self.max_sequence_length:
+            self._wrap = max(1, vocab_size - 2)
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, idx: int) -> numpy.ndarray:
         length = int(self.sequence_lengths[idx])
-        return numpy.concatenate([numpy.arange(1, length, dtype=numpy.int64),
-                                  numpy.array([self.tokenizer.eod], dtype=numpy.int64)])
+        ids = numpy.arange(length - 1, dtype=numpy.int64)
+        ids = ids % self._wrap + 1 if self._wrap is not None else ids + 1
+        return numpy.concatenate([ids, numpy.array([self.tokenizer.eod], dtype=numpy.int64)])
 
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> numpy.ndarray:
         if length is None:
