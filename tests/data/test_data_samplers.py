@@ -118,11 +118,12 @@ def _iterators_under_model_parallelism():
     return train is not None, (args.do_train, args.do_valid, args.do_test), first
 
 
-def test_only_tensor_parallel_rank_0_of_first_and_last_stage_reads_data():
+def test_only_tensor_parallel_rank_0_of_each_stage_reads_data():
     from dist_harness import run_distributed
 
     results = run_distributed(_iterators_under_model_parallelism, 6, timeout=150)
-    # Pipeline stage s holds ranks 2s (tensor rank 0) and 2s + 1; the middle stage reads no data.
-    assert [r[0] for r in results] == [True, False, False, False, True, False]
-    assert all(r[1] == (True, True, True) for r in results)  # flags reach every rank, middle stage included
-    assert results[0][2] == results[4][2] and results[2][2] is None
+    # Pipeline stage s holds ranks 2s (tensor rank 0) and 2s + 1. Every stage's TP rank 0 reads the batch
+    # (middle stages need attention masks too); the other TP ranks receive it by broadcast.
+    assert [r[0] for r in results] == [True, False, True, False, True, False]
+    assert all(r[1] == (True, True, True) for r in results)  # flags reach every rank
+    assert results[0][2] == results[2][2] == results[4][2] and results[1][2] is None
