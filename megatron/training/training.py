@@ -246,10 +246,12 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     optimizer.zero_grad()
 
     forward_backward_func = get_forward_backward_func()
+    timers("forward-backward", log_level=1).start(barrier=args.barrier_with_L1_time)
     losses_reduced = forward_backward_func(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=get_num_microbatches(), seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.decoder_seq_length, forward_only=False)
+    timers("forward-backward").stop()
     if args.empty_unused_memory_level >= 1:
         device.empty_cache()
 
