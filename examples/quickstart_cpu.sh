@@ -46,3 +46,9 @@ echo "== training a 6-layer GPT on $NPROC CPU process(es)"
 torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
   --distributed-backend gloo
 echo "== done: checkpoint in $OUT/checkpoints (latest iteration: $(cat "$OUT/checkpoints/latest_checkpointed_iteration.txt"))"
+
+# Check the trained model by generating text from the saved checkpoint (one process; same model flags).
+echo "== generating text from $OUT/checkpoints (tools/generate_text.py)"
+python tools/generate_text.py "${GPT_ARGS[@]}" --vocab-file "$VOCAB" --merge-file "$MERGES" \
+  --load "$OUT/checkpoints" --distributed-backend gloo --out-seq-length "${GEN_TOKENS:-48}" --top_k 20 \
+  --temperature 0.8 --prompt "${PROMPT:-The function returns}" 2>&1 | sed -n '/^== prompt/,$p'
