@@ -20,7 +20,7 @@ TINY_GPT = [
 PROMPTS = ["The quick brown fox", "def open(path):\n    return"]
 
 
-def build_tiny_gpt(tp=1, pp=1, parallel_output=True):
+def build_tiny_gpt(tp=1, pp=1, parallel_output=True, extra=()):
     """initialize_megatron + this rank's GPT chunk, every parameter set from its global name (same weights in
     every TP/PP layout). ``parallel_output=True`` keeps vocab-parallel logits so the generator must gather."""
     from train_helpers import deterministic_init
@@ -30,7 +30,7 @@ def build_tiny_gpt(tp=1, pp=1, parallel_output=True):
 
     initialize_megatron(extra_args_provider=add_text_generate_args,
                         argv=TINY_GPT + ["--tensor-model-parallel-size", str(tp),
-                                         "--pipeline-model-parallel-size", str(pp)])
+                                         "--pipeline-model-parallel-size", str(pp), *extra])
 
     def provider(pre_process=True, post_process=True):
         from megatron.legacy.model import GPTModel
