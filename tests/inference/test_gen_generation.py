@@ -126,7 +126,7 @@ def test_gen_greedy_cache_sampling_beam_against_hand_decoding(tp1):
     assert tp1["tokens"].shape[1] > NEW_TOKENS
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_gen_parallel_layouts_match_tp1(tp1, tp, pp):
     results = run_distributed(parallel_body, tp * pp, tp, pp, timeout=120)
     for rank, res in enumerate(results):
