@@ -19,7 +19,11 @@ def main():
     args = get_args()
     if not args.prompt:
         raise ConfigurationError("tools/generate_text.py needs --prompt TEXT (repeat it for several prompts)")
+    # Leave room for the prompt: --out-seq-length defaults to Megatron's 1024, more than small models have.
     tokens = min(args.out_seq_length, args.max_position_embeddings // 2)
+    if tokens < args.out_seq_length and is_driver_rank():
+        print(f"generating {tokens} tokens (--out-seq-length {args.out_seq_length} capped at half of "
+              f"--max-position-embeddings {args.max_position_embeddings})", flush=True)
     result = generate_and_post_process(
         model, prompts=args.prompt if is_driver_rank() else None, tokens_to_generate=tokens,
         top_k_sampling=1 if args.greedy else args.top_k, top_p_sampling=0.0 if args.greedy else args.top_p,

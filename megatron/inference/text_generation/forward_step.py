@@ -55,7 +55,7 @@ class ForwardStep:
         input_tensor = recv_from_prev_pipeline_stage((seq, batch, self.config.hidden_size), self._activation_dtype())
         self.model.set_input_tensor(input_tensor)
         output = self.model(tokens, position_ids, attention_mask, inference_params=self.inference_params)
-        send_to_next_pipeline_stage(output if not parallel_state.is_pipeline_last_stage() else None)
+        send_to_next_pipeline_stage(output)  # no-op on the last stage
         if self.inference_params is not None:
             self.inference_params.sequence_len_offset += seq
         if not parallel_state.is_pipeline_last_stage():
