@@ -47,7 +47,7 @@ class CheckpointError(RuntimeError):
 
 def _save_stage(stage: str, path: str) -> None:
     """Called at each step of a save (stage names: 'file-temp-written', 'file-renamed', 'all-files-written',
-    'iteration-dir-renamed', 'tracker-temp-written', 'tracker-renamed'). A no-op; tests replace it to kill the
+    'previous-copy-moved-aside', 'iteration-dir-renamed', 'tracker-temp-written', 'tracker-renamed'). A no-op; tests replace it to kill the
     process in the middle of a save."""
 
 
@@ -216,16 +216,23 @@ def _barrier():
 
 
 def _prepare_save_dir(save_dir, iteration):
-    """Rank 0: clear a staging directory left by an interrupted save; put back a copy moved aside."""
+    """Rank 0, before any rank writes: sweep the debris of interrupted saves (staging directories; copies
+    moved aside, which are put back when their replacement never arrived) and create the staging directory."""
+    if os.path.isdir(save_dir):
+        for name in os.listdir(save_dir):
+            path = os.path.join(save_dir, name)
+            if name.startswith(TRACKER_BASENAME + ".tmp."):
+                os.remove(path)  # a tracker update killed before its rename
+            elif name.endswith(STAGING_SUFFIX) and os.path.isdir(path):
+                shutil.rmtree(path)
+            elif name.endswith(ASIDE_SUFFIX) and os.path.isdir(path):
+                original = path[:-len(ASIDE_SUFFIX)]
+                if os.path.isdir(original):
+                    shutil.rmtree(path)  # the re-save finished its rename: this copy is superseded
+                else:
+                    os.replace(path, original)
     final = os.path.join(save_dir, _iteration_dirname(iteration))
-    staging, aside = final + STAGING_SUFFIX, final + ASIDE_SUFFIX
-    if os.path.isdir(staging):
-        shutil.rmtree(staging)
-    if os.path.isdir(aside):
-        if os.path.isdir(final):
-            shutil.rmtree(aside)
-        else:
-            os.replace(aside, final)
+    staging = final + STAGING_SUFFIX
     os.makedirs(staging, exist_ok=True)
     return final, staging
 
@@ -236,6 +243,7 @@ def _publish(save_dir, final, staging, iteration):
     aside = final + ASIDE_SUFFIX
     if os.path.isdir(final):
         os.replace(final, aside)
+        _save_stage("previous-copy-moved-aside", aside)
     os.replace(staging, final)
     _fsync_dir(save_dir)
     _save_stage("iteration-dir-renamed", final)

@@ -1,7 +1,11 @@
-"""Child process for test_ckpt_sigkill.py: train on one rank, save at iterations 2 and 4, and SIGKILL itself
-at the given stage of the second save (the n-th time checkpointing reports that stage).
+"""Child process for test_ckpt_sigkill.py: train on one rank and SIGKILL itself at a given stage of a save
+(the n-th time checkpointing reports that stage while armed).
 
-    python ckpt_kill_child.py <stage> <occurrence> <save_dir> <data_prefix>
+    python ckpt_kill_child.py fresh  <stage> <occurrence> <save_dir> <data_prefix>
+        saves at iterations 2 and 4; armed during the iteration-4 save.
+    python ckpt_kill_child.py resave <stage> <occurrence> <save_dir> <data_prefix>
+        a complete run saves 2 and 4 (tracker 4); then a run resumed from --ckpt-step 2 saves iteration 4 again,
+        armed: the copy of iteration 4 the tracker names must survive.
 """
 import os
 import signal
@@ -14,29 +18,34 @@ from ckpt_helpers import run_leg  # noqa: E402
 
 
 def main():
-    stage, occurrence, save_dir, data = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    mode, stage, occurrence, save_dir, data = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
     from megatron.training import checkpointing
+    import megatron.training.training as training_mod
 
-    seen = {"count": 0, "saves": 0}
-    original = checkpointing.save_checkpoint
+    state = {"armed": False, "count": 0}
+    original_save = checkpointing.save_checkpoint
 
-    def counting_save(iteration, *args, **kwargs):
-        seen["saves"] += 1
-        return original(iteration, *args, **kwargs)
+    def arming_save(iteration, *args, **kwargs):
+        state["armed"] = mode == "fresh" and iteration == 4 or state["armed"]
+        return original_save(iteration, *args, **kwargs)
 
     def kill_at(name, path):
-        if seen["saves"] >= 2 and name == stage:
-            seen["count"] += 1
-            if seen["count"] == occurrence:
+        if state["armed"] and name == stage:
+            state["count"] += 1
+            if state["count"] == occurrence:
                 print(f"killing myself at {name} ({path})", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     checkpointing._save_stage = kill_at
-    import megatron.training.training as training_mod
-
-    training_mod.save_checkpoint = counting_save
-    run_leg(["--data-path", data, "--train-iters", "4", "--save", save_dir, "--save-interval", "2",
-             "--use-distributed-optimizer"])
+    training_mod.save_checkpoint = arming_save
+    base = ["--data-path", data, "--train-iters", "6", "--exit-interval", "4", "--save", save_dir, "--save-interval", "2",
+            "--use-distributed-optimizer"]
+    if mode == "fresh":
+        run_leg(base)
+        return
+    run_leg(base)
+    state["armed"] = True
+    run_leg(base + ["--load", save_dir, "--ckpt-step", "2"])
 
 
 if __name__ == "__main__":
