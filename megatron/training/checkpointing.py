@@ -47,8 +47,8 @@ class CheckpointError(RuntimeError):
 
 def _save_stage(stage: str, path: str) -> None:
     """Called at each step of a save (stage names: 'file-temp-written', 'file-renamed', 'all-files-written',
-    'previous-copy-moved-aside', 'iteration-dir-renamed', 'tracker-temp-written', 'tracker-renamed'). A no-op; tests replace it to kill the
-    process in the middle of a save."""
+    'previous-copy-moved-aside', 'iteration-dir-renamed', 'tracker-temp-written', 'tracker-renamed').
+    A no-op; tests replace it to kill the process in the middle of a save."""
 
 
 # ------------------------------------------------------------------------------------------- names
@@ -482,9 +482,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         print_rank_0("    will not load any checkpoints and will start from random")
         return 0
 
-    iteration, release, iter_dir = _locate(load_dir, args.ckpt_step if load_dir == getattr(args, load_arg) else None)
-    checkpoint_name = os.path.join(iter_dir, os.path.relpath(get_checkpoint_name(load_dir, iteration, release),
-                                                             os.path.join(load_dir, _iteration_dirname(iteration, release))))
+    ckpt_step = args.ckpt_step if load_dir == getattr(args, load_arg) else None  # not for --pretrained-checkpoint
+    iteration, release, iter_dir = _locate(load_dir, ckpt_step)
+    rank_file = get_checkpoint_name(load_dir, iteration, release)
+    checkpoint_name = os.path.join(iter_dir, os.path.basename(os.path.dirname(rank_file)), MODEL_BASENAME)
     _check_layout(iter_dir, checkpoint_name)
     print_rank_0(" loading checkpoint from {} at iteration {}".format(load_dir, iteration))
     state_dict = _read_checkpoint_file(checkpoint_name)

@@ -38,8 +38,8 @@ def main():
 
     checkpointing._save_stage = kill_at
     training_mod.save_checkpoint = arming_save
-    base = ["--data-path", data, "--train-iters", "6", "--exit-interval", "4", "--save", save_dir, "--save-interval", "2",
-            "--use-distributed-optimizer"]
+    base = ["--data-path", data, "--train-iters", "6", "--exit-interval", "4", "--save", save_dir,
+            "--save-interval", "2", "--use-distributed-optimizer"]
     if mode == "fresh":
         run_leg(base)
         return

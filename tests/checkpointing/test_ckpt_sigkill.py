@@ -13,15 +13,12 @@ from ckpt_helpers import REPO, preprocess_corpus_slice, run_leg
 from dist_harness import run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# (stage, occurrence): the model file's temp write (1st file is distrib_optim.pt, 2nd model_optim_rng.pt),
-# before its rename, once all files are written, after the directory rename, before the tracker rename.
-KILL_POINTS = [("fresh", "file-temp-written", 1), ("fresh", "file-temp-written", 2), ("fresh", "file-renamed", 2),
-               ("fresh", "all-files-written", 1), ("fresh", "iteration-dir-renamed", 1),
-               ("fresh", "tracker-temp-written", 1),
-               ("resave", "all-files-written", 1), ("resave", "previous-copy-moved-aside", 1),
-               ("resave", "iteration-dir-renamed", 1)]
-
-
+# (mode, stage, occurrence). fresh: during the iteration-4 save, after the model file's temporary write (the
+# 1st file written is distrib_optim.pt, the 2nd model_optim_rng.pt), after its rename, once every file is written
+# (before the directory rename), and before the tracker's rename. resave: iteration 4, which the tracker names,
+# is saved again and the process dies right after moving the complete copy aside.
+KILL_POINTS = [("fresh", "file-temp-written", 2), ("fresh", "file-renamed", 2), ("fresh", "all-files-written", 1),
+               ("fresh", "tracker-temp-written", 1), ("resave", "previous-copy-moved-aside", 1)]
 MAX_CHILDREN = 5
 
 

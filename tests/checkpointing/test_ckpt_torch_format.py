@@ -102,7 +102,8 @@ RNG_KEYS = {"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_sta
 
 def _flops_per_iteration(batch, seq, layers, hidden, ffn, vocab):
     # Megatron's formula (reference: megatron-api.md, "Throughput / TFLOPs"), no GQA, no swiglu.
-    return 12 * batch * seq * layers * hidden ** 2 * (1 + ffn / hidden + 1 + seq / hidden + vocab / (2 * layers * hidden))
+    return (12 * batch * seq * layers * hidden ** 2
+            * (1 + ffn / hidden + 1 + seq / hidden + vocab / (2 * layers * hidden)))
 
 
 def test_ckpt_layout_names_and_keys_2x2(world4):
