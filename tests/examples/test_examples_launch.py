@@ -34,6 +34,7 @@ def _check_run(rc, out, ckpt_dir, iters=3, world=1):
     with open(os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == str(iters)
     assert f"using world size: {world}," in out
+    print("\n".join(line for line, _ in lines))  # shown with pytest -s
     return lines
 
 
@@ -115,6 +116,7 @@ def test_examples_gpt3_175B_under_fake_slurm(tmp_path, gpt_data):
     assert "using world size: 2, data-parallel-size: 1, tensor-model-parallel size: 1, pipeline-model-parallel size: 2" in log
     assert "using torch.bfloat16 for parameters" in log
     lines = iteration_lines(log)
+    print("\n".join(line for line, _ in lines))  # shown with pytest -s
     batches = [gbs for _, (_, _, _, gbs) in lines]
     consumed = [c for _, (_, _, c, _) in lines]
     assert batches[0] == 2 and batches[-1] == 4 and sorted(batches) == batches, log[-4000:]  # the ramp-up
