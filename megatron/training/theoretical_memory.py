@@ -1,0 +1,201 @@
+"""Theoretical memory of one rank for a configuration given as Megatron's validated ``args``.
+
+Counts, for the most loaded rank of each pipeline stage, what this library allocates:
+
+* weights: the model parameters (fp32, or fp16/bf16 with ``--fp16`` / ``--bf16``);
+* gradients: the DDP gradient buffer (fp32 with ``--bf16`` or ``--accumulate-allreduce-grads-in-fp32``,
+  otherwise the parameter dtype);
+* optimizer state: Adam's two fp32 moments, plus for fp16/bf16 the fp32 main parameters and, when the
+  gradient buffer is not fp32, the fp32 copies of the gradients. With ``--use-distributed-optimizer`` all of
+  it is sharded over the ``d`` data-parallel ranks. That gives Megatron's bytes per parameter:
+  fp16 20 -> 4 + 16/d, bf16 18 -> 6 + 12/d, fp32 16 -> 8 + 8/d;
+* activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+  per layer and micro-batch ``s b h (34 + 5 a s / h)`` bytes with 16-bit activations, divided by ``t`` with
+  sequence parallelism, without the ``5 a s / h`` attention-score term under selective recompute (and with
+  a fused attention kernel, which never stores the scores), ``2 s b h`` per layer under full recompute;
+  times the micro-batches in flight on the first pipeline stage (``pp``, at most the number of micro-batches;
+  ``(1 + (pp - 1) / (pp vpp))`` more with the interleaved schedule).
+
+Parameter counts follow this library's GPT/BERT layers exactly (biases, LayerNorm/RMSNorm, GQA, SwiGLU, tied or
+untied output layer, learned position embeddings), so weights, gradients and optimizer state can be compared
+with what a built model and optimizer hold (tests/training/test_train_theoretical_memory.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+MB = 1024.0 * 1024.0
+GB = 1024.0 * MB
+
+_PARAM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def _precision(args) -> str:
+    if getattr(args, "fp16", False):
+        return "fp16"
+    if getattr(args, "bf16", False):
+        return "bf16"
+    return "fp32"
+
+
+def _layer_params(args, tp: int) -> int:
+    """Parameters of one transformer layer held by one tensor-parallel rank."""
+    h = args.hidden_size
+    heads = args.num_attention_heads
+    kv_channels = args.kv_channels or h // heads
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    q_size, kv_size = kv_channels * heads, kv_channels * groups
+    ffn = args.ffn_hidden_size or 4 * h
+    bias = getattr(args, "add_bias_linear", True)
+    qkv_bias = bias or getattr(args, "add_qkv_bias", False)
+    norm = 2 * h if getattr(args, "normalization", "LayerNorm") == "LayerNorm" else h
+    fc1_out = 2 * ffn if getattr(args, "swiglu", False) else ffn
+
+    params = 2 * norm  # input and post-attention norms (replicated on every TP rank)
+    params += h * (q_size + 2 * kv_size) // tp + (q_size + 2 * kv_size) // tp * qkv_bias  # QKV (column)
+    params += q_size // tp * h + h * bias  # output projection (row; its bias is replicated)
+    params += h * fc1_out // tp + fc1_out // tp * bias  # fc1 (column)
+    params += ffn // tp * h + h * bias  # fc2 (row)
+    return params
+
+
+def _padded_vocab(args) -> int:
+    vocab = getattr(args, "padded_vocab_size", None)
+    if not vocab:
+        raise ValueError("padded_vocab_size is unknown: pass --vocab-size, or --vocab-file (and --merge-file) so "
+                         "that the tokenizer's vocabulary can be read")
+    return vocab
+
+
+def stage_params(args, stage: int) -> int:
+    """Parameters on one (TP rank, pipeline stage ``stage``) for the model of ``args.model_name`` (gpt/bert)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    h = args.hidden_size
+    is_bert = getattr(args, "model_name", "gpt") == "bert"
+    vocab = _padded_vocab(args) // tp
+    first, last = stage == 0, stage == pp - 1
+    norm = 2 * h if getattr(args, "normalization", "LayerNorm") == "LayerNorm" else h
+    untied = getattr(args, "untie_embeddings_and_output_weights", False)
+
+    layers_here = args.num_layers // pp
+    params = layers_here * _layer_params(args, tp)
+    if first:
+        params += vocab * h
+        if getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
+                getattr(args, "add_position_embedding", True):
+            params += args.max_position_embeddings * h
+        if is_bert and getattr(args, "bert_binary_head", True):
+            params += 2 * h  # token-type embeddings
+    if last:
+        params += norm  # final norm
+        if untied or (pp > 1 and not is_bert):
+            params += vocab * h  # untied output layer, or the last stage's copy of the tied embedding
+        if is_bert:
+            if pp > 1:
+                params += vocab * h  # tied word-embedding copy for the LM head
+            params += h * h + h + norm + vocab  # LM head dense, its norm and the vocab-parallel output bias
+            if getattr(args, "bert_binary_head", True):
+                params += h * h + h + 2 * h + 2  # pooler and binary (sentence-order) head
+    return params
+
+
+@dataclass
+class MemoryReport:
+    """Bytes per rank, for each pipeline stage (index 0 = first stage)."""
+    precision: str
+    data_parallel_size: int
+    distributed_optimizer: bool
+    recompute: str
+    params: List[int]
+    weights: List[float]
+    grads: List[float]
+    optimizer: List[float]
+    activations: List[float]
+    bytes_per_param: Dict[str, float] = field(default_factory=dict)
+
+    def total(self, stage: int) -> float:
+        return self.weights[stage] + self.grads[stage] + self.optimizer[stage] + self.activations[stage]
+
+    def table(self) -> str:
+        rows = ["stage  parameters   weights (MB)  grads (MB)  optimizer (MB)  activations (MB)  total (MB)"]
+        for s in range(len(self.params)):
+            rows.append("{:5d}  {:10d}  {:13.1f}  {:10.1f}  {:14.1f}  {:16.1f}  {:10.1f}".format(
+                s, self.params[s], self.weights[s] / MB, self.grads[s] / MB, self.optimizer[s] / MB,
+                self.activations[s] / MB, self.total(s) / MB))
+        return "\n".join(rows)
+
+
+def bytes_per_parameter(args, distributed_optimizer: bool) -> Dict[str, float]:
+    """(weights, grads, optimizer) bytes per parameter on one rank."""
+    precision = _precision(args)
+    param_bytes = _PARAM_BYTES[precision]
+    grad_fp32 = precision == "bf16" or getattr(args, "accumulate_allreduce_grads_in_fp32", False) or precision == "fp32"
+    grad_bytes = 4 if grad_fp32 else param_bytes
+    optimizer_bytes = 8 if args.optimizer == "adam" else (4 if getattr(args, "sgd_momentum", 0.0) else 0)
+    if precision != "fp32":
+        optimizer_bytes += 4  # fp32 main parameters
+        if not grad_fp32:
+            optimizer_bytes += 4  # fp32 copies of the 16-bit gradients
+    if distributed_optimizer:
+        optimizer_bytes /= args.data_parallel_size
+    return {"weights": float(param_bytes), "grads": float(grad_bytes), "optimizer": float(optimizer_bytes)}
+
+
+def activation_bytes(args, stage: int, recompute: str) -> float:
+    """Activation memory on one rank of pipeline stage ``stage`` (``recompute``: none, selective, full)."""
+    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
+    a, tp, pp = args.num_attention_heads, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    sp = getattr(args, "sequence_parallel", False)
+    element = 4 if _precision(args) == "fp32" else 2
+    ffn_ratio = (args.ffn_hidden_size or 4 * h) / h
+    # Per layer, in elements: LN inputs 2 sbh, QKV input sbh, Q and K 2 sbh, V sbh, projection input sbh,
+    # MLP input sbh, fc1 output and GeLU output 2 ffn/h sbh (4 sbh each for ffn = 4h) -> 16 sbh for ffn = 4h;
+    # at 2 bytes plus the two 1-byte masks that is the paper's 34 sbh.
+    # dropout masks (1 byte): attention output and MLP output 2 sbh. Attention scores: softmax output and its
+    # dropout output 2 a s^2 b elements plus the dropout mask a s^2 b bytes.
+    replicated = (2 + 1 + 1) * s * b * h * element + 2 * s * b * h  # not split by TP unless SP
+    split = (2 + 1 + 1 + 2 * ffn_ratio) * s * b * h * element  # Q K, V, projection input, fc1 + GeLU: split by TP
+    scores = (2 * element + 1) * a * s * s * b  # split by TP
+    if recompute == "full":
+        per_layer = s * b * h * element / (tp if sp else 1)
+    else:
+        per_layer = (replicated / (tp if sp else 1)) + split / tp
+        if recompute != "selective":
+            per_layer += scores / tp
+    layers_here = args.num_layers // pp
+    num_microbatches = max(args.global_batch_size // (b * args.data_parallel_size), 1)
+    in_flight = min(pp - stage, num_microbatches)
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vpp and stage == 0:
+        in_flight *= 1 + (pp - 1) / (pp * vpp)
+    total = per_layer * layers_here * in_flight
+    if stage == 0:
+        total += s * b * h * (element + 1) / (tp if sp else 1) * in_flight  # embedding output + dropout mask
+    if stage == pp - 1:
+        total += 4 * s * b * _padded_vocab(args) / tp  # fp32 logits for the cross entropy
+    return total
+
+
+def recompute_mode(args) -> str:
+    if getattr(args, "recompute_granularity", None) == "full":
+        return "full"
+    if getattr(args, "recompute_granularity", None) == "selective":
+        return "selective"
+    return "none"
+
+
+def report_theoretical_memory(args, distributed_optimizer=None, recompute=None) -> MemoryReport:
+    """Memory per rank for ``args``; ``distributed_optimizer`` / ``recompute`` override the flags (what-if)."""
+    if distributed_optimizer is None:
+        distributed_optimizer = bool(getattr(args, "use_distributed_optimizer", False))
+    recompute = recompute or recompute_mode(args)
+    per_param = bytes_per_parameter(args, distributed_optimizer)
+    pp = args.pipeline_model_parallel_size
+    params = [stage_params(args, s) for s in range(pp)]
+    return MemoryReport(
+        precision=_precision(args), data_parallel_size=args.data_parallel_size,
+        distributed_optimizer=distributed_optimizer, recompute=recompute, params=params,
+        weights=[n * per_param["weights"] for n in params], grads=[n * per_param["grads"] for n in params],
+        optimizer=[n * per_param["optimizer"] for n in params],
+        activations=[activation_bytes(args, s, recompute) for s in range(pp)], bytes_per_param=per_param)
