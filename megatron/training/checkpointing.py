@@ -135,8 +135,10 @@ def _model_state(chunk):
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0):
     """Write this rank's part of checkpoint ``iteration`` under ``--save`` and update the tracker."""
     args = get_args()
-    if getattr(args, "ckpt_format", "torch") != "torch":
-        raise CheckpointError(f"--ckpt-format {args.ckpt_format} is not supported yet; use --ckpt-format torch")
+    if args.ckpt_format == "torch_dist":
+        from megatron.training import dist_checkpointing
+        return dist_checkpointing.save(iteration, model, optimizer, opt_param_scheduler,
+                                       num_floating_point_operations_so_far)
     model = unwrap_model(model)
     print_rank_0("saving checkpoint at iteration {:7d} to {}".format(iteration, args.save))
     rng_state = None if args.no_save_rng else get_rng_state(args.data_parallel_random_init)
@@ -201,6 +203,9 @@ def check_checkpoint_args(checkpoint_args):
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
     """Load ``--load`` into model, optimizer, scheduler and RNG; return the iteration to resume from."""
     args = get_args()
+    if args.ckpt_format == "torch_dist":
+        from megatron.training import dist_checkpointing
+        return dist_checkpointing.load(model, optimizer, opt_param_scheduler, load_arg, strict)
     load_dir = getattr(args, load_arg)
     model = unwrap_model(model)
     tracker = get_checkpoint_tracker_filename(load_dir)
