@@ -102,7 +102,7 @@ def test_offline_read_and_async_save(legs):
     c = load_full_checkpoint(os.path.join(root, "c", "iter_0000004"))
     assert set(b["model"]) == set(c["model"]) == set(model)
     for k in model:
-        torch.testing.assert_close(b["model"][k], c["model"][k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b["model"][k], c["model"][k], rtol=1e-3, atol=1e-5)  # two layouts, 2 Adam steps
     changed = [k for k in model if not torch.equal(b["model"][k], model[k])]
     assert len(changed) > len(model) // 2, "iterations 3 and 4 did not change the saved weights"
     assert b["iteration"] == 4 and b["args"].consumed_train_samples == 16
