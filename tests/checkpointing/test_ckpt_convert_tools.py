@@ -43,11 +43,15 @@ def _llama():
     return model
 
 
-def _convert(*argv, check=True):
-    proc = subprocess.run([sys.executable, CONVERT, "--model-type", "GPT", *argv], capture_output=True, text=True,
+def _convert(*argv, subprocess_run=False):
+    """Run the converter: in this process (fast), or as the command-line script."""
+    argv = ["--model-type", "GPT", *argv]
+    if not subprocess_run:
+        from tools.checkpoint import convert
+        convert.convert(convert.get_args(argv))
+        return None
+    proc = subprocess.run([sys.executable, CONVERT, *argv], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": REPO})
-    if check:
-        assert proc.returncode == 0, proc.stderr + proc.stdout
     return proc
 
 
@@ -113,8 +117,10 @@ def converted(tmp_path_factory):
         model = build()
         src, a, b, c, back = (str(root / f"{family}_{n}") for n in ("hf", "tp2pp2", "tp1pp1", "tp4pp1", "hf_back"))
         model.save_pretrained(src, safe_serialization=True)
-        _convert("--loader", "hf", "--saver", "legacy", "--load-dir", src, "--save-dir", a,
-                 "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+        proc = _convert("--loader", "hf", "--saver", "legacy", "--load-dir", src, "--save-dir", a,
+                        "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
+                        subprocess_run=family == "gpt2")  # the script itself once
+        assert proc is None or proc.returncode == 0, proc.stderr + proc.stdout
         _convert("--loader", "legacy", "--saver", "legacy", "--load-dir", a, "--save-dir", b,
                  "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1",
                  "--true-vocab-size", str(VOCAB), "--megatron-path", REPO)
@@ -162,16 +168,20 @@ def test_converted_logits_match_transformers_and_each_other(converted):
 
 
 def test_clear_errors(converted, tmp_path):
+    from tools.checkpoint.legacy_io import ConversionError
+
     _, a, _, _, _ = converted["gpt2"]["dirs"]
-    proc = _convert("--loader", "legacy", "--saver", "legacy", "--load-dir", a, "--save-dir", str(tmp_path / "x"),
-                    "--target-tensor-parallel-size", "3", "--true-vocab-size", str(VOCAB), check=False)
-    assert proc.returncode == 1 and "--target-tensor-parallel-size 3 must divide the 4 attention heads" in proc.stderr
-    proc = _convert("--loader", "legacy", "--saver", "legacy", "--load-dir", a, "--save-dir", str(tmp_path / "y"),
-                    "--target-pipeline-parallel-size", "3", check=False)
-    assert proc.returncode == 1 and "--target-pipeline-parallel-size 3 does not divide num_layers 4" in proc.stderr
-    proc = _convert("--loader", "nemo", "--saver", "legacy", "--load-dir", a, "--save-dir", str(tmp_path / "z"),
-                    check=False)
-    assert proc.returncode == 1 and "supported loaders are legacy" in proc.stderr
-    proc = _convert("--loader", "legacy", "--saver", "legacy", "--load-dir", str(tmp_path), "--save-dir",
-                    str(tmp_path / "w"), check=False)
-    assert proc.returncode == 1 and "latest_checkpointed_iteration.txt not found" in proc.stderr
+    with pytest.raises(ConversionError, match="--target-tensor-parallel-size 3 must divide the 4 attention heads"):
+        _convert("--loader", "legacy", "--saver", "legacy", "--load-dir", a, "--save-dir", str(tmp_path / "x"),
+                 "--target-tensor-parallel-size", "3", "--true-vocab-size", str(VOCAB))
+    with pytest.raises(ConversionError, match="--target-pipeline-parallel-size 3 does not divide num_layers 4"):
+        _convert("--loader", "legacy", "--saver", "legacy", "--load-dir", a, "--save-dir", str(tmp_path / "y"),
+                 "--target-pipeline-parallel-size", "3")
+    with pytest.raises(ConversionError, match="supported loaders are legacy"):
+        _convert("--loader", "nemo", "--saver", "legacy", "--load-dir", a, "--save-dir", str(tmp_path / "z"))
+    with pytest.raises(ConversionError, match="latest_checkpointed_iteration.txt not found"):
+        _convert("--loader", "legacy", "--saver", "legacy", "--load-dir", str(tmp_path), "--save-dir",
+                 str(tmp_path / "w"))
+    proc = _convert("--loader", "hf", "--saver", "hf", "--load-dir", a, "--save-dir", str(tmp_path / "u"),
+                    subprocess_run=True)
+    assert proc.returncode == 1 and proc.stderr.startswith("error: --loader hf --saver hf converts nothing")
