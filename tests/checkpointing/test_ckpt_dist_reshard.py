@@ -29,6 +29,9 @@ def world4_body(data_path, root):
     data = ["--data-path", data_path]
     a = run_pretrain("pretrain_gpt", data + _leg(2, 2, "--use-distributed-optimizer",
                                                  "--save", os.path.join(root, "a")))
+    # The same run in the legacy torch format (read by test_torch_checkpoint_converts_to_the_same_weights).
+    run_pretrain("pretrain_gpt", data + _leg(2, 2, "--use-distributed-optimizer", "--save", os.path.join(root, "t"),
+                                             "--ckpt-format", "torch"))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:  # resume the others from iteration 2, not from the final save
         with open(os.path.join(root, "a", "latest_checkpointed_iteration.txt"), "w") as f:
@@ -106,3 +109,22 @@ def test_offline_read_and_async_save(legs):
     changed = [k for k in model if not torch.equal(b["model"][k], model[k])]
     assert len(changed) > len(model) // 2, "iterations 3 and 4 did not change the saved weights"
     assert b["iteration"] == 4 and b["args"].consumed_train_samples == 16
+
+
+def test_torch_checkpoint_converts_to_the_same_weights(legs, tmp_path):
+    """The trainer's legacy (2,2) checkpoint, merged by tools/checkpoint/convert.py, equals the torch_dist
+    checkpoint of the same run read offline: two independent paths from shards to full tensors."""
+    from megatron.training.dist_checkpointing import load_full_checkpoint
+    from tools.checkpoint import convert
+    from tools.checkpoint.legacy_io import load_legacy
+
+    root, _ = legs
+    convert.convert(convert.get_args(["--model-type", "GPT", "--loader", "legacy", "--saver", "legacy",
+                                      "--load-dir", os.path.join(root, "t"), "--save-dir", str(tmp_path / "t11"),
+                                      "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"]))
+    merged, args, info = load_legacy(str(tmp_path / "t11"))
+    assert (info["tp"], info["pp"], info["iteration"]) == (1, 1, 4) and args.tensor_model_parallel_size == 1
+    reference = load_full_checkpoint(os.path.join(root, "a", "iter_0000004"))["model"]
+    assert set(merged) == set(reference), set(merged) ^ set(reference)
+    for key in reference:
+        assert torch.equal(merged[key], reference[key]), key
