@@ -62,11 +62,13 @@ def checkpoint_dir(path, iteration):
 
 def _layer_offset(num_layers: int) -> int:
     """Global number of this stage's (and virtual chunk's) first layer; layers are split evenly."""
-    pp, rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if vpp is None:
         return rank * (num_layers // pp)
-    return parallel_state.get_virtual_pipeline_model_parallel_rank() * (num_layers // vpp) + rank * (num_layers // pp // vpp)
+    virtual_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    return virtual_rank * (num_layers // vpp) + rank * (num_layers // pp // vpp)
 
 
 def _global_name(name: str, offset: int, args) -> str:
@@ -282,11 +284,10 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
                                "dp": parallel_state.get_data_parallel_world_size()}}
     if not args.no_save_optim:
         if optimizer is not None:
-            by_param = {p: g for _, _, g, _, p in entries if p is not None}
+            param_of = {g: p for _, _, g, _, p in entries if p is not None}
             for kind, tensors in _optimizer_tensors(optimizer, entries).items():
                 for gname, tensor in tensors.items():
-                    param = next(p for p, g in by_param.items() if g == gname)
-                    sharded[f"optimizer.{kind}.{gname}"] = _shard(gname, tensor, param, gated)
+                    sharded[f"optimizer.{kind}.{gname}"] = _shard(gname, tensor, param_of[gname], gated)
             common["optimizer"] = _optimizer_common(optimizer)
             common["gated_keys"] += [f"optimizer.{kind}.{g[len('model.'):]}" for g in list(common["gated_keys"])
                                      for kind in ["fp32_param"] + _state_keys(optimizer.optimizer)
@@ -401,7 +402,8 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
         if len(model) > 1:
             parallel_state.set_virtual_pipeline_model_parallel_rank(i)
         chunk.load_state_dict(local, strict=strict)
-    parallel_state.set_virtual_pipeline_model_parallel_rank(0) if len(model) > 1 else None
+    if len(model) > 1:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
 
     ckpt_args = common.get("args")
     if not finetune:

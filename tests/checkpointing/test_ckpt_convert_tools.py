@@ -82,8 +82,8 @@ def logits_body(cases):
         tensor_parallel.model_parallel_cuda_manual_seed(1)
         cls, to_config = ((transformers.GPT2Config, hf.gpt2_config_to_megatron) if family == "gpt2"
                           else (transformers.LlamaConfig, hf.llama_config_to_megatron))
-        config = to_config(cls.from_dict(cfg_dict), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-                           use_cpu_initialization=True)
+        config = to_config(cls.from_dict(cfg_dict), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                           pipeline_dtype=torch.float32, use_cpu_initialization=True)
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         model = GPTModel(config, parallel_output=False, pre_process=first, post_process=last).eval()
         state = torch.load(_rank_file(ckpt, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
@@ -136,7 +136,8 @@ def converted(tmp_path_factory):
 def test_hf_round_trip_is_exact(converted):
     for family, r in converted.items():
         src, _, _, _, back = r["dirs"]
-        original, exported = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+        original = load_file(os.path.join(src, "model.safetensors"))
+        exported = load_file(os.path.join(back, "model.safetensors"))
         assert set(original) == set(exported), (family, set(original) ^ set(exported))
         for key in original:
             assert torch.equal(original[key], exported[key]), f"{family}: {key} changed in HF -> ours -> HF"

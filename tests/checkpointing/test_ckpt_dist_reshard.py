@@ -21,8 +21,8 @@ REL_TOL = 1e-5
 
 
 def _leg(tp, pp, *extra):
-    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), "--train-iters", "4", "--save-interval", "2",
-            "--ckpt-format", "torch_dist", *extra]
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--train-iters", "4", "--save-interval", "2", "--ckpt-format", "torch_dist", *extra]
 
 
 def world4_body(data_path, root):
@@ -30,8 +30,8 @@ def world4_body(data_path, root):
     a = run_pretrain("pretrain_gpt", data + _leg(2, 2, "--use-distributed-optimizer",
                                                  "--save", os.path.join(root, "a")))
     # The same run in the legacy torch format (read by test_torch_checkpoint_converts_to_the_same_weights).
-    run_pretrain("pretrain_gpt", data + _leg(2, 2, "--use-distributed-optimizer", "--save", os.path.join(root, "t"),
-                                             "--ckpt-format", "torch"))
+    run_pretrain("pretrain_gpt", data + _leg(2, 2, "--use-distributed-optimizer", "--ckpt-format", "torch",
+                                             "--save", os.path.join(root, "t")))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:  # resume the others from iteration 2, not from the final save
         with open(os.path.join(root, "a", "latest_checkpointed_iteration.txt"), "w") as f:

@@ -20,7 +20,8 @@ def _transformers():
     try:
         import transformers
     except ImportError as e:
-        raise ConversionError("--loader hf / --saver hf need the 'transformers' package (pip install transformers)") from e
+        raise ConversionError("--loader hf / --saver hf need the 'transformers' package "
+                              "(pip install transformers)") from e
     return transformers
 
 
@@ -59,7 +60,8 @@ def _args_from_config(config, hf_config, family: str, make_divisible_by: int) ->
         add_position_embedding=not llama, use_mcore_models=False, tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None, params_dtype=torch.float32,
         fp16=False, bf16=False, tokenizer_type=None, iteration=0, consumed_train_samples=0,
-        consumed_valid_samples=0, hf_model_type=family, hf_config=hf_config.to_dict(), true_vocab_size=hf_config.vocab_size,
+        consumed_valid_samples=0, hf_model_type=family, hf_config=hf_config.to_dict(),
+        true_vocab_size=hf_config.vocab_size,
     )
 
 

@@ -109,7 +109,8 @@ def load_legacy(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
             full[key] = value
         layers_seen += len(stage_layers)
     if layers_seen != args.num_layers:
-        raise ConversionError(f"found {layers_seen} layers over {pp} pipeline stages, args.num_layers is {args.num_layers}")
+        raise ConversionError(f"found {layers_seen} layers over {pp} pipeline stages, args.num_layers is "
+                              f"{args.num_layers}")
     if tied_copy is not None:
         emb = full.get(WORD_EMBEDDINGS, full.get("embedding.word_embeddings.weight"))
         if emb is not None and not torch.equal(emb, tied_copy):
