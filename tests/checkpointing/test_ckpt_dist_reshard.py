@@ -2,7 +2,7 @@
 
 Leg A trains 4 iterations at (TP, PP, DP) = (2, 2, 1) with the distributed optimizer and saves at iteration 2
 (and 4). Legs B (1, 1, 2, distributed optimizer over 2 DP ranks, asynchronous save) and C (4, 1, 1, plain
-optimizer) load iteration 2 and train iterations 3 and 4. Iteration 3's loss checks the weights, iteration 4's
+optimizer) and D (1, 4, 1 with 2 virtual stages per rank) load iteration 2 and train iterations 3 and 4. Iteration 3's loss checks the weights, iteration 4's
 the Adam moments, step count and LR schedule.
 """
 import math
@@ -39,7 +39,9 @@ def world4_body(data_path, root):
     torch.distributed.barrier()
     c = run_pretrain("pretrain_gpt", data + _leg(4, 1, "--load", os.path.join(root, "a"),
                                                  "--save", os.path.join(root, "c")))
-    return {"a": a, "c": c}
+    d = run_pretrain("pretrain_gpt", data + _leg(1, 4, "--num-layers-per-virtual-pipeline-stage", "1",
+                                                 "--load", os.path.join(root, "a")))
+    return {"a": a, "c": c, "d": d}
 
 
 def world2_body(data_path, root):
@@ -59,7 +61,8 @@ def legs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt_dist"))
     out4 = run_distributed(world4_body, 4, data, root, timeout=300)
     out2 = run_distributed(world2_body, 2, data, root, timeout=300)
-    return root, {"a": _losses(out4[-1]["a"]), "c": _losses(out4[-1]["c"]), "b": _losses(out2[-1]["b"])}
+    return root, {"a": _losses(out4[-1]["a"]), "c": _losses(out4[-1]["c"]), "d": _losses(out4[-1]["d"]),
+                  "b": _losses(out2[-1]["b"])}
 
 
 def test_reshard_on_load_continues_the_loss_curve(legs):
@@ -67,7 +70,7 @@ def test_reshard_on_load_continues_the_loss_curve(legs):
     ref = losses["a"]
     assert sorted(ref) == [1, 2, 3, 4] and all(math.isfinite(v) for v in ref.values())
     report = []
-    for name in ("b", "c"):
+    for name in ("b", "c", "d"):
         assert sorted(losses[name]) == [3, 4], f"leg {name} did not resume at iteration 3: {losses[name]}"
         for it in (3, 4):
             rel = abs(losses[name][it] - ref[it]) / abs(ref[it])

@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
@@ -137,8 +138,15 @@ def load_sharded(state_dict: Dict[str, Any], checkpoint_dir: str, allow_shape_mi
     """Fill the :class:`LocalShard` entries of ``state_dict`` in place; object entries are replaced by the stored
     values. Collective unless ``no_dist``. Returns ``state_dict``."""
     planner = _ShardLoadPlanner(allow_shape_mismatch)
-    dcp.load(state_dict, storage_reader=dcp.FileSystemReader(checkpoint_dir), planner=planner, no_dist=no_dist,
-             process_group=process_group)
+    try:
+        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(checkpoint_dir), planner=planner, no_dist=no_dist,
+                 process_group=process_group)
+    except CheckpointException as e:  # DCP wraps every rank's planning error: surface ours with its message
+        for failure in e.failures.values():
+            failure = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(failure, ShardingError):
+                raise ShardingError(str(failure)) from e
+        raise
     for key, value in state_dict.items():  # dcp.load hands the planner a copy of the dict: bring objects back
         if not isinstance(value, LocalShard):
             state_dict[key] = planner.state_dict[key]
