@@ -54,15 +54,24 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
+    # tools/run_text_generation_server.py (REST API and web page)
+    "server": [
+        "flask>=2.2",
+    ],
     "test": [
         "pytest>=7",
         "pytest-timeout>=2.1",
         "transformers>=4.40",
+        "flask>=2.2",
+        # drives Debian's chromium (/usr/bin/chromium) in the web page test; the test skips without either
+        "playwright>=1.40",
     ],
     "dev": [
         "pytest>=7",
         "pytest-timeout>=2.1",
         "transformers>=4.40",
+        "flask>=2.2",
+        "playwright>=1.40",
         "ruff>=0.4",
     ],
 }

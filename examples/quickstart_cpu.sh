@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Quickstart: train a small GPT on the corpus that ships with the project, on CPU, then save it.
+# Quickstart: train a small GPT on the corpus that ships with the project, on CPU, save it, generate text.
 #
 #   bash examples/quickstart_cpu.sh            # 2 processes (data parallel), gloo, ~5 minutes on 2 cores
 #
 # Steps: tokenise data/stdlib_prose.jsonl.gz with the shipped GPT-2 BPE files (tools/preprocess_data.py),
 # then `torchrun pretrain_gpt.py` with Megatron's flags. Checkpoints go to $OUT/checkpoints in Megatron's
-# layout (iter_0000100/mp_rank_00/model_optim_rng.pt). Set NPROC, ITERS or OUT to change the run.
+# layout (iter_0000100/mp_rank_00/model_optim_rng.pt), then tools/generate_text.py completes a prompt from it.
+# Set NPROC, ITERS or OUT to change the run; PROMPT and GEN_TOKENS for the generation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,3 +47,16 @@ echo "== training a 6-layer GPT on $NPROC CPU process(es)"
 torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
   --distributed-backend gloo
 echo "== done: checkpoint in $OUT/checkpoints (latest iteration: $(cat "$OUT/checkpoints/latest_checkpointed_iteration.txt"))"
+
+# Check the trained model by generating text from the saved checkpoint (one process, the same model flags).
+# The full log (arguments, checkpoint loading) goes to $OUT/generate.log; only the prompt and the text are shown.
+echo "== generating text from $OUT/checkpoints (tools/generate_text.py)"
+if python tools/generate_text.py "${GPT_ARGS[@]}" --vocab-file "$VOCAB" --merge-file "$MERGES" \
+    --load "$OUT/checkpoints" --distributed-backend gloo --out-seq-length "${GEN_TOKENS:-48}" --top_k 20 \
+    --temperature 0.8 --prompt "${PROMPT:-The function returns}" > "$OUT/generate.log" 2>&1; then
+  sed -n '/^== prompt/,$p' "$OUT/generate.log"
+else
+  tail -n 30 "$OUT/generate.log"
+  echo "== text generation failed (full log: $OUT/generate.log)"
+  exit 1
+fi

@@ -11,6 +11,7 @@ import os
 from typing import Dict, List, Sequence
 
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
+from megatron.tokenizer.dict_vocab import DictVocab
 
 _REQUIRED = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -32,7 +33,7 @@ def load_wordpiece_vocab(vocab_file: str) -> Dict[str, int]:
     return vocab
 
 
-class _BertWordPieceTokenizer(MegatronTokenizer):
+class _BertWordPieceTokenizer(DictVocab, MegatronTokenizer):
     """Megatron's ``BertWordPieceLowerCase`` / ``BertWordPieceCase``."""
 
     def __init__(self, vocab_file: str, lower_case: bool = True, vocab_extra_ids: int = 0) -> None:
@@ -72,14 +73,6 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
     @property
     def vocab_size(self) -> int:
         return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
 
     def tokenize(self, text: str) -> List[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids

@@ -22,6 +22,7 @@ from typing import Dict, List, Sequence, Tuple
 import regex
 
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
+from megatron.tokenizer.dict_vocab import DictVocab
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -138,7 +139,7 @@ def build_byte_level_bpe(vocab: Dict[str, int], merges: List[Tuple[str, str]]):
     return tokenizer
 
 
-class _GPT2BPETokenizer(MegatronTokenizer):
+class _GPT2BPETokenizer(DictVocab, MegatronTokenizer):
     """Megatron's ``GPT2BPETokenizer``."""
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
@@ -158,22 +159,6 @@ class _GPT2BPETokenizer(MegatronTokenizer):
     @property
     def vocab_size(self) -> int:
         return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
-    @property
-    def encoder(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def decoder(self) -> Dict[int, str]:
-        return self._inv_vocab
 
     def tokenize(self, text: str) -> List[int]:
         pieces = self._pieces

@@ -5,6 +5,7 @@ import os
 from typing import Dict, List, Sequence
 
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
+from megatron.tokenizer.dict_vocab import DictVocab
 
 
 def load_sentencepiece(model_file: str):
@@ -19,7 +20,7 @@ def load_sentencepiece(model_file: str):
         raise ValueError(f"--tokenizer-model {model_file} is not a valid SentencePiece model: {error}") from None
 
 
-class _SentencePieceTokenizer(MegatronTokenizer):
+class _SentencePieceTokenizer(DictVocab, MegatronTokenizer):
     """SentencePiece with Megatron's special tokens.
 
     ``<CLS>``, ``<SEP>``, ``<EOD>``, ``<MASK>`` (and the model's pad/bos/eos pieces, or ``<PAD>``,
@@ -76,22 +77,6 @@ class _SentencePieceTokenizer(MegatronTokenizer):
     @property
     def vocab_size(self) -> int:
         return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
-    @property
-    def decoder(self) -> Dict[int, str]:
-        return self._inv_vocab
-
-    @property
-    def encoder(self) -> Dict[str, int]:
-        return self._vocab
 
     def tokenize(self, text: str) -> List[int]:
         """Encode, turning occurrences of special-token strings into their ids."""

@@ -5,6 +5,7 @@ import os
 from typing import Dict, List, Sequence
 
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
+from megatron.tokenizer.dict_vocab import DictVocab
 from megatron.tokenizer.bert_wordpiece import _BertWordPieceTokenizer
 from megatron.tokenizer.gpt2_bpe import _GPT2BPETokenizer
 from megatron.tokenizer.sentencepiece_tokenizers import _GPTSentencePieceTokenizer, _SentencePieceTokenizer
@@ -68,7 +69,7 @@ def _vocab_size_with_padding(orig_vocab_size: int, args) -> int:
                                    args.tensor_model_parallel_size, rank=getattr(args, "rank", 0) or 0)
 
 
-class _HuggingFaceTokenizer(MegatronTokenizer):
+class _HuggingFaceTokenizer(DictVocab, MegatronTokenizer):
     """A Hugging Face tokenizer from a local directory or a ``tokenizer.json`` — never downloaded.
 
     A directory is loaded with ``transformers.AutoTokenizer`` (``local_files_only=True``), and tokenises
@@ -112,18 +113,6 @@ class _HuggingFaceTokenizer(MegatronTokenizer):
         if self._is_file:
             return self._tokenizer.get_vocab_size(with_added_tokens=True)
         return len(self._tokenizer)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
-    @property
-    def decoder(self) -> Dict[int, str]:
-        return self._inv_vocab
 
     def tokenize(self, text: str) -> List[int]:
         if self._is_file:

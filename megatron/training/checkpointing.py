@@ -7,14 +7,21 @@
     <save>/iter_0000100/mp_rank_TT[_PPP]/distrib_optim.pt   (--use-distributed-optimizer)
 
 The ``_PPP`` suffix appears iff the pipeline size is > 1. Only data-parallel rank 0 of each (TP, PP)
-position writes ``model_optim_rng.pt``; global rank 0 updates the tracker after every rank has finished.
-Every file is written to a temporary name and renamed into place, so an interrupted save never damages the
-previous checkpoint or leaves a half-written file under the final name.
+position writes ``model_optim_rng.pt``.
+
+Crash safety: every rank writes its files into a staging directory ``<save>/iter_0000100.incomplete``
+(each file to a temporary name, fsync'ed, then renamed). After a barrier, global rank 0 renames the staging
+directory to ``iter_0000100`` and only then rewrites the tracker (temporary name, fsync, rename). A process
+killed at any point therefore leaves the tracker pointing at the previous, complete checkpoint; re-saving
+an iteration that already exists moves the old copy aside (``.old``) until the new one is in place, and the
+loader falls back to it if a crash came in between.
 """
 from __future__ import annotations
 
 import os
 import random
+import re
+import shutil
 import sys
 
 import numpy as np
@@ -25,44 +32,94 @@ from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0, unwrap_model
 
 CHECKPOINT_VERSION = 3.0
+TRACKER_BASENAME = "latest_checkpointed_iteration.txt"
+MODEL_BASENAME = "model_optim_rng.pt"
+STAGING_SUFFIX = ".incomplete"
+ASIDE_SUFFIX = ".old"
 _CHECKED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "add_position_embedding",
                  "max_position_embeddings", "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read or does not match the run; the message names the file."""
 
 
+def _save_stage(stage: str, path: str) -> None:
+    """Called at each step of a save (stage names: 'file-temp-written', 'file-renamed', 'all-files-written',
+    'previous-copy-moved-aside', 'iteration-dir-renamed', 'tracker-temp-written', 'tracker-renamed').
+    A no-op; tests replace it to kill the process in the middle of a save."""
+
+
+# ------------------------------------------------------------------------------------------- names
+
 def get_checkpoint_tracker_filename(checkpoints_path):
-    return os.path.join(checkpoints_path, "latest_checkpointed_iteration.txt")
+    return os.path.join(checkpoints_path, TRACKER_BASENAME)
+
+
+def _iteration_dirname(iteration, release=False):
+    return "release" if release else "iter_{:07d}".format(iteration)
+
+
+def _rank_dirname(tensor_rank, pipeline_rank, pipeline_parallel):
+    if pipeline_parallel:
+        return "mp_rank_{:02d}_{:03d}".format(tensor_rank, pipeline_rank)
+    return "mp_rank_{:02d}".format(tensor_rank)
 
 
 def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_parallel=None, tensor_rank=None,
-                        pipeline_rank=None, basename="model_optim_rng.pt"):
+                        pipeline_rank=None, basename=MODEL_BASENAME):
     """Path of one rank's checkpoint file."""
-    directory = "release" if release else "iter_{:07d}".format(iteration)
     if pipeline_parallel is None:
         pipeline_parallel = parallel_state.get_pipeline_model_parallel_world_size() > 1
     if tensor_rank is None:
         tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if pipeline_rank is None:
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
-    if pipeline_parallel:
-        rank_dir = "mp_rank_{:02d}_{:03d}".format(tensor_rank, pipeline_rank)
-    else:
-        rank_dir = "mp_rank_{:02d}".format(tensor_rank)
-    return os.path.join(checkpoints_path, directory, rank_dir, basename)
+    return os.path.join(checkpoints_path, _iteration_dirname(iteration, release),
+                        _rank_dirname(tensor_rank, pipeline_rank, pipeline_parallel), basename)
 
 
 def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
     return os.path.join(os.path.dirname(model_checkpoint_name), "distrib_optim.pt")
 
 
+def find_checkpoint_rank_0(checkpoints_path, iteration, release=False):
+    """The rank-0 file of a checkpoint, with or without the pipeline suffix; None if neither exists."""
+    for pipeline_parallel in (False, True):
+        name = get_checkpoint_name(checkpoints_path, iteration, release, pipeline_parallel, 0, 0)
+        if os.path.isfile(name):
+            return name
+    return None
+
+
+# ------------------------------------------------------------------------------------ atomic files
+
+def _fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
 def _atomic_torch_save(obj, path):
+    """torch.save to a temporary name, fsync, rename: ``path`` is either absent or complete."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp.{}".format(os.getpid())
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _save_stage("file-temp-written", tmp)
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    _save_stage("file-renamed", path)
 
 
 def _atomic_write_text(path, text):
@@ -71,13 +128,19 @@ def _atomic_write_text(path, text):
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    _save_stage("tracker-temp-written", tmp)
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    _save_stage("tracker-renamed", path)
 
 
 def read_metadata(tracker_filename):
     """(iteration, release) from the tracker file; every rank agrees on the maximum."""
-    with open(tracker_filename) as f:
-        text = f.read().strip()
+    try:
+        with open(tracker_filename) as f:
+            text = f.read().strip()
+    except OSError as e:
+        raise CheckpointError(f"could not read checkpoint tracker {tracker_filename}: {e}") from e
     release = text == "release"
     if release:
         iteration = 0
@@ -99,6 +162,8 @@ def read_metadata(tracker_filename):
     return iteration, release
 
 
+# ---------------------------------------------------------------------------------------------- RNG
+
 def get_rng_state(data_parallel_random_init=False):
     """This rank's RNG states (a list over the DP group when DP ranks were initialised differently)."""
     state = {
@@ -115,16 +180,25 @@ def get_rng_state(data_parallel_random_init=False):
     return [state]
 
 
-def _set_rng_state(rng_states, data_parallel_random_init):
-    state = rng_states[parallel_state.get_data_parallel_rank()] if data_parallel_random_init else rng_states[0]
+def _set_rng_state(rng_states, data_parallel_random_init, checkpoint_name):
+    if data_parallel_random_init:
+        dp_rank = parallel_state.get_data_parallel_rank()
+        if dp_rank >= len(rng_states):
+            raise CheckpointError(f"{checkpoint_name} holds RNG states for {len(rng_states)} data-parallel ranks "
+                                  f"but this run has data-parallel rank {dp_rank}; pass --no-load-rng")
+        state = rng_states[dp_rank]
+    else:
+        state = rng_states[0]
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
     device.set_rng_state(state["cuda_rng_state"])
     if not state["rng_tracker_states"]:
-        raise CheckpointError("the checkpoint's rng_tracker_states is empty")
+        raise CheckpointError(f"the rng_tracker_states of {checkpoint_name} is empty; pass --no-load-rng")
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
+
+# --------------------------------------------------------------------------------------------- save
 
 def _model_state(chunk):
     if hasattr(chunk, "state_dict_for_save_checkpoint"):
@@ -132,27 +206,86 @@ def _model_state(chunk):
     return chunk.state_dict()
 
 
-def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0):
-    """Write this rank's part of checkpoint ``iteration`` under ``--save`` and update the tracker."""
+def _is_rank_0():
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _barrier():
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _prepare_save_dir(save_dir, iteration):
+    """Rank 0, before any rank writes: sweep the debris of interrupted saves (staging directories; copies
+    moved aside, which are put back when their replacement never arrived) and create the staging directory."""
+    if os.path.isdir(save_dir):
+        for name in os.listdir(save_dir):
+            path = os.path.join(save_dir, name)
+            if name.startswith(TRACKER_BASENAME + ".tmp."):
+                os.remove(path)  # a tracker update killed before its rename
+            elif name.endswith(STAGING_SUFFIX) and os.path.isdir(path):
+                shutil.rmtree(path)
+            elif name.endswith(ASIDE_SUFFIX) and os.path.isdir(path):
+                original = path[:-len(ASIDE_SUFFIX)]
+                if os.path.isdir(original):
+                    shutil.rmtree(path)  # the re-save finished its rename: this copy is superseded
+                else:
+                    os.replace(path, original)
+    final = os.path.join(save_dir, _iteration_dirname(iteration))
+    staging = final + STAGING_SUFFIX
+    os.makedirs(staging, exist_ok=True)
+    return final, staging
+
+
+def _publish(save_dir, final, staging, iteration):
+    """Rank 0, after every rank has written its files: move the staging directory into place, then point the
+    tracker at it. An existing copy of the same iteration stays on disk (as ``.old``) until both are done."""
+    aside = final + ASIDE_SUFFIX
+    if os.path.isdir(final):
+        os.replace(final, aside)
+        _save_stage("previous-copy-moved-aside", aside)
+    os.replace(staging, final)
+    _fsync_dir(save_dir)
+    _save_stage("iteration-dir-renamed", final)
+    _atomic_write_text(get_checkpoint_tracker_filename(save_dir), str(iteration))
+    if os.path.isdir(aside):
+        shutil.rmtree(aside)
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=None):
+    """Write checkpoint ``iteration`` under ``--save`` (a collective: every rank calls it) and update the
+    tracker once every rank's files are on disk."""
     args = get_args()
+    if num_floating_point_operations_so_far is None:
+        num_floating_point_operations_so_far = getattr(args, "num_floating_point_operations_so_far", 0)
     if args.ckpt_format == "torch_dist":
         from megatron.training import dist_checkpointing
         return dist_checkpointing.save(iteration, model, optimizer, opt_param_scheduler,
                                        num_floating_point_operations_so_far)
+    if getattr(args, "ckpt_format", "torch") != "torch":
+        raise CheckpointError(f"--ckpt-format {args.ckpt_format} is not supported by this saver; "
+                              "use --ckpt-format torch")
     model = unwrap_model(model)
     print_rank_0("saving checkpoint at iteration {:7d} to {}".format(iteration, args.save))
     rng_state = None if args.no_save_rng else get_rng_state(args.data_parallel_random_init)
+
+    final, staging = None, None
+    if _is_rank_0():
+        final, staging = _prepare_save_dir(args.save, iteration)
+    _barrier()
+    staging = os.path.join(args.save, _iteration_dirname(iteration) + STAGING_SUFFIX)
     checkpoint_name = get_checkpoint_name(args.save, iteration)
+    staged_name = os.path.join(staging, os.path.relpath(checkpoint_name, os.path.join(
+        args.save, _iteration_dirname(iteration))))
 
     if args.use_distributed_optimizer and not args.no_save_optim and optimizer is not None:
         # Collective over the DP group: every DP rank contributes its shard, DP rank 0 writes the file.
         state = optimizer.get_parameter_state()
         if parallel_state.get_data_parallel_rank() == 0:
-            _atomic_torch_save(state, get_distributed_optimizer_checkpoint_name(checkpoint_name))
+            _atomic_torch_save(state, get_distributed_optimizer_checkpoint_name(staged_name))
 
     if parallel_state.get_data_parallel_rank() == 0:
-        state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                      "num_floating_point_operations_so_far": num_floating_point_operations_so_far}
+        state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
         if len(model) == 1:
             state_dict["model"] = _model_state(model[0])
         else:
@@ -167,24 +300,135 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                 state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         if rng_state is not None:
             state_dict["rng_state"] = rng_state
-        _atomic_torch_save(state_dict, checkpoint_name)
+        state_dict["num_floating_point_operations_so_far"] = float(num_floating_point_operations_so_far)
+        _atomic_torch_save(state_dict, staged_name)
 
-    torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        _atomic_write_text(get_checkpoint_tracker_filename(args.save), str(iteration))
+    # Every rank has fsync'ed and renamed its files once it reaches this barrier.
+    _barrier()
+    if _is_rank_0():
+        _save_stage("all-files-written", staging)
+        _publish(args.save, final, staging, iteration)
     print_rank_0("  successfully saved checkpoint at iteration {:7d} to {}".format(iteration, args.save))
-    torch.distributed.barrier()
+    _barrier()
 
 
-def _missing_rank_file_error(checkpoint_name, load_dir, iteration, release):
-    iter_dir = os.path.dirname(os.path.dirname(checkpoint_name))
-    present = sorted(os.listdir(iter_dir)) if os.path.isdir(iter_dir) else []
-    what = "release" if release else f"iteration {iteration}"
-    return CheckpointError(
-        f"checkpoint file {checkpoint_name} does not exist ({what} of {load_dir}); the iteration directory holds "
-        f"{present or 'nothing'}: the checkpoint was probably saved with a different --tensor-model-parallel-size "
-        f"/ --pipeline-model-parallel-size, which this loader cannot reshard"
-    )
+# --------------------------------------------------------------------------------------------- load
+
+def _checkpoint_exists(load_dir):
+    return load_dir is not None and os.path.isfile(get_checkpoint_tracker_filename(load_dir))
+
+
+def _locate(load_dir, ckpt_step, read_tracker=read_metadata):
+    """(iteration, release, iteration directory) of the checkpoint to load from ``load_dir``."""
+    if ckpt_step is not None:
+        iteration, release = ckpt_step, False
+    else:
+        iteration, release = read_tracker(get_checkpoint_tracker_filename(load_dir))
+    iter_dir = os.path.join(load_dir, _iteration_dirname(iteration, release))
+    if not os.path.isdir(iter_dir) and os.path.isdir(iter_dir + ASIDE_SUFFIX):
+        iter_dir += ASIDE_SUFFIX  # a re-save of this iteration was interrupted between its two renames
+    if not os.path.isdir(iter_dir):
+        source = f"--ckpt-step {ckpt_step}" if ckpt_step is not None else get_checkpoint_tracker_filename(load_dir)
+        raise CheckpointError(f"checkpoint directory {iter_dir} (named by {source}) does not exist")
+    return iteration, release, iter_dir
+
+
+def _saved_layout(iter_dir):
+    """(tensor, pipeline) model parallel sizes a torch-format checkpoint was saved with, from its rank
+    directories; None when the directory holds none."""
+    tp, pp, found = 0, 0, False
+    for name in os.listdir(iter_dir):
+        m = _RANK_DIR.match(name)
+        if m:
+            found = True
+            tp = max(tp, int(m.group(1)) + 1)
+            pp = max(pp, int(m.group(2)) + 1 if m.group(2) is not None else 1)
+    return (tp, pp) if found else None
+
+
+def _check_layout(iter_dir, checkpoint_name):
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    saved = _saved_layout(iter_dir)
+    if saved is None:
+        raise CheckpointError(f"checkpoint file {checkpoint_name} does not exist: {iter_dir} holds no mp_rank_* "
+                              f"directory (is it a --ckpt-format torch checkpoint?)")
+    if saved != (tp, pp):
+        raise CheckpointError(
+            f"checkpoint {iter_dir} was saved with tensor/pipeline model parallel sizes (TP={saved[0]}, "
+            f"PP={saved[1]}) but this run uses (TP={tp}, PP={pp}), so this rank's file {checkpoint_name} "
+            f"does not match. A --ckpt-format torch checkpoint only loads with the layout it was saved with: "
+            f"convert it with tools/checkpoint/convert.py --target-tensor-parallel-size {tp} "
+            f"--target-pipeline-parallel-size {pp}, or save with --ckpt-format torch_dist, which reshards on load")
+    if not os.path.isfile(checkpoint_name):
+        raise CheckpointError(f"checkpoint file {checkpoint_name} is missing (the save that wrote {iter_dir} "
+                              f"did not complete, or the file was removed)")
+
+
+def _read_checkpoint_file(checkpoint_name):
+    try:
+        return torch.load(checkpoint_name, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - corrupt or truncated file: say which
+        raise CheckpointError(f"could not read checkpoint file {checkpoint_name} (corrupt or truncated?): "
+                              f"{type(e).__name__}: {e}") from e
+
+
+def load_args_from_checkpoint(args, load_arg="load"):
+    """``--use-checkpoint-args``: before validate_args, overwrite the model-shape flags with those stored in the
+    rank-0 file of the checkpoint in ``args.<load_arg>``. Flags marked forced always take the checkpoint's
+    value; the others only fill flags the command line left unset. Returns (args, checkpoint_args)."""
+    load_dir = getattr(args, load_arg)
+    if load_dir is None:
+        raise CheckpointError("--use-checkpoint-args needs --load: pass the checkpoint directory")
+    if not _checkpoint_exists(load_dir) and getattr(args, "ckpt_step", None) is None:
+        raise CheckpointError(f"--use-checkpoint-args: no checkpoint in --load {load_dir} "
+                              f"({get_checkpoint_tracker_filename(load_dir)} does not exist)")
+
+    def read_tracker_locally(tracker):  # no process group exists yet: no all-reduce
+        with open(tracker) as f:
+            text = f.read().strip()
+        return (0, True) if text == "release" else (int(text), False)
+
+    try:
+        iteration, release, iter_dir = _locate(load_dir, getattr(args, "ckpt_step", None), read_tracker_locally)
+    except ValueError as e:
+        raise CheckpointError(f"{get_checkpoint_tracker_filename(load_dir)}: {e}") from e
+    checkpoint_name = find_checkpoint_rank_0(load_dir, iteration, release)
+    if checkpoint_name is None and iter_dir.endswith(ASIDE_SUFFIX):
+        for rank_dir in ("mp_rank_00", "mp_rank_00_000"):
+            if os.path.isfile(os.path.join(iter_dir, rank_dir, MODEL_BASENAME)):
+                checkpoint_name = os.path.join(iter_dir, rank_dir, MODEL_BASENAME)
+    if checkpoint_name is None:
+        raise CheckpointError(f"--use-checkpoint-args: {iter_dir} has no mp_rank_00[_000]/{MODEL_BASENAME}")
+    state_dict = _read_checkpoint_file(checkpoint_name)
+    checkpoint_args = state_dict.get("args")
+    if checkpoint_args is None:
+        raise CheckpointError(f"--use-checkpoint-args: {checkpoint_name} holds no 'args' entry")
+    version = state_dict.get("checkpoint_version", 0)
+
+    def set_arg(name, old_name=None, force=False):
+        if not force and getattr(args, name, None) is not None:
+            return
+        value = getattr(checkpoint_args, old_name or name, None)
+        if value is not None or force:
+            setattr(args, name, value)
+
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "kv_channels",
+                 "max_position_embeddings", "tokenizer_type", "padded_vocab_size",
+                 "num_layers_per_virtual_pipeline_stage"):
+        set_arg(name)
+    for name in ("num_query_groups", "group_query_attention", "position_embedding_type", "add_position_embedding",
+                 "use_rotary_position_embeddings", "rotary_percent", "add_bias_linear", "swiglu",
+                 "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization"):
+        if hasattr(checkpoint_args, name):
+            set_arg(name, force=True)
+    if version < 3.0:
+        set_arg("tensor_model_parallel_size", "model_parallel_size", force=True)
+    else:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "virtual_pipeline_model_parallel_size"):
+            set_arg(name, force=True)
+    return args, checkpoint_args
 
 
 def check_checkpoint_args(checkpoint_args):
@@ -200,70 +444,98 @@ def check_checkpoint_args(checkpoint_args):
                                   f"{ckpt_value}")
 
 
+def _load_model(model, state_dict, checkpoint_name, strict):
+    keys = ["model"] if len(model) == 1 else ["model%d" % i for i in range(len(model))]
+    missing = [k for k in keys if k not in state_dict]
+    if missing:
+        raise CheckpointError(f"{checkpoint_name} has no {missing} entry (it holds {sorted(state_dict)}): it was saved "
+                              f"with a different --num-layers-per-virtual-pipeline-stage")
+    for i, (chunk, key) in enumerate(zip(model, keys)):
+        if len(model) > 1:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(i)
+        try:
+            chunk.load_state_dict(state_dict[key], strict=strict)
+        except RuntimeError as e:
+            raise CheckpointError(f"the model in {checkpoint_name} ['{key}'] does not fit this model: {e}") from e
+    if len(model) > 1:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+
+
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
-    """Load ``--load`` into model, optimizer, scheduler and RNG; return the iteration to resume from."""
+    """Load ``--load`` (or ``--pretrained-checkpoint`` when ``--load`` has none) into model, optimizer, scheduler
+    and RNG; set ``args.num_floating_point_operations_so_far``; return the iteration to resume from."""
     args = get_args()
     if args.ckpt_format == "torch_dist":
         from megatron.training import dist_checkpointing
         return dist_checkpointing.load(model, optimizer, opt_param_scheduler, load_arg, strict)
     load_dir = getattr(args, load_arg)
     model = unwrap_model(model)
-    tracker = get_checkpoint_tracker_filename(load_dir)
-    if not os.path.isfile(tracker):
+    finetune = bool(args.finetune)
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if not _checkpoint_exists(load_dir) and pretrained is not None and getattr(args, "ckpt_step", None) is None:
+        print_rank_0(f" no checkpoint in --load {load_dir}: loading --pretrained-checkpoint {pretrained} "
+                     "(as with --finetune)")
+        load_dir, finetune = pretrained, True
+        if not _checkpoint_exists(load_dir):
+            raise CheckpointError(f"--pretrained-checkpoint {load_dir} holds no checkpoint "
+                                  f"({get_checkpoint_tracker_filename(load_dir)} does not exist)")
+    if load_dir is None or (not _checkpoint_exists(load_dir) and getattr(args, "ckpt_step", None) is None):
         if args.exit_on_missing_checkpoint:
             print_rank_0(">> '--exit-on-missing-checkpoint' set ... exiting. <<")
+            _barrier()
             sys.exit()
-        print_rank_0("WARNING: could not find the metadata file {} ".format(tracker))
+        print_rank_0("WARNING: could not find the metadata file {} ".format(
+            get_checkpoint_tracker_filename(load_dir) if load_dir else None))
         print_rank_0("    will not load any checkpoints and will start from random")
         return 0
 
-    iteration, release = read_metadata(tracker)
-    checkpoint_name = get_checkpoint_name(load_dir, iteration, release)
-    if not os.path.isfile(checkpoint_name):
-        raise _missing_rank_file_error(checkpoint_name, load_dir, iteration, release)
+    ckpt_step = args.ckpt_step if load_dir == getattr(args, load_arg) else None  # not for --pretrained-checkpoint
+    iteration, release, iter_dir = _locate(load_dir, ckpt_step)
+    rank_file = get_checkpoint_name(load_dir, iteration, release)
+    checkpoint_name = os.path.join(iter_dir, os.path.basename(os.path.dirname(rank_file)), MODEL_BASENAME)
+    _check_layout(iter_dir, checkpoint_name)
     print_rank_0(" loading checkpoint from {} at iteration {}".format(load_dir, iteration))
-    try:
-        state_dict = torch.load(checkpoint_name, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - corrupt or truncated file: say which
-        raise CheckpointError(f"could not read checkpoint file {checkpoint_name}: {e}") from e
+    state_dict = _read_checkpoint_file(checkpoint_name)
 
-    finetune = args.finetune or release
+    finetune = finetune or release
     if "args" in state_dict and not finetune:
         check_checkpoint_args(state_dict["args"])
         args.consumed_train_samples = getattr(state_dict["args"], "consumed_train_samples", 0)
         args.consumed_valid_samples = getattr(state_dict["args"], "consumed_valid_samples", 0)
     if finetune:
         iteration = 0
+        args.num_floating_point_operations_so_far = 0
     else:
         iteration = state_dict.get("iteration", state_dict.get("total_iters", 0))
+        args.num_floating_point_operations_so_far = state_dict.get("num_floating_point_operations_so_far", 0)
 
-    if len(model) == 1:
-        model[0].load_state_dict(state_dict["model"], strict=strict)
-    else:
-        for i, chunk in enumerate(model):
-            parallel_state.set_virtual_pipeline_model_parallel_rank(i)
-            chunk.load_state_dict(state_dict["model%d" % i], strict=strict)
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    _load_model(model, state_dict, checkpoint_name, strict)
 
     if not finetune and not args.no_load_optim:
-        if optimizer is not None and "optimizer" in state_dict:
+        if optimizer is not None:
+            if "optimizer" not in state_dict:
+                raise CheckpointError(f"{checkpoint_name} holds no optimizer state (saved with --no-save-optim?); "
+                                      "pass --no-load-optim or --finetune")
             optimizer.load_state_dict(state_dict["optimizer"])
         if args.use_distributed_optimizer and optimizer is not None:
             optim_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
             if not os.path.isfile(optim_name):
                 raise CheckpointError(f"distributed optimizer state {optim_name} is missing; pass --no-load-optim "
                                       "to start the optimizer from scratch")
-            state = torch.load(optim_name, map_location="cpu", weights_only=False) \
-                if parallel_state.get_data_parallel_rank() == 0 else None
+            state = _read_checkpoint_file(optim_name) if parallel_state.get_data_parallel_rank() == 0 else None
             optimizer.load_parameter_state(state)
-        if opt_param_scheduler is not None and "opt_param_scheduler" in state_dict:
-            opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
+        scheduler_state = state_dict.get("opt_param_scheduler", state_dict.get("lr_scheduler"))
+        if opt_param_scheduler is not None and scheduler_state is not None:
+            opt_param_scheduler.load_state_dict(scheduler_state)
     elif optimizer is not None and (args.fp16 or args.bf16):
-        optimizer.reload_model_params()
+        optimizer.reload_model_params()  # the fp32 main copies must follow the loaded weights
 
-    if not finetune and not args.no_load_rng and "rng_state" in state_dict:
-        _set_rng_state(state_dict["rng_state"], args.data_parallel_random_init)
+    if not finetune and not args.no_load_rng:
+        if "rng_state" not in state_dict:
+            raise CheckpointError(f"{checkpoint_name} holds no RNG state (saved with --no-save-rng?); pass "
+                                  "--no-load-rng or --finetune")
+        _set_rng_state(state_dict["rng_state"], args.data_parallel_random_init, checkpoint_name)
 
-    torch.distributed.barrier()
+    _barrier()
     print_rank_0("  successfully loaded checkpoint from {} at iteration {}".format(load_dir, iteration))
     return iteration

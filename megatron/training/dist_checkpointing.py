@@ -406,6 +406,7 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
 
     ckpt_args = common.get("args")
+    args.num_floating_point_operations_so_far = 0 if finetune else common.get("num_floating_point_operations_so_far", 0)
     if not finetune:
         iteration = common["iteration"]
         if ckpt_args is not None:

@@ -33,11 +33,8 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     if args.use_checkpoint_args or args_defaults.get("use_checkpoint_args", False):
         if args.load is None:
             raise ConfigurationError("--use-checkpoint-args needs --load: pass the checkpoint directory")
-        try:
-            from megatron.training.checkpointing import load_args_from_checkpoint
-        except ImportError:
-            raise ConfigurationError("--use-checkpoint-args is not supported yet (checkpoint loading is not "
-                                     "implemented): pass the model flags explicitly") from None
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
         load_args_from_checkpoint(args)
 
     validate_args(args, args_defaults)

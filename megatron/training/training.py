@@ -32,7 +32,7 @@ from megatron.training.global_vars import (
     update_num_microbatches,
 )
 from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
-from megatron.training.training_log import LogState, training_log
+from megatron.training.training_log import LogState, num_floating_point_operations, training_log
 from megatron.training.utils import calc_params_l2_norm, print_datetime, print_rank_0, print_rank_last
 
 _TRAIN_START_TIME = time.time()
@@ -74,7 +74,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
                           valid_data_iterator, process_non_loss_data_func, config)
         print_datetime("after training is done")
         if args.save and iteration != 0 and iteration % args.save_interval != 0:
-            save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                            args.num_floating_point_operations_so_far)
         if args.async_save:
             from megatron.training.dist_checkpointing import finalize_async_save
             finalize_async_save()  # the last checkpoint is complete before evaluation and exit
@@ -227,7 +228,8 @@ def setup_model_and_optimizer(model_provider_func, model_type, no_wd_decay_cond=
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model, no_wd_decay_cond, scale_lr_cond,
                                        lr_mult)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
-    if args.load is not None:
+    args.num_floating_point_operations_so_far = 0
+    if args.load is not None or args.pretrained_checkpoint is not None:
         timers = get_timers()
         timers("load-checkpoint", log_level=0).start(barrier=True)
         args.iteration = load_checkpoint(model, optimizer, opt_param_scheduler)
@@ -249,10 +251,12 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     optimizer.zero_grad()
 
     forward_backward_func = get_forward_backward_func()
+    timers("forward-backward", log_level=1).start(barrier=args.barrier_with_L1_time)
     losses_reduced = forward_backward_func(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=get_num_microbatches(), seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.decoder_seq_length, forward_only=False)
+    timers("forward-backward").stop()
     if args.empty_unused_memory_level >= 1:
         device.empty_cache()
 
@@ -321,7 +325,10 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
         iteration += 1
         args.iteration = iteration
-        args.consumed_train_samples += args.data_parallel_size * args.micro_batch_size * get_num_microbatches()
+        batch_size = args.data_parallel_size * args.micro_batch_size * get_num_microbatches()
+        args.consumed_train_samples += batch_size
+        # Saved in checkpoints (num_floating_point_operations_so_far) so throughput totals survive a resume.
+        args.num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
 
         loss_scale = optimizer.get_loss_scale().item()
         params_norm = calc_params_l2_norm(model) if args.log_params_norm else None
@@ -343,26 +350,31 @@ def _should_exit(iteration, model, optimizer, opt_param_scheduler) -> bool:
     """Save and exit checks after each iteration, in Megatron's order."""
     args = get_args()
     saved = False
+
+    def save():
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+
     if args.exit_signal_handler:
-        if get_signal_handler().signals_received():
+        # signals_received() is every rank's flag (a collective): stop when any rank got the signal.
+        if any(get_signal_handler().signals_received()):
             if args.save:
-                save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+                save()
             print_datetime("exiting program after receiving SIGTERM.")
             _exit()
     if args.save and args.save_interval and iteration % args.save_interval == 0:
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+        save()
         saved = True
     if args.exit_duration_in_mins:
         elapsed = torch.tensor([(time.time() - _TRAIN_START_TIME) / 60.0], device=device.current_device())
         torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
         if elapsed.item() > args.exit_duration_in_mins:
             if args.save and not saved:
-                save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+                save()
             print_datetime("exiting program after {} minutes".format(elapsed.item()))
             _exit()
     if args.exit_interval and iteration % args.exit_interval == 0:
         if args.save and not saved:
-            save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+            save()
         torch.distributed.barrier()
         print_datetime("exiting program at iteration {}".format(iteration))
         _exit()

@@ -110,6 +110,10 @@ def _add_checkpointing_args(parser):
                        help="Override model flags with those stored in the checkpoint given by --load.")
     group.add_argument("--exit-on-missing-checkpoint", action="store_true",
                        help="Exit instead of training from scratch when --load has no checkpoint.")
+    group.add_argument("--ckpt-step", type=int, default=None,
+                       help="Load the checkpoint of this iteration instead of the one the tracker file names.")
+    group.add_argument("--pretrained-checkpoint", type=str, default=None,
+                       help="Checkpoint to start a finetune from when --load holds none (implies --finetune).")
     group.add_argument("--ckpt-format", type=str, default="torch", choices=["torch", "torch_dist"],
                        help="Checkpoint format: one file per model-parallel rank (torch) or distributed (torch_dist).")
     group.add_argument("--async-save", action="store_true", default=None,

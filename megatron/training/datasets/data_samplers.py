@@ -172,5 +172,9 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, args=None) -> 
     else:
         raise ValueError(f"--dataloader-type {dataloader_type!r} is not supported; use single or cyclic")
     num_workers = getattr(args, "num_workers", 2)
+    # Starting an iterator draws a worker base seed; from a private generator, so that building the loaders
+    # after a checkpoint's RNG state was restored does not shift the global stream (exact resume with dropout).
+    generator = torch.Generator().manual_seed(getattr(args, "seed", 1234) or 1234)
     return torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
-                                       pin_memory=device.cuda_available(), persistent_workers=num_workers > 0)
+                                       pin_memory=device.cuda_available(), persistent_workers=num_workers > 0,
+                                       generator=generator)

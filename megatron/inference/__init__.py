@@ -1,0 +1,1 @@
+"""Inference: text generation (``megatron.inference.text_generation``) and its REST server."""

@@ -1,0 +1,55 @@
+"""Helpers for the generation tests: a tiny GPT with layout-independent weights inside a dist_harness rank."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests", "training"))
+
+NUM_LAYERS = 4
+TINY_GPT = [
+    "--num-layers", str(NUM_LAYERS), "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+    "--max-position-embeddings", "64", "--micro-batch-size", "1", "--hidden-dropout", "0.0",
+    "--attention-dropout", "0.0", "--seed", "1234", "--tokenizer-type", "GPT2BPETokenizer",
+    "--vocab-file", os.path.join(REPO, "data/tokenizers/gpt2/vocab.json"),
+    "--merge-file", os.path.join(REPO, "data/tokenizers/gpt2/merges.txt"), "--distributed-backend", "gloo",
+]
+PROMPTS = ["The quick brown fox", "def open(path):\n    return"]
+
+
+def build_tiny_gpt(tp=1, pp=1, parallel_output=True, extra=()):
+    """initialize_megatron + this rank's GPT chunk, every parameter set from its global name (same weights in
+    every TP/PP layout). ``parallel_output=True`` keeps vocab-parallel logits so the generator must gather."""
+    from train_helpers import deterministic_init
+
+    from megatron.inference.checkpoint_model import add_text_generate_args
+    from megatron.training import get_model, initialize_megatron
+
+    initialize_megatron(extra_args_provider=add_text_generate_args,
+                        argv=TINY_GPT + ["--tensor-model-parallel-size", str(tp),
+                                         "--pipeline-model-parallel-size", str(pp), *extra])
+
+    def provider(pre_process=True, post_process=True):
+        from megatron.legacy.model import GPTModel
+        from megatron.training import get_args
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        return GPTModel(core_transformer_config_from_args(get_args()), parallel_output=parallel_output,
+                        pre_process=pre_process, post_process=post_process)
+
+    model = get_model(provider, wrap_with_ddp=False)[0]
+    deterministic_init(model, NUM_LAYERS)
+    return model.eval()
+
+
+def full_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Unsharded single-rank reference: logits ``[b, s, V]`` of the whole sequence, no KV cache."""
+    from megatron.core.transformer.fusions import causal_mask
+
+    seq = tokens.size(1)
+    position_ids = torch.arange(seq).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        return model(tokens, position_ids, causal_mask(seq, seq)).float()
