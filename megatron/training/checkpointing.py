@@ -256,11 +256,15 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     """Write checkpoint ``iteration`` under ``--save`` (a collective: every rank calls it) and update the
     tracker once every rank's files are on disk."""
     args = get_args()
+    if num_floating_point_operations_so_far is None:
+        num_floating_point_operations_so_far = getattr(args, "num_floating_point_operations_so_far", 0)
+    if args.ckpt_format == "torch_dist":
+        from megatron.training import dist_checkpointing
+        return dist_checkpointing.save(iteration, model, optimizer, opt_param_scheduler,
+                                       num_floating_point_operations_so_far)
     if getattr(args, "ckpt_format", "torch") != "torch":
         raise CheckpointError(f"--ckpt-format {args.ckpt_format} is not supported by this saver; "
                               "use --ckpt-format torch")
-    if num_floating_point_operations_so_far is None:
-        num_floating_point_operations_so_far = getattr(args, "num_floating_point_operations_so_far", 0)
     model = unwrap_model(model)
     print_rank_0("saving checkpoint at iteration {:7d} to {}".format(iteration, args.save))
     rng_state = None if args.no_save_rng else get_rng_state(args.data_parallel_random_init)
@@ -461,6 +465,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     """Load ``--load`` (or ``--pretrained-checkpoint`` when ``--load`` has none) into model, optimizer, scheduler
     and RNG; set ``args.num_floating_point_operations_so_far``; return the iteration to resume from."""
     args = get_args()
+    if args.ckpt_format == "torch_dist":
+        from megatron.training import dist_checkpointing
+        return dist_checkpointing.load(model, optimizer, opt_param_scheduler, load_arg, strict)
     load_dir = getattr(args, load_arg)
     model = unwrap_model(model)
     finetune = bool(args.finetune)

@@ -76,6 +76,9 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         if args.save and iteration != 0 and iteration % args.save_interval != 0:
             save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                             args.num_floating_point_operations_so_far)
+        if args.async_save:
+            from megatron.training.dist_checkpointing import finalize_async_save
+            finalize_async_save()  # the last checkpoint is complete before evaluation and exit
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
 
@@ -379,6 +382,9 @@ def _should_exit(iteration, model, optimizer, opt_param_scheduler) -> bool:
 
 
 def _exit():
+    if get_args().async_save:
+        from megatron.training.dist_checkpointing import finalize_async_save
+        finalize_async_save()
     writer = get_tensorboard_writer()
     if writer is not None:
         writer.flush()

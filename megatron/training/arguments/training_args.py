@@ -116,6 +116,9 @@ def _add_checkpointing_args(parser):
                        help="Checkpoint to start a finetune from when --load holds none (implies --finetune).")
     group.add_argument("--ckpt-format", type=str, default="torch", choices=["torch", "torch_dist"],
                        help="Checkpoint format: one file per model-parallel rank (torch) or distributed (torch_dist).")
+    group.add_argument("--async-save", action="store_true", default=None,
+                       help="Write torch_dist checkpoints in a background thread; finished before the next save, "
+                            "a load, or the end of training.")
     return parser
 
 

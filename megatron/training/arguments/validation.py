@@ -360,6 +360,8 @@ def _validate_features(args):
         args.position_embedding_type = "rope"
     _require(args.add_position_embedding or args.position_embedding_type == "rope",
              "--no-position-embedding is deprecated: use --position-embedding-type rope")
+    _require(not getattr(args, "async_save", False) or getattr(args, "ckpt_format", "torch") == "torch_dist",
+             "--async-save needs --ckpt-format torch_dist")
 
 
 def get_retro_args_path(workdir):

@@ -1,0 +1,174 @@
+"""Save and load *sharded* state dicts with PyTorch Distributed Checkpoint (DCP), without DTensor.
+
+Every rank describes what it holds as a flat ``{key: LocalShard | object}`` dict. A :class:`LocalShard` is a
+local tensor plus the global shape of the tensor it belongs to and this piece's offset in it. The save planner
+turns each shard into a DCP ``SHARD`` write item (``ChunkStorageMetadata(offsets, sizes)`` and the global size),
+so DCP's ``.metadata`` records, per key, the global shape and every stored chunk. Identical chunks offered by
+several ranks (data-parallel replicas, the tied embedding copy) have the same ``(key, offset)`` index and are
+written once (DCP's plan de-duplication). Other values (python objects) are pickled ``BYTE_IO`` items.
+
+On load every rank again describes the slices it wants; DCP's resharding helper
+(``create_read_items_for_chunk_list``) computes which parts of which stored chunks overlap them. That is what lets
+a checkpoint saved with one TP/PP/DP layout load into another. :func:`load_full_state_dict` does the same in one
+process without a process group: every tensor at its full global shape (the offline reader).
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan, TensorWriteData,
+                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+
+@dataclasses.dataclass
+class LocalShard:
+    """``data`` is the block ``[offset, offset + data.shape)`` of a tensor of shape ``global_shape``."""
+
+    data: torch.Tensor
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+
+    def __post_init__(self):
+        self.global_shape = tuple(int(x) for x in self.global_shape)
+        self.global_offset = tuple(int(x) for x in self.global_offset)
+        if len(self.global_shape) != self.data.dim() or len(self.global_offset) != self.data.dim():
+            raise ValueError(f"shard of shape {tuple(self.data.shape)} needs a global shape and offset of the same "
+                             f"rank, got {self.global_shape} and {self.global_offset}")
+
+
+class ShardingError(RuntimeError):
+    """A checkpoint does not hold what the loading layout asks for; the message names the key."""
+
+
+class _ShardSavePlanner(DefaultSavePlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, obj in self.state_dict.items():
+            if isinstance(obj, LocalShard):
+                offsets = torch.Size(obj.global_offset)
+                items.append(WriteItem(
+                    index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=obj.data.size()),
+                                                properties=TensorProperties.create_from_tensor(obj.data),
+                                                size=torch.Size(obj.global_shape))))
+            else:
+                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        obj = self.state_dict[write_item.index.fqn]
+        if isinstance(obj, LocalShard):
+            return obj.data.detach().contiguous()
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        return buffer
+
+
+class _ShardLoadPlanner(DefaultLoadPlanner):
+    """Reads into the ``data`` of each requested :class:`LocalShard` (zero where the checkpoint has nothing:
+    the rows of a larger vocabulary padding) and replaces object entries by their unpickled values."""
+
+    def __init__(self, allow_shape_mismatch: Sequence[str] = ()):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.allow_shape_mismatch = set(allow_shape_mismatch)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DefaultLoadPlanner's set-up walks the dict with DCP's own types and turns unknown values into None.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata
+        requests = []
+        for key, obj in self.state_dict.items():
+            if key not in stored:
+                raise ShardingError(f"the checkpoint has no entry {key!r}")
+            md = stored[key]
+            if isinstance(obj, LocalShard):
+                if not isinstance(md, TensorStorageMetadata):
+                    raise ShardingError(f"checkpoint entry {key!r} is not a tensor")
+                if tuple(md.size) != obj.global_shape and key not in self.allow_shape_mismatch:
+                    raise ShardingError(f"checkpoint tensor {key!r} has global shape {tuple(md.size)}, this model "
+                                        f"expects {obj.global_shape}: the model configuration differs")
+                chunk = ChunkStorageMetadata(offsets=torch.Size(obj.global_offset), sizes=obj.data.size())
+                requests += create_read_items_for_chunk_list(key, md, [chunk])
+            else:
+                if not isinstance(md, BytesStorageMetadata):
+                    raise ShardingError(f"checkpoint entry {key!r} is a tensor, an object was expected")
+                requests.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
+                                         dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(key),
+                                         storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+        return LoadPlan(requests)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+    def resolve_tensor(self, read_item: ReadItem):
+        data = self.state_dict[read_item.dest_index.fqn].data
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            data = data.narrow(dim, start, length)
+        return data
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass  # resolve_tensor returned a view of the destination: the reader copied into it
+
+
+def save_sharded(state_dict: Dict[str, Any], checkpoint_dir: str, process_group=None) -> None:
+    """Collective: write every rank's shards and objects under ``checkpoint_dir`` (DCP files + ``.metadata``)."""
+    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(checkpoint_dir, thread_count=1),
+             planner=_ShardSavePlanner(), process_group=process_group)
+
+
+def load_sharded(state_dict: Dict[str, Any], checkpoint_dir: str, allow_shape_mismatch: Sequence[str] = (),
+                 no_dist: bool = False, process_group=None) -> Dict[str, Any]:
+    """Fill the :class:`LocalShard` entries of ``state_dict`` in place; object entries are replaced by the stored
+    values. Collective unless ``no_dist``. Returns ``state_dict``."""
+    planner = _ShardLoadPlanner(allow_shape_mismatch)
+    try:
+        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(checkpoint_dir), planner=planner, no_dist=no_dist,
+                 process_group=process_group)
+    except CheckpointException as e:  # DCP wraps every rank's planning error: surface ours with its message
+        for failure in e.failures.values():
+            failure = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(failure, ShardingError):
+                raise ShardingError(str(failure)) from e
+        raise
+    for key, value in state_dict.items():  # dcp.load hands the planner a copy of the dict: bring objects back
+        if not isinstance(value, LocalShard):
+            state_dict[key] = planner.state_dict[key]
+    return state_dict
+
+
+def stored_shapes(checkpoint_dir: str) -> Dict[str, Optional[Tuple[int, ...]]]:
+    """Global shape of every tensor entry (None for object entries), from the DCP metadata alone."""
+    md = dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    return {key: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
+            for key, v in md.state_dict_metadata.items()}
+
+
+def load_full_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
+    """Offline, one process, no process group: every entry, tensors at their full global shape."""
+    md = dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    request: Dict[str, Any] = {}
+    for key, v in md.state_dict_metadata.items():
+        if isinstance(v, TensorStorageMetadata):
+            request[key] = LocalShard(torch.zeros(tuple(v.size), dtype=v.properties.dtype), tuple(v.size),
+                                      (0,) * len(v.size))
+        else:
+            request[key] = None
+    load_sharded(request, checkpoint_dir, no_dist=True)
+    return {key: (v.data if isinstance(v, LocalShard) else v) for key, v in request.items()}

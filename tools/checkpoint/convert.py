@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""Offline checkpoint conversion with Megatron's ``tools/checkpoint/convert.py`` interface (CPU only).
+
+    python tools/checkpoint/convert.py --model-type GPT --loader legacy --saver legacy \\
+        --load-dir ckpt_tp2_pp2 --save-dir ckpt_tp1_pp1 \\
+        --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 [--true-vocab-size 50257]
+
+Loaders: ``legacy`` (aliases ``megatron``, ``core``, ``mcore``: Megatron ``torch``-format checkpoints with any
+TP/PP, legacy or megatron-core model names) and ``hf`` (a Hugging Face GPT-2 or Llama directory). Savers:
+``legacy`` (aliases as above; any target TP/PP) and ``hf`` (config.json + model.safetensors). Unlike Megatron
+the loader and saver run in one process and exchange the full state dict directly (no queue). The written
+torch checkpoints hold ``args``, ``checkpoint_version``, ``iteration`` and ``model`` (no optimizer or RNG state):
+train from them with ``--finetune`` or ``--no-load-optim --no-load-rng``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)))
+
+from tools.checkpoint.legacy_io import ConversionError, load_legacy, repad_vocab, save_legacy  # noqa: E402
+
+_LEGACY_NAMES = ("legacy", "megatron", "core", "mcore")
+
+
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(description="Megatron checkpoint converter (TP/PP resharding, Hugging Face "
+                                                 "import/export)", allow_abbrev=False)
+    parser.add_argument("--model-type", type=str, required=True, choices=["GPT", "BERT"], help="Type of the model")
+    parser.add_argument("--loader", type=str, default="legacy", help="legacy (megatron, core, mcore) or hf")
+    parser.add_argument("--saver", type=str, default="legacy", help="legacy (megatron, core, mcore) or hf")
+    parser.add_argument("--load-dir", type=str, required=True, help="Directory to load the model checkpoint from")
+    parser.add_argument("--save-dir", type=str, required=True, help="Directory to save the model checkpoint to")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=None,
+                        help="Target tensor model parallel size (default: the source's)")
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=None,
+                        help="Target pipeline model parallel size (default: the source's)")
+    parser.add_argument("--true-vocab-size", type=int, default=None,
+                        help="Original size of the vocabulary: the padding is trimmed and redone for the target TP")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                        help="Vocabulary padding multiple (default: the source checkpoint's, else 128)")
+    parser.add_argument("--megatron-path", type=str, default=None, help="Accepted for compatibility; unused")
+    parser.add_argument("--max-queue-size", type=int, default=50, help="Accepted for compatibility; unused")
+    parser.add_argument("--no-checking", action="store_true", help="Accepted for compatibility; unused")
+    return parser.parse_args(argv)
+
+
+def convert(args):
+    loader, saver = args.loader.lower(), args.saver.lower()
+    if loader not in _LEGACY_NAMES + ("hf",):
+        raise ConversionError(f"--loader {args.loader}: supported loaders are legacy (megatron, core, mcore) and hf")
+    if saver not in _LEGACY_NAMES + ("hf",):
+        raise ConversionError(f"--saver {args.saver}: supported savers are legacy (megatron, core, mcore) and hf")
+    if "hf" in (loader, saver) and args.model_type != "GPT":
+        raise ConversionError("Hugging Face import/export supports --model-type GPT (GPT-2 and Llama) only")
+    if loader == "hf" and saver == "hf":
+        raise ConversionError("--loader hf --saver hf converts nothing; use a legacy saver or loader on one side")
+    if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
+        raise ConversionError("--save-dir must differ from --load-dir (the converter never overwrites its input)")
+
+    if loader == "hf":
+        from tools.checkpoint.hf_io import load_hf
+        divisible = args.make_vocab_size_divisible_by or 128
+        full, margs = load_hf(args.load_dir, divisible)
+        info = {"iteration": 0, "release": True, "tp": 1, "pp": 1}
+        true_vocab = args.true_vocab_size or margs.true_vocab_size
+    else:
+        full, margs, info = load_legacy(args.load_dir)
+        if (args.model_type == "BERT") != ("binary_head.weight" in full or "lm_head.bias" in full):
+            print(f"WARNING: --model-type {args.model_type} does not look like this checkpoint's model", flush=True)
+        divisible = args.make_vocab_size_divisible_by or getattr(margs, "make_vocab_size_divisible_by", 128)
+        true_vocab = args.true_vocab_size or getattr(margs, "true_vocab_size", None)
+    print(f"loaded {args.load_dir}: {len(full)} tensors, TP={info['tp']} PP={info['pp']}, "
+          f"iteration {'release' if info['release'] else info['iteration']}", flush=True)
+
+    if saver == "hf":
+        from tools.checkpoint.hf_io import save_hf
+        if args.target_tensor_parallel_size not in (None, 1) or args.target_pipeline_parallel_size not in (None, 1):
+            raise ConversionError("--saver hf writes one unsharded model: leave the target TP/PP sizes at 1")
+        save_hf(full, margs, args.save_dir, true_vocab)
+        print(f"saved Hugging Face model to {args.save_dir}", flush=True)
+        return
+    tp = args.target_tensor_parallel_size or info["tp"]
+    pp = args.target_pipeline_parallel_size or info["pp"]
+    margs.padded_vocab_size = repad_vocab(full, true_vocab, divisible, tp)
+    margs.make_vocab_size_divisible_by = divisible
+    if true_vocab is not None:
+        margs.true_vocab_size = true_vocab
+    save_legacy(full, margs, args.save_dir, tp, pp, info["iteration"], info["release"])
+    print(f"saved TP={tp} PP={pp} checkpoint to {args.save_dir}", flush=True)
+
+
+def main(argv=None):
+    args = get_args(argv)
+    try:
+        convert(args)
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Hugging Face GPT-2 / Llama directories (config.json + model.safetensors) <-> our full legacy state dict.
+
+The tensor mapping is :mod:`megatron.core.models.conversion.hf`; this module reads and writes the files and maps
+the Hugging Face config to Megatron's args (and back).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Dict, Tuple
+
+import torch
+
+from megatron.core.models.conversion import hf
+from tools.checkpoint.legacy_io import ConversionError
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ConversionError("--loader hf / --saver hf need the 'transformers' package "
+                              "(pip install transformers)") from e
+    return transformers
+
+
+def _read_weights(load_dir: str) -> Dict[str, torch.Tensor]:
+    single = os.path.join(load_dir, "model.safetensors")
+    index = os.path.join(load_dir, "model.safetensors.index.json")
+    from safetensors.torch import load_file
+    if os.path.isfile(single):
+        return load_file(single)
+    if os.path.isfile(index):
+        files = sorted(set(json.load(open(index))["weight_map"].values()))
+        out = {}
+        for name in files:
+            out.update(load_file(os.path.join(load_dir, name)))
+        return out
+    if os.path.isfile(os.path.join(load_dir, "pytorch_model.bin")):
+        return torch.load(os.path.join(load_dir, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    raise ConversionError(f"{load_dir} has no model.safetensors (or .index.json, or pytorch_model.bin)")
+
+
+def _args_from_config(config, hf_config, family: str, make_divisible_by: int) -> argparse.Namespace:
+    """Megatron args describing the model that ``config`` (a TransformerConfig from conversion.hf) builds."""
+    llama = family == "llama"
+    groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
+    return argparse.Namespace(
+        num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
+        num_attention_heads=config.num_attention_heads, kv_channels=config.kv_channels,
+        group_query_attention=groups != config.num_attention_heads, num_query_groups=groups,
+        max_position_embeddings=config.max_position_embeddings, seq_length=config.max_position_embeddings,
+        padded_vocab_size=config.padded_vocab_size, make_vocab_size_divisible_by=make_divisible_by,
+        normalization="RMSNorm" if llama else "LayerNorm", norm_epsilon=config.layernorm_epsilon,
+        swiglu=llama, add_bias_linear=config.add_bias_linear,
+        position_embedding_type="rope" if llama else "learned_absolute",
+        rotary_base=getattr(config, "rotary_base", 10000), openai_gelu=getattr(config, "openai_gelu", False),
+        untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
+        add_position_embedding=not llama, use_mcore_models=False, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None, params_dtype=torch.float32,
+        fp16=False, bf16=False, tokenizer_type=None, iteration=0, consumed_train_samples=0,
+        consumed_valid_samples=0, hf_model_type=family, hf_config=hf_config.to_dict(),
+        true_vocab_size=hf_config.vocab_size,
+    )
+
+
+def load_hf(load_dir: str, make_divisible_by: int = 128) -> Tuple[Dict[str, torch.Tensor], argparse.Namespace]:
+    """(full legacy state dict at TP=1 padding, Megatron args) of a GPT-2 or Llama Hugging Face directory."""
+    transformers = _transformers()
+    if not os.path.isfile(os.path.join(load_dir, "config.json")):
+        raise ConversionError(f"{load_dir}/config.json not found: --load-dir must be a Hugging Face model directory")
+    hf_config = transformers.AutoConfig.from_pretrained(load_dir)
+    weights = _read_weights(load_dir)
+    if hf_config.model_type == "gpt2":
+        config = hf.gpt2_config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by)
+        full = hf.gpt2_hf_to_megatron(weights, hf_config, config.padded_vocab_size)
+    elif hf_config.model_type == "llama":
+        config = hf.llama_config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by)
+        full = hf.llama_hf_to_megatron(weights, hf_config, config.padded_vocab_size)
+    else:
+        raise ConversionError(f"--loader hf supports GPT-2 and Llama models, {load_dir} holds a "
+                              f"{hf_config.model_type!r} model")
+    return full, _args_from_config(config, hf_config, hf_config.model_type, make_divisible_by)
+
+
+def hf_config_from_args(args, true_vocab_size):
+    """The Hugging Face config of a Megatron model: the one it was imported from, else built from its args."""
+    transformers = _transformers()
+    family = getattr(args, "hf_model_type", None)
+    if getattr(args, "hf_config", None) is not None:
+        cls = transformers.GPT2Config if family == "gpt2" else transformers.LlamaConfig
+        return cls.from_dict(dict(args.hf_config))
+    if true_vocab_size is None:
+        raise ConversionError("--saver hf needs --true-vocab-size (the tokenizer's vocabulary size) to drop the "
+                              "vocabulary padding")
+    heads = args.num_attention_heads
+    if getattr(args, "swiglu", False) and getattr(args, "normalization", "LayerNorm") == "RMSNorm" \
+            and getattr(args, "position_embedding_type", None) == "rope":
+        if getattr(args, "add_bias_linear", True):
+            raise ConversionError("--saver hf (Llama): the model has linear biases; pass a model trained with "
+                                  "--disable-bias-linear")
+        return transformers.LlamaConfig(
+            vocab_size=true_vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
+            num_hidden_layers=args.num_layers, num_attention_heads=heads,
+            num_key_value_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
+            max_position_embeddings=args.max_position_embeddings, rms_norm_eps=args.norm_epsilon,
+            rope_theta=float(getattr(args, "rotary_base", 10000)),
+            tie_word_embeddings=not args.untie_embeddings_and_output_weights)
+    if not getattr(args, "swiglu", False) and getattr(args, "normalization", "LayerNorm") == "LayerNorm" \
+            and getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute" \
+            and getattr(args, "add_bias_linear", True) and not args.untie_embeddings_and_output_weights:
+        return transformers.GPT2Config(
+            vocab_size=true_vocab_size, n_positions=args.max_position_embeddings, n_embd=args.hidden_size,
+            n_layer=args.num_layers, n_head=heads, n_inner=args.ffn_hidden_size,
+            layer_norm_epsilon=getattr(args, "norm_epsilon", getattr(args, "layernorm_epsilon", 1e-5)),
+            activation_function="gelu_new" if getattr(args, "openai_gelu", False) else "gelu",
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    raise ConversionError("--saver hf exports GPT-2 (LayerNorm, learned positions, gelu, biases, tied embeddings) "
+                          "and Llama (RMSNorm, RoPE, swiglu, no biases) models; this checkpoint is neither")
+
+
+def save_hf(full: Dict[str, torch.Tensor], args, save_dir: str, true_vocab_size=None):
+    """Write config.json + model.safetensors (tied output weights are stored once, as transformers does)."""
+    from safetensors.torch import save_file
+
+    if getattr(args, "use_mcore_models", False):
+        from megatron.core.models.conversion.keys import mcore_to_legacy
+        full = mcore_to_legacy(full, "gpt")
+    hf_config = hf_config_from_args(args, true_vocab_size)
+    if hf_config.model_type == "gpt2":
+        sd = hf.gpt2_megatron_to_hf(full, hf_config)
+        sd = {("transformer." + k if not k.startswith(("transformer.", "lm_head.")) else k): v for k, v in sd.items()}
+    else:
+        sd = hf.llama_megatron_to_hf(full, hf_config)
+    if getattr(hf_config, "tie_word_embeddings", True):
+        sd.pop("lm_head.weight", None)
+    os.makedirs(save_dir, exist_ok=True)
+    hf_config.save_pretrained(save_dir)
+    save_file({k: v.contiguous().clone() for k, v in sd.items()}, os.path.join(save_dir, "model.safetensors"),
+              metadata={"format": "pt"})
