@@ -18,15 +18,15 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def default_backend() -> str:
-    """NCCL when CUDA is available, gloo otherwise."""
-    return "nccl" if cuda_available() else "gloo"
-
-
 def _backend_in_use() -> str | None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_backend()
     return None
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available, gloo otherwise."""
+    return "nccl" if cuda_available() else "gloo"
 
 
 def current_device() -> torch.device:
@@ -45,10 +45,6 @@ def set_device_for_local_rank(local_rank: int) -> None:
     """Bind this process to its GPU (``local_rank % device_count``); a no-op on CPU."""
     if cuda_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-
-
-def device_count() -> int:
-    return torch.cuda.device_count() if cuda_available() else 0
 
 
 def on_gpu() -> bool:

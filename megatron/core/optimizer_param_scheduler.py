@@ -25,15 +25,12 @@ from typing import Optional
 
 import torch
 
+from megatron.core.utils import print_rank_0
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
-
-def _print_rank_0(message: str):
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_rank() != 0):
-        print(message, flush=True)
 
 
 class OptimizerParamScheduler:
@@ -93,7 +90,7 @@ class OptimizerParamScheduler:
             raise ValueError("both --override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are set")
 
         self.step(0)
-        _print_rank_0(f"> learning rate decay style: {self.lr_decay_style}")
+        print_rank_0(f"> learning rate decay style: {self.lr_decay_style}")
 
     # ------------------------------------------------------------------------------ schedules
     def get_wd(self) -> float:
@@ -172,14 +169,14 @@ class OptimizerParamScheduler:
     def _check_and_set(self, cls_value, sd_value, name: str):
         """Which of the constructor's value and the checkpoint's to keep (see the two flags)."""
         if self.override_opt_param_scheduler:
-            _print_rank_0(f" > overriding {name} value to {cls_value}")
+            print_rank_0(f" > overriding {name} value to {cls_value}")
             return cls_value
         if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
             raise ValueError(
                 f"OptimizerParamScheduler: class input value {cls_value} and checkpoint value {sd_value} for {name} "
                 f"do not match; pass --override-opt_param-scheduler to use the command-line value or "
                 f"--use-checkpoint-opt_param-scheduler to use the checkpoint's")
-        _print_rank_0(f" > using checkpoint value {sd_value} for {name}")
+        print_rank_0(f" > using checkpoint value {sd_value} for {name}")
         return sd_value
 
     def load_state_dict(self, state_dict: dict):

@@ -40,6 +40,13 @@ def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group=None
     return _REDUCE_SCATTER_TENSOR(output, input_, group=group, async_op=async_op)
 
 
+def print_rank_0(message) -> None:
+    """Print on global rank 0 only (or always, without torch.distributed)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_rank() != 0):
+        print(message, flush=True)
+
+
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """Init method based on N(0, sigma)."""
 

@@ -29,7 +29,7 @@ import torch
 
 from megatron.core import device, parallel_state, tensor_parallel
 from megatron.training.global_vars import get_args
-from megatron.training.utils import print_rank_0, unwrap_model
+from megatron.training.utils import is_rank_0, print_rank_0, unwrap_model
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_BASENAME = "latest_checkpointed_iteration.txt"
@@ -108,30 +108,29 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _atomic_torch_save(obj, path):
-    """torch.save to a temporary name, fsync, rename: ``path`` is either absent or complete."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def _atomic_write(path, mode, write, stage):
+    """Write to a temporary name, fsync, rename: ``path`` is either absent or complete.
+
+    ``stage`` ("file" or "tracker") names the ``_save_stage`` hooks passed on the way.
+    """
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp.{}".format(os.getpid())
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
+    with open(tmp, mode) as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
-    _save_stage("file-temp-written", tmp)
+    _save_stage(f"{stage}-temp-written", tmp)
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(path))
-    _save_stage("file-renamed", path)
+    _save_stage(f"{stage}-renamed", path)
+
+
+def _atomic_torch_save(obj, path):
+    _atomic_write(path, "wb", lambda f: torch.save(obj, f), "file")
 
 
 def _atomic_write_text(path, text):
-    tmp = path + ".tmp.{}".format(os.getpid())
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    _save_stage("tracker-temp-written", tmp)
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-    _save_stage("tracker-renamed", path)
+    _atomic_write(path, "w", lambda f: f.write(text), "tracker")
 
 
 def read_metadata(tracker_filename):
@@ -206,10 +205,6 @@ def _model_state(chunk):
     return chunk.state_dict()
 
 
-def _is_rank_0():
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-
-
 def _barrier():
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -270,7 +265,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     rng_state = None if args.no_save_rng else get_rng_state(args.data_parallel_random_init)
 
     final, staging = None, None
-    if _is_rank_0():
+    if is_rank_0():
         final, staging = _prepare_save_dir(args.save, iteration)
     _barrier()
     staging = os.path.join(args.save, _iteration_dirname(iteration) + STAGING_SUFFIX)
@@ -305,7 +300,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
 
     # Every rank has fsync'ed and renamed its files once it reaches this barrier.
     _barrier()
-    if _is_rank_0():
+    if is_rank_0():
         _save_stage("all-files-written", staging)
         _publish(args.save, final, staging, iteration)
     print_rank_0("  successfully saved checkpoint at iteration {:7d} to {}".format(iteration, args.save))

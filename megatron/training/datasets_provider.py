@@ -18,6 +18,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+from megatron.training.utils import print_rank_0
 
 
 def _args(args):
@@ -42,11 +43,6 @@ def _tokenizer(args, tokenizer):
     from megatron.tokenizer import build_tokenizer
 
     return build_tokenizer(args)
-
-
-def print_rank_0(message: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
 
 
 def is_dataset_built_on_rank() -> bool:

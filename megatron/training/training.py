@@ -22,7 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import get_model_config
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
-from megatron.training.data_iterators import build_train_valid_test_data_iterators
+from megatron.training.datasets_provider import build_train_valid_test_data_iterators
 from megatron.training.global_vars import (
     get_args,
     get_num_microbatches,

@@ -65,7 +65,7 @@ def _accumulate(state: LogState, loss_dict: Dict[str, torch.Tensor], skipped_ite
 
 
 def _tensorboard_scalars(writer, args, iteration, learning_rate, batch_size, loss_dict, loss_scale, grad_norm,
-                         num_zeros_in_grad, params_norm, elapsed_per_iter):
+                         num_zeros_in_grad, params_norm):
     samples = args.consumed_train_samples
 
     def add(name, value):
@@ -88,8 +88,6 @@ def _tensorboard_scalars(writer, args, iteration, learning_rate, batch_size, los
         add("num-zeros", num_zeros_in_grad)
     if params_norm is not None:
         add("params-norm", params_norm)
-    if elapsed_per_iter is not None and args.log_timers_to_tensorboard:
-        writer.add_scalar("iteration-time", elapsed_per_iter, iteration)
     if args.log_memory_to_tensorboard and device.on_gpu():
         writer.add_scalar("mem-allocated-bytes", device.memory_allocated(), iteration)
 
@@ -105,7 +103,7 @@ def training_log(state: LogState, loss_dict, learning_rate, iteration, loss_scal
 
     if writer is not None and iteration % args.tensorboard_log_interval == 0:
         _tensorboard_scalars(writer, args, iteration, learning_rate, batch_size, loss_dict, loss_scale, grad_norm,
-                             num_zeros_in_grad, params_norm, None)
+                             num_zeros_in_grad, params_norm)
 
     if iteration % args.log_interval != 0:
         return None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.utils import print_rank_0  # noqa: F401  (one implementation, at Megatron's import path)
+
 
 def distributed_is_initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -17,11 +19,6 @@ def is_last_rank() -> bool:
     """True on the last global rank (where Megatron prints training logs), and without torch.distributed."""
     return not distributed_is_initialized() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
-
-def print_rank_0(message):
-    """Print on rank 0 only (or always, without torch.distributed)."""
-    if is_rank_0():
-        print(message, flush=True)
 
 
 def print_rank_last(message):

@@ -36,7 +36,6 @@ from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer, 
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
-    _print_rank_0,
     _zero_grad_group_helper,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -224,14 +223,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 state[index] = {key: torch.zeros_like(shard) for key in keys}
         self._load_inner_state_dict({"state": state, "param_groups": param_groups})
 
-        if "grad_scaler" not in state_dict:
-            if self.config.fp16:
-                _print_rank_0("***WARNING*** found an old checkpoint, will not load grad scaler ...")
-        elif self.grad_scaler is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        else:
-            _print_rank_0("***WARNING*** found the grad scaler in the checkpoint but it is None in the class. "
-                          "Skipping loading grad scaler ...")
+        self._load_grad_scaler(state_dict)
 
     def _shard_tensors(self, bucket, key: Optional[str]) -> torch.Tensor:
         """This rank's shard of one bucket as an fp32 CPU tensor: main params (key None) or a state tensor."""

@@ -28,6 +28,7 @@ from megatron.core.optimizer.clip_grads import (
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes, param_is_not_tensor_parallel_duplicate
+from megatron.core.utils import print_rank_0
 
 
 def _zero_grad_group_helper(group: List[torch.Tensor], set_to_none: bool):
@@ -207,6 +208,17 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def get_loss_scale(self) -> torch.Tensor:
         return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
 
+    def _load_grad_scaler(self, state_dict: dict):
+        """Restore the loss scaler from an optimizer state dict (older checkpoints may lack it)."""
+        if "grad_scaler" not in state_dict:
+            if self.config.fp16:
+                print_rank_0("***WARNING*** found an old checkpoint, will not load grad scaler ...")
+        elif self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        else:
+            print_rank_0("***WARNING*** found the grad scaler in the checkpoint but it is None in the class. "
+                         "Skipping loading grad scaler ...")
+
     @abstractmethod
     def _collect_main_grad_data_for_unscaling(self) -> List[torch.Tensor]:
         ...
@@ -345,17 +357,10 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
     def load_state_dict(self, state_dict: dict):
         optimizer_key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
         if optimizer_key == "optimizer_state_dict":
-            _print_rank_0("***WARNING*** loading optimizer from an old checkpoint ...")
+            print_rank_0("***WARNING*** loading optimizer from an old checkpoint ...")
         self._load_inner_state_dict(state_dict[optimizer_key])
 
-        if "grad_scaler" not in state_dict:
-            if self.config.fp16:
-                _print_rank_0("***WARNING*** found an old checkpoint, will not load grad scaler ...")
-        elif self.grad_scaler is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        else:
-            _print_rank_0("***WARNING*** found the grad scaler in the checkpoint but it is None in the class. "
-                          "Skipping loading grad scaler ...")
+        self._load_grad_scaler(state_dict)
 
         key = "fp32_from_fp16_params" if "fp32_from_fp16_params" in state_dict else "fp32_from_fp16"
         saved_groups = state_dict[key]
@@ -404,7 +409,3 @@ class FP32Optimizer(MegatronOptimizer):
     def load_state_dict(self, state_dict: dict):
         self._load_inner_state_dict(state_dict)
 
-
-def _print_rank_0(message: str):
-    if not (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
-        print(message, flush=True)

@@ -6,14 +6,9 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.inference_params import InferenceParams
 from megatron.core.utils import get_model_config
+from megatron.training.utils import unwrap_model
 
 from .communication import recv_from_prev_pipeline_stage, send_to_next_pipeline_stage
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 class ForwardStep:
@@ -37,7 +32,7 @@ class ForwardStep:
         if self.config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
             raise RuntimeError("generation does not support --sequence-parallel: load the model without it "
                                "(the weights are the same)")
-        self.parallel_output = getattr(_unwrap(model), "parallel_output", False)
+        self.parallel_output = getattr(unwrap_model(model), "parallel_output", False)
         self.use_cache = use_cache
         self.inference_params = InferenceParams(max_batch_size, max_sequence_length) if use_cache else None
 

@@ -19,6 +19,18 @@ import numpy
 import torch
 
 
+
+def _check_sampler_args(total_samples, micro_batch_size, data_parallel_size, data_parallel_rank):
+    """Checks shared by both samplers (Megatron's messages)."""
+    if total_samples <= 0:
+        raise ValueError(f"no sample to consume: {total_samples}")
+    if micro_batch_size <= 0 or data_parallel_size <= 0:
+        raise ValueError(f"micro batch size ({micro_batch_size}) and data parallel size ({data_parallel_size}) "
+                         f"must be positive")
+    if not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(f"data_parallel_rank should be smaller than data size: {data_parallel_rank}, "
+                         f"{data_parallel_size}")
+
 class MegatronPretrainingSampler:
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
                  data_parallel_size: int, drop_last: bool = True) -> None:
@@ -28,16 +40,9 @@ class MegatronPretrainingSampler:
         self.data_parallel_rank = data_parallel_rank
         self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
         self.drop_last = drop_last
-        if total_samples <= 0:
-            raise ValueError(f"no sample to consume: {total_samples}")
+        _check_sampler_args(total_samples, micro_batch_size, data_parallel_size, data_parallel_rank)
         if consumed_samples >= total_samples:
             raise ValueError(f"no samples left to consume: {consumed_samples}, {total_samples}")
-        if micro_batch_size <= 0 or data_parallel_size <= 0:
-            raise ValueError(f"micro batch size ({micro_batch_size}) and data parallel size ({data_parallel_size}) "
-                             f"must be positive")
-        if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank should be smaller than data size: {data_parallel_rank}, "
-                             f"{data_parallel_size}")
 
     def __len__(self) -> int:
         return self.total_samples
@@ -92,14 +97,7 @@ class MegatronPretrainingRandomSampler:
         self.data_sharding = data_sharding
         self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
         self.last_batch_size = total_samples % self.micro_batch_times_data_parallel_size
-        if total_samples <= 0:
-            raise ValueError(f"no sample to consume: {total_samples}")
-        if micro_batch_size <= 0 or data_parallel_size <= 0:
-            raise ValueError(f"micro batch size ({micro_batch_size}) and data parallel size ({data_parallel_size}) "
-                             f"must be positive")
-        if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank should be smaller than data size: {data_parallel_rank}, "
-                             f"{data_parallel_size}")
+        _check_sampler_args(total_samples, micro_batch_size, data_parallel_size, data_parallel_rank)
         if total_samples < self.micro_batch_times_data_parallel_size:
             raise ValueError(f"the dataset has {total_samples} samples, fewer than one global batch "
                              f"({self.micro_batch_times_data_parallel_size}) of the cyclic sampler")
