@@ -23,21 +23,23 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-# torch >= 2.10 renamed the tensor-in/tensor-out collectives to *_single and deprecated the old names.
-_ALL_GATHER_TENSOR = getattr(torch.distributed, "all_gather_single", None) or getattr(
-    torch.distributed, "all_gather_into_tensor", None)
-_REDUCE_SCATTER_TENSOR = getattr(torch.distributed, "reduce_scatter_single", None) or getattr(
-    torch.distributed, "reduce_scatter_tensor", None)
+# torch >= 2.10 renamed the tensor-in/tensor-out collectives to *_single and deprecated the old names. The
+# function is looked up on torch.distributed at call time, so that wrappers installed there (e.g.
+# megatron.core.comm_accounting) see these calls too.
+_ALL_GATHER_TENSOR_NAME = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") \
+    else "all_gather_into_tensor"
+_REDUCE_SCATTER_TENSOR_NAME = "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single") \
+    else "reduce_scatter_tensor"
 
 
 def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group=None, async_op: bool = False):
     """All-gather ``input_`` of every rank of ``group`` into ``output`` (concatenated along dim 0)."""
-    return _ALL_GATHER_TENSOR(output, input_, group=group, async_op=async_op)
+    return getattr(torch.distributed, _ALL_GATHER_TENSOR_NAME)(output, input_, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``input_`` over ``group`` and keep this rank's equal slice along dim 0 in ``output``."""
-    return _REDUCE_SCATTER_TENSOR(output, input_, group=group, async_op=async_op)
+    return getattr(torch.distributed, _REDUCE_SCATTER_TENSOR_NAME)(output, input_, group=group, async_op=async_op)
 
 
 def print_rank_0(message) -> None:
