@@ -106,7 +106,7 @@ def expected_volume(c, pp_rank):
     if d > 1:
         layer_params = 12 * h * h // t + 7 * h // t + 6 * h
         embedding = V // t * h if (first or (last and p > 1)) else 0
-        rest = layers * layer_params + first * s * h + last * 2 * h  # + position embedding, final norm
+        rest = layers * layer_params + first * s * h + last * 2 * h  # + positions (max-pos = s), final norm
         if not c["distopt"]:
             add("dp", "all_reduce", 1, (embedding + rest) * G)  # one bucket without --overlap-grad-reduce
         else:
