@@ -29,7 +29,8 @@ already printed its prefixed traceback before exiting, so the first failure is s
 
 ``MEGATRON_FAULT_INJECT`` (tests only) injects a fault at the start of an iteration, e.g.
 ``raise:rank=1:iter=3`` (ZeroDivisionError), ``raise:rank=1:iter=3:delay=2`` (sleep first, so that the peers are
-blocked inside a collective when it raises), ``kill:rank=1:iter=3`` (SIGKILL itself), ``sigterm:rank=1:iter=3``.
+blocked inside a collective when it raises), ``kill:rank=1:iter=3`` (SIGKILL itself), ``sigterm:rank=1:iter=3`` (SIGTERM to itself only),
+``sigterm_group:rank=0:iter=3`` (SIGTERM to its whole process group).
 When unset the hook is a single ``is None`` test per iteration.
 """
 from __future__ import annotations
@@ -54,8 +55,8 @@ def _parse_injection(spec):
     if not spec:
         return None
     kind, *fields = spec.split(":")
-    if kind not in ("raise", "kill", "sigterm"):
-        raise ValueError(f"MEGATRON_FAULT_INJECT={spec!r}: the kind must be raise, kill or sigterm")
+    if kind not in ("raise", "kill", "sigterm", "sigterm_group"):
+        raise ValueError(f"MEGATRON_FAULT_INJECT={spec!r}: the kind must be raise, kill, sigterm or sigterm_group")
     options = dict(field.split("=", 1) for field in fields)
     return kind, int(options.get("rank", 0)), int(options.get("iter", 1)), float(options.get("delay", 0))
 
@@ -75,6 +76,8 @@ def maybe_inject_fault(iteration, rank):
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
+    elif kind == "sigterm_group":  # every process of the job's process group, as SLURM or a batch system does
+        os.killpg(os.getpgid(0), signal.SIGTERM)
     else:
         1 / 0  # noqa: B018  the injected ZeroDivisionError
 

@@ -170,3 +170,75 @@ def test_rel_ranks_torchrun_names_the_failing_rank(tmp_path, data_path):
     assert len(re.findall(r"^\[rank 1\] ZeroDivisionError: ", out, re.M)) == 1, out[-6000:]
     assert not re.search(r"^\[rank 0\] ZeroDivisionError", out, re.M), out[-6000:]
     job.assert_no_process_left()
+
+
+# ------------------------------------------------------------------------------------------------ preemption
+
+def _losses(text):
+    found = re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", text)
+    return {int(it): float(loss) for it, loss in found}
+
+
+def _saved_iteration(save_dir):
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
+        return int(f.read())
+
+
+def _start(tmp, data_path, extra=(), env=None):
+    os.makedirs(tmp, exist_ok=True)
+    return Job(tmp, data_path, 2, extra=extra, env=env)
+
+
+def _finish(job, timeout=200):
+    codes, _ = job.wait(timeout)
+    job.assert_no_process_left()
+    return codes
+
+
+PREEMPTION_CASES = {
+    # SIGTERM reaches rank 1 only, during iteration 3: both ranks agree, finish iteration 3, save it.
+    "sigterm_one": (["--exit-signal-handler"], {"MEGATRON_FAULT_INJECT": "sigterm:rank=1:iter=3"}, 3,
+                    "exiting program after receiving SIGTERM"),
+    # SIGTERM to the whole process group (SLURM's preemption) during iteration 5.
+    "sigterm_all": (["--exit-signal-handler"], {"MEGATRON_FAULT_INJECT": "sigterm_group:rank=0:iter=5"}, 5,
+                    "exiting program after receiving SIGTERM"),
+    "exit_interval": (["--exit-interval", "4"], None, 4, "exiting program at iteration 4"),
+    # 0.001 minutes have passed since the start by the end of iteration 1.
+    "exit_duration": (["--exit-duration-in-mins", "0.001"], None, 1, "exiting program after"),
+}
+
+
+@pytest.mark.timeout(400)
+def test_rel_ranks_preemption_saves_exits_zero_and_resumes(tmp_path, data_path):
+    # Two or three 2-rank jobs at a time (at most 6 processes) to keep the wall time down.
+    def case(name):
+        flags, env, _, _ = PREEMPTION_CASES[name]
+        save_dir = str(tmp_path / name / "ckpt")
+        return _start(str(tmp_path / name), data_path, [*flags, "--save", save_dir, "--save-interval", "1000"], env)
+
+    def check(name, job):
+        _, _, expected_iteration, log_line = PREEMPTION_CASES[name]
+        codes, out = _finish(job), job.output()
+        assert codes == [0, 0], f"{name}: exit codes {codes}\n{out[-3000:]}"
+        assert log_line in out, f"{name}: no '{log_line}'\n{out[-3000:]}"
+        assert _saved_iteration(str(tmp_path / name / "ckpt")) == expected_iteration, name
+        assert max(_losses(out)) == expected_iteration, name
+
+    straight = _start(str(tmp_path / "straight"), data_path)
+    first = {name: case(name) for name in ("sigterm_one", "sigterm_all")}
+    assert _finish(straight) == [0, 0], straight.output()[-3000:]
+    reference = _losses(straight.output())
+    assert sorted(reference) == list(range(1, 9))
+    for name, job in first.items():
+        check(name, job)
+
+    # The SIGTERM checkpoint loads, and the resumed run reproduces the uninterrupted losses exactly.
+    resumed = _start(str(tmp_path / "resume"), data_path, ["--load", str(tmp_path / "sigterm_one" / "ckpt")])
+    second = {name: case(name) for name in ("exit_interval", "exit_duration")}
+    for name, job in second.items():
+        check(name, job)
+    assert _finish(resumed) == [0, 0], resumed.output()[-3000:]
+    losses = _losses(resumed.output())
+    assert sorted(losses) == list(range(4, 9))
+    for iteration, loss in losses.items():
+        assert loss == reference[iteration], f"iteration {iteration}: {loss} != {reference[iteration]}"
