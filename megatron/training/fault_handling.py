@@ -82,8 +82,9 @@ def maybe_inject_fault(iteration, rank):
         1 / 0  # noqa: B018  the injected ZeroDivisionError
 
 
-def _describe(exc):
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+def _describe(exc, limit=None):
+    text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return text if limit is None or len(text) <= limit else text[:limit] + " ..."
 
 
 def _process_gone(pid):
@@ -148,6 +149,15 @@ class FaultMonitor:
             self.peers[rank] = (host, int(pid))
         return self.peers[rank]
 
+    def _learn_peers(self):
+        """Cache every peer's host and pid while the store is up: if the store's host dies, a rank can still tell
+        which local process is gone. Above 256 ranks only the neighbour is cached (the store's load stays O(N))."""
+        if len(self.peers) >= self.world_size - 1 or self.world_size > 256:
+            return
+        for rank in range(self.world_size):
+            if rank != self.rank:
+                self._peer(rank)
+
     def _dead_peer(self, rank):
         """A message when ``rank`` is gone without having finished normally, else None."""
         peer = self._peer(rank)
@@ -162,9 +172,13 @@ class FaultMonitor:
                 beat = float(self.store.get(self._key("hb", rank)).decode())
             if time.time() - beat < self.stale_after:
                 return None
-        with self.lock:
-            if self.store.check([self._key("done", rank)]):
-                return None
+        try:
+            with self.lock:
+                if self.store.check([self._key("done", rank)]):
+                    return None
+        except Exception:  # noqa: BLE001  the store died too: a vanished local process is still a death
+            if host != self.host:
+                raise
         where = f"pid {pid}" if host == self.host else f"host {host}, no heartbeat for {self.stale_after:.0f} s"
         return f"rank {rank} died ({where}) without reporting an exception (killed by a signal?)"
 
@@ -176,6 +190,7 @@ class FaultMonitor:
             try:
                 with self.lock:
                     self.store.set(self._key("hb", self.rank), str(time.time()))
+                self._learn_peers()
                 failure = self._recorded_failure()
                 if failure is None:
                     dead = self._dead_peer(neighbour)
@@ -227,14 +242,18 @@ class FaultMonitor:
         while True:
             try:
                 failure = self._recorded_failure()
-                if failure is None:
-                    for rank in range(self.world_size):
-                        dead = None if rank == self.rank else self._dead_peer(rank)
-                        if dead is not None:
-                            failure = self.record_failure(dead)
-                            break
-            except Exception:
-                failure = None  # the store is gone with its host; fall back to naming ourselves
+            except Exception:  # noqa: BLE001  the store is gone with its host
+                failure = None
+            for rank in range(self.world_size):
+                if failure is not None:
+                    break
+                try:
+                    failure = None if rank == self.rank else self._dead_peer(rank)
+                except Exception:  # noqa: BLE001
+                    continue
+                if failure is not None:
+                    with contextlib.suppress(Exception):
+                        failure = self.record_failure(failure)
             if failure is not None or time.time() >= deadline:
                 break
             time.sleep(POLL_SECONDS / 4)
@@ -302,5 +321,5 @@ def _fail(monitor, rank, exc):
         else:
             _print_prefixed("".join(traceback.format_exception(exc)), rank)
         monitor.leave(2 if isinstance(exc, ConfigurationError) else 1)
-    print(f"[rank {rank}] exiting: {failure} (this rank then saw {_describe(exc)})", file=sys.stderr, flush=True)
+    print(f"[rank {rank}] exiting: {failure} (this rank then saw {_describe(exc, 100)})", file=sys.stderr, flush=True)
     monitor.leave(1)

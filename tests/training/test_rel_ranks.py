@@ -136,6 +136,7 @@ def _check_failure_reported(job, codes, times, failed_rank, exc_name, fault_time
         lines = [line for line in own.splitlines() if line.startswith(f"[rank {rank}] exiting: ")]
         assert len(lines) == 1 and cause in lines[0], f"rank {rank} said {lines}:\n{own[-3000:]}"
     job.assert_no_process_left()
+    print(f"REL_TRIAL cause={cause!r} codes={codes} exit_after_fault_s={[round(t - fault_time, 1) for t in times]}")
 
 
 @pytest.mark.timeout(120)
@@ -150,14 +151,15 @@ def test_rel_ranks_exception_on_one_rank_ends_all(tmp_path, data_path, delay):
 
 
 @pytest.mark.timeout(120)
-def test_rel_ranks_sigkill_of_one_rank_ends_all(tmp_path, data_path):
+@pytest.mark.parametrize("killed", [2, 0], ids=["rank2", "rank0_store_host"])
+def test_rel_ranks_sigkill_of_one_rank_ends_all(tmp_path, data_path, killed):
     job = Job(str(tmp_path), data_path, 3, extra=["--train-iters", "100000"])
     job.wait_for(r"iteration\s+3/")
     fault_time = time.time() - job.start
-    os.kill(job.procs[2].pid, signal.SIGKILL)
+    os.kill(job.procs[killed].pid, signal.SIGKILL)
     codes, times = job.wait(TIMEOUT_MIN * 60 + MARGIN_S + 60)
-    assert codes[2] == -signal.SIGKILL
-    _check_failure_reported(job, codes, times, 2, None, fault_time)
+    assert codes[killed] == -signal.SIGKILL
+    _check_failure_reported(job, codes, times, killed, None, fault_time)
 
 
 @pytest.mark.timeout(120)
