@@ -122,6 +122,7 @@ class FaultMonitor:
         self.peers = {}  # rank -> (host, pid), filled lazily: peers register at about the same time
         self.lock = threading.Lock()  # the main thread (on failure) and the watchdog share the store client
         self.stopped = threading.Event()
+        self.reporting = threading.Lock()  # only one thread (main or watchdog) reports and exits
         self.thread = threading.Thread(target=self._watch, name="megatron-fault-watchdog", daemon=True)
         self.thread.start()
 
@@ -204,13 +205,16 @@ class FaultMonitor:
                 if time.time() - store_errors_since < min(self.stale_after, 3 * POLL_SECONDS):
                     continue
                 failure = (f"lost the rendezvous store at {self.addr}:{self.port} (its host, rank 0 or the "
-                           f"launcher, is gone): {_describe(exc)}")
+                           f"launcher, is gone): {_describe(exc, 100)}")
             if failure is not None and not self.stopped.is_set():
-                self._stop_because_of(failure)
+                self._stop_because_of(failure)  # exits, unless the main thread is already reporting
+                return
 
     def _stop_because_of(self, failure):
         if failure.startswith(f"rank {self.rank} failed"):
             return  # our own failure: the main thread is reporting it and exiting
+        if not self.reporting.acquire(blocking=False):
+            return  # the main thread is already reporting
         print(f"[rank {self.rank}] exiting: {failure}", file=sys.stderr, flush=True)
         self.leave(1)
 
@@ -314,6 +318,9 @@ def fault_handling(args):
 def _fail(monitor, rank, exc):
     from megatron.training.errors import ConfigurationError
 
+    if not monitor.reporting.acquire(blocking=False):
+        while True:  # the watchdog is printing the failure and ending the process
+            time.sleep(1)
     failure, is_own = monitor.culprit(exc)
     if is_own:
         if isinstance(exc, ConfigurationError):
