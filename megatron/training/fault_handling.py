@@ -120,6 +120,7 @@ class FaultMonitor:
         self.store.set(self._key("info", rank), f"{self.host} {os.getpid()}")
         self.store.set(self._key("hb", rank), str(time.time()))
         self.peers = {}  # rank -> (host, pid), filled lazily: peers register at about the same time
+        self.beats = {}  # rank -> (last heartbeat value seen, local time it was first seen)
         self.lock = threading.Lock()  # the main thread (on failure) and the watchdog share the store client
         self.stopped = threading.Event()
         self.reporting = threading.Lock()  # only one thread (main or watchdog) reports and exits
@@ -169,9 +170,12 @@ class FaultMonitor:
             if not _process_gone(pid):
                 return None
         else:
+            # A heartbeat that stopped changing, timed on this host's clock (hosts' clocks may disagree).
             with self.lock:
-                beat = float(self.store.get(self._key("hb", rank)).decode())
-            if time.time() - beat < self.stale_after:
+                beat = self.store.get(self._key("hb", rank))
+            if self.beats.get(rank, (None,))[0] != beat:
+                self.beats[rank] = (beat, time.time())
+            if time.time() - self.beats[rank][1] < self.stale_after:
                 return None
         try:
             with self.lock:
