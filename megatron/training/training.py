@@ -31,6 +31,7 @@ from megatron.training.global_vars import (
     get_timers,
     update_num_microbatches,
 )
+from megatron.training.fault_handling import fault_handling, maybe_inject_fault
 from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
 from megatron.training.training_log import LogState, num_floating_point_operations, training_log
 from megatron.training.utils import calc_params_l2_norm, print_datetime, print_rank_0, print_rank_last
@@ -42,6 +43,14 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
              process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}):  # noqa: B006
     """Initialise, build everything, train, then evaluate on the validation and test sets."""
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+    # From here on a failure on any rank ends every rank with a message naming it (fault_handling.py).
+    with fault_handling(get_args()):
+        return _pretrain_after_initialize(train_valid_test_dataset_provider, model_provider, model_type,
+                                          forward_step_func, process_non_loss_data_func)
+
+
+def _pretrain_after_initialize(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                               process_non_loss_data_func):
     set_jit_fusion_options()
     _report_initialization_time()
     args, timers = get_args(), get_timers()
@@ -320,6 +329,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     while iteration < args.train_iters:
+        maybe_inject_fault(iteration + 1, args.rank)  # a test hook; nothing when MEGATRON_FAULT_INJECT is unset
         update_num_microbatches(args.consumed_train_samples)
         loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)

@@ -30,8 +30,9 @@ def _add_distributed_args(parser):
                        help="Overlap pipeline send/receive with computation.")
     group.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],
                        help="torch.distributed backend (gloo is used whenever CUDA is not available).")
-    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
-                       help="Timeout of torch.distributed collectives, in minutes.")
+    group.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                       help="Timeout of torch.distributed collectives, in minutes (a fraction is accepted: 0.25 is "
+                            "15 s). A failed or killed rank ends every rank well within it (see fault_handling.py).")
     group.add_argument("--DDP-impl", default="local", choices=["local", "torch"],
                        help="Data-parallel implementation.")
     group.add_argument("--no-contiguous-buffers-in-local-ddp", action="store_false",

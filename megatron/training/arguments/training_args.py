@@ -38,7 +38,8 @@ def _add_training_args(parser):
     group.add_argument("--log-interval", type=int, default=100, help="Report loss and timing every this many iterations.")
     group.add_argument("--exit-interval", type=int, default=None,
                        help="Exit when the iteration is divisible by this value.")
-    group.add_argument("--exit-duration-in-mins", type=int, default=None, help="Exit after this many minutes.")
+    group.add_argument("--exit-duration-in-mins", type=float, default=None,
+                       help="Save and exit after this many minutes (a fraction is accepted).")
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="Save a checkpoint and exit when SIGTERM is received.")
     group.add_argument("--tensorboard-dir", type=str, default=None, help="Write TensorBoard logs to this directory.")
