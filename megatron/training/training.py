@@ -340,7 +340,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         # Saved in checkpoints (num_floating_point_operations_so_far) so throughput totals survive a resume.
         args.num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
 
-        loss_scale = optimizer.get_loss_scale().item()
+        # A tensor: training_log turns it into a number only on log steps (no host-device sync per iteration).
+        loss_scale = optimizer.get_loss_scale()
         params_norm = calc_params_l2_norm(model) if args.log_params_norm else None
         learning_rate = optimizer.param_groups[0]["lr"]
         training_log(log_state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, grad_norm,

@@ -54,10 +54,13 @@ class LogState:
 
 
 def _accumulate(state: LogState, loss_dict: Dict[str, torch.Tensor], skipped_iter: int) -> None:
+    # Losses stay on the device between log steps (float() would wait for the GPU every iteration). They are
+    # summed in float64, which gives exactly the sums of Python floats that a per-iteration float() would.
     if not skipped_iter:
         state.advanced_iters += 1
         for key, value in loss_dict.items():
-            state.losses[key] = state.losses.get(key, 0.0) + float(value)
+            value = value.detach().double().reshape(()) if isinstance(value, torch.Tensor) else float(value)
+            state.losses[key] = state.losses.get(key, 0.0) + value
     else:
         state.skipped_iters += 1
         if any(not math.isfinite(float(v)) for v in loss_dict.values()):
@@ -102,11 +105,15 @@ def training_log(state: LogState, loss_dict, learning_rate, iteration, loss_scal
     batch_size = args.micro_batch_size * args.data_parallel_size * get_num_microbatches()
 
     if writer is not None and iteration % args.tensorboard_log_interval == 0:
-        _tensorboard_scalars(writer, args, iteration, learning_rate, batch_size, loss_dict, loss_scale, grad_norm,
-                             num_zeros_in_grad, params_norm)
+        _tensorboard_scalars(writer, args, iteration, learning_rate, batch_size, loss_dict, float(loss_scale),
+                             grad_norm, num_zeros_in_grad, params_norm)
 
     if iteration % args.log_interval != 0:
         return None
+
+    # Log step: now the device values become Python numbers.
+    loss_scale = float(loss_scale)
+    state.losses = {key: float(value) for key, value in state.losses.items()}
 
     elapsed_time = timers("interval-time").elapsed(barrier=True)
     iters = max(state.advanced_iters + state.skipped_iters, 1)

@@ -21,7 +21,7 @@ def run_leg(extra_args, on_iteration=None):
 
     def recording_log(state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, *rest):
         records.append({"iteration": iteration, "loss": {k: float(v) for k, v in loss_dict.items()},
-                        "lr": learning_rate, "loss_scale": loss_scale, "skipped": skipped_iter})
+                        "lr": learning_rate, "loss_scale": float(loss_scale), "skipped": skipped_iter})
         if on_iteration is not None:
             on_iteration(iteration)
         return original_log(state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, *rest)

@@ -109,7 +109,7 @@ def run_pretrain(entry: str, extra_args, record_model=False):
 
     def recording_log(state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, grad_norm, *rest):
         records.append({"iteration": iteration, "loss": {k: float(v) for k, v in loss_dict.items()},
-                        "lr": learning_rate, "loss_scale": loss_scale, "skipped": skipped_iter,
+                        "lr": learning_rate, "loss_scale": float(loss_scale), "skipped": skipped_iter,
                         "grad_norm": grad_norm})
         line = original_log(state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, grad_norm, *rest)
         if line is not None:

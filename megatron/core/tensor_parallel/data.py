@@ -12,6 +12,7 @@ from megatron.core.parallel_state import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_src_rank,
+    get_tensor_model_parallel_world_size,
 )
 
 _MAX_DATA_DIM = 5
@@ -34,9 +35,15 @@ def _build_key_size_numel_dictionaries(keys, data):
                 sizes[i + offset] = s
             offset += _MAX_DATA_DIM
 
-    sizes_t = torch.tensor(sizes, dtype=torch.long, device=device.current_device())
-    torch.distributed.broadcast(sizes_t, get_tensor_model_parallel_src_rank(), group=get_tensor_model_parallel_group())
-    sizes_cpu = sizes_t.cpu().tolist()
+    if get_tensor_model_parallel_world_size() == 1:
+        # Nothing to receive: skip the collective and, above all, the device-to-host copy of the sizes (a
+        # host-device synchronisation on every batch on GPU).
+        sizes_cpu = sizes
+    else:
+        sizes_t = torch.tensor(sizes, dtype=torch.long, device=device.current_device())
+        torch.distributed.broadcast(sizes_t, get_tensor_model_parallel_src_rank(),
+                                    group=get_tensor_model_parallel_group())
+        sizes_cpu = sizes_t.cpu().tolist()
 
     key_size, key_numel, total_numel = {}, {}, 0
     offset = 0

@@ -216,8 +216,9 @@ class ParallelAttention(MegatronModule):
 
         if rotary_pos_emb is not None:
             q_pos_emb, k_pos_emb = rotary_pos_emb
-            query_layer = apply_rotary_pos_emb(query_layer, q_pos_emb[: query_layer.size(0)])
-            key_layer = apply_rotary_pos_emb(key_layer, k_pos_emb[: key_layer.size(0)])
+            rope_fusion = self.config.apply_rope_fusion
+            query_layer = apply_rotary_pos_emb(query_layer, q_pos_emb[: query_layer.size(0)], fused=rope_fusion)
+            key_layer = apply_rotary_pos_emb(key_layer, k_pos_emb[: key_layer.size(0)], fused=rope_fusion)
 
         if self.use_flash_attn:
             groups = query_layer.size(2) // key_layer.size(2)

@@ -44,6 +44,18 @@ def _is_plain_causal(mask: torch.Tensor, sq: int, sk: int) -> bool:
     return hit
 
 
+def _log_sdpa_mode(is_causal: bool, keep, q: torch.Tensor) -> None:
+    """Say once per mode which SDPA kernels the call can use: flash needs no materialised mask."""
+    if keep is None:
+        mode = "is_causal=True, no mask" if is_causal else "no mask"
+        kernels = "flash / memory-efficient kernels eligible" if q.is_cuda else "CPU kernel"
+    else:
+        mode, kernels = "boolean mask", ("memory-efficient or math kernel (flash takes no mask)" if q.is_cuda
+                                         else "CPU kernel")
+    log_once(f"sdpa_mode:{mode}:{q.device.type}", f"attention SDPA call: {mode}, {q.dtype} on {q.device.type}: "
+                                                  f"{kernels}")
+
+
 class CoreAttention(MegatronModule):
     """``CoreAttention(layer_number, config, attn_mask_type)``; ``forward(q, k, v, mask) -> [sq, b, hp]``.
 
@@ -154,6 +166,7 @@ class CoreAttention(MegatronModule):
             fully_masked = attention_mask.all(dim=-1, keepdim=True)
             keep = (~attention_mask) | fully_masked
 
+        _log_sdpa_mode(is_causal, keep, q)
         dropout_p = self.attention_dropout.p if self.training else 0.0
         rng = self._dropout_rng() if dropout_p > 0.0 else contextlib.nullcontext()
         with rng:

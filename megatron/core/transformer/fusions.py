@@ -89,10 +89,14 @@ class GeLUFunction(torch.autograd.Function):
 
 
 def bias_gelu_impl(input: torch.Tensor, bias: torch.Tensor, use_compiled: Optional[bool] = None) -> torch.Tensor:
-    """Fused bias-GeLU (``--bias-gelu-fusion``); compiled on GPU, eager on CPU (logged once)."""
+    """Fused bias-GeLU (``--bias-gelu-fusion``); compiled where :func:`compile_blocker` allows, else eager."""
     if use_compiled is None:
-        use_compiled = _compile_enabled() and input.is_cuda
-        log_once("bias_gelu", "bias-gelu fusion: " + ("torch.compile" if use_compiled else "plain PyTorch (eager)"))
+        from megatron.core.fusions.fused_kernels import compile_blocker  # lazy: that module imports this one
+
+        reason = compile_blocker(input.is_cuda)
+        use_compiled = reason is None
+        log_once(f"bias_gelu:{use_compiled}", "using torch.compile fused bias-GeLU" if use_compiled
+                 else f"using plain bias-GeLU (hand-written backward): {reason}")
     return GeLUFunction.apply(input, bias, use_compiled)
 
 

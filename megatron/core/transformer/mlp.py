@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.fusions import fused_kernels
 from megatron.core.transformer.fusions import bias_gelu_impl, erf_gelu, log_once, openai_gelu, squared_relu
 from megatron.core.transformer.model_options import model_option
 from megatron.core.transformer.module import MegatronModule
@@ -62,6 +63,7 @@ class ParallelMLP(MegatronModule):
                                                gather_output=False, skip_bias_add=True))
 
         self.bias_gelu_fusion = False
+        self.bias_swiglu_fusion = False
         self.gated = config.gated_linear_unit
         if self.gated:
             act = config.activation_func
@@ -71,7 +73,11 @@ class ParallelMLP(MegatronModule):
                 return act(x[0]) * x[1]
 
             self.activation_func = glu
+            # --bias-swiglu-fusion (config.bias_activation_fusion): bias add + silu(a) * b in one kernel.
+            self.bias_swiglu_fusion = bool(config.bias_activation_fusion) and act is F.silu
             name = f"gated {getattr(act, '__name__', 'activation')} (swiglu when silu)"
+            if self.bias_swiglu_fusion:
+                name = "fused bias-swiglu"
         elif model_option(config, "openai_gelu"):
             self.activation_func, name = openai_gelu, "openai_gelu (tanh approximation)"
         elif model_option(config, "onnx_safe"):
@@ -92,6 +98,9 @@ class ParallelMLP(MegatronModule):
         intermediate_parallel, bias_parallel = getattr(self, self.names["fc1"])(hidden_states)
         if self.bias_gelu_fusion:
             intermediate_parallel = bias_gelu_impl(intermediate_parallel, bias_parallel)
+        elif self.bias_swiglu_fusion:
+            intermediate_parallel = fused_kernels.BIAS_SWIGLU(intermediate_parallel, bias_parallel,
+                                                              flag_hint="--no-bias-swiglu-fusion")
         else:
             if bias_parallel is not None:
                 intermediate_parallel = intermediate_parallel + bias_parallel

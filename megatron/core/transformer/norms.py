@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from megatron.core import device
+from megatron.core.fusions import fused_kernels  # module import: resolved lazily (import cycle)
 from megatron.core.transformer.fusions import log_once
 
 _APEX_LN = None
@@ -84,14 +85,13 @@ class LayerNorm(torch.nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.apply_layernorm_1p else self.weight
         apex_ln = _apex_layer_norm() if input.is_cuda else None
-        log_once("layernorm", "LayerNorm: " + ("apex FusedLayerNormAffineFunction" if apex_ln is not None
-                                               else "torch.nn.functional.layer_norm"))
         if apex_ln is not None:
+            log_once("layernorm", "LayerNorm: apex FusedLayerNormAffineFunction")
             return apex_ln.apply(input, weight, self.bias, self.normalized_shape, self.eps)
-        if input.dtype != weight.dtype:
-            out = F.layer_norm(input.float(), self.normalized_shape, weight.float(), self.bias.float(), self.eps)
-            return out.to(weight.dtype)
-        return F.layer_norm(input, self.normalized_shape, weight, self.bias, self.eps)
+        if len(self.normalized_shape) != 1:
+            return F.layer_norm(input, self.normalized_shape, weight, self.bias, self.eps)
+        # Megatron always runs a fused norm kernel; without apex the torch.compile'd one where available.
+        return fused_kernels.LAYER_NORM(input, weight, self.bias, self.eps, flag_hint="no apex")
 
 
 class RMSNorm(torch.nn.Module):
@@ -112,11 +112,8 @@ class RMSNorm(torch.nn.Module):
             self.weight.fill_(0.0 if self.apply_layernorm_1p else 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        log_once("rmsnorm", "RMSNorm: PyTorch implementation (fp32 statistics)")
         weight = self.weight + 1 if self.apply_layernorm_1p else self.weight
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.to(weight.dtype) * weight
+        return fused_kernels.RMS_NORM(x, weight, self.eps)
 
 
 def get_norm(config, hidden_size=None, eps=None):

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from megatron.core.fusions import fused_kernels  # module import: resolved lazily (import cycle)
+
 
 class RotaryEmbedding(torch.nn.Module):
     """Angles ``pos * base^(-2i/d)``, returned as ``[s, 1, 1, d]`` (both halves) by ``forward(max_seq_len)``."""
@@ -36,17 +38,10 @@ class RotaryEmbedding(torch.nn.Module):
         return emb[:, None, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """Rotate the first ``freqs.shape[-1]`` channels of ``t`` (``[s, b, np, hn]``); pass the rest through.
 
-
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``freqs.shape[-1]`` channels of ``t`` (``[s, b, np, hn]``); pass the rest through."""
-    rot_dim = freqs.shape[-1]
-    freqs = freqs.to(t.device)
-    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos = torch.cos(freqs).to(t.dtype)
-    sin = torch.sin(freqs).to(t.dtype)
-    t_rot = (t_rot * cos) + (_rotate_half(t_rot) * sin)
-    return torch.cat((t_rot, t_pass), dim=-1)
+    ``fused`` (``config.apply_rope_fusion``, ``--no-rope-fusion`` turns it off) runs the torch.compile'd
+    kernel where one can be used (see :mod:`megatron.core.fusions.fused_kernels`); the math is the same.
+    """
+    return fused_kernels.ROTARY(t, freqs.to(t.device), fused=fused, flag_hint="--no-rope-fusion")

@@ -46,6 +46,11 @@ class TransformerConfig(ModelParallelConfig):
     masked_softmax_fusion: bool = False
     persist_layer_norm: bool = False
     bias_dropout_fusion: bool = False
+    # megatron-core's newer fusion fields (--bias-swiglu-fusion, --no-rope-fusion, --cross-entropy-loss-fusion):
+    # bias + SwiGLU of a gated MLP, rotary embedding, vocab-parallel cross entropy as torch.compile'd kernels.
+    bias_activation_fusion: bool = False
+    apply_rope_fusion: bool = False
+    cross_entropy_loss_fusion: bool = False
 
     # Activation recomputation
     recompute_granularity: Optional[str] = None

@@ -49,6 +49,24 @@ def _add_training_args(parser):
                        help="Do not fuse the bias add and GeLU.")
     group.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
                        help="Do not fuse the bias add and dropout.")
+    # Newer Megatron-LM fusion flags (both spellings accepted; the compiled kernels run on CUDA).
+    group.add_argument("--bias-gelu-fusion", action="store_true", dest="bias_gelu_fusion",
+                       help="Fuse the bias add and GeLU (the default).")
+    group.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
+                       help="Do not fuse the bias add and SwiGLU of a --swiglu MLP.")
+    group.add_argument("--bias-swiglu-fusion", action="store_true", dest="bias_swiglu_fusion",
+                       help="Fuse the bias add and SwiGLU of a --swiglu MLP (the default).")
+    group.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
+                       help="Do not fuse the rotary position embedding into one kernel.")
+    group.add_argument("--apply-rope-fusion", action="store_true", dest="apply_rope_fusion",
+                       help="Fuse the rotary position embedding into one kernel (the default).")
+    group.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                       help="Fused vocab-parallel cross entropy (compiled kernels, one all-reduce).")
+    group.add_argument("--enable-cuda-graph", action="store_true",
+                       help="Capture the transformer layers' forward in CUDA graphs (not implemented: errors).")
+    group.add_argument("--external-cuda-graph", action="store_true",
+                       help="CUDA graphs captured by the training script (not implemented: errors).")
+    group.set_defaults(bias_gelu_fusion=True, bias_swiglu_fusion=True, apply_rope_fusion=True)
     group.add_argument("--use-flash-attn", action="store_true", help="Use FlashAttention when available.")
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                        help="Drop the biases of the linear layers.")

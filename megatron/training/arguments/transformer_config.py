@@ -47,6 +47,8 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig):
     if activation_func is not F.gelu:
         # The fused bias-GeLU kernel only computes GeLU.
         kw_args["bias_gelu_fusion"] = False
+    # megatron-core's bias_activation_fusion: the SwiGLU flag for --swiglu, the GeLU flag otherwise.
+    kw_args["bias_activation_fusion"] = args.bias_swiglu_fusion if args.swiglu else kw_args["bias_gelu_fusion"]
 
     if args.init_method_xavier_uniform:
         kw_args["init_method"] = torch.nn.init.xavier_uniform_

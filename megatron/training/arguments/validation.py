@@ -351,6 +351,10 @@ def _validate_sequence_parallel(args):
 def _validate_features(args):
     if not args.add_bias_linear:
         args.bias_gelu_fusion = False
+    for flag, on in (("--enable-cuda-graph", args.enable_cuda_graph), ("--external-cuda-graph", args.external_cuda_graph)):
+        if on:
+            _require(device.cuda_available(), f"{flag} needs a CUDA device (none is available): drop the flag")
+            _require(False, f"{flag}: CUDA graph capture is not implemented in this library: drop the flag")
     if args.retro_add_retriever:
         _require(not args.sequence_parallel, "--retro-add-retriever does not support --sequence-parallel")
         _require(args.pipeline_model_parallel_size == 1,

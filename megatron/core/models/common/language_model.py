@@ -56,16 +56,24 @@ def parallel_lm_logits(input_, word_embeddings_weight, parallel_output, bias=Non
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits_parallel)
 
 
-def logits_or_loss(logits, labels, fp16_lm_cross_entropy=False):
-    """``[s, b, V]`` logits -> ``[b, s, V]`` logits, or the per-token loss ``[b, s]`` when labels ``[b, s]`` are given."""
+def logits_or_loss(logits, labels, fp16_lm_cross_entropy=False, fused=False):
+    """``[s, b, V]`` logits -> ``[b, s, V]`` logits, or the per-token loss ``[b, s]`` when labels ``[b, s]`` are given.
+
+    ``fused`` (``config.cross_entropy_loss_fusion``, ``--cross-entropy-loss-fusion``) computes the same loss
+    with the compiled, single-all-reduce kernel of :mod:`megatron.core.fusions.fused_cross_entropy`.
+    """
     if labels is None:
         return logits.transpose(0, 1).contiguous()
     labels = labels.transpose(0, 1).contiguous()
+    if fused:
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy as cross_entropy
+    else:
+        cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
     if fp16_lm_cross_entropy:
         assert logits.dtype == torch.half, "--fp16-lm-cross-entropy needs fp16 logits (--fp16)"
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        loss = cross_entropy(logits, labels)
     else:
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+        loss = cross_entropy(logits.float(), labels)
     return loss.transpose(0, 1).contiguous()
 
 

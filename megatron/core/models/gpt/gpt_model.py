@@ -43,7 +43,8 @@ class LanguageModule(MegatronModule):
 
     def compute_language_model_loss(self, labels, logits):
         """Per-token loss ``[b, s]`` from ``[s, b, V/tp]`` logits and ``[b, s]`` labels."""
-        return logits_or_loss(logits, labels, self.fp16_lm_cross_entropy)
+        return logits_or_loss(logits, labels, self.fp16_lm_cross_entropy,
+                              fused=getattr(self.config, "cross_entropy_loss_fusion", False))
 
 
 class GPTModel(LanguageModule):

@@ -114,7 +114,9 @@ class BertModel(MegatronModule):
 
         lm_logits = self.lm_head(lm_output, self.shared_embedding_or_output_weight())
         binary_logits = self.binary_head(pooled_output) if self.binary_head is not None else None
-        return logits_or_loss(lm_logits, lm_labels, self.fp16_lm_cross_entropy), binary_logits
+        loss_or_logits = logits_or_loss(lm_logits, lm_labels, self.fp16_lm_cross_entropy,
+                                        fused=getattr(self.config, "cross_entropy_loss_fusion", False))
+        return loss_or_logits, binary_logits
 
     def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
         state_dict_ = {self._language_model_key: self.language_model.state_dict_for_save_checkpoint(

@@ -48,7 +48,8 @@ class GPTModel(MegatronModule):
         weight = (self.language_model.output_layer.weight if self.untie_embeddings_and_output_weights
                   else self.shared_embedding_or_output_weight())
         logits = parallel_lm_logits(lm_output, weight, self.parallel_output, config=self.config)
-        return logits_or_loss(logits, labels, self.fp16_lm_cross_entropy)
+        return logits_or_loss(logits, labels, self.fp16_lm_cross_entropy,
+                              fused=getattr(self.config, "cross_entropy_loss_fusion", False))
 
     def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
         state_dict_ = {self._language_model_key: self.language_model.state_dict_for_save_checkpoint(
