@@ -67,9 +67,11 @@ def expected_volume(c, pp_rank):
         out[(group, op)][1] += nbytes
 
     # --- tensor parallel, per micro-batch -------------------------------------------------------------
-    # get_batch: TP rank 0 broadcasts sizes (int64, 5 per key) then data: tokens, labels, position_ids
-    # (int64) and loss_mask (fp32), on every stage and model chunk, and also when t == 1.
-    add("tp", "broadcast", 4 * m * v, m * v * (3 * 5 * 8 + 3 * b * s * 8 + 5 * 8 + b * s * 4))
+    # get_batch: TP rank 0 broadcasts sizes (int64, 5 per key; skipped when t == 1, where every rank already
+    # knows them) then data: tokens, labels, position_ids (int64) and loss_mask (fp32), on every stage and
+    # model chunk, and also when t == 1.
+    sizes_calls, sizes_bytes = (2, 3 * 5 * 8 + 5 * 8) if t > 1 else (0, 0)
+    add("tp", "broadcast", (2 + sizes_calls) * m * v, m * v * (sizes_bytes + 3 * b * s * 8 + b * s * 4))
     if t > 1:
         ce = 3 * s * b * 4  # vocab-parallel cross entropy: max, target logit, sum of exp (fp32 [s, b])
         if not sp:
