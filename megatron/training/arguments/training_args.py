@@ -49,6 +49,9 @@ def _add_training_args(parser):
     group.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
                        help="Do not fuse the bias add and dropout.")
     group.add_argument("--use-flash-attn", action="store_true", help="Use FlashAttention when available.")
+    group.add_argument("--deterministic-mode", action="store_true",
+                       help="Choose code that has deterministic execution. This usually means slower execution, "
+                            "but is good for debugging and testing (see megatron/training/deterministic.py).")
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                        help="Drop the biases of the linear layers.")
     group.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
