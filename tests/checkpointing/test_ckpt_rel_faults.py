@@ -324,3 +324,43 @@ def test_ckpt_rel_disk_full_real_tmpfs(data, reference, tmp_path):
     finally:
         subprocess.run(["umount", mount_point], check=False)
         shutil.rmtree(mount_point, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------- torch_dist re-save
+
+def resave_body(data, save_dir):
+    """torch_dist: save 2 and 4; resume from --ckpt-step 2 and save 4 again, failing right after the complete copy
+    of iteration 4 (the one the tracker names) was moved aside; then resume from the tracker."""
+    from megatron.training import checkpointing
+    base = ["--data-path", data, "--train-iters", "6", "--exit-interval", "4", "--ckpt-format", "torch_dist",
+            "--save", save_dir, "--save-interval", "2"]
+    run_leg(base)
+
+    def fail_after_moving_aside(stage, path):
+        if stage == "previous-copy-moved-aside":
+            raise OSError(errno.EIO, "simulated crash between the two renames", path)
+
+    checkpointing._save_stage = fail_after_moving_aside
+    try:
+        run_leg(base + ["--load", save_dir, "--ckpt-step", "2"])
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        error = str(e)
+    finally:
+        checkpointing._save_stage = lambda stage, path: None
+    listing = sorted(os.listdir(save_dir))
+    records, _ = run_leg(["--data-path", data, "--train-iters", "6", "--ckpt-format", "torch_dist",
+                          "--load", save_dir])
+    return error, listing, losses(records)
+
+
+@pytest.mark.timeout(200)
+def test_ckpt_rel_torch_dist_resave_interrupted_between_renames(data, reference, tmp_path):
+    save_dir = str(tmp_path / "save")
+    error, listing, got = run_distributed(resave_body, 1, data, save_dir, timeout=180)[0]
+    assert error is not None and "simulated crash" in error and save_dir in error, error
+    # The tracker still says 4; iteration 4 exists only as the copy moved aside, which the loader falls back to.
+    assert listing == ["iter_0000002", "iter_0000004.old", TRACKER], listing
+    assert sorted(got) == [5, 6], got
+    expected = reference[("torch_dist", 1)][1]
+    assert all(got[it] == expected[it] for it in got), (got, expected)

@@ -15,8 +15,8 @@ DETERMINISTIC_ENV = ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETE
 
 def _bits(records):
     """Every logged loss and grad norm as the hex of its exact value."""
-    return [(r["iteration"], {k: float(v).hex() for k, v in r["loss"].items()}, None if r["grad_norm"] is None else float(r["grad_norm"]).hex())
-            for r in records]
+    return [(r["iteration"], {k: float(v).hex() for k, v in r["loss"].items()},
+             None if r["grad_norm"] is None else float(r["grad_norm"]).hex()) for r in records]
 
 
 def determinism_body(data):
