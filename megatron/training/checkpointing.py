@@ -15,9 +15,16 @@ directory to ``iter_0000100`` and only then rewrites the tracker (temporary name
 killed at any point therefore leaves the tracker pointing at the previous, complete checkpoint; re-saving
 an iteration that already exists moves the old copy aside (``.old``) until the new one is in place, and the
 loader falls back to it if a crash came in between.
+
+Failures agree across ranks: after each step of a save every rank reports whether it failed (an all-reduce,
+which also synchronises like a barrier), so a rank whose disk is full does not leave the others waiting in a
+barrier. Every rank then raises the same one-line :class:`CheckpointError` naming the checkpoint directory, the
+failing rank and the cause ("no space left on device ..."); the staging directory is removed and the tracker is
+left as it was.
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -115,10 +122,19 @@ def _atomic_write(path, mode, write, stage):
     """
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp.{}".format(os.getpid())
-    with open(tmp, mode) as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        try:
+            os.remove(tmp)  # a full disk: do not leave a partial temporary file behind
+        except OSError:
+            pass
+        if isinstance(e, OSError) and e.filename is None:  # say which file (torch.save's errors do not)
+            raise OSError(e.errno, e.strerror, tmp) from e
+        raise
     _save_stage(f"{stage}-temp-written", tmp)
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(path))
@@ -210,6 +226,70 @@ def _barrier():
         torch.distributed.barrier()
 
 
+def describe_save_error(error: BaseException):
+    """(rank the failure happened on, when the error says so, else None; one line). A full disk reads
+    "no space left on device (<file>)". DCP reports every rank's failure, keyed by rank, on every rank."""
+    causes, seen = [(None, error)], set()
+    while causes:
+        origin, e = causes.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return origin, f"no space left on device ({e.filename or e.strerror})"
+        for rank, failure in (getattr(e, "failures", None) or {}).items():
+            causes.append((rank, failure[0] if isinstance(failure, tuple) else failure))
+        for inner in (e.__cause__, e.__context__):
+            if inner is not None:
+                causes.append((origin, inner))
+    text = " ".join(str(error).split())
+    return None, f"{type(error).__name__}: {text[:300]}"
+
+
+def agree_on_save_step(error, save_dir, iteration, group=None, on_failure=None):
+    """Collective over ``group``: raise the same CheckpointError on every rank when any rank's ``error`` is set.
+
+    Every rank calls it after each step of a save (it also synchronises them, as a barrier would). Before
+    raising, global rank 0 runs ``on_failure`` (the clean-up of the failed save)."""
+    my_rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    mine = None
+    if error is not None:
+        origin, text = describe_save_error(error)
+        mine = (my_rank if origin is None else origin, text)
+    failing = [mine] if mine is not None else []
+    if torch.distributed.is_initialized():
+        on_device = group is None and torch.distributed.get_backend() != "gloo"
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.long,
+                            device=device.current_device() if on_device else "cpu")
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+        if flag.item() == 0:
+            return
+        reports = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(reports, mine, group=group)
+        failing = sorted(r for r in reports if r is not None)
+    if not failing:
+        return
+    if on_failure is not None and is_rank_0():
+        try:
+            on_failure()
+        except OSError:
+            pass  # best effort: the next save sweeps what is left
+    rank, message = failing[0]
+    raise CheckpointError(f"saving checkpoint iteration {iteration} to {save_dir} failed on rank {rank}: {message}; "
+                          f"the previous checkpoint and {TRACKER_BASENAME} are unchanged") from error
+
+
+def _run_step(step):
+    """Run ``step()``; return the exception it raised (None when it succeeded)."""
+    try:
+        step()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - reported to every rank by agree_on_save_step (DCP's
+        return e                # CheckpointException is a BaseException)
+    return None
+
+
 def _prepare_save_dir(save_dir, iteration):
     """Rank 0, before any rank writes: sweep the debris of interrupted saves (staging directories; copies
     moved aside, which are put back when their replacement never arrived) and create the staging directory."""
@@ -264,47 +344,59 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     print_rank_0("saving checkpoint at iteration {:7d} to {}".format(iteration, args.save))
     rng_state = None if args.no_save_rng else get_rng_state(args.data_parallel_random_init)
 
-    final, staging = None, None
-    if is_rank_0():
-        final, staging = _prepare_save_dir(args.save, iteration)
-    _barrier()
-    staging = os.path.join(args.save, _iteration_dirname(iteration) + STAGING_SUFFIX)
+    final = os.path.join(args.save, _iteration_dirname(iteration))
+    staging = final + STAGING_SUFFIX
+
+    def remove_staging():
+        shutil.rmtree(staging, ignore_errors=True)
+
+    error = _run_step(lambda: _prepare_save_dir(args.save, iteration)) if is_rank_0() else None
+    agree_on_save_step(error, args.save, iteration, on_failure=remove_staging)
     checkpoint_name = get_checkpoint_name(args.save, iteration)
     staged_name = os.path.join(staging, os.path.relpath(checkpoint_name, os.path.join(
         args.save, _iteration_dirname(iteration))))
 
+    state = None
     if args.use_distributed_optimizer and not args.no_save_optim and optimizer is not None:
         # Collective over the DP group: every DP rank contributes its shard, DP rank 0 writes the file.
         state = optimizer.get_parameter_state()
-        if parallel_state.get_data_parallel_rank() == 0:
-            _atomic_torch_save(state, get_distributed_optimizer_checkpoint_name(staged_name))
-
+    error = None
     if parallel_state.get_data_parallel_rank() == 0:
-        state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
-        if len(model) == 1:
-            state_dict["model"] = _model_state(model[0])
-        else:
-            for i, chunk in enumerate(model):
-                parallel_state.set_virtual_pipeline_model_parallel_rank(i)
-                state_dict["model%d" % i] = _model_state(chunk)
-            parallel_state.set_virtual_pipeline_model_parallel_rank(0)
-        if not args.no_save_optim:
-            if optimizer is not None:
-                state_dict["optimizer"] = optimizer.state_dict()
-            if opt_param_scheduler is not None:
-                state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-        if rng_state is not None:
-            state_dict["rng_state"] = rng_state
-        state_dict["num_floating_point_operations_so_far"] = float(num_floating_point_operations_so_far)
-        _atomic_torch_save(state_dict, staged_name)
-
-    # Every rank has fsync'ed and renamed its files once it reaches this barrier.
-    _barrier()
+        error = _run_step(lambda: _write_rank_files(args, iteration, model, optimizer, opt_param_scheduler,
+                                                    rng_state, num_floating_point_operations_so_far, staged_name,
+                                                    state))
+    # Every rank has fsync'ed and renamed its files (or failed) once this returns.
+    agree_on_save_step(error, args.save, iteration, on_failure=remove_staging)
+    error = None
     if is_rank_0():
         _save_stage("all-files-written", staging)
-        _publish(args.save, final, staging, iteration)
+        error = _run_step(lambda: _publish(args.save, final, staging, iteration))
+    agree_on_save_step(error, args.save, iteration, on_failure=remove_staging)
     print_rank_0("  successfully saved checkpoint at iteration {:7d} to {}".format(iteration, args.save))
-    _barrier()
+
+
+def _write_rank_files(args, iteration, model, optimizer, opt_param_scheduler, rng_state,
+                      num_floating_point_operations_so_far, staged_name, optim_state):
+    """Data-parallel rank 0 of each (TP, PP) position: write its files into the staging directory."""
+    if optim_state is not None:
+        _atomic_torch_save(optim_state, get_distributed_optimizer_checkpoint_name(staged_name))
+    state_dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    if len(model) == 1:
+        state_dict["model"] = _model_state(model[0])
+    else:
+        for i, chunk in enumerate(model):
+            parallel_state.set_virtual_pipeline_model_parallel_rank(i)
+            state_dict["model%d" % i] = _model_state(chunk)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    if not args.no_save_optim:
+        if optimizer is not None:
+            state_dict["optimizer"] = optimizer.state_dict()
+        if opt_param_scheduler is not None:
+            state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    if rng_state is not None:
+        state_dict["rng_state"] = rng_state
+    state_dict["num_floating_point_operations_so_far"] = float(num_floating_point_operations_so_far)
+    _atomic_torch_save(state_dict, staged_name)
 
 
 # --------------------------------------------------------------------------------------------- load

@@ -15,7 +15,9 @@ rank's ``[gate_shard; up_shard]`` is one rectangular chunk). The optimizer state
 parameter: ``optimizer.fp32_param.<name>``, ``optimizer.exp_avg.<name>``, ``optimizer.exp_avg_sq.<name>`` (the
 distributed optimizer first gathers each parameter's pieces over the data-parallel group). Loading with another
 TP/PP/DP layout reads the overlapping parts of the stored chunks. RNG states are per (PP, TP) position and only
-restored when the layout is the same. ``--async-save`` writes in a background thread on a separate gloo group;
+restored when the layout is the same. Saves are staged in ``iter_0000100.incomplete`` and published by renames
+exactly as in the torch format (see megatron.training.checkpointing), so a killed or failed save never touches
+the checkpoint the tracker names. ``--async-save`` writes in a background thread on a separate gloo group;
 the save is finished before the next save, a load, or the end of ``pretrain``.
 """
 from __future__ import annotations
@@ -247,23 +249,40 @@ def finalize_async_save():
 
 
 def _atomic_write(path, data: bytes):
-    tmp = path + ".tmp.{}".format(os.getpid())
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    from megatron.training.checkpointing import _atomic_write as atomic_write
+    atomic_write(path, "wb", lambda f: f.write(data), "file")
 
 
 def _write(sharded, common_bytes, directory, save_dir, iteration, group):
+    """Every rank: write into ``<directory>.incomplete``; global rank 0 then renames it to ``directory`` and only
+    then rewrites the tracker (the torch format's staged, crash-safe protocol). After each step the ranks agree
+    on success, so a rank that fails (a full disk) makes every rank raise the same error instead of hanging."""
+    from megatron.training import checkpointing as ckpt
     rank0 = torch.distributed.get_rank() == 0
+    staging = directory + ckpt.STAGING_SUFFIX
+
+    def remove_staging():
+        import shutil
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def agree(error):
+        ckpt.agree_on_save_step(error, save_dir, iteration, group=group, on_failure=remove_staging)
+
+    def prepare():
+        ckpt._prepare_save_dir(save_dir, iteration)
+        _atomic_write(os.path.join(staging, "common.pt"), common_bytes)
+
+    agree(ckpt._run_step(prepare) if rank0 else None)
+    # DCP gathers every rank's write result, so a failed write raises on every rank; agree() rewords it.
+    agree(ckpt._run_step(lambda: save_sharded(sharded, staging, process_group=group)))
+    error = None
     if rank0:
-        os.makedirs(directory, exist_ok=True)
-        _atomic_write(os.path.join(directory, "common.pt"), common_bytes)
-    save_sharded(sharded, directory, process_group=group)  # returns on every rank after .metadata is written
-    if rank0:
-        _atomic_write(os.path.join(directory, "metadata.json"), json.dumps(METADATA).encode())
-        _atomic_write(_tracker(save_dir), str(iteration).encode())
+        def publish():
+            _atomic_write(os.path.join(staging, "metadata.json"), json.dumps(METADATA).encode())
+            ckpt._save_stage("all-files-written", staging)
+            ckpt._publish(save_dir, directory, staging, iteration)
+        error = ckpt._run_step(publish)
+    agree(error)
 
 
 def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0):
@@ -321,7 +340,6 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
         print_rank_0("  scheduled asynchronous save of iteration {:7d} to {}".format(iteration, args.save))
         return
     _write(sharded, buffer.getvalue(), directory, args.save, iteration, None)
-    torch.distributed.barrier()
     print_rank_0("  successfully saved checkpoint at iteration {:7d} to {}".format(iteration, args.save))
 
 
@@ -354,6 +372,8 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
         return 0
     iteration = _read_tracker(load_dir, args)
     directory = checkpoint_dir(load_dir, iteration)
+    if not os.path.isdir(directory) and os.path.isdir(directory + ".old"):
+        directory += ".old"  # a re-save of this iteration was interrupted between its two renames
     if not os.path.isfile(os.path.join(directory, "metadata.json")):
         legacy = os.path.isdir(directory) and any(n.startswith("mp_rank_") for n in os.listdir(directory))
         raise DistCheckpointError(
@@ -422,7 +442,7 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
         optimizer.reload_model_params()
     if load_rng:
         from megatron.training.checkpointing import _set_rng_state
-        _set_rng_state(request[rng_key], False)
+        _set_rng_state(request[rng_key], False, directory)
     torch.distributed.barrier()
     print_rank_0("  successfully loaded checkpoint from {} at iteration {}".format(load_dir, iteration))
     return iteration

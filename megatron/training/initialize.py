@@ -14,6 +14,7 @@ import torch
 
 from megatron.core import device, parallel_state, tensor_parallel
 from megatron.training.arguments import parse_args, validate_args
+from megatron.training.deterministic import apply_deterministic_mode
 from megatron.training.errors import ConfigurationError
 from megatron.training.global_vars import get_adlr_autoresume, get_args, set_global_variables
 from megatron.training.launch_env import export_launch_env, resolve_launch_env
@@ -39,6 +40,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
 
     validate_args(args, args_defaults)
     set_global_variables(args)
+    apply_deterministic_mode(args)  # before torch.distributed: NCCL reads NCCL_ALGO when it starts
 
     def finish_mpu_init():
         args = get_args()

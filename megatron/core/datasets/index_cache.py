@@ -9,7 +9,9 @@ files. With node-local cache directories this builds once per node; with a share
 No collective is involved, so ranks that do not build data never block.
 
 A lock left by a crashed builder is broken when its process is gone (same host) or when it has not been
-refreshed for ``MEGATRON_INDEX_CACHE_STALE_SECONDS`` (default 600).
+refreshed for ``MEGATRON_INDEX_CACHE_STALE_SECONDS`` (default 600); the temporary files it left are removed.
+A complete-looking cache whose ``.npy`` file cannot be read (truncated, overwritten) is rebuilt under the lock,
+with a warning that names the file.
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ class IndexCache:
         self.stem = stem
         self.array_names = tuple(array_names)
         self.description = description
+        self._reported_corrupt = set()
 
     def path_to(self, suffix: str) -> str:
         return os.path.join(self.directory, f"{self.stem}-{suffix}")
@@ -82,6 +85,22 @@ class IndexCache:
     def load(self) -> Dict[str, numpy.ndarray]:
         return {name: numpy.load(self.path_to(name), allow_pickle=True, mmap_mode="r") for name in self.array_names}
 
+    def load_or_none(self) -> Optional[Dict[str, numpy.ndarray]]:
+        """The arrays, or None (with a warning naming the file) when a file is corrupt and must be rebuilt."""
+        arrays = {}
+        for name in self.array_names:
+            path = self.path_to(name)
+            try:
+                arrays[name] = numpy.load(path, allow_pickle=True, mmap_mode="r")
+            except (ValueError, OSError, EOFError) as error:
+                if path not in self._reported_corrupt:
+                    self._reported_corrupt.add(path)
+                    log_single_rank(logger, logging.WARNING,
+                                    f"index cache file {path} is corrupt or truncated ({error}); rebuilding the "
+                                    f"{self.stem} indices")
+                return None
+        return arrays
+
     def get_or_build(self, build: Callable[[], Dict[str, numpy.ndarray]]) -> Tuple[Dict[str, numpy.ndarray], bool]:
         """Return ``(arrays, built_here)``, building with ``build()`` only if nobody has or is doing it."""
         if self.directory is None:
@@ -97,11 +116,16 @@ class IndexCache:
         poll = _POLL_SECONDS
         while True:
             if self.is_complete():
-                return self.load(), False
+                arrays = self.load_or_none()
+                if arrays is not None:
+                    return arrays, False
             if self._try_lock():
                 try:
                     if self.is_complete():  # finished by someone else between our check and the lock
-                        return self.load(), False
+                        arrays = self.load_or_none()
+                        if arrays is not None:
+                            return arrays, False
+                        self._remove(self.description_path)  # incomplete again: others wait for the rebuild
                     with _LockHeartbeat(self.lock_path):
                         arrays = build()
                         self._publish(arrays)
@@ -128,24 +152,53 @@ class IndexCache:
         return True
 
     def _unlock(self) -> None:
+        self._remove(self.lock_path)
+
+    @staticmethod
+    def _remove(path: str) -> None:
         try:
-            os.remove(self.lock_path)
+            os.remove(path)
         except FileNotFoundError:
             pass
 
     def _break_lock_if_stale(self, stale_after: float) -> None:
         try:
             with open(self.lock_path) as f:
-                host, pid, _ = f.read().split()
+                content = f.read()
+            host, pid, _ = content.split()
             age = time.time() - os.path.getmtime(self.lock_path)
         except (FileNotFoundError, ValueError):
             return  # released meanwhile, or being written right now
         holder_gone = host == socket.gethostname() and not _pid_alive(int(pid))
-        if holder_gone or age > stale_after:
+        if not (holder_gone or age > stale_after):
+            return
+        # Break it under a second lock, after checking that it is still the lock judged stale: otherwise two
+        # waiters could both break it, the second one removing the fresh lock of whoever took over.
+        breaker = self.lock_path + ".break"
+        try:
+            os.close(os.open(breaker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            try:
+                if time.time() - os.path.getmtime(breaker) > 10.0:  # a breaker that died while breaking
+                    self._remove(breaker)
+            except FileNotFoundError:
+                pass
+            return
+        try:
+            with open(self.lock_path) as f:
+                if f.read() != content:
+                    return
             log_single_rank(logger, logging.WARNING,
                             f"breaking stale index cache lock {self.lock_path} held by {host}:{pid} "
                             f"({'process gone' if holder_gone else f'{age:.0f} s old'})")
             self._unlock()
+            if holder_gone:  # the crashed builder's partial files (a live one elsewhere may still need its own)
+                for name in self.array_names + ("description.txt",):
+                    self._remove(f"{self.path_to(name)}.tmp-{host}-{pid}")
+        except FileNotFoundError:
+            pass
+        finally:
+            self._remove(breaker)
 
     def _publish(self, arrays: Dict[str, numpy.ndarray]) -> None:
         for name in self.array_names:

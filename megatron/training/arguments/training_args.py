@@ -68,6 +68,9 @@ def _add_training_args(parser):
                        help="CUDA graphs captured by the training script (not implemented: errors).")
     group.set_defaults(bias_gelu_fusion=True, bias_swiglu_fusion=True, apply_rope_fusion=True)
     group.add_argument("--use-flash-attn", action="store_true", help="Use FlashAttention when available.")
+    group.add_argument("--deterministic-mode", action="store_true",
+                       help="Choose code that has deterministic execution. This usually means slower execution, "
+                            "but is good for debugging and testing (see megatron/training/deterministic.py).")
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                        help="Drop the biases of the linear layers.")
     group.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")

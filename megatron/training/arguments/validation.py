@@ -366,6 +366,8 @@ def _validate_features(args):
              "--no-position-embedding is deprecated: use --position-embedding-type rope")
     _require(not getattr(args, "async_save", False) or getattr(args, "ckpt_format", "torch") == "torch_dist",
              "--async-save needs --ckpt-format torch_dist")
+    from megatron.training.deterministic import check_deterministic_mode
+    check_deterministic_mode(args)
 
 
 def get_retro_args_path(workdir):
