@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from megatron.core import device, parallel_state, tensor_parallel
+from megatron.training.errors import FatalRunError
 from megatron.training.global_vars import get_args
 from megatron.training.utils import is_rank_0, print_rank_0, unwrap_model
 
@@ -41,7 +42,7 @@ _CHECKED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "add_positi
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FatalRunError):
     """A checkpoint that cannot be read or does not match the run; the message names the file."""
 
 

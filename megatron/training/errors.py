@@ -4,6 +4,11 @@ Every mistake a user can make on the command line (a flag combination that canno
 divide, a deprecated flag) raises :class:`ConfigurationError` with a one-line message that names the flag(s)
 and says what to change. Entry points wrap their ``main`` in :func:`exit_on_configuration_error` so the user
 sees ``error: <message>`` on stderr and exit code 2 (argparse's own code for bad usage), not a traceback.
+
+Faults found while running (a damaged or mismatching checkpoint, a NaN found by
+``--check-for-nan-in-loss-and-grad``) raise a :class:`FatalRunError` subclass: the same helper prints it as one
+line and exits with code 1. When every rank raises the same error (``same_on_every_rank``), only global rank 0
+prints it, so the user reads it once.
 """
 from __future__ import annotations
 
@@ -13,6 +18,31 @@ import sys
 
 class ConfigurationError(ValueError):
     """A flag or flag combination that cannot work; the message names the flag(s) and the fix."""
+
+
+class FatalRunError(RuntimeError):
+    """A fault that stops the run; the message is one line naming the file, flag, rank or iteration.
+
+    ``same_on_every_rank=True`` says every rank raises this very message (after a collective or from identical
+    inputs), so the entry point prints it on global rank 0 only.
+    """
+
+    def __init__(self, message: str, same_on_every_rank: bool = False):
+        super().__init__(message)
+        self.same_on_every_rank = same_on_every_rank
+
+
+def _global_rank() -> int:
+    import os
+
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # noqa: BLE001 - reporting an error must not raise another
+        pass
+    return int(os.environ.get("RANK", "0"))
 
 
 class exit_on_configuration_error(contextlib.ContextDecorator):
@@ -33,4 +63,9 @@ class exit_on_configuration_error(contextlib.ContextDecorator):
             message = " ".join(str(exc).split())  # one line, whatever the message contained
             print(f"error: {message}", file=sys.stderr, flush=True)
             sys.exit(2)
+        if exc_type is not None and issubclass(exc_type, FatalRunError):
+            if not getattr(exc, "same_on_every_rank", False) or _global_rank() == 0:
+                message = " ".join(str(exc).split())
+                print(f"error: {message}", file=sys.stderr, flush=True)
+            sys.exit(1)
         return False
