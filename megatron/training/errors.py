@@ -3,7 +3,8 @@
 Every mistake a user can make on the command line (a flag combination that cannot work, a size that does not
 divide, a deprecated flag) raises :class:`ConfigurationError` with a one-line message that names the flag(s)
 and says what to change. Entry points wrap their ``main`` in :func:`exit_on_configuration_error` so the user
-sees ``error: <message>`` on stderr and exit code 2 (argparse's own code for bad usage), not a traceback.
+sees ``error: <message>`` on stderr and exit code 2 (argparse's own code for bad usage), not a traceback; the
+line is printed by local rank 0 only (every rank of a node raises the same error), every rank exits.
 
 Faults found while running (a damaged or mismatching checkpoint, a NaN found by
 ``--check-for-nan-in-loss-and-grad``) raise a :class:`FatalRunError` subclass: the same helper prints it as one
@@ -30,6 +31,12 @@ class FatalRunError(RuntimeError):
     def __init__(self, message: str, same_on_every_rank: bool = False):
         super().__init__(message)
         self.same_on_every_rank = same_on_every_rank
+
+
+def _local_rank() -> int:
+    import os
+
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) or 0)
 
 
 def _global_rank() -> int:
@@ -60,8 +67,10 @@ class exit_on_configuration_error(contextlib.ContextDecorator):
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None and issubclass(exc_type, ConfigurationError):
-            message = " ".join(str(exc).split())  # one line, whatever the message contained
-            print(f"error: {message}", file=sys.stderr, flush=True)
+            # Every rank validates the same flags (and its own node's files): one line per node, not per rank.
+            if _local_rank() == 0:
+                message = " ".join(str(exc).split())  # one line, whatever the message contained
+                print(f"error: {message}", file=sys.stderr, flush=True)
             sys.exit(2)
         if exc_type is not None and issubclass(exc_type, FatalRunError):
             if not getattr(exc, "same_on_every_rank", False) or _global_rank() == 0:
