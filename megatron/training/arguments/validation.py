@@ -215,6 +215,10 @@ def _validate_schedule_units(args):
         if args.lr_warmup_fraction is not None:
             _require(args.lr_warmup_iters == 0,
                      "--lr-warmup-fraction and --lr-warmup-iters are exclusive: pass only one")
+        decay = args.lr_decay_iters or args.train_iters
+        # (early) the LR scheduler rejects this only after the model is built
+        _require(args.lr_warmup_iters < decay, f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than the "
+                                               f"decay length (--lr-decay-iters, else --train-iters: {decay})")
     if args.train_samples:
         for dest, value in (("train_iters", args.train_iters), ("lr_decay_iters", args.lr_decay_iters)):
             _require(value is None, f"--train-samples (sample-based training) cannot be combined with "
@@ -224,6 +228,10 @@ def _validate_schedule_units(args):
         if args.lr_warmup_fraction is not None:
             _require(args.lr_warmup_samples == 0,
                      "--lr-warmup-fraction and --lr-warmup-samples are exclusive: pass only one")
+        decay = args.lr_decay_samples or args.train_samples
+        _require(args.lr_warmup_samples < decay, f"--lr-warmup-samples ({args.lr_warmup_samples}) must be smaller "
+                                                 f"than the decay length (--lr-decay-samples, else --train-samples: "
+                                                 f"{decay})")
 
 
 def _validate_model_shape(args):
