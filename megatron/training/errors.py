@@ -33,6 +33,26 @@ class FatalRunError(RuntimeError):
         self.same_on_every_rank = same_on_every_rank
 
 
+def _first_to_report(fallback: bool) -> bool:
+    """Under torchrun, True for the first local rank that fails (the agent stops the other ranks as soon as one
+    exits, so waiting for a particular rank to print could lose the message); elsewhere ``fallback``."""
+    import os
+    import tempfile
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return fallback
+    # The local ranks of one launch share their parent (the torchrun agent) and the master port.
+    marker = os.path.join(tempfile.gettempdir(),
+                          f"megatron-error-reported-{os.getppid()}-{os.environ.get('MASTER_PORT', '')}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return fallback
+
+
 def _local_rank() -> int:
     import os
 
@@ -68,12 +88,12 @@ class exit_on_configuration_error(contextlib.ContextDecorator):
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None and issubclass(exc_type, ConfigurationError):
             # Every rank validates the same flags (and its own node's files): one line per node, not per rank.
-            if _local_rank() == 0:
+            if _first_to_report(fallback=_local_rank() == 0):
                 message = " ".join(str(exc).split())  # one line, whatever the message contained
                 print(f"error: {message}", file=sys.stderr, flush=True)
             sys.exit(2)
         if exc_type is not None and issubclass(exc_type, FatalRunError):
-            if not getattr(exc, "same_on_every_rank", False) or _global_rank() == 0:
+            if not getattr(exc, "same_on_every_rank", False) or _first_to_report(fallback=_global_rank() == 0):
                 message = " ".join(str(exc).split())
                 print(f"error: {message}", file=sys.stderr, flush=True)
             sys.exit(1)
