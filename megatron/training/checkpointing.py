@@ -352,7 +352,8 @@ def _check_layout(iter_dir, checkpoint_name):
     if saved != (tp, pp):
         raise CheckpointError(
             f"checkpoint {iter_dir} was saved with tensor/pipeline model parallel sizes (TP={saved[0]}, "
-            f"PP={saved[1]}) but this run uses (TP={tp}, PP={pp}). A --ckpt-format torch checkpoint only loads "
+            f"PP={saved[1]}) but this run uses (TP={tp}, PP={pp}), so its mp_rank_*/{MODEL_BASENAME} files do not "
+            f"match this run's ranks. A --ckpt-format torch checkpoint only loads "
             f"with the layout it was saved with: convert it with tools/checkpoint/convert.py "
             f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}, or save with --ckpt-format "
             f"torch_dist, which reshards on load", same_on_every_rank=True)
