@@ -5,8 +5,9 @@ Megatron-LM's tool. Differences that only help:
   * the input is streamed in blocks with a bounded number in flight, so memory does not grow with the
     input (and the index spills to disk past a few million entries);
   * workers receive raw blocks of lines and return NumPy token arrays (little work for the parent);
-  * a malformed JSON line stops the run with its line number, after the documents before it have been
-    written as a valid dataset;
+  * a malformed JSON line stops the run with its file and line number; the documents before it are written as
+    a valid dataset named ``{prefix}.partial.bin/.idx``, and an existing ``{prefix}.bin/.idx`` is never touched
+    by a failed run (outputs are written under temporary names and renamed only on success);
   * ``.gz`` inputs are recognised by content, with or without partitions.
 
 Example:
@@ -105,7 +106,8 @@ class Partition:
         encoder.initializer()
         dtype = DType.optimal_dtype(Encoder.tokenizer.vocab_size)
         prefixes = output_prefixes(args, output_prefix)
-        builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=dtype) for key, prefix in prefixes.items()}
+        temporary = {key: _temporary_prefix(prefix) for key, prefix in prefixes.items()}
+        builders = {key: IndexedDatasetBuilder(temporary[key] + ".bin", dtype=dtype) for key in prefixes}
         pool = None
         if self.workers > 1:
             pool = _context().Pool(self.workers, initializer=encoder.initializer)
@@ -115,6 +117,7 @@ class Partition:
         count = 0
         total_bytes_processed = 0
         proc_start = time.time()
+        read_to_the_end = False
         try:
             with open_input(input_file_name) as fin:
                 for result in self._encoded_blocks(fin, pool, encoder):
@@ -131,16 +134,20 @@ class Partition:
                     if result.failure is not None:
                         failure = result.failure
                         break
+            read_to_the_end = failure is None
         finally:
             if pool is not None:
                 pool.terminate()
                 pool.join()
             for key, builder in builders.items():
-                builder.finalize(prefixes[key] + ".idx")
+                builder.finalize(temporary[key] + ".idx")
+            # Published only when complete; a failed (or interrupted) run leaves its output marked as partial.
+            for key, prefix in prefixes.items():
+                _publish(temporary[key], prefix if read_to_the_end else prefix + ".partial")
         if failure is not None:
-            written = ", ".join(p + ".bin/.idx" for p in prefixes.values())
+            written = ", ".join(p + ".partial.bin/.idx" for p in prefixes.values())
             raise EncodeFailure(f"{input_file_name}:{failure.line_number}: {failure.message}. The {count} documents "
-                                f"before it were written to {written}.")
+                                f"before it were written to {written}; no existing output was replaced.")
 
     def _encoded_blocks(self, fin, pool, encoder):
         """Encoded blocks in input order, at most ``2 * workers + 1`` blocks in flight."""
@@ -199,6 +206,17 @@ def write_partitions(args, names) -> None:
             f.close()
 
 
+def _temporary_prefix(prefix: str) -> str:
+    return f"{prefix}.tmp-{os.getpid()}"
+
+
+def _publish(temporary: str, prefix: str) -> None:
+    """Rename ``temporary.bin/.idx`` to ``prefix.bin/.idx`` (the .idx last: a reader never sees a new index
+    next to an old .bin for long, and a crash before it leaves the old pair's index in place)."""
+    for suffix in (".bin", ".idx"):
+        os.replace(temporary + suffix, prefix + suffix)
+
+
 def _run_partition(args, workers: int, input_file: str, output_prefix: str, errors) -> None:
     try:
         Partition(args, workers).process_json_file(input_file, output_prefix)
@@ -255,10 +273,12 @@ def merge_partitions(args, names) -> None:
     for key, prefix in output_prefixes(args, args.output_prefix).items():
         parts = [output_prefixes(args, n["output_prefix"])[key] for n in names]
         dtype = _IndexReader(get_idx_path(parts[0]), multimodal=False).dtype
-        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+        temporary = _temporary_prefix(prefix)
+        builder = IndexedDatasetBuilder(temporary + ".bin", dtype=dtype)
         for part in parts:
             builder.add_index(part)
-        builder.finalize(prefix + ".idx")
+        builder.finalize(temporary + ".idx")
+        _publish(temporary, prefix)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from megatron.core import device, parallel_state, tensor_parallel
+from megatron.training.errors import FatalRunError
 from megatron.training.global_vars import get_args
 from megatron.training.utils import is_rank_0, print_rank_0, unwrap_model
 
@@ -48,7 +49,7 @@ _CHECKED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "add_positi
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FatalRunError):
     """A checkpoint that cannot be read or does not match the run; the message names the file."""
 
 
@@ -443,10 +444,11 @@ def _check_layout(iter_dir, checkpoint_name):
     if saved != (tp, pp):
         raise CheckpointError(
             f"checkpoint {iter_dir} was saved with tensor/pipeline model parallel sizes (TP={saved[0]}, "
-            f"PP={saved[1]}) but this run uses (TP={tp}, PP={pp}), so this rank's file {checkpoint_name} "
-            f"does not match. A --ckpt-format torch checkpoint only loads with the layout it was saved with: "
-            f"convert it with tools/checkpoint/convert.py --target-tensor-parallel-size {tp} "
-            f"--target-pipeline-parallel-size {pp}, or save with --ckpt-format torch_dist, which reshards on load")
+            f"PP={saved[1]}) but this run uses (TP={tp}, PP={pp}), so its mp_rank_*/{MODEL_BASENAME} files do not "
+            f"match this run's ranks. A --ckpt-format torch checkpoint only loads "
+            f"with the layout it was saved with: convert it with tools/checkpoint/convert.py "
+            f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}, or save with --ckpt-format "
+            f"torch_dist, which reshards on load", same_on_every_rank=True)
     if not os.path.isfile(checkpoint_name):
         raise CheckpointError(f"checkpoint file {checkpoint_name} is missing (the save that wrote {iter_dir} "
                               f"did not complete, or the file was removed)")
@@ -518,17 +520,25 @@ def load_args_from_checkpoint(args, load_arg="load"):
     return args, checkpoint_args
 
 
-def check_checkpoint_args(checkpoint_args):
-    """The model shape must match the checkpoint's (Megatron's check), with a message naming the flag."""
+def check_checkpoint_args(checkpoint_args, checkpoint_name=None, skip=()):
+    """The model shape must match the checkpoint's (Megatron's check). Every mismatching flag is listed in one
+    line with the checkpoint path, instead of a tensor size-mismatch traceback later."""
     args = get_args()
+    mismatches = []
     for name in _CHECKED_ARGS:
+        if name in skip:
+            continue
         if name in ("max_position_embeddings", "make_vocab_size_divisible_by", "padded_vocab_size",
                     "tokenizer_type") and not getattr(args, "vocab_file", None):
             continue
         ckpt_value, value = getattr(checkpoint_args, name, None), getattr(args, name, None)
         if ckpt_value is not None and ckpt_value != value:
-            raise CheckpointError(f"--{name.replace('_', '-')} is {value} but the checkpoint was trained with "
-                                  f"{ckpt_value}")
+            mismatches.append(f"--{name.replace('_', '-')} is {value} here but {ckpt_value} in the checkpoint")
+    if mismatches:
+        where = f"checkpoint {checkpoint_name}" if checkpoint_name else "the checkpoint"
+        raise CheckpointError(
+            f"{where} was saved from a model of another shape: {'; '.join(mismatches)}. Pass the checkpoint's "
+            "values (or --use-checkpoint-args), or --finetune to load only matching weights", same_on_every_rank=True)
 
 
 def _load_model(model, state_dict, checkpoint_name, strict):
@@ -586,7 +596,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
 
     finetune = finetune or release
     if "args" in state_dict and not finetune:
-        check_checkpoint_args(state_dict["args"])
+        check_checkpoint_args(state_dict["args"], iter_dir)
         args.consumed_train_samples = getattr(state_dict["args"], "consumed_train_samples", 0)
         args.consumed_valid_samples = getattr(state_dict["args"], "consumed_valid_samples", 0)
     if finetune:

@@ -38,6 +38,7 @@ from megatron.core.dist_checkpointing.sharded_io import (LocalShard, ShardingErr
 from megatron.core.models.conversion.tp import tp_partition_dim
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+from megatron.training.errors import FatalRunError
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0, unwrap_model
 
@@ -49,7 +50,7 @@ _GATED_SUFFIXES = ("dense_h_to_4h.weight", "dense_h_to_4h.bias", "linear_fc1.wei
 _VOCAB_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
 
 
-class DistCheckpointError(RuntimeError):
+class DistCheckpointError(FatalRunError):
     """A torch_dist checkpoint that cannot be used; the message names the directory or entry."""
 
 
@@ -386,6 +387,14 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
     load_optim = optimizer is not None and not finetune and not args.no_load_optim
     gated = bool(getattr(args, "swiglu", False))
 
+    if not finetune and common.get("args") is not None:
+        from megatron.training.checkpointing import check_checkpoint_args
+
+        saved = common.get("saved_layout", {})
+        resharded = (saved.get("tp"), saved.get("pp")) != (parallel_state.get_tensor_model_parallel_world_size(),
+                                                            parallel_state.get_pipeline_model_parallel_world_size())
+        # The padded vocabulary depends on the TP size, and torch_dist reshards it on load.
+        check_checkpoint_args(common["args"], directory, skip=("padded_vocab_size",) if resharded else ())
     entries = _model_entries(model, args)
     request = {}
     for _, _, gname, tensor, param in entries:

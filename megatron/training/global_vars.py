@@ -127,7 +127,12 @@ def _build_tokenizer(args):
     _ensure_var_is_not_initialized(_GLOBAL_TOKENIZER, "tokenizer")
     from megatron.tokenizer import build_tokenizer
 
-    _GLOBAL_TOKENIZER = build_tokenizer(args)
+    try:
+        _GLOBAL_TOKENIZER = build_tokenizer(args)
+    except (OSError, ValueError) as error:  # a missing, corrupt or mismatched tokenizer file, named in the message
+        if isinstance(error, ConfigurationError):
+            raise
+        raise ConfigurationError(str(error)) from error
     return _GLOBAL_TOKENIZER
 
 

@@ -40,6 +40,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
 
     validate_args(args, args_defaults)
     set_global_variables(args)
+    _check_data_files(args)
     apply_deterministic_mode(args)  # before torch.distributed: NCCL reads NCCL_ALGO when it starts
 
     def finish_mpu_init():
@@ -59,6 +60,15 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     finish_mpu_init()
     _init_autoresume()
     return None
+
+
+def _check_data_files(args):
+    """Every rank opens the datasets (and checks their token ids against the tokenizer) before any collective."""
+    from megatron.training.data_checks import check_data_files
+    from megatron.training.global_vars import _GLOBAL_TOKENIZER as tokenizer
+
+    vocab_size = getattr(tokenizer, "vocab_size", None) if tokenizer is not None else None
+    check_data_files(args, vocab_size)
 
 
 def choose_backend(requested: str, rank: int = 0) -> str:

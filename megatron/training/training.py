@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 
@@ -23,6 +24,7 @@ from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_p
 from megatron.core.utils import get_model_config
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.datasets_provider import build_train_valid_test_data_iterators
+from megatron.training.fault_injection import ENV_VAR as FAULT_INJECT_ENV_VAR
 from megatron.training.global_vars import (
     get_args,
     get_num_microbatches,
@@ -33,10 +35,13 @@ from megatron.training.global_vars import (
 )
 from megatron.training.fault_handling import fault_handling, maybe_inject_fault
 from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
+from megatron.training.numerical_checks import NumericalGuard, inject_nan_grad, wrap_forward_step
 from megatron.training.training_log import LogState, num_floating_point_operations, training_log
 from megatron.training.utils import calc_params_l2_norm, print_datetime, print_rank_0, print_rank_last
 
 _TRAIN_START_TIME = time.time()
+# Set by train() when --check-for-nan-in-loss-and-grad or a test's MEGATRON_FAULT_INJECT is on; else None.
+_numerical_guard = None
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
@@ -259,6 +264,10 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
 
+    guard = _numerical_guard
+    if guard is not None:
+        forward_step_func = wrap_forward_step(forward_step_func, guard, torch.distributed.get_rank(),
+                                              args.iteration + 1)
     forward_backward_func = get_forward_backward_func()
     timers("forward-backward", log_level=1).start(barrier=args.barrier_with_L1_time)
     losses_reduced = forward_backward_func(
@@ -266,6 +275,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         num_microbatches=get_num_microbatches(), seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.decoder_seq_length, forward_only=False)
     timers("forward-backward").stop()
+    if guard is not None:
+        guard.raise_if_any_rank_failed(args.iteration + 1)  # before the optimizer can use a NaN
     if args.empty_unused_memory_level >= 1:
         device.empty_cache()
 
@@ -298,6 +309,24 @@ def _configure_schedule_hooks(config, model, optimizer):
     if len(model) == 1:
         config.no_sync_func = model[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
+    global _numerical_guard
+    args = get_args()
+    _numerical_guard = None
+    if args.check_for_nan_in_loss_and_grad or os.environ.get(FAULT_INJECT_ENV_VAR):
+        _numerical_guard = NumericalGuard(args.check_for_nan_in_loss_and_grad, allow_inf=args.fp16)
+        config.finalize_model_grads_func = _checked_finalize_model_grads
+
+
+def _checked_finalize_model_grads(model_chunks, *rest, **kwargs):
+    """Look at (or, in tests, poison) this rank's local gradients before the data-parallel reduction.
+
+    With --overlap-grad-reduce (or --DDP-impl torch) the reduction already ran during the backward pass, so
+    the check sees reduced gradients and names the lowest rank of the data-parallel group."""
+    args = get_args()
+    rank = torch.distributed.get_rank()
+    inject_nan_grad(model_chunks, rank, args.iteration + 1)
+    _numerical_guard.note_grads(model_chunks)
+    return finalize_model_grads(model_chunks, *rest, **kwargs)
 
 
 def _wandb_run(args):

@@ -144,8 +144,8 @@ def test_malformed_line_reports_its_number_and_keeps_earlier_documents(tmp_path,
     assert f"{source}:8: malformed JSON line" in err and "The 6 documents before it were written" in err
     good = write_jsonl(str(tmp_path / "good.jsonl"), texts[:6])
     _, expected = run(tmp_path, good, "expected", "--append-eod")
-    assert read_file(prefix + "_text_document.idx") == read_file(expected + "_text_document.idx")
-    assert read_file(prefix + "_text_document.bin") == read_file(expected + "_text_document.bin")
+    assert read_file(prefix + "_text_document.partial.idx") == read_file(expected + "_text_document.idx")
+    assert read_file(prefix + "_text_document.partial.bin") == read_file(expected + "_text_document.bin")
 
     with open(source, "w") as f:
         f.write(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text key"}) + "\n")
@@ -155,7 +155,7 @@ def test_malformed_line_reports_its_number_and_keeps_earlier_documents(tmp_path,
         f.write(b'{"text": "fine"}\n{"text": "fine"}\n{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8
     rc, prefix = run(tmp_path, source, "latin1")
     assert rc == 1 and f"{source}:3: not valid UTF-8" in capsys.readouterr().err
-    assert len(IndexedDataset(prefix + "_text_document")) == 2
+    assert len(IndexedDataset(prefix + "_text_document.partial")) == 2
 
 
 def test_command_line_names_progress_line_and_errors(tmp_path):

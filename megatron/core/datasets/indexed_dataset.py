@@ -217,6 +217,23 @@ class IndexedDataset(torch.utils.data.Dataset):
             raise IndexFormatError(
                 f"{bin_path} is shorter than its index claims: {get_idx_path(path_prefix)} needs {needed} bytes "
                 f"of {numpy.dtype(self.index.dtype).name} tokens but the file has {have}")
+        if self.index.sequence_count:
+            # Every sequence must lie inside the .bin (one vectorised pass over the index): a corrupt pointer
+            # would otherwise surface as a numpy error, or garbage tokens, at some later sample.
+            lengths = self.index.sequence_lengths.astype(numpy.int64)
+            starts = self.index.sequence_pointers
+            ends = starts + lengths * self.index.dtype_size
+            bad = numpy.flatnonzero((lengths < 0) | (starts < 0) | (ends > have))
+            if bad.size:
+                i = int(bad[0])
+                raise IndexFormatError(
+                    f"{get_idx_path(path_prefix)} points beyond {bin_path}: sequence {i} spans bytes "
+                    f"[{int(starts[i])}, {int(ends[i])}) but the file has {have} bytes ({bad.size} such sequences)")
+        if have > needed:
+            raise IndexFormatError(
+                f"{bin_path} does not match its index: {get_idx_path(path_prefix)} describes {needed} bytes of "
+                f"{numpy.dtype(self.index.dtype).name} tokens but the file has {have} (are the .idx and .bin from "
+                f"different preprocessing runs? Re-run tools/preprocess_data.py)")
         self.bin_reader = _MMapBinReader(bin_path) if mmap else _FileBinReader(bin_path)
 
     def __getstate__(self):

@@ -65,6 +65,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_recompute(args)
     _validate_sequence_parallel(args)
     _validate_features(args)
+    _validate_paths(args)
 
     if args.vocab_size is not None:
         args.padded_vocab_size = vocab_size_with_padding(
@@ -214,6 +215,10 @@ def _validate_schedule_units(args):
         if args.lr_warmup_fraction is not None:
             _require(args.lr_warmup_iters == 0,
                      "--lr-warmup-fraction and --lr-warmup-iters are exclusive: pass only one")
+        decay = args.lr_decay_iters or args.train_iters
+        # (early) the LR scheduler rejects this only after the model is built
+        _require(args.lr_warmup_iters < decay, f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than the "
+                                               f"decay length (--lr-decay-iters, else --train-iters: {decay})")
     if args.train_samples:
         for dest, value in (("train_iters", args.train_iters), ("lr_decay_iters", args.lr_decay_iters)):
             _require(value is None, f"--train-samples (sample-based training) cannot be combined with "
@@ -223,6 +228,10 @@ def _validate_schedule_units(args):
         if args.lr_warmup_fraction is not None:
             _require(args.lr_warmup_samples == 0,
                      "--lr-warmup-fraction and --lr-warmup-samples are exclusive: pass only one")
+        decay = args.lr_decay_samples or args.train_samples
+        _require(args.lr_warmup_samples < decay, f"--lr-warmup-samples ({args.lr_warmup_samples}) must be smaller "
+                                                 f"than the decay length (--lr-decay-samples, else --train-samples: "
+                                                 f"{decay})")
 
 
 def _validate_model_shape(args):
@@ -368,6 +377,67 @@ def _validate_features(args):
              "--async-save needs --ckpt-format torch_dist")
     from megatron.training.deterministic import check_deterministic_mode
     check_deterministic_mode(args)
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _require_writable_dir(flag: str, path: str) -> None:
+    """``path`` is a writable directory, or can be created (its nearest existing ancestor is writable)."""
+    if os.path.exists(path):
+        _require(os.path.isdir(path), f"{flag} {path} is not a directory: pass a directory path")
+        _require(os.access(path, os.W_OK | os.X_OK), f"{flag} {path} is not writable: fix its permissions or "
+                                                     "pass another directory")
+        return
+    ancestor = _nearest_existing(path)
+    _require(os.path.isdir(ancestor) and os.access(ancestor, os.W_OK | os.X_OK),
+             f"{flag} {path} cannot be created: {ancestor} is not a writable directory")
+
+
+def _require_readable_file(flag: str, path: str) -> None:
+    _require(os.path.exists(path), f"{flag} {path} does not exist: pass the path of an existing file")
+    _require(os.access(path, os.R_OK), f"{flag} {path} is not readable: fix its permissions")
+
+
+def _validate_paths(args):
+    """(early) Every path flag, checked on every rank before any process group exists, so a typo fails in a
+    second with one line instead of after the model is built (or with ranks waiting on one that crashed)."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    if not getattr(args, "mock_data", False):
+        for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            blend = get_blend_from_list(getattr(args, dest, None))
+            for prefix in (blend[0] if blend else []):
+                for suffix in (".idx", ".bin"):
+                    _require(os.path.isfile(prefix + suffix),
+                             f"{_flag(dest)} {prefix}: {prefix + suffix} does not exist (pass dataset prefixes "
+                             "without the .bin/.idx extension, as written by tools/preprocess_data.py)")
+                    _require(os.access(prefix + suffix, os.R_OK), f"{_flag(dest)}: {prefix + suffix} is not readable")
+    for dest in ("vocab_file", "merge_file"):
+        if getattr(args, dest, None):
+            _require_readable_file(_flag(dest), getattr(args, dest))
+    model = getattr(args, "tokenizer_model", None)
+    if model and getattr(args, "tokenizer_type", None) != "HuggingFaceTokenizer":
+        _require_readable_file("--tokenizer-model", model)
+    elif model:
+        _require(os.path.exists(model), f"--tokenizer-model {model} is not a local directory or tokenizer.json "
+                                        "(this library never downloads tokenizers)")
+    for dest in ("load", "pretrained_checkpoint"):
+        path = getattr(args, dest, None)
+        if path and os.path.exists(path):  # a missing --load directory means "start from scratch" (Megatron)
+            _require(os.path.isdir(path), f"{_flag(dest)} {path} is not a directory: pass the checkpoint directory "
+                                          "(the one holding latest_checkpointed_iteration.txt)")
+            _require(os.access(path, os.R_OK | os.X_OK), f"{_flag(dest)} {path} is not readable: fix its permissions")
+    for dest in ("save", "data_cache_path", "tensorboard_dir"):
+        if getattr(args, dest, None):
+            _require_writable_dir(_flag(dest), getattr(args, dest))
 
 
 def get_retro_args_path(workdir):
