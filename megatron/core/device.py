@@ -76,6 +76,11 @@ def manual_seed(seed: int) -> None:
         torch.manual_seed(seed)
 
 
+def device_name() -> str:
+    """The accelerator's marketing name (e.g. ``NVIDIA H100 80GB HBM3``), or ``cpu``."""
+    return torch.cuda.get_device_name() if cuda_available() else "cpu"
+
+
 def synchronize() -> None:
     if on_gpu():
         torch.cuda.synchronize()

@@ -34,9 +34,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group = get_tensor_model_parallel_group()
         world_size = get_tensor_model_parallel_world_size()
 
-        logits_max = torch.max(vocab_parallel_logits, dim=-1)[0]
+        if label_smoothing > 0 and not 0.0 < label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in (0, 1), got {label_smoothing}")
+        logits_max = torch.amax(vocab_parallel_logits, dim=-1)
         if world_size > 1:
             torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=group)
+        # One [tokens, V/tp] buffer holds the shifted logits, then (in place) their exp, then the softmax
+        # saved for backward: the caller's logits stay intact and no further vocabulary-sized copy is made.
         logits = vocab_parallel_logits - logits_max.unsqueeze(dim=-1)
 
         partition_vocab_size = logits.size(-1)
@@ -53,8 +57,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         predicted_logits[target_mask] = 0.0
         if world_size > 1:
             torch.distributed.all_reduce(predicted_logits, op=torch.distributed.ReduceOp.SUM, group=group)
+        # log p_j = z_j - m - log S summed over the vocabulary needs the shifted logits: take it before exp_.
+        sum_log_probs = logits.sum(dim=-1) if label_smoothing > 0 else None
 
-        exp_logits = torch.exp(logits)
+        exp_logits = logits.exp_()
         sum_exp_logits = exp_logits.sum(dim=-1)
         if world_size > 1:
             torch.distributed.all_reduce(sum_exp_logits, op=torch.distributed.ReduceOp.SUM, group=group)
@@ -65,11 +71,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_size = partition_vocab_size * world_size
         ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
         if label_smoothing > 0:
-            if not 0.0 < label_smoothing < 1.0:
-                raise ValueError(f"label_smoothing must be in (0, 1), got {label_smoothing}")
             smoothing = label_smoothing * vocab_size / (vocab_size - 1)
-            # log p_j = z_j - m - log S; summed over the full vocabulary.
-            sum_log_probs = logits.sum(dim=-1)
             if world_size > 1:
                 torch.distributed.all_reduce(sum_log_probs, op=torch.distributed.ReduceOp.SUM, group=group)
             mean_log_probs = sum_log_probs / vocab_size - torch.log(sum_exp_logits)

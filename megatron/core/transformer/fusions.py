@@ -78,12 +78,19 @@ class GeLUFunction(torch.autograd.Function):
     def forward(ctx, input, bias, use_compiled=False):
         ctx.save_for_backward(input, bias)
         ctx.use_compiled = use_compiled
-        return (compiled(bias_gelu) if use_compiled else bias_gelu)(bias, input)
+        if use_compiled:
+            return compiled(bias_gelu)(bias, input)
+        # Eager: aten's tanh-approximation GeLU is the same function in one native kernel, where the formula
+        # above makes ~10 elementwise passes over [s, b, 4h/tp] (a third of a CPU training step's time).
+        return F.gelu(bias + input, approximate="tanh")
 
     @staticmethod
     def backward(ctx, grad_output):
         input, bias = ctx.saved_tensors
-        tmp = (compiled(bias_gelu_back) if ctx.use_compiled else bias_gelu_back)(grad_output, bias, input)
+        if ctx.use_compiled:
+            tmp = compiled(bias_gelu_back)(grad_output, bias, input)
+        else:
+            tmp = torch.ops.aten.gelu_backward(grad_output, bias + input, approximate="tanh")
         grad_bias = tmp.reshape(-1, tmp.shape[-1]).sum(dim=0) if bias.dim() == 1 else tmp
         return tmp, grad_bias, None
 
