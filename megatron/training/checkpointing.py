@@ -277,7 +277,8 @@ def agree_on_save_step(error, save_dir, iteration, group=None, on_failure=None):
             pass  # best effort: the next save sweeps what is left
     rank, message = failing[0]
     raise CheckpointError(f"saving checkpoint iteration {iteration} to {save_dir} failed on rank {rank}: {message}; "
-                          f"the previous checkpoint and {TRACKER_BASENAME} are unchanged") from error
+                          f"the previous checkpoint and {TRACKER_BASENAME} are unchanged",
+                          same_on_every_rank=True) from error
 
 
 def _run_step(step):

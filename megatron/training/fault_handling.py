@@ -21,6 +21,9 @@ How: ``fault_handling(args)`` wraps the body of ``pretrain`` (multi-rank runs on
   ``rank N died (...)``, so the whole job learns about it through the same key. Watching one neighbour keeps the
   store's load O(world size). Losing the store itself (its host, rank 0 or torchrun's agent, died) also ends the
   rank with a message.
+* A :class:`FatalRunError` raised with ``same_on_every_rank`` (a failed checkpoint save that the ranks agreed on, the
+  NaN check) is an orderly stop: every rank raises it after the same collective, so the handler only stops the
+  watchdog and lets it propagate to the entry point, which prints the one line once.
 * Normal exit (end of ``pretrain``, or ``sys.exit`` from --exit-interval / --exit-duration-in-mins / SIGTERM)
   marks the rank done in the store and stops the thread, so a neighbour that finishes first is not a failure.
 
@@ -31,7 +34,7 @@ already printed its prefixed traceback before exiting, so the first failure is s
 ``raise:rank=1:iter=3`` (ZeroDivisionError), ``raise:rank=1:iter=3:delay=2`` (sleep first, so that the peers are
 blocked inside a collective when it raises), ``kill:rank=1:iter=3`` (SIGKILL itself), ``sigterm:rank=1:iter=3`` (SIGTERM to itself only),
 ``sigterm_group:rank=0:iter=3`` (SIGTERM to its whole process group).
-When unset the hook is a single ``is None`` test per iteration.
+When unset the hook is one environment lookup per iteration.
 """
 from __future__ import annotations
 
@@ -47,30 +50,20 @@ from datetime import timedelta
 
 import torch
 
+from megatron.training.errors import FatalRunError
+from megatron.training.fault_injection import requested_fault
+
 POLL_SECONDS = 1.0
 _RUN_COUNTER = [0]  # pretrain may run several times in one process (tests): each run gets its own store keys
 
 
-def _parse_injection(spec):
-    if not spec:
-        return None
-    kind, *fields = spec.split(":")
-    if kind not in ("raise", "kill", "sigterm", "sigterm_group"):
-        raise ValueError(f"MEGATRON_FAULT_INJECT={spec!r}: the kind must be raise, kill, sigterm or sigterm_group")
-    options = dict(field.split("=", 1) for field in fields)
-    return kind, int(options.get("rank", 0)), int(options.get("iter", 1)), float(options.get("delay", 0))
-
-
-_INJECTION = _parse_injection(os.environ.get("MEGATRON_FAULT_INJECT"))
-
-
 def maybe_inject_fault(iteration, rank):
-    """Test hook, called at the start of each iteration (``iteration`` is the one about to run)."""
-    if _INJECTION is None:
+    """Test hook, called at the start of each iteration (``iteration`` is the one about to run); the spec is
+    parsed by megatron/training/fault_injection.py (one parser for every injected fault)."""
+    fault = requested_fault(("raise", "kill", "sigterm", "sigterm_group"), rank, iteration)
+    if fault is None:
         return
-    kind, at_rank, at_iteration, delay = _INJECTION
-    if rank != at_rank or iteration != at_iteration:
-        return
+    kind, delay = fault
     time.sleep(delay)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -313,6 +306,13 @@ def fault_handling(args):
             monitor.shutdown()
             raise
         _fail(monitor, rank, exc)
+    except FatalRunError as exc:
+        if not exc.same_on_every_rank:
+            _fail(monitor, rank, exc)
+        # Every rank reached this error through the same collective (a failed save's agreement, the NaN check):
+        # nobody is left waiting, so this is an orderly stop; the entry point prints the one line once.
+        monitor.shutdown()
+        raise
     except BaseException as exc:  # noqa: BLE001  every failure must end the whole job
         _fail(monitor, rank, exc)
     else:

@@ -3,41 +3,65 @@
     MEGATRON_FAULT_INJECT="nan_grad:rank=1:iter=3"          one fault
     MEGATRON_FAULT_INJECT="nan_loss:iter=2,raise:rank=0"     several, comma-separated
 
-Each entry is ``kind[:rank=R][:iter=K]``; a missing ``rank`` or ``iter`` matches every rank or iteration.
-Kinds used by the framework: ``nan_grad`` (a NaN written into this rank's local gradient before the
-data-parallel reduction), ``nan_loss`` (this rank's local loss made NaN), ``raise`` (an exception).
+Each entry is ``kind[:rank=R][:iter=K][:delay=S]``; a missing ``rank`` or ``iter`` matches every rank or
+iteration; ``delay`` (seconds) makes the process sleep before the fault. Kinds used by the framework:
+
+* ``nan_grad`` (a NaN written into this rank's local gradient before the data-parallel reduction) and
+  ``nan_loss`` (this rank's local loss made NaN): megatron/training/numerical_checks.py;
+* ``raise`` (a ZeroDivisionError at the start of the iteration), ``kill`` (SIGKILL itself), ``sigterm`` (SIGTERM
+  to itself only), ``sigterm_group`` (SIGTERM to its whole process group, as SLURM or a batch system does):
+  megatron/training/fault_handling.py ``maybe_inject_fault``.
 """
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 ENV_VAR = "MEGATRON_FAULT_INJECT"
+KINDS = ("nan_grad", "nan_loss", "raise", "kill", "sigterm", "sigterm_group")
 
-_parsed: Tuple[Optional[str], List[Tuple[str, Optional[int], Optional[int]]]] = (None, [])
+Fault = Tuple[str, Optional[int], Optional[int], float]  # kind, rank, iteration, delay in seconds
+_parsed: Tuple[Optional[str], List[Fault]] = (None, [])
 
 
-def _parse(spec: str) -> List[Tuple[str, Optional[int], Optional[int]]]:
+def _parse(spec: str) -> List[Fault]:
     faults = []
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         kind, *fields = entry.split(":")
-        values = {"rank": None, "iter": None}
+        if kind not in KINDS:
+            raise ValueError(f"{ENV_VAR}={spec!r}: unknown fault kind {kind!r}; expected one of {', '.join(KINDS)}")
+        values = {"rank": None, "iter": None, "delay": 0.0}
         for field in fields:
             key, sep, value = field.partition("=")
-            if not sep or key not in values or not value.strip().isdigit():
+            try:
+                values[key] = (float if key == "delay" else int)(value) if sep and key in values else None
+            except ValueError:
+                values[key] = None
+            if values.get(key) is None:
                 raise ValueError(f"{ENV_VAR}={spec!r}: bad field {field!r} in {entry!r}; expected "
-                                 "kind[:rank=R][:iter=K]")
-            values[key] = int(value)
-        faults.append((kind, values["rank"], values["iter"]))
+                                 "kind[:rank=R][:iter=K][:delay=S]")
+        faults.append((kind, values["rank"], values["iter"], values["delay"]))
     return faults
+
+
+def _faults() -> List[Fault]:
+    global _parsed
+    spec = os.environ.get(ENV_VAR)
+    if not spec:
+        return []
+    if spec != _parsed[0]:
+        _parsed = (spec, _parse(spec))
+    return _parsed[1]
+
+
+def requested_fault(kinds: Iterable[str], rank: int, iteration: int) -> Optional[Tuple[str, float]]:
+    """The first requested fault among ``kinds`` for ``rank`` at ``iteration``, as (kind, delay), or None."""
+    for kind, r, i, delay in _faults():
+        if kind in kinds and r in (None, rank) and i in (None, iteration):
+            return kind, delay
+    return None
 
 
 def fault_requested(kind: str, rank: int, iteration: int) -> bool:
     """True when ``MEGATRON_FAULT_INJECT`` asks for fault ``kind`` on ``rank`` at ``iteration``."""
-    global _parsed
-    spec = os.environ.get(ENV_VAR)
-    if not spec:
-        return False
-    if spec != _parsed[0]:
-        _parsed = (spec, _parse(spec))
-    return any(k == kind and r in (None, rank) and i in (None, iteration) for k, r, i in _parsed[1])
+    return requested_fault((kind,), rank, iteration) is not None
