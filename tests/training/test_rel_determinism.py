@@ -78,7 +78,7 @@ def restore_global_settings():
 def _parse(extra):
     from megatron.training.arguments import parse_args, validate_args
     from train_helpers import GPT_ARGS
-    args = parse_args(argv=GPT_ARGS + ["--data-path", "unused"] + extra)
+    args = parse_args(argv=GPT_ARGS + ["--mock-data"] + extra)
     args.rank, args.world_size = 0, 1
     validate_args(args)
     return args
