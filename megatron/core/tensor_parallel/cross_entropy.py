@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.utils import VocabUtility
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0):
+    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, inplace=False):
         group = get_tensor_model_parallel_group()
         world_size = get_tensor_model_parallel_world_size()
 
@@ -41,7 +41,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=group)
         # One [tokens, V/tp] buffer holds the shifted logits, then (in place) their exp, then the softmax
         # saved for backward: the caller's logits stay intact and no further vocabulary-sized copy is made.
-        logits = vocab_parallel_logits - logits_max.unsqueeze(dim=-1)
+        # In place when the caller owns the logits (the model heads): a fresh vocabulary-sized buffer costs more
+        # than the subtraction itself (first-touch page faults of s*b*V/tp floats on every step).
+        if inplace:
+            logits = vocab_parallel_logits.sub_(logits_max.unsqueeze(dim=-1))
+        else:
+            logits = vocab_parallel_logits - logits_max.unsqueeze(dim=-1)
 
         partition_vocab_size = logits.size(-1)
         vocab_start_index, vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
@@ -66,7 +71,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             torch.distributed.all_reduce(sum_exp_logits, op=torch.distributed.ReduceOp.SUM, group=group)
 
         loss = torch.log(sum_exp_logits) - predicted_logits
-        softmax = exp_logits.div_(sum_exp_logits.unsqueeze(dim=-1))
 
         vocab_size = partition_vocab_size * world_size
         ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
@@ -77,29 +81,36 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             mean_log_probs = sum_log_probs / vocab_size - torch.log(sum_exp_logits)
             loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
 
-        ctx.save_for_backward(softmax, target_mask, masked_target_1d)
+        # softmax = exp_logits / S is never formed here: backward scales exp_logits by grad_output / S in one pass.
+        ctx.save_for_backward(exp_logits, sum_exp_logits, target_mask, masked_target_1d)
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
-        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        exp_logits, sum_exp_logits, target_mask, masked_target_1d = ctx.saved_tensors
         label_smoothing, vocab_size = ctx.label_smoothing, ctx.vocab_size
 
-        grad_input = softmax
-        partition_vocab_size = softmax.size(-1)
+        # d loss / d z_j = g * (softmax_j - (1 - s) [j == t] - s / V) with s the smoothing (0 without): the softmax
+        # term is exp_logits * (g / S), written over the saved buffer.
+        grad_input = exp_logits.mul_((grad_output / sum_exp_logits).unsqueeze(dim=-1))
+        partition_vocab_size = grad_input.size(-1)
         grad_2d = grad_input.view(-1, partition_vocab_size)
         arange_1d = torch.arange(start=0, end=grad_2d.size(0), device=grad_2d.device)
-        softmax_update = 1.0 - target_mask.view(-1).to(grad_2d.dtype)
+        target_weight = grad_output.reshape(-1) * (1.0 - target_mask.view(-1).to(grad_2d.dtype))
         if label_smoothing > 0:
             smoothing = label_smoothing * vocab_size / (vocab_size - 1)
-            grad_2d[arange_1d, masked_target_1d] -= (1.0 - smoothing) * softmax_update
-            grad_2d -= smoothing / vocab_size
+            grad_2d[arange_1d, masked_target_1d] -= (1.0 - smoothing) * target_weight
+            grad_input.sub_((smoothing / vocab_size) * grad_output.unsqueeze(dim=-1))
         else:
-            grad_2d[arange_1d, masked_target_1d] -= softmax_update
-        grad_input.mul_(grad_output.unsqueeze(dim=-1))
-        return grad_input, None, None
+            grad_2d[arange_1d, masked_target_1d] -= target_weight
+        return grad_input, None, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0):
-    """Per-token cross entropy ``[s, b]`` of logits ``[s, b, V/tp]`` against targets ``[s, b]`` (no reduction)."""
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing)
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, *, inplace=False):
+    """Per-token cross entropy ``[s, b]`` of logits ``[s, b, V/tp]`` against targets ``[s, b]`` (no reduction).
+
+    ``inplace=True`` (an extension; Megatron's signature is the first three arguments) lets the function overwrite
+    the logits with its working values instead of allocating a buffer of the same size: for callers that created
+    the logits for this loss only and do not read them afterwards, as the GPT and BERT heads do.
+    """
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, inplace)

@@ -123,6 +123,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             self.num_embeddings, get_tensor_model_parallel_rank(), self.tensor_model_parallel_size
         )
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
 
         self.weight = Parameter(torch.empty(self.num_embeddings_per_partition, self.embedding_dim,
                                             device=_param_device(config), dtype=config.params_dtype))
@@ -146,10 +147,39 @@ class VocabParallelEmbedding(torch.nn.Module):
             masked_input[input_mask] = 0
         else:
             masked_input = input_
-        output_parallel = F.embedding(masked_input, self.weight)
+        if self.gradient_accumulation_fusion and torch.is_grad_enabled() and self.weight.requires_grad:
+            output_parallel = _EmbeddingWithGradAccumulation.apply(masked_input, self.weight)
+        else:
+            output_parallel = F.embedding(masked_input, self.weight)
         if self.tensor_model_parallel_size > 1:
             output_parallel = output_parallel.masked_fill(input_mask.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(output_parallel)
+
+
+class _EmbeddingWithGradAccumulation(torch.autograd.Function):
+    """``weight[ids]`` whose backward adds the gradient rows straight into ``weight.main_grad`` (when the
+    data-parallel wrapper gave the weight one), as ``gradient_accumulation_fusion`` does for linear layers: the
+    dense ``[V/tp, h]`` gradient that autograd's embedding backward builds (a zero-filled table, then added to
+    main_grad) is never formed, only the ``s*b`` rows that were looked up are touched."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is None:
+            grad_weight = torch.zeros_like(weight)
+            grad_weight.index_add_(0, ids.reshape(-1), rows.to(weight.dtype))
+            return None, grad_weight
+        main_grad.index_add_(0, ids.reshape(-1), rows.to(main_grad.dtype))
+        return None, None
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -182,6 +212,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         else:
             total_input = input
 
+        if bias is not None and total_input.dim() >= 2:
+            # One GEMM that starts from the bias: no separate pass (and no second buffer) to add it.
+            output = torch.addmm(bias, total_input.reshape(-1, total_input.shape[-1]), weight.t())
+            return output.view(*total_input.shape[:-1], weight.shape[0])
         output = torch.matmul(total_input, weight.t())
         if bias is not None:
             output = output + bias

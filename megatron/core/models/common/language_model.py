@@ -68,7 +68,9 @@ def logits_or_loss(logits, labels, fp16_lm_cross_entropy=False, fused=False):
     if fused:
         from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy as cross_entropy
     else:
-        cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
+        # The logits were made for this loss and are not returned: the loss may overwrite them.
+        def cross_entropy(logits, labels):
+            return tensor_parallel.vocab_parallel_cross_entropy(logits, labels, inplace=True)
     if fp16_lm_cross_entropy:
         assert logits.dtype == torch.half, "--fp16-lm-cross-entropy needs fp16 logits (--fp16)"
         loss = cross_entropy(logits, labels)
