@@ -213,9 +213,13 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             total_input = input
 
         if bias is not None and total_input.dim() >= 2:
-            # One GEMM that starts from the bias: no separate pass (and no second buffer) to add it.
-            output = torch.addmm(bias, total_input.reshape(-1, total_input.shape[-1]), weight.t())
-            return output.view(*total_input.shape[:-1], weight.shape[0])
+            # One GEMM that starts from the bias: no separate pass (and no second buffer) to add it. It writes
+            # into a tensor of the final shape, so the output is not a view (a loss may work in it in place).
+            output = torch.empty(*total_input.shape[:-1], weight.shape[0], dtype=total_input.dtype,
+                                 device=total_input.device)
+            torch.addmm(bias, total_input.reshape(-1, total_input.shape[-1]), weight.t(),
+                        out=output.view(-1, weight.shape[0]))
+            return output
         output = torch.matmul(total_input, weight.t())
         if bias is not None:
             output = output + bias
