@@ -129,10 +129,27 @@ def tp_parity_body(tp, sequence_parallel):
     errs["embedding.out"] = rel(out, ref)
     errs["embedding.dW"] = rel(emb.weight.grad, _chunk(E.grad, 0, tp, r))
 
+    # With gradient_accumulation_fusion the looked-up rows are added straight into main_grad (as DDP gives it):
+    # main_grad = what it held + the reference gradient slice, and no .grad is made.
+    fused_cfg = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                                    gradient_accumulation_fusion=True)
+    emb = tpl.VocabParallelEmbedding(VOCAB, HID, init_method=init, config=fused_cfg)
+    with torch.no_grad():
+        emb.weight.copy_(_chunk(T["E"], 0, tp, r))
+    held = torch.full_like(emb.weight, 0.25)
+    emb.weight.main_grad = held.clone()
+    (emb(T["ids"]) * T["GE"].float()).sum().backward()
+    errs["embedding(main_grad).dW"] = rel(emb.weight.main_grad - held, _chunk(E.grad, 0, tp, r))
+    errs["embedding(main_grad).no_grad"] = 0.0 if emb.weight.grad is None else 1.0
+
     # --- vocab_parallel_cross_entropy ------------------------------------------------------------------
-    for eps in (0.0, 0.1):
+    # inplace=True (the model heads' call) works in the logits buffer: same loss and gradient, and the
+    # buffer it was given is overwritten (so the models must own it).
+    for eps, inplace in ((0.0, False), (0.1, False), (0.0, True), (0.1, True)):
         local = _chunk(T["logits"], 2, tp, r).float().clone().requires_grad_(True)
-        loss = tpl.vocab_parallel_cross_entropy(local, T["target"], label_smoothing=eps)
+        logits_in = local * 1.0  # a non-leaf the loss may overwrite
+        loss = tpl.vocab_parallel_cross_entropy(logits_in, T["target"], label_smoothing=eps, inplace=inplace)
+        assert torch.equal(logits_in, local) != inplace
         gl = torch.linspace(0.5, 1.5, S * B, dtype=torch.float64).view(S, B)
         (loss * gl.float()).sum().backward()
         full = T["logits"].clone().requires_grad_(True)
@@ -141,8 +158,9 @@ def tp_parity_body(tp, sequence_parallel):
         else:
             ref = _megatron_label_smoothing_loss(full, T["target"], eps)
         (ref * gl).sum().backward()
-        errs[f"cross_entropy(ls={eps}).loss"] = rel(loss, ref)
-        errs[f"cross_entropy(ls={eps}).dlogits"] = rel(local.grad, _chunk(full.grad, 2, tp, r))
+        tag = f"cross_entropy(ls={eps}{', inplace' if inplace else ''})"
+        errs[f"{tag}.loss"] = rel(loss, ref)
+        errs[f"{tag}.dlogits"] = rel(local.grad, _chunk(full.grad, 2, tp, r))
     return errs
 
 
@@ -156,7 +174,7 @@ def test_tensor_parallel_parity_with_unsharded(tp, sp):
     bad = {k: v for k, v in worst.items() if not v <= TOL}
     assert not bad, f"relative errors above {TOL}: {bad}"
     # Every quantity was actually checked.
-    assert len(worst) == (15 if sp else 23)
+    assert len(worst) == (21 if sp else 29)
 
 
 def test_label_smoothing_definition_tp1_matches_pytorch_form():
