@@ -25,10 +25,20 @@ from datetime import timedelta
 DEFAULT_TIMEOUT = 60.0
 
 
+def free_ports(n: int) -> list:
+    """``n`` distinct free TCP ports on 127.0.0.1 (held open together while chosen, so no two are equal)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _worker(rank, world_size, port, fn, args, kwargs, results, stack_path, timeout, env):

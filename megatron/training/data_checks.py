@@ -19,7 +19,10 @@ MAX_SCAN_BYTES = 1 << 30
 _DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
-def _prefixes(args):
+def data_prefixes(args):
+    """(flag, dataset prefix) for every dataset the data flags name (none with --mock-data)."""
+    if getattr(args, "mock_data", False):
+        return
     for dest in _DATA_FLAGS:
         blend = get_blend_from_list(getattr(args, dest, None))
         for prefix in (blend[0] if blend else []):
@@ -39,9 +42,7 @@ def max_token_id(dataset: IndexedDataset, max_scan_bytes: int = MAX_SCAN_BYTES):
 
 def check_data_files(args, vocab_size=None, max_scan_bytes: int = MAX_SCAN_BYTES) -> None:
     """Raise a one-line ConfigurationError naming the flag and file when a dataset cannot be used."""
-    if getattr(args, "mock_data", False):
-        return
-    for flag, prefix in _prefixes(args):
+    for flag, prefix in data_prefixes(args):
         try:
             dataset = IndexedDataset(prefix, mmap=True)
         except (IndexFormatError, OSError) as error:

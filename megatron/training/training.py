@@ -188,7 +188,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=args.ddp_bucket_size,
-        check_for_nan_in_grad=args.check_for_nan_in_grad,
+        # check_for_nan_in_grad stays off: --check-for-nan-in-loss-and-grad is train_step's NumericalGuard, which
+        # makes every rank agree before stopping.
     )
     # Only the first chunk is bucketed: later chunks' backward passes finish last anyway.
     model = [DistributedDataParallel(get_model_config(chunk), ddp_config, chunk, disable_bucketing=(i > 0))

@@ -10,6 +10,30 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "training"))
 from train_helpers import GPT_ARGS, REPO, preprocess_corpus_slice, run_pretrain  # noqa: E402,F401
 
 
+class FileProxy:
+    """An open file that behaves as itself except for what a subclass overrides (``write``, to inject faults
+    or count events)."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data):
+        return self._f.write(data)
+
+    def __enter__(self):
+        self._f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+    def __iter__(self):
+        return iter(self._f)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
 def run_leg(extra_args, on_iteration=None):
     """Run pretrain_gpt with GPT_ARGS + extra_args; the loop's sys.exit() (--exit-interval, SIGTERM) ends
     the leg normally. ``on_iteration(iteration)`` is called after each iteration's training step.

@@ -23,7 +23,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from ckpt_helpers import losses, run_leg  # noqa: E402
+from ckpt_helpers import FileProxy, losses, run_leg  # noqa: E402
 
 
 def leg_args(ckpt_format, save_dir, data, world_size):
@@ -32,28 +32,16 @@ def leg_args(ckpt_format, save_dir, data, world_size):
     return args + (["--tensor-model-parallel-size", "2"] if world_size == 2 else [])
 
 
-class _CountingFile:
+class _CountingFile(FileProxy):
     """A file whose every write() is an event."""
 
     def __init__(self, f, on_event):
-        self._f, self._on_event = f, on_event
+        super().__init__(f)
+        self._on_event = on_event
 
     def write(self, data):
         self._on_event("write", getattr(self._f, "name", "?"))
         return self._f.write(data)
-
-    def __enter__(self):
-        self._f.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._f.__exit__(*exc)
-
-    def __iter__(self):
-        return iter(self._f)
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
 
 
 class EventHook:

@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,8 +26,8 @@ import time
 import pytest
 import torch
 
-from ckpt_helpers import REPO, losses, preprocess_corpus_slice, run_leg
-from dist_harness import run_distributed
+from ckpt_helpers import REPO, FileProxy, losses, preprocess_corpus_slice, run_leg
+from dist_harness import free_ports, run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "ckpt_rel_fault_child.py")
@@ -39,17 +38,6 @@ TRIALS = [(1, 4), (2, 2)]  # REL_KILL_TRIALS_SCALE=n multiplies the trials (for 
 TRIALS = [(w, n * int(os.environ.get("REL_KILL_TRIALS_SCALE", "1"))) for w, n in TRIALS]
 MAX_PROCESSES = 4  # children running at once (2-core machines)
 TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _launch(mode, ckpt_format, kill_at_by_rank, world_size, save_dir, data, port):
@@ -66,7 +54,7 @@ def _run_jobs(jobs, timeout=180):
     """Run jobs (dicts with mode, format, kill_at, world, dir) at most MAX_PROCESSES processes at a time. When one
     rank of a job is SIGKILLed the job's other ranks are killed as well. Fills job['codes'], job['output']."""
     pending, running = list(jobs), []
-    ports = iter(_free_ports(len(jobs)))
+    ports = iter(free_ports(len(jobs)))
     deadline = time.time() + timeout
     try:
         while pending or running:
@@ -209,11 +197,12 @@ def test_ckpt_rel_sigkill_at_random_save_events(data, reference, tmp_path_factor
 
 # ---------------------------------------------------------------------------------------------- full disk
 
-class _FullDiskFile:
+class _FullDiskFile(FileProxy):
     """A file on a disk that fills up after ``budget`` more bytes."""
 
     def __init__(self, f, budget):
-        self._f, self._budget = f, budget
+        super().__init__(f)
+        self._budget = budget
 
     def write(self, data):
         n = len(memoryview(data).cast("B"))
@@ -221,16 +210,6 @@ class _FullDiskFile:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), getattr(self._f, "name", None))
         self._budget[0] -= n
         return self._f.write(data)
-
-    def __enter__(self):
-        self._f.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._f.__exit__(*exc)
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
 
 
 def full_disk_body(data, save_dir, ckpt_format, failing_rank, budget_bytes):

@@ -3,14 +3,13 @@ the tracker. The child (ckpt_kill_child.py, one rank) saves at iteration 2, then
 the iteration-4 save; afterwards the tracker must still say 2 and a fresh run must resume from it (and save
 again over the debris). In 'resave' mode the killed save re-writes iteration 4, which the tracker names."""
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from ckpt_helpers import REPO, preprocess_corpus_slice, run_leg
-from dist_harness import run_distributed
+from dist_harness import free_ports, run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # (mode, stage, occurrence). fresh: during the iteration-4 save, after the model file's temporary write (the
@@ -20,17 +19,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 KILL_POINTS = [("fresh", "file-temp-written", 2), ("fresh", "file-renamed", 2), ("fresh", "all-files-written", 1),
                ("fresh", "tracker-temp-written", 1), ("resave", "previous-copy-moved-aside", 1)]
 MAX_CHILDREN = 5
-
-
-def _distinct_free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def resume_body(data_path, dirs):
@@ -47,7 +35,7 @@ def resume_body(data_path, dirs):
 def killed_saves(tmp_path_factory):
     data = preprocess_corpus_slice(str(tmp_path_factory.mktemp("kill_data")))
     root = tmp_path_factory.mktemp("kill")
-    ports = _distinct_free_ports(len(KILL_POINTS))
+    ports = free_ports(len(KILL_POINTS))
     jobs = []
     for (mode, stage, occurrence), port in zip(KILL_POINTS, ports):
         save_dir = str(root / f"{mode}-{stage}-{occurrence}")

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
+
+from dist_harness import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERATION_LINE = re.compile(r" iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \|.*\| global batch size: +(\d+) \|.*")
@@ -48,12 +49,6 @@ rc=0
 for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
 exit $rc
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def script_env(tmp_path, **overrides) -> dict:

@@ -7,7 +7,6 @@ The server runs as in production: two torchrun ranks (TP=2) with a tiny random G
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,12 @@ import urllib.request
 
 import pytest
 
+from dist_harness import free_ports
 from gen_helpers import REPO, TINY_GPT
 
 pytest.importorskip("flask", reason="the text generation server needs Flask (pip install -e '.[test]')")
 
 CHROMIUM_CANDIDATES = ["/usr/bin/chromium", "/usr/bin/chromium-browser"]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(url, method="GET", body=None, raw=None):
@@ -41,7 +35,7 @@ def _request(url, method="GET", body=None, raw=None):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port, master_port = _free_port(), _free_port()
+    port, master_port = free_ports(2)
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     env = dict(os.environ, MEGATRON_FORCE_CPU="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")

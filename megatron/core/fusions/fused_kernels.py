@@ -17,28 +17,19 @@ stays plain for the rest of the process.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.fusions import log_once
-
-NO_COMPILE_ENV = "MEGATRON_NO_COMPILE_FUSIONS"
-COMPILE_ON_CPU_ENV = "MEGATRON_COMPILE_FUSIONS_ON_CPU"
-
-
-def compile_blocker(on_cuda: bool) -> Optional[str]:
-    """Why a compiled fusion cannot be used for an input on this device (None when it can)."""
-    if os.environ.get(NO_COMPILE_ENV, "0") == "1":
-        return f"{NO_COMPILE_ENV}=1"
-    if not hasattr(torch, "compile"):
-        return "torch.compile is not available in this PyTorch"
-    if not on_cuda and os.environ.get(COMPILE_ON_CPU_ENV, "0") != "1":
-        return f"input on CPU (compiled fusions run on CUDA; {COMPILE_ON_CPU_ENV}=1 compiles on CPU too)"
-    return None
-
+# compile_blocker (and its environment variables) is re-exported: one rule decides where every compiled fusion
+# may run.
+from megatron.core.transformer.fusions import (  # noqa: F401
+    COMPILE_ON_CPU_ENV,
+    NO_COMPILE_ENV,
+    compile_blocker,
+    log_once,
+)
 
 class FusedOp:
     """``fn`` and ``torch.compile(fn)``, chosen per call; ``last_choice`` says which ran ('compiled'/'plain')."""

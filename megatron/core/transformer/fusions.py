@@ -34,11 +34,20 @@ def log_once(key: str, message: str) -> None:
     print(f"> {message}", flush=True)
 
 
-def _compile_enabled() -> bool:
-    """torch.compile for the element-wise fusions: on GPU, unless MEGATRON_NO_COMPILE_FUSIONS=1."""
-    if os.environ.get("MEGATRON_NO_COMPILE_FUSIONS", "0") == "1":
-        return False
-    return device.cuda_available() and hasattr(torch, "compile")
+NO_COMPILE_ENV = "MEGATRON_NO_COMPILE_FUSIONS"
+COMPILE_ON_CPU_ENV = "MEGATRON_COMPILE_FUSIONS_ON_CPU"
+
+
+def compile_blocker(on_cuda: bool) -> Optional[str]:
+    """Why a compiled fusion cannot be used for an input on this device (None when it can): every fusion
+    (here and in megatron.core.fusions) asks this one function."""
+    if os.environ.get(NO_COMPILE_ENV, "0") == "1":
+        return f"{NO_COMPILE_ENV}=1"
+    if not hasattr(torch, "compile"):
+        return "torch.compile is not available in this PyTorch"
+    if not on_cuda and os.environ.get(COMPILE_ON_CPU_ENV, "0") != "1":
+        return f"input on CPU (compiled fusions run on CUDA; {COMPILE_ON_CPU_ENV}=1 compiles on CPU too)"
+    return None
 
 
 _COMPILED = {}
@@ -104,8 +113,6 @@ class GeLUFunction(torch.autograd.Function):
 def bias_gelu_impl(input: torch.Tensor, bias: torch.Tensor, use_compiled: Optional[bool] = None) -> torch.Tensor:
     """Fused bias-GeLU (``--bias-gelu-fusion``); compiled where :func:`compile_blocker` allows, else eager."""
     if use_compiled is None:
-        from megatron.core.fusions.fused_kernels import compile_blocker  # lazy: that module imports this one
-
         reason = compile_blocker(input.is_cuda)
         use_compiled = reason is None
         log_once(f"bias_gelu:{use_compiled}", "using torch.compile fused bias-GeLU" if use_compiled
@@ -153,9 +160,10 @@ def get_bias_dropout_add_func(training: bool, fused: bool, on_cuda: bool = False
     eager one runs otherwise. Dropout draws from the current generator in both, so masks are identical.
     """
     fn = _bias_dropout_add_train if training else _bias_dropout_add_inference
-    use_compiled = fused and on_cuda and _compile_enabled()
+    reason = compile_blocker(on_cuda) if fused else "--no-bias-dropout-fusion"
+    use_compiled = reason is None
     log_once("bias_dropout_add", "bias-dropout-add fusion: "
-             + ("torch.compile" if use_compiled else "plain PyTorch (eager)"))
+             + ("torch.compile" if use_compiled else f"plain PyTorch (eager): {reason}"))
     return compiled(fn) if use_compiled else fn
 
 

@@ -58,12 +58,11 @@ def _add_distributed_args(parser):
                        help="Overlap the data-parallel gradient reduction with the backward pass (bucketed).")
     group.add_argument("--ddp-bucket-size", type=int, default=None,
                        help="Elements per gradient bucket with --overlap-grad-reduce (default 40M).")
-    group.add_argument("--check-for-nan-in-grad", action="store_true",
-                       help="Check each gradient bucket for NaN/inf before the data-parallel reduction.")
-    group.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", dest="check_for_nan_in_loss_and_grad",
+    group.add_argument("--check-for-nan-in-loss-and-grad", "--check-for-nan-in-grad", action="store_true",
+                       dest="check_for_nan_in_loss_and_grad",
                        help="Stop the run (every rank, exit code 1) at the first NaN/Inf in a rank's local loss or "
                             "gradient, naming the iteration and the rank (with --fp16 only NaN: Inf is an overflow "
-                            "that skips the step).")
+                            "that skips the step). --check-for-nan-in-grad is an older name of this flag.")
     group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                        dest="check_for_nan_in_loss_and_grad", help="Do not check (the default).")
     return parser

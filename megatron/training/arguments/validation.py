@@ -409,17 +409,14 @@ def _require_readable_file(flag: str, path: str) -> None:
 def _validate_paths(args):
     """(early) Every path flag, checked on every rank before any process group exists, so a typo fails in a
     second with one line instead of after the model is built (or with ranks waiting on one that crashed)."""
-    from megatron.core.datasets.utils import get_blend_from_list
+    from megatron.training.data_checks import data_prefixes
 
-    if not getattr(args, "mock_data", False):
-        for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-            blend = get_blend_from_list(getattr(args, dest, None))
-            for prefix in (blend[0] if blend else []):
-                for suffix in (".idx", ".bin"):
-                    _require(os.path.isfile(prefix + suffix),
-                             f"{_flag(dest)} {prefix}: {prefix + suffix} does not exist (pass dataset prefixes "
-                             "without the .bin/.idx extension, as written by tools/preprocess_data.py)")
-                    _require(os.access(prefix + suffix, os.R_OK), f"{_flag(dest)}: {prefix + suffix} is not readable")
+    for flag, prefix in data_prefixes(args):
+        for suffix in (".idx", ".bin"):
+            _require(os.path.isfile(prefix + suffix),
+                     f"{flag} {prefix}: {prefix + suffix} does not exist (pass dataset prefixes "
+                     "without the .bin/.idx extension, as written by tools/preprocess_data.py)")
+            _require(os.access(prefix + suffix, os.R_OK), f"{flag}: {prefix + suffix} is not readable")
     for dest in ("vocab_file", "merge_file"):
         if getattr(args, dest, None):
             _require_readable_file(_flag(dest), getattr(args, dest))
