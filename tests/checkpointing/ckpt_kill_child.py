@@ -12,9 +12,8 @@ import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
-from ckpt_helpers import run_leg  # noqa: E402
+from helpers.ckpt_helpers import run_leg  # noqa: E402
 
 
 def main():

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from dist_harness import run_distributed
+from helpers.numerics import rel_err
+from helpers.dist_harness import run_distributed
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
@@ -105,10 +106,6 @@ def logits_body(cases):
     return out
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt_convert")
@@ -162,7 +159,7 @@ def test_converted_logits_match_transformers_and_each_other(converted):
         original = merged[f"{family} 2x2"]
         for layout in ("2x2", "1x1", "4x1"):
             logits = merged[f"{family} {layout}"]
-            vs_hf, vs_original = _rel(logits, r["ref"]), _rel(logits, original)
+            vs_hf, vs_original = rel_err(logits, r["ref"]), rel_err(logits, original)
             report.append(f"{family} {layout}: vs transformers {vs_hf:.2e}, vs (2,2) {vs_original:.2e}")
             assert vs_hf <= REL_TOL and vs_original <= REL_TOL, "\n".join(report)
     print("\n".join(report))

@@ -7,15 +7,12 @@ the Adam moments, step count and LR schedule.
 """
 import math
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "training"))
-
-from dist_harness import run_distributed  # noqa: E402
-from train_helpers import preprocess_corpus_slice, run_pretrain  # noqa: E402
+from helpers.dist_harness import run_distributed  # noqa: E402
+from helpers.train_helpers import preprocess_corpus_slice, run_pretrain  # noqa: E402
 
 REL_TOL = 1e-5
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 FULL = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)
 GATED = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3) + 1000  # [2, ffn, h]

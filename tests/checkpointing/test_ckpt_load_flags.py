@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from ckpt_helpers import preprocess_corpus_slice, run_leg
-from dist_harness import run_distributed
+from helpers.ckpt_helpers import preprocess_corpus_slice, run_leg
+from helpers.dist_harness import run_distributed
 
 
 def _losses(records):

@@ -26,8 +26,9 @@ import time
 import pytest
 import torch
 
-from ckpt_helpers import REPO, FileProxy, losses, preprocess_corpus_slice, run_leg
-from dist_harness import free_ports, run_distributed
+from helpers import child_pythonpath
+from helpers.ckpt_helpers import FileProxy, losses, preprocess_corpus_slice, run_leg
+from helpers.dist_harness import free_ports, run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "ckpt_rel_fault_child.py")
@@ -43,7 +44,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 def _launch(mode, ckpt_format, kill_at_by_rank, world_size, save_dir, data, port):
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, PYTHONPATH=REPO, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        env = dict(os.environ, PYTHONPATH=child_pythonpath(), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         cmd = [sys.executable, CHILD, mode, ckpt_format, kill_at_by_rank.get(rank, "any:0"), save_dir, data]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

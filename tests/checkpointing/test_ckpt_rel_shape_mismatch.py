@@ -3,8 +3,8 @@ mismatching flag and names the checkpoint, raised identically on every rank befo
 torch size-mismatch traceback)."""
 import os
 
-from ckpt_helpers import run_leg
-from dist_harness import run_distributed
+from helpers.ckpt_helpers import run_leg
+from helpers.dist_harness import run_distributed
 
 SMALL = ["--mock-data", "--num-layers", "2", "--train-iters", "2", "--eval-iters", "1", "--lr-warmup-iters", "0"]
 

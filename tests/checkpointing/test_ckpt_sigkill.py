@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from ckpt_helpers import REPO, preprocess_corpus_slice, run_leg
-from dist_harness import free_ports, run_distributed
+from helpers import child_pythonpath
+from helpers.ckpt_helpers import preprocess_corpus_slice, run_leg
+from helpers.dist_harness import free_ports, run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # (mode, stage, occurrence). fresh: during the iteration-4 save, after the model file's temporary write (the
@@ -39,7 +40,7 @@ def killed_saves(tmp_path_factory):
     jobs = []
     for (mode, stage, occurrence), port in zip(KILL_POINTS, ports):
         save_dir = str(root / f"{mode}-{stage}-{occurrence}")
-        env = dict(os.environ, PYTHONPATH=REPO, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+        env = dict(os.environ, PYTHONPATH=child_pythonpath(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         cmd = [sys.executable, os.path.join(HERE, "ckpt_kill_child.py"), mode, stage, str(occurrence), save_dir, data]
         jobs.append((save_dir, cmd, env))

@@ -7,8 +7,8 @@ import signal
 
 import torch
 
-from ckpt_helpers import preprocess_corpus_slice, run_leg
-from dist_harness import run_distributed
+from helpers.ckpt_helpers import preprocess_corpus_slice, run_leg
+from helpers.dist_harness import run_distributed
 
 
 def sigterm_body(data_path, save_dir):

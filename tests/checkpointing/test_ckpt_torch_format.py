@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from ckpt_helpers import preprocess_corpus_slice, resume_case, run_leg
-from dist_harness import run_distributed
+from helpers.ckpt_helpers import preprocess_corpus_slice, resume_case, run_leg
+from helpers.dist_harness import run_distributed
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 FP16 = ["--fp16", "--initial-loss-scale", "4294967296"]  # starts far too high: skipped steps, a moving scale

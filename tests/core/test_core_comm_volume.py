@@ -9,14 +9,11 @@ docs/performance.md ("Scaling on paper"), written out independently in ``expecte
 including the small terms (data broadcast over TP, loss averaging over DP, gradient-norm all-reduce).
 """
 import os
-import sys
 from collections import defaultdict
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "training"))
-
-from dist_harness import run_distributed  # noqa: E402
+from helpers.dist_harness import run_distributed  # noqa: E402
 
 # The model of train_helpers.GPT_ARGS with 4 layers (8 for the interleaved schedule) and --mock-data
 # (padded vocabulary 8192).
@@ -125,7 +122,7 @@ def expected_volume(c, pp_rank):
 
 def comm_volume_body(layouts):
     """Run each layout for 2 iterations; return per layout (pp_rank, counted volume of each iteration)."""
-    import train_helpers  # tests/training, on sys.path via this module's import
+    from helpers import train_helpers
     from megatron.core import parallel_state as ps
     from megatron.core.comm_accounting import CommAccountant
     from megatron.training import training as training_mod

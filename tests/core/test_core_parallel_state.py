@@ -7,7 +7,7 @@ and every group is exercised with a real all-reduce to show the process groups m
 import pytest
 import torch
 
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 # (world, tp, pp, vpp) -> hand-written group tables.
 LAYOUTS = {

@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 S, MB, H = 4, 2, 8
 

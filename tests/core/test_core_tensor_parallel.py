@@ -9,15 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import run_distributed
+from helpers.numerics import rel_err
+from helpers.dist_harness import run_distributed
 
 S, B, IN, OUT, VOCAB, HID = 8, 3, 8, 12, 16, 6
 TOL = 1e-5
-
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _full_tensors():
@@ -82,10 +78,10 @@ def tp_parity_body(tp, sequence_parallel):
         G = T["G"] if gather else _chunk(T["G"], 2, tp, r)
         (Y * G.float()).sum().backward()
         name = f"column(gather={gather},sp={sp})"
-        errs[name + ".out"] = rel(Y, Y_ref if gather else _chunk(Y_ref, 2, tp, r))
-        errs[name + ".dX"] = rel(X.grad, _chunk(dX_ref, 0, tp, r) if sp else dX_ref)
-        errs[name + ".dW"] = rel(layer.weight.grad, _chunk(dW_ref, 0, tp, r))
-        errs[name + ".db"] = rel(layer.bias.grad, _chunk(db_ref, 0, tp, r))
+        errs[name + ".out"] = rel_err(Y, Y_ref if gather else _chunk(Y_ref, 2, tp, r))
+        errs[name + ".dX"] = rel_err(X.grad, _chunk(dX_ref, 0, tp, r) if sp else dX_ref)
+        errs[name + ".dW"] = rel_err(layer.weight.grad, _chunk(dW_ref, 0, tp, r))
+        errs[name + ".db"] = rel_err(layer.bias.grad, _chunk(db_ref, 0, tp, r))
 
     # --- RowParallelLinear: weight columns [r*IN/tp, (r+1)*IN/tp) --------------------------------------
     for input_is_parallel in ([True] if sp else [True, False]):
@@ -99,14 +95,14 @@ def tp_parity_body(tp, sequence_parallel):
         G = _chunk(T["G"], 0, tp, r) if sp else T["G"]
         (Y * G.float()).sum().backward()
         name = f"row(input_is_parallel={input_is_parallel},sp={sp})"
-        errs[name + ".out"] = rel(Y, _chunk(Y_ref, 0, tp, r) if sp else Y_ref)
-        errs[name + ".dX"] = rel(X.grad, _chunk(dX_ref, 2, tp, r) if input_is_parallel else dX_ref)
-        errs[name + ".dW"] = rel(layer.weight.grad, _chunk(dW_ref, 1, tp, r))
+        errs[name + ".out"] = rel_err(Y, _chunk(Y_ref, 0, tp, r) if sp else Y_ref)
+        errs[name + ".dX"] = rel_err(X.grad, _chunk(dX_ref, 2, tp, r) if input_is_parallel else dX_ref)
+        errs[name + ".dW"] = rel_err(layer.weight.grad, _chunk(dW_ref, 1, tp, r))
         db = layer.bias.grad.clone()
         if sp:  # each rank saw part of the sequence: the optimizer all-reduces SP-param grads over TP
             assert layer.bias.sequence_parallel
             torch.distributed.all_reduce(db, group=ps.get_tensor_model_parallel_group())
-        errs[name + ".db"] = rel(db, db_ref)
+        errs[name + ".db"] = rel_err(db, db_ref)
 
     # --- skip_bias_add returns the bias instead of adding it -----------------------------------------
     layer = tpl.ColumnParallelLinear(IN, OUT, config=cfg, init_method=init, skip_bias_add=True)
@@ -126,8 +122,8 @@ def tp_parity_body(tp, sequence_parallel):
     E = T["E"].clone().requires_grad_(True)
     ref = F.embedding(T["ids"], E)
     (ref * T["GE"]).sum().backward()
-    errs["embedding.out"] = rel(out, ref)
-    errs["embedding.dW"] = rel(emb.weight.grad, _chunk(E.grad, 0, tp, r))
+    errs["embedding.out"] = rel_err(out, ref)
+    errs["embedding.dW"] = rel_err(emb.weight.grad, _chunk(E.grad, 0, tp, r))
 
     # With gradient_accumulation_fusion the looked-up rows are added straight into main_grad (as DDP gives it):
     # main_grad = what it held + the reference gradient slice, and no .grad is made.
@@ -139,7 +135,7 @@ def tp_parity_body(tp, sequence_parallel):
     held = torch.full_like(emb.weight, 0.25)
     emb.weight.main_grad = held.clone()
     (emb(T["ids"]) * T["GE"].float()).sum().backward()
-    errs["embedding(main_grad).dW"] = rel(emb.weight.main_grad - held, _chunk(E.grad, 0, tp, r))
+    errs["embedding(main_grad).dW"] = rel_err(emb.weight.main_grad - held, _chunk(E.grad, 0, tp, r))
     errs["embedding(main_grad).no_grad"] = 0.0 if emb.weight.grad is None else 1.0
 
     # --- vocab_parallel_cross_entropy ------------------------------------------------------------------
@@ -159,8 +155,8 @@ def tp_parity_body(tp, sequence_parallel):
             ref = _megatron_label_smoothing_loss(full, T["target"], eps)
         (ref * gl).sum().backward()
         tag = f"cross_entropy(ls={eps}{', inplace' if inplace else ''})"
-        errs[f"{tag}.loss"] = rel(loss, ref)
-        errs[f"{tag}.dlogits"] = rel(local.grad, _chunk(full.grad, 2, tp, r))
+        errs[f"{tag}.loss"] = rel_err(loss, ref)
+        errs[f"{tag}.dlogits"] = rel_err(local.grad, _chunk(full.grad, 2, tp, r))
     return errs
 
 

@@ -2,7 +2,7 @@
 import numpy
 import pytest
 
-from data_support import sample_texts, tokenizer_args, tokenizer_flags, write_jsonl
+from helpers.data_support import sample_texts, tokenizer_args, tokenizer_flags, write_jsonl
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.tokenizer import build_tokenizer

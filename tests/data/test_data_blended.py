@@ -4,7 +4,7 @@ import math
 import numpy
 import pytest
 
-from data_support import tokenizer_args, write_indexed
+from helpers.data_support import tokenizer_args, write_indexed
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.blended_megatron_dataset_config import (

@@ -8,8 +8,8 @@ import numpy
 import pytest
 import torch
 
-from data_support import tokenizer_args, write_indexed
-from dist_harness import run_distributed
+from helpers.data_support import tokenizer_args, write_indexed
+from helpers.dist_harness import run_distributed
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import (
     GPTDataset, GPTDatasetConfig, MockGPTDataset, MockGPTLowLevelDataset, _get_ltor_masks_and_position_ids)

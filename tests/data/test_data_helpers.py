@@ -195,7 +195,7 @@ def test_setup_py_installs_without_a_working_compiler(tmp_path):
     import subprocess
     import sys
 
-    from data_support import REPO
+    from helpers.data_support import REPO
 
     env = dict(os.environ, CC="/bin/false", CXX="/bin/false")
     done = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),

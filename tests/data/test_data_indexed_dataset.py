@@ -7,7 +7,7 @@ import struct
 import numpy
 import pytest
 
-from data_support import read_file, write_indexed
+from helpers.data_support import read_file, write_indexed
 from megatron.core.datasets import indexed_dataset as idx_mod
 from megatron.core.datasets.indexed_dataset import (
     DType, IndexedDataset, IndexedDatasetBuilder, IndexFormatError, get_bin_path, get_idx_path)

@@ -11,7 +11,7 @@ import unicodedata
 import numpy
 import pytest
 
-from data_support import (
+from helpers.data_support import (
     CORPUS, GPT2_MERGES, GPT2_VOCAB, REPO, read_file, sample_texts, tokenizer_args, tokenizer_flags, write_jsonl)
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.tokenizer import build_tokenizer

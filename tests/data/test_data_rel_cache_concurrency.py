@@ -10,7 +10,7 @@ import time
 import numpy
 import pytest
 
-from data_support import tokenizer_args, write_indexed
+from helpers.data_support import tokenizer_args, write_indexed
 
 NUM_DOCS, NUM_SAMPLES, SEQ = 3000, 4000, 16
 NUM_PROCESSES = 4

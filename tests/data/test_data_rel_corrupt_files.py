@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import numpy
 import pytest
-from data_support import GPT2_MERGES, GPT2_VOCAB
+from helpers.data_support import GPT2_MERGES, GPT2_VOCAB
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron.training import data_checks

@@ -119,7 +119,7 @@ def _iterators_under_model_parallelism():
 
 
 def test_only_tensor_parallel_rank_0_of_each_stage_reads_data():
-    from dist_harness import run_distributed
+    from helpers.dist_harness import run_distributed
 
     results = run_distributed(_iterators_under_model_parallelism, 6, timeout=150)
     # Pipeline stage s holds ranks 2s (tensor rank 0) and 2s + 1. Every stage's TP rank 0 reads the batch

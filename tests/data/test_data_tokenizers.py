@@ -6,7 +6,7 @@ import unicodedata
 import pytest
 import regex
 
-from data_support import BERT_VOCAB, GPT2_MERGES, GPT2_VOCAB, SPM_MODEL, sample_texts, tokenizer_args
+from helpers.data_support import BERT_VOCAB, GPT2_MERGES, GPT2_VOCAB, SPM_MODEL, sample_texts, tokenizer_args
 from megatron.tokenizer import build_tokenizer
 
 TRICKY = [

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 
 import pytest
-from examples_helpers import FAKE_SRUN, ITERS, REPO, TINY, install_fake, iteration_lines, run_script, script_env
+from helpers.examples_helpers import FAKE_SRUN, ITERS, REPO, TINY, install_fake, iteration_lines, run_script, script_env
 
-sys.path.insert(0, os.path.join(REPO, "tests", "training"))
-from train_helpers import preprocess_corpus_slice  # noqa: E402
+from helpers.train_helpers import preprocess_corpus_slice  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

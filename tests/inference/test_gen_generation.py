@@ -6,8 +6,8 @@ log-probabilities must equal TP=1's).
 import pytest
 import torch
 
-from dist_harness import run_distributed
-from gen_helpers import PROMPTS, build_tiny_gpt, full_logits
+from helpers.dist_harness import run_distributed
+from helpers.gen_helpers import PROMPTS, build_tiny_gpt, full_logits
 
 NEW_TOKENS = 12
 

@@ -15,8 +15,8 @@ import urllib.request
 
 import pytest
 
-from dist_harness import free_ports
-from gen_helpers import REPO, TINY_GPT
+from helpers.dist_harness import free_ports
+from helpers.gen_helpers import REPO, TINY_GPT
 
 pytest.importorskip("flask", reason="the text generation server needs Flask (pip install -e '.[test]')")
 

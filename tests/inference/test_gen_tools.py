@@ -5,8 +5,8 @@ import os
 import subprocess
 import sys
 
-from dist_harness import run_distributed
-from gen_helpers import REPO, TINY_GPT, build_tiny_gpt
+from helpers.dist_harness import run_distributed
+from helpers.gen_helpers import REPO, TINY_GPT, build_tiny_gpt
 
 PROMPT = "The quick brown fox"
 

@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from models_helpers import causal_mask, gpt_inputs, rel_err, single_rank, tiny_config  # noqa: F401  (fixture)
+from helpers.numerics import rel_err
+from helpers.models_helpers import causal_mask, gpt_inputs, single_rank, tiny_config  # noqa: F401  (fixture)
 
 from megatron.core import InferenceParams, parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -4,7 +4,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from models_helpers import bert_inputs, rel_err, single_rank, tiny_config  # noqa: F401  (fixture)
+from helpers.numerics import rel_err
+from helpers.models_helpers import bert_inputs, single_rank, tiny_config  # noqa: F401  (fixture)
 
 from megatron.core.models.bert import BertModel as CoreBertModel
 from megatron.core.models.conversion import keys

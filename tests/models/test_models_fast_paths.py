@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models_helpers import causal_mask, rel_err, single_rank, tiny_config  # noqa: F401  (fixture)
+from helpers.numerics import rel_err
+from helpers.models_helpers import causal_mask, single_rank, tiny_config  # noqa: F401  (fixture)
 
 from megatron.core.transformer import fusions
 from megatron.core.transformer.dot_product_attention import CoreAttention

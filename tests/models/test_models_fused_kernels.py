@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import run_distributed
-from models_helpers import rel_err, single_rank, tiny_config  # noqa: F401  (fixture)
+from helpers.numerics import rel_err
+from helpers.dist_harness import run_distributed
+from helpers.models_helpers import single_rank, tiny_config  # noqa: F401  (fixture)
 
 from megatron.core.fusions import fused_kernels
 from megatron.core.fusions.fused_cross_entropy import GRADIENT, LOCAL_STATISTICS, fused_vocab_parallel_cross_entropy

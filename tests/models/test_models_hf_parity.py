@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models_helpers import causal_mask, rel_err, single_rank  # noqa: F401  (fixture)
+from helpers.numerics import rel_err
+from helpers.models_helpers import causal_mask, single_rank  # noqa: F401  (fixture)
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,8 +8,9 @@ all-reduce the optimizer performs), and loss and gradients equal an unsplit (PP=
 """
 import torch
 
-from dist_harness import run_distributed
-from models_helpers import gpt_inputs, rel_err, tiny_config
+from helpers.numerics import rel_err
+from helpers.dist_harness import run_distributed
+from helpers.models_helpers import gpt_inputs, tiny_config
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel as CoreGPTModel

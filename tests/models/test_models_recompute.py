@@ -2,8 +2,9 @@
 gradients as no recompute, with attention and hidden dropout active (TP=2, so the RNG tracker is exercised)."""
 import torch
 
-from dist_harness import run_distributed
-from models_helpers import gpt_inputs, rel_err, tiny_config
+from helpers.numerics import rel_err
+from helpers.dist_harness import run_distributed
+from helpers.models_helpers import gpt_inputs, tiny_config
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.model import GPTModel

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import run_distributed
-from models_helpers import bert_inputs, gpt_inputs, rel_err, tiny_config
+from helpers.numerics import rel_err
+from helpers.dist_harness import run_distributed
+from helpers.models_helpers import bert_inputs, gpt_inputs, tiny_config
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.conversion import keys

@@ -13,22 +13,22 @@ import copy
 import pytest
 import torch
 
-from dist_harness import run_distributed
-from optim_helpers import (
+from helpers.numerics import rel_err
+from helpers.dist_harness import run_distributed
+from helpers.optim_helpers import (
     ToyModel,
     dp_slice,
     init_parallel,
     main_grads,
     make_config,
     reference_grads,
-    rel,
     toy_batch,
     toy_loss,
 )
 
 
 def _worst(ours, ref):
-    return max(rel(ours[n], ref[n]) for n in ref)
+    return max(rel_err(ours[n], ref[n]) for n in ref)
 
 
 def _buckets(model):
@@ -144,7 +144,7 @@ def ddp_body(dp):
     out["fusion_issued_in_backward"] = all(b.communication_issued for b in _buckets(model))
     model.finish_grad_sync()
     ours = [p.main_grad for p in model.module.parameters()]
-    out["fusion"] = max(rel(a, p.grad) for a, p in zip(ours, ref_plain.parameters()))
+    out["fusion"] = max(rel_err(a, p.grad) for a, p in zip(ours, ref_plain.parameters()))
 
     # 5. --DDP-impl torch: torch's reducer, then main_grad = grad.
     model = TorchDistributedDataParallel(copy.deepcopy(base))
@@ -158,7 +158,7 @@ def ddp_body(dp):
     model.zero_grad_buffer()
     ((model(dp_slice(xt, r, dp)) - dp_slice(yt, r, dp)) ** 2).mean().backward()
     model.finish_grad_sync()
-    out["torch_ddp_fusion_off"] = max(rel(p.main_grad, q.grad)
+    out["torch_ddp_fusion_off"] = max(rel_err(p.main_grad, q.grad)
                                       for p, q in zip(model.module.parameters(), ref_plain.parameters()))
 
     # 6. The legacy signature and allreduce_gradients().
@@ -172,7 +172,7 @@ def ddp_body(dp):
     other = ToyModel(seed=99 + r) if r else copy.deepcopy(base)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), other)
     model.broadcast_params()
-    out["broadcast"] = max(rel(p, q) for p, q in zip(model.module.parameters(), base.parameters()))
+    out["broadcast"] = max(rel_err(p, q) for p, q in zip(model.module.parameters(), base.parameters()))
 
     # 8. check_for_nan_in_grad raises before the collective.
     model = DistributedDataParallel(config, DistributedDataParallelConfig(check_for_nan_in_grad=True),

@@ -19,8 +19,9 @@ import os
 import pytest
 import torch
 
-from dist_harness import run_distributed
-from optim_helpers import ToyModel, dp_slice, init_parallel, make_config, rel, toy_batch, toy_loss
+from helpers.numerics import rel_err
+from helpers.dist_harness import run_distributed
+from helpers.optim_helpers import ToyModel, dp_slice, init_parallel, make_config, toy_batch, toy_loss
 
 
 def _build(base, dtype, distributed, bucket_size=100, seed_model=None):
@@ -71,7 +72,7 @@ def distrib_body(dp, tmpdir):
         b = _step(dist, dist_opt, step, dp, r)
         results.append((a[0], b[0], abs(a[1] - b[1]) / a[1], a[2], b[2]))
     out["fp32_steps"] = results
-    out["fp32_params"] = max(rel(p, q) for p, q in zip(dist.parameters(), plain.parameters()))
+    out["fp32_params"] = max(rel_err(p, q) for p, q in zip(dist.parameters(), plain.parameters()))
 
     # 2. The distrib_optim.pt content, checked against the plain optimizer's parameters and moments.
     state = dist_opt.get_parameter_state()
@@ -81,9 +82,9 @@ def distrib_body(dp, tmpdir):
         adam = plain_opt.optimizer.state
         out["format_keys"] = sorted(k for k in state if not isinstance(k, int)) + sorted(entry)
         out["format_numel"] = entry["numel_unpadded"]
-        out["format_param"] = rel(entry["param"], torch.cat([p.detach().view(-1) for p in params]))
-        out["format_exp_avg"] = rel(entry["exp_avg"], torch.cat([adam[p]["exp_avg"].view(-1) for p in params]))
-        out["format_exp_avg_sq"] = rel(entry["exp_avg_sq"],
+        out["format_param"] = rel_err(entry["param"], torch.cat([p.detach().view(-1) for p in params]))
+        out["format_exp_avg"] = rel_err(entry["exp_avg"], torch.cat([adam[p]["exp_avg"].view(-1) for p in params]))
+        out["format_exp_avg_sq"] = rel_err(entry["exp_avg_sq"],
                                        torch.cat([adam[p]["exp_avg_sq"].view(-1) for p in params]))
     else:
         out["format_none_elsewhere"] = state is None
@@ -115,9 +116,9 @@ def distrib_body(dp, tmpdir):
         _step(dist, dist_opt, step, dp, r)
         _step(fresh, fresh_opt, step, dp, r)
         _step(from_file, from_file_opt, step, dp, r)
-    out["roundtrip_vs_dist"] = max(rel(p, q) for p, q in zip(fresh.parameters(), dist.parameters()))
-    out["roundtrip_vs_plain"] = max(rel(p, q) for p, q in zip(fresh.parameters(), plain.parameters()))
-    out["roundtrip_file"] = max(rel(p, q) for p, q in zip(from_file.parameters(), dist.parameters()))
+    out["roundtrip_vs_dist"] = max(rel_err(p, q) for p, q in zip(fresh.parameters(), dist.parameters()))
+    out["roundtrip_vs_plain"] = max(rel_err(p, q) for p, q in zip(fresh.parameters(), plain.parameters()))
+    out["roundtrip_file"] = max(rel_err(p, q) for p, q in zip(from_file.parameters(), dist.parameters()))
 
     # 4. bf16 params: distributed vs non-distributed mixed-precision optimizer.
     plain16, plain16_opt = _build(base, torch.bfloat16, distributed=False)
@@ -125,11 +126,11 @@ def distrib_body(dp, tmpdir):
     for step in range(3):
         _step(plain16, plain16_opt, step, dp, r)
         _step(dist16, dist16_opt, step, dp, r)
-    out["bf16_params"] = max(rel(p.float(), q.float()) for p, q in zip(dist16.parameters(), plain16.parameters()))
+    out["bf16_params"] = max(rel_err(p.float(), q.float()) for p, q in zip(dist16.parameters(), plain16.parameters()))
     mains = {p: m for g1, g2 in zip(plain16_opt.float16_groups, plain16_opt.fp32_from_float16_groups)
              for p, m in zip(g1, g2)}
     out["bf16_main_shards"] = max(
-        rel(dist16_opt.optimizer.param_groups[gi]["params"][order],
+        rel_err(dist16_opt.optimizer.param_groups[gi]["params"][order],
             mains[_same_param(plain16, dist16, p)].view(-1)[dist16_opt.param_ranges[p].param_start:
                                                             dist16_opt.param_ranges[p].param_end])
         for p, (gi, order) in dist16_opt.model_param_group_index_map.items())

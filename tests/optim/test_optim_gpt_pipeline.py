@@ -11,7 +11,7 @@ import copy
 
 import torch
 
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 LAYERS, HIDDEN, SEQ, VOCAB, GLOBAL_BATCH, STEPS = 4, 32, 8, 64, 4, 3
 

@@ -11,8 +11,9 @@ import io
 import pytest
 import torch
 
-from dist_harness import run_distributed
-from optim_helpers import ToyModel, init_parallel, make_config, rel, toy_batch, toy_loss
+from helpers.numerics import rel_err
+from helpers.dist_harness import run_distributed
+from helpers.optim_helpers import ToyModel, init_parallel, make_config, toy_batch, toy_loss
 
 LR, WD = 0.01, 0.1
 
@@ -58,7 +59,7 @@ def _ref_step(model, opt, step, clip=None, zero_first_input=False):
 
 
 def _params_rel(model, ref):
-    return max(rel(p.float(), q) for p, q in zip(model.module.parameters(), ref.parameters()))
+    return max(rel_err(p.float(), q) for p, q in zip(model.module.parameters(), ref.parameters()))
 
 
 def single_process_body():
@@ -176,7 +177,7 @@ def single_process_body():
             _train_step(model2, opt2, step)
         name = str(dtype).split(".")[-1]
         inner = saved["optimizer"]["optimizer"] if fp16 else saved["optimizer"]
-        out[f"roundtrip_{name}"] = max(rel(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+        out[f"roundtrip_{name}"] = max(rel_err(p, q) for p, q in zip(model.parameters(), model2.parameters()))
         out[f"roundtrip_{name}_group_step"] = inner["param_groups"][0].get("step")
         out[f"roundtrip_{name}_keys"] = sorted(saved["optimizer"]) if fp16 else None
     return out

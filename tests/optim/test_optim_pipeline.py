@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import run_distributed
-from optim_helpers import init_parallel, make_config, rel
+from helpers.numerics import rel_err
+from helpers.dist_harness import run_distributed
+from helpers.optim_helpers import init_parallel, make_config
 
 V, H, S, B_PER_DP = 10, 6, 5, 2
 
@@ -131,7 +132,7 @@ def pipeline_body(dp, distributed_optimizer):
             piece = opt.param_ranges[module.word_embeddings.weight]
             ours = ours[piece.param_start:piece.param_end]
             theirs = theirs[piece.param_start:piece.param_end]
-        emb_grad_errs.append(rel(ours, theirs))
+        emb_grad_errs.append(rel_err(ours, theirs))
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()
         ref_opt.step()
         ok, norm, _ = opt.step()
@@ -144,7 +145,7 @@ def pipeline_body(dp, distributed_optimizer):
         pairs = [(module.word_embeddings.weight, ref.word_embeddings.weight), (module.norm.weight, ref.norm.weight),
                  (module.norm.bias, ref.norm.bias)]
     return {"norm": max(norms), "clip_active": ref_norm > 0.5, "emb_grad": max(emb_grad_errs),
-            "params": max(rel(a, b) for a, b in pairs)}
+            "params": max(rel_err(a, b) for a, b in pairs)}
 
 
 @pytest.mark.parametrize("dp,distributed_optimizer", [(1, False), (2, True)], ids=["pp2", "pp2_dp2_distopt"])

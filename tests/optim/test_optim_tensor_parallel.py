@@ -9,8 +9,9 @@ import copy
 
 import torch
 
-from dist_harness import run_distributed
-from optim_helpers import init_parallel, make_config, rel
+from helpers.numerics import rel_err
+from helpers.dist_harness import run_distributed
+from helpers.optim_helpers import init_parallel, make_config
 
 S, B, H_IN, H_MID, H_OUT = 4, 3, 6, 12, 5
 
@@ -106,7 +107,7 @@ def tp_body(tp):
     out["clip_norm"] = max(norm_errs)
     out["clip_norm_was_active"] = ref_norm > 0.3
     out["zeros"] = zeros_match
-    out["params_after_clip"] = max(rel(p, q) for p, q in zip(model.module.parameters(), _shards_of_full(ref, tp, r)))
+    out["params_after_clip"] = max(rel_err(p, q) for p, q in zip(model.module.parameters(), _shards_of_full(ref, tp, r)))
 
     # 2. fp16: an overflow on TP rank 1 only -> both ranks skip and halve the scale (hysteresis 1).
     model16 = DistributedDataParallel(config, DistributedDataParallelConfig(),
@@ -145,7 +146,7 @@ def tp_body(tp):
     ((sp_model(x.chunk(tp, 0)[r]) * y.chunk(tp, 0)[r]).sum()).backward()
     finalize_model_grads([sp_model])
     ((ref_norm_module(x) * y).sum()).backward()
-    out["sp_layernorm"] = max(rel(p.main_grad, q.grad) for p, q in zip(norm.parameters(),
+    out["sp_layernorm"] = max(rel_err(p.main_grad, q.grad) for p, q in zip(norm.parameters(),
                                                                        ref_norm_module.parameters()))
     return out
 

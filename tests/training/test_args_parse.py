@@ -4,7 +4,7 @@ import argparse
 import importlib
 
 import pytest
-from args_test_helpers import BASE_ARGV, clean_env, validated  # noqa: F401  (fixture)
+from helpers.args_test_helpers import BASE_ARGV, clean_env, validated  # noqa: F401  (fixture)
 
 from megatron.training.arguments import build_parser, format_args_table, parse_args
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from args_test_helpers import BASE_ARGV, clean_env, parse, validated  # noqa: F401  (fixture)
+from helpers.args_test_helpers import BASE_ARGV, clean_env, parse, validated  # noqa: F401  (fixture)
 
 from megatron.core import device
 from megatron.training.arguments import core_transformer_config_from_args, validate_args

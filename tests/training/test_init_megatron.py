@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from args_test_helpers import BASE_ARGV, clean_env  # noqa: F401  (fixture)
-from dist_harness import free_port, run_distributed
+from helpers.args_test_helpers import BASE_ARGV, clean_env  # noqa: F401  (fixture)
+from helpers.dist_harness import free_port, run_distributed
 
 from megatron.training.errors import ConfigurationError
 from megatron.training.launch_env import expand_slurm_nodelist, first_slurm_host, resolve_launch_env

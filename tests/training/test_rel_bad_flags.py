@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from args_test_helpers import BASE_ARGV, clean_env, parse, validated  # noqa: F401  (fixture)
+from helpers.args_test_helpers import BASE_ARGV, clean_env, parse, validated  # noqa: F401  (fixture)
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron.training.errors import ConfigurationError

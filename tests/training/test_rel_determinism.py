@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from dist_harness import run_distributed
-from train_helpers import preprocess_corpus_slice, run_pretrain
+from helpers.dist_harness import run_distributed
+from helpers.train_helpers import preprocess_corpus_slice, run_pretrain
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--train-iters", "4", "--log-interval", "1"]
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "dp2": []}
@@ -77,7 +77,7 @@ def restore_global_settings():
 
 def _parse(extra):
     from megatron.training.arguments import parse_args, validate_args
-    from train_helpers import GPT_ARGS
+    from helpers.train_helpers import GPT_ARGS
     args = parse_args(argv=GPT_ARGS + ["--mock-data"] + extra)
     args.rank, args.world_size = 0, 1
     validate_args(args)

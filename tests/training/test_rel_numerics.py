@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 from megatron.training.fault_injection import fault_requested
 
@@ -60,8 +60,8 @@ def _identical(a, b):
 
 
 def numerics_body():
-    import train_helpers
-    from train_helpers import run_pretrain
+    from helpers import train_helpers
+    from helpers.train_helpers import run_pretrain
 
     from megatron.training import training as training_mod
     from megatron.training.numerical_checks import NumericalFaultError
@@ -165,9 +165,9 @@ def _launch_two_ranks(argv, env_extra, port):
 
 
 def test_nan_check_end_to_end_every_rank_exits_and_message_printed_once():
-    from train_helpers import GPT_ARGS
+    from helpers.train_helpers import GPT_ARGS
 
-    from dist_harness import free_port
+    from helpers.dist_harness import free_port
 
     args = list(GPT_ARGS) + SHORT + ["--check-for-nan-in-loss-and-grad"]
     start = time.time()

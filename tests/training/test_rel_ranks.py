@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from dist_harness import free_port
-from train_helpers import GPT_ARGS, REPO, preprocess_corpus_slice
+from helpers.dist_harness import free_port
+from helpers.train_helpers import GPT_ARGS, REPO, preprocess_corpus_slice
 
 TIMEOUT_MIN = 0.25  # --distributed-timeout-minutes: 15 s
 MARGIN_S = 20  # exit must happen within the timeout plus this (startup of the test's poll loop, a loaded machine)

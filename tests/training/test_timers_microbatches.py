@@ -3,7 +3,7 @@ import re
 import time
 
 import pytest
-from args_test_helpers import clean_env, validated  # noqa: F401  (fixture)
+from helpers.args_test_helpers import clean_env, validated  # noqa: F401  (fixture)
 
 from megatron.training.errors import ConfigurationError
 from megatron.training.global_vars import (

@@ -17,9 +17,9 @@ import traceback
 
 import torch
 
-from dist_harness import run_distributed
-from args_test_helpers import clean_env  # noqa: F401  (fixture)
-from train_helpers import load_entry_point
+from helpers.dist_harness import run_distributed
+from helpers.args_test_helpers import clean_env  # noqa: F401  (fixture)
+from helpers.train_helpers import load_entry_point
 
 SYNC_METHODS = ["item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__repr__", "__format__"]
 
@@ -86,7 +86,7 @@ def count_syncs_body(runs, iters):
 
     from megatron.core import parallel_state as ps
     from megatron.training import global_vars
-    from train_helpers import GPT_ARGS
+    from helpers.train_helpers import GPT_ARGS
 
     module = load_entry_point("pretrain_gpt")
     results = {}
@@ -138,7 +138,7 @@ def test_cuda_graph_flags_error_clearly(clean_env):
     """CUDA graphs are not implemented: the flags say so (and on CPU that a CUDA device is needed)."""
     import pytest
 
-    from args_test_helpers import validated
+    from helpers.args_test_helpers import validated
     from megatron.core import device
     from megatron.training.errors import ConfigurationError
 

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from dist_harness import run_distributed
-from train_helpers import REPO, preprocess_corpus_slice, run_pretrain
+from helpers.dist_harness import run_distributed
+from helpers.train_helpers import REPO, preprocess_corpus_slice, run_pretrain
 
 REL_TOL = 1e-4
 
@@ -81,7 +81,7 @@ def precision_body(data_path):
     # with --hysteresis 1, halve the scale.
     from megatron.training import global_vars
 
-    import train_helpers
+    from helpers import train_helpers
 
     original = train_helpers.load_entry_point
 

@@ -12,10 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3",
@@ -55,7 +54,7 @@ def measure_body(configs):
     from megatron.training.initialize import initialize_megatron
     from megatron.training.theoretical_memory import report_theoretical_memory
     from megatron.training.training import setup_model_and_optimizer
-    from train_helpers import load_entry_point
+    from helpers.train_helpers import load_entry_point
 
     gpt = load_entry_point("pretrain_gpt")
     results = {}

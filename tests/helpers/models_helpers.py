@@ -33,13 +33,6 @@ def single_rank():
         dist.destroy_process_group()
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |a - e| / max |e| (0 when both are 0)."""
-    actual, expected = actual.detach().double(), expected.detach().double()
-    scale = expected.abs().max().item()
-    diff = (actual - expected).abs().max().item()
-    return diff / scale if scale > 0 else diff
-
 
 def causal_mask(s: int) -> torch.Tensor:
     """Megatron's causal mask: [1, 1, s, s] boolean, True = masked (above the diagonal)."""

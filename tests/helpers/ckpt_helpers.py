@@ -1,13 +1,7 @@
 """Helpers for the checkpointing tests: ``pretrain`` legs (straight, stop-and-save, resume) inside one rank."""
 from __future__ import annotations
 
-import os
-import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "training"))
-
-from train_helpers import GPT_ARGS, REPO, preprocess_corpus_slice, run_pretrain  # noqa: E402,F401
+from helpers.train_helpers import GPT_ARGS, REPO, preprocess_corpus_slice, run_pretrain  # noqa: F401 (re-exported)
 
 
 class FileProxy:

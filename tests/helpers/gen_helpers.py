@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "training"))
 
 NUM_LAYERS = 4
 TINY_GPT = [
@@ -23,7 +21,7 @@ PROMPTS = ["The quick brown fox", "def open(path):\n    return"]
 def build_tiny_gpt(tp=1, pp=1, parallel_output=True, extra=()):
     """initialize_megatron + this rank's GPT chunk, every parameter set from its global name (same weights in
     every TP/PP layout). ``parallel_output=True`` keeps vocab-parallel logits so the generator must gather."""
-    from train_helpers import deterministic_init
+    from helpers.train_helpers import deterministic_init
 
     from megatron.inference.checkpoint_model import add_text_generate_args
     from megatron.training import get_model, initialize_megatron

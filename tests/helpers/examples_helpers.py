@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-from dist_harness import free_port
+from helpers.dist_harness import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERATION_LINE = re.compile(r" iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \|.*\| global batch size: +(\d+) \|.*")

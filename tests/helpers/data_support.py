@@ -5,14 +5,11 @@ import functools
 import gzip
 import json
 import os
-import sys
 from types import SimpleNamespace
 
 import numpy
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 DATA = os.path.join(REPO, "data")
 CORPUS = os.path.join(DATA, "stdlib_prose.jsonl.gz")

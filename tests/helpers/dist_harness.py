@@ -1,6 +1,6 @@
 """Run a test body on N gloo processes and fail fast, with every rank's traceback.
 
-    from dist_harness import run_distributed
+    from helpers.dist_harness import run_distributed
     results = run_distributed(body, world_size=4, tp=2)   # body(tp=2) runs on ranks 0..3
 
 ``body`` must be a module-level function (it is pickled into spawned processes). It runs after

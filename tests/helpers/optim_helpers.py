@@ -9,11 +9,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 IN, HID1, HID2, OUT = 6, 13, 11, 5
 
 
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def init_parallel(tp=1, pp=1, vpp=None):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vpp)
