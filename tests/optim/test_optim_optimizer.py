@@ -192,7 +192,7 @@ def test_optimizer_single_process():
         assert out[f"adam_fp32_clip{clip}_norm"] < 1e-6, out
         assert out[f"adam_fp32_clip{clip}_zeros"], out
     assert out["sgd_fp32"] < 1e-6, out
-    assert out["bfloat16"] < 8e-3 and out["float16"] < 1e-3, out
+    assert out["bfloat16"] < 8e-3 and out["float16"] < 2e-3, out  # max-abs relative error of half-precision params
     for name in ("bfloat16", "float16"):
         assert out[name + "_all_ok"] and out[name + "_main_is_fp32"] and out[name + "_model_is_rounded_main"], out
     assert out["scale_loss"] < 1e-6
