@@ -21,7 +21,6 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType
 from megatron.core.transformer.fusions import log_once
-from megatron.core.transformer.model_options import model_option
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary import apply_rotary_pos_emb
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -105,10 +104,10 @@ class ParallelAttention(MegatronModule):
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, world_size)
 
-        self.use_flash_attn = (model_option(config, "use_flash_attn") and attention_type == AttnType.self_attn
+        self.use_flash_attn = (config.use_flash_attn and attention_type == AttnType.self_attn
                                and attn_mask_type == AttnMaskType.causal)
 
-        qkv_bias = config.add_bias_linear or model_option(config, "add_qkv_bias")
+        qkv_bias = config.add_bias_linear or config.add_qkv_bias
         common = dict(config=config, init_method=config.init_method, gather_output=False)
         sub = submodules
         if attention_type == AttnType.self_attn:

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.fusions import fused_kernels
 from megatron.core.transformer.fusions import bias_gelu_impl, erf_gelu, log_once, openai_gelu, squared_relu
-from megatron.core.transformer.model_options import model_option
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -78,11 +77,11 @@ class ParallelMLP(MegatronModule):
             name = f"gated {getattr(act, '__name__', 'activation')} (swiglu when silu)"
             if self.bias_swiglu_fusion:
                 name = "fused bias-swiglu"
-        elif model_option(config, "openai_gelu"):
+        elif config.openai_gelu:
             self.activation_func, name = openai_gelu, "openai_gelu (tanh approximation)"
-        elif model_option(config, "onnx_safe"):
+        elif config.onnx_safe:
             self.activation_func, name = erf_gelu, "erf_gelu"
-        elif model_option(config, "squared_relu"):
+        elif config.squared_relu:
             self.activation_func, name = squared_relu, "squared_relu"
         else:
             self.activation_func = config.activation_func
