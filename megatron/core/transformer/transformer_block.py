@@ -201,6 +201,10 @@ class TransformerBlock(ParallelTransformer):
             spec = get_gpt_layer_local_spec()
         super().__init__(config, post_layer_norm=post_layer_norm, pre_process=pre_process,
                          post_process=post_process, layer_spec=spec)
+        # megatron-core's attributes: layers per pipeline rank (of the whole model, not this chunk) and whether
+        # selective recompute checkpoints the core attention.
+        self.num_layers_per_pipeline_rank = config.num_layers // parallel_state.get_pipeline_model_parallel_world_size()
+        self.checkpoint_core_attention = config.recompute_granularity == "selective"
 
     def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
                 inference_params=None, packed_seq_params=None):
