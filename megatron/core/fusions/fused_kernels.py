@@ -121,9 +121,26 @@ def rotary(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat((t_rot, t_pass), dim=-1)
 
 
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """RoFormer's interleaved layout: ``(x[2i], x[2i+1]) -> (-x[2i+1], x[2i])``."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rotary_interleaved(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """:func:`rotary` for the interleaved layout (``freqs`` holds each angle twice in adjacent channels)."""
+    rot_dim = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    cos = torch.cos(freqs).to(t.dtype)
+    sin = torch.sin(freqs).to(t.dtype)
+    t_rot = (t_rot * cos) + (_rotate_pairs(t_rot) * sin)
+    return torch.cat((t_rot, t_pass), dim=-1)
+
+
 RMS_NORM = FusedOp("RMSNorm", rms_norm)
 LAYER_NORM = FusedOp("LayerNorm", layer_norm)
 BIAS_SWIGLU = FusedOp("bias-SwiGLU", bias_swiglu)
 ROTARY = FusedOp("rotary embedding", rotary)
+ROTARY_INTERLEAVED = FusedOp("interleaved rotary embedding", rotary_interleaved)
 
-ALL_OPS = [RMS_NORM, LAYER_NORM, BIAS_SWIGLU, ROTARY]
+ALL_OPS = [RMS_NORM, LAYER_NORM, BIAS_SWIGLU, ROTARY, ROTARY_INTERLEAVED]

@@ -38,6 +38,8 @@ class SelfAttentionSubmodules:
     linear_qkv: Union[ModuleSpec, type] = None
     core_attention: Union[ModuleSpec, type] = None
     linear_proj: Union[ModuleSpec, type] = None
+    q_layernorm: Union[ModuleSpec, type] = None
+    k_layernorm: Union[ModuleSpec, type] = None
 
 
 @dataclass
@@ -129,6 +131,14 @@ class ParallelAttention(MegatronModule):
         else:
             self.core_attention = CoreAttention(self.layer_number, config, attn_mask_type)
 
+        # --qk-layernorm: one norm (config.normalization) over each head's hn channels of the queries / keys.
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            from megatron.core.transformer.norms import get_norm
+
+            self.q_layernorm = get_norm(config, hidden_size=self.hidden_size_per_attention_head)
+            self.k_layernorm = get_norm(config, hidden_size=self.hidden_size_per_attention_head)
+
         if self.use_flash_attn:
             self.core_attention_flash = FlashSelfAttention(
                 causal=True, softmax_scale=1.0 / (self.hidden_size_per_attention_head ** 0.5),
@@ -192,6 +202,9 @@ class ParallelAttention(MegatronModule):
                 key_memory, value_memory = memory[self.layer_number]
 
         query_layer, key_layer, value_layer = self._split_qkv(hidden_states, encoder_output)
+        if self.q_layernorm is not None:
+            query_layer = self.q_layernorm(query_layer)
+            key_layer = self.k_layernorm(key_layer)
 
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb,) * 2
@@ -216,8 +229,11 @@ class ParallelAttention(MegatronModule):
         if rotary_pos_emb is not None:
             q_pos_emb, k_pos_emb = rotary_pos_emb
             rope_fusion = self.config.apply_rope_fusion
-            query_layer = apply_rotary_pos_emb(query_layer, q_pos_emb[: query_layer.size(0)], fused=rope_fusion)
-            key_layer = apply_rotary_pos_emb(key_layer, k_pos_emb[: key_layer.size(0)], fused=rope_fusion)
+            interleaved = self.config.rotary_interleaved
+            query_layer = apply_rotary_pos_emb(query_layer, q_pos_emb[: query_layer.size(0)], fused=rope_fusion,
+                                               interleaved=interleaved)
+            key_layer = apply_rotary_pos_emb(key_layer, k_pos_emb[: key_layer.size(0)], fused=rope_fusion,
+                                             interleaved=interleaved)
 
         if self.use_flash_attn:
             groups = query_layer.size(2) // key_layer.size(2)

@@ -86,6 +86,9 @@ class ParallelTransformerLayer(MegatronModule):
         names = dict(LEGACY_LAYER_NAMES if naming == "legacy" else MCORE_LAYER_NAMES)
         h = config.hidden_size
 
+        # megatron-core specs choose the bias-dropout-add of each residual branch (self_attn_bda, cross_attn_bda,
+        # mlp_bda): factories ``bda(training, fused) -> f((x, bias), residual, prob)``. The legacy layer has none.
+        self._spec_bda = None
         if submodules is None:  # Megatron's legacy layer: fixed classes
             has_cross = layer_type == LayerType.decoder
             self.add_module(names["ln_attn"], get_norm(config))
@@ -114,13 +117,19 @@ class ParallelTransformerLayer(MegatronModule):
             self.add_module(names["ln_mlp"], build_module(submodules.pre_mlp_layernorm, config=config,
                                                           hidden_size=h, eps=eps))
             self.add_module(names["mlp"], build_module(submodules.mlp, config=config))
+            self._spec_bda = {"self_attention": build_module(submodules.self_attn_bda),
+                              "cross_attention": build_module(submodules.cross_attn_bda),
+                              "mlp": build_module(submodules.mlp_bda)}
         self.has_cross_attention = has_cross
         self._names = names
 
     def _m(self, role):
         return getattr(self, self._names[role])
 
-    def _bias_dropout_add(self, x, bias, residual):
+    def _bias_dropout_add(self, x, bias, residual, branch: str):
+        if self._spec_bda is not None and self.drop_path is None:
+            bda = self._spec_bda[branch](self.training, self.bias_dropout_fusion)
+            return bda((x, bias), residual, self.hidden_dropout)
         if self.drop_path is None:
             bda = get_bias_dropout_add_func(self.training, self.bias_dropout_fusion, on_cuda=x.is_cuda)
             return bda(x, bias, residual, self.hidden_dropout)
@@ -138,7 +147,7 @@ class ParallelTransformerLayer(MegatronModule):
         attention_output, attention_bias = self._m("self_attention")(
             layernorm_output, attention_mask, inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
         residual = layernorm_output if self.apply_residual_connection_post_layernorm else hidden_states
-        layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual)
+        layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "self_attention")
 
         layernorm_output = self._m("ln_mlp" if not self.has_cross_attention else "ln_cross")(layernorm_input)
 
@@ -146,12 +155,12 @@ class ParallelTransformerLayer(MegatronModule):
             attention_output, attention_bias = self._m("cross_attention")(
                 layernorm_output, enc_dec_attn_mask, encoder_output)
             residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input
-            layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual)
+            layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "cross_attention")
             layernorm_output = self._m("ln_mlp")(layernorm_input)
 
         mlp_output, mlp_bias = self._m("mlp")(layernorm_output)
         residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input
-        output = self._bias_dropout_add(mlp_output, mlp_bias, residual)
+        output = self._bias_dropout_add(mlp_output, mlp_bias, residual, "mlp")
         # Pipeline schedules free stage outputs by swapping .data, which needs a tensor that is not a view.
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
 

@@ -132,14 +132,16 @@ class TransformerLanguageModel(MegatronModule):
             self._embedding_key = "embedding"
 
         position_embedding_type = config.position_embedding_type
-        if position_embedding_type not in ("learned_absolute", "rope"):
-            raise ValueError(f"--position-embedding-type must be learned_absolute or rope, got {position_embedding_type!r}")
+        if position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise ValueError("--position-embedding-type must be learned_absolute, rope or none, "
+                             f"got {position_embedding_type!r}")
         self.use_rotary_position_embeddings = position_embedding_type == "rope"
         if self.use_rotary_position_embeddings:
             self.rotary_pos_emb = RotaryEmbedding(
-                config.kv_channels, config.rotary_percent,
+                config.kv_channels, config.rotary_percent, rotary_interleaved=config.rotary_interleaved,
                 seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
-                rotary_base=config.rotary_base)
+                rotary_base=config.rotary_base, rope_scaling=config.use_rope_scaling,
+                rope_scaling_factor=config.rope_scaling_factor)
 
         if self.add_encoder:
             self.encoder = ParallelTransformer(config, model_type=ModelType.encoder_or_decoder,
