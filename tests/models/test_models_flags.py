@@ -201,7 +201,7 @@ def test_model_provider_builds_mcore_by_default_and_legacy_on_request(clean_env,
 # -------------------------------------------------------------------------------- spec bias-dropout-add
 
 def test_layer_spec_bias_dropout_add_is_used(single_rank):
-    from megatron.core.transformer.fusions import get_bias_dropout_add
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
     calls = []
 

@@ -20,7 +20,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType
-from megatron.core.transformer.fusions import log_once
+from megatron.core.fusions.fused_kernels import log_once
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary import apply_rotary_pos_emb
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module

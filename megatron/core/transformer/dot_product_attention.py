@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
-from megatron.core.transformer.fusions import FusedScaleMaskSoftmax, attention_mask_func, causal_mask, log_once
+from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 

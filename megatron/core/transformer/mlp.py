@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
 from megatron.core.fusions import fused_kernels
-from megatron.core.transformer.fusions import bias_gelu_impl, erf_gelu, log_once, openai_gelu, squared_relu
+from megatron.core.activations import erf_gelu, openai_gelu, squared_relu
+from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+from megatron.core.fusions.fused_kernels import log_once
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from megatron.core.fusions import fused_kernels  # module import: resolved lazily (import cycle)
+from megatron.core.fusions import fused_kernels
 
 _LLAMA3_LOW_FREQ_FACTOR = 1.0
 _LLAMA3_HIGH_FREQ_FACTOR = 4.0

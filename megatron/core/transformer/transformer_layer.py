@@ -13,7 +13,7 @@ import torch
 
 from megatron.core.transformer.attention import ParallelAttention, SelfAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType, LayerType
-from megatron.core.transformer.fusions import get_bias_dropout_add_func
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add, get_bias_dropout_add_func
 from megatron.core.transformer.mlp import MLP, ParallelMLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import FusedLayerNorm, get_norm
@@ -202,7 +202,6 @@ def default_layer_submodules(attn_mask_type) -> TransformerLayerSubmodules:
     """The local (non-Transformer-Engine) layer: our norms, SelfAttention, MLP."""
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.fusions import get_bias_dropout_add
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 

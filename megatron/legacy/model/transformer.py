@@ -7,8 +7,7 @@ from megatron.core.transformer import transformer_block as _block
 from megatron.core.transformer import transformer_layer as _layer
 from megatron.core.transformer.attention import FlashSelfAttention  # noqa: F401
 from megatron.core.transformer.enums import AttnMaskType, AttnType, LayerType, ModelType
-from megatron.core.transformer.fusions import bias_dropout_add  # noqa: F401
-from megatron.core.transformer.fusions import get_bias_dropout_add_func
+from megatron.core.fusions.fused_bias_dropout import bias_dropout_add, get_bias_dropout_add_func  # noqa: F401
 from megatron.core.transformer.transformer_layer import DropPath, NoopTransformerLayer  # noqa: F401
 
 

@@ -11,7 +11,7 @@ from megatron.core.models.common.language_model import (
     parallel_lm_logits,
 )
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.fusions import erf_gelu, openai_gelu
+from megatron.core.activations import erf_gelu, openai_gelu
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import LayerNorm, param_device
 
