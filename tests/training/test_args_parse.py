@@ -162,8 +162,10 @@ def test_parser_shape(clean_env, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv=["--tokenizer-type", "NoSuchTokenizer"])
     assert "invalid choice" in capsys.readouterr().err
-    # --attention-backend belongs to later Megatron versions and is deliberately absent.
-    assert "--attention-backend" not in parser._option_string_actions
+    # --attention-backend (today's Megatron): AttnBackend by name.
+    from megatron.core.transformer.enums import AttnBackend
+
+    assert parser._option_string_actions["--attention-backend"].type("flash") is AttnBackend.flash
 
 
 def test_extra_args_provider_and_unknown_args(clean_env, monkeypatch):
