@@ -1,4 +1,5 @@
-"""megatron.model.language_model (legacy path) with Megatron's global-args behaviour."""
+"""megatron.model.language_model (legacy path): legacy signatures; the free functions read the parallelism
+flags (sequence parallel, async all-reduce, gradient fusion) from the global args."""
 from megatron.core.models.common import embedding as _emb
 from megatron.core.models.common import language_model as _lm
 from megatron.core.transformer.enums import AttnMaskType
