@@ -199,3 +199,31 @@ def test_decoder_layer_with_cross_attention(single_rank):
     out = layer(x, causal_mask(6), encoder_output=encoder_output, enc_dec_attn_mask=None)
     out.sum().backward()
     assert out.shape == x.shape and encoder_output.grad.abs().sum() > 0
+
+
+def test_one_naming_scheme_legacy_names_only_in_state_dict(single_rank):
+    """Modules carry megatron-core names; the legacy classes show Megatron's names only in (and load them from)
+    their state dict, from the one table in conversion/keys.py."""
+    from megatron.core.models.conversion.keys import LEGACY_SUBMODULE_NAMES
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_layer import ParallelTransformerLayer
+
+    model = GPTModel(tiny_config())
+    layer = model.language_model.encoder.layers[0]
+    assert hasattr(layer.self_attention, "linear_qkv") and hasattr(layer.mlp, "linear_fc1")
+    assert hasattr(layer, "pre_mlp_layernorm") and not hasattr(layer, "post_attention_layernorm")
+    params = dict(model.named_parameters())
+    assert "language_model.encoder.layers.0.self_attention.linear_qkv.weight" in params
+    sd = model.state_dict()
+    assert "language_model.encoder.layers.0.self_attention.query_key_value.weight" in sd
+    assert "language_model.encoder.layers.0.post_attention_layernorm.weight" in sd
+    assert not any("linear_" in k or "pre_mlp" in k for k in sd)
+    decoder = ParallelTransformerLayer(tiny_config(), 1, layer_type=LayerType.decoder)
+    dsd = decoder.state_dict()
+    for mcore, legacy in LEGACY_SUBMODULE_NAMES["decoder_layer"].items():
+        assert any(k.startswith(legacy + ".") for k in dsd) and not any(k.startswith(mcore + ".") for k in dsd)
+    assert "inter_attention.query.weight" in dsd and "inter_attention.key_value.weight" in dsd
+    with torch.no_grad():
+        changed = {k: v + 1 for k, v in dsd.items()}
+    decoder.load_state_dict(changed)
+    assert torch.equal(decoder.cross_attention.linear_kv.weight, changed["inter_attention.key_value.weight"])
