@@ -17,13 +17,25 @@ from megatron.training.utils import average_losses_across_data_parallel_group
 
 
 def model_provider(pre_process=True, post_process=True):
-    """The BERT model of this pipeline stage."""
-    from megatron.legacy.model import BertModel
-
+    """The BERT model of this pipeline stage: megatron-core's BertModel (the legacy one with --use-legacy-models)."""
     args = get_args()
     config = core_transformer_config_from_args(args)
     print_rank_0("building BERT model ...")
     num_tokentypes = 2 if args.bert_binary_head else 0
+    if not args.use_legacy_models:
+        from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+        from megatron.core.models.bert.bert_model import BertModel
+
+        return BertModel(config=config, num_tokentypes=num_tokentypes, transformer_layer_spec=bert_layer_local_spec,
+                         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                         pre_process=pre_process, post_process=post_process,
+                         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+                         add_binary_head=args.bert_binary_head, return_embeddings=args.output_bert_embeddings)
+    from megatron.legacy.model import BertModel
+
     return BertModel(config=config, num_tokentypes=num_tokentypes, add_binary_head=args.bert_binary_head,
                      parallel_output=True, pre_process=pre_process, post_process=post_process)
 

@@ -161,7 +161,7 @@ def initialize_model_parallel(
     global _PIPELINE_MODEL_PARALLEL_SPLIT_RANK, _GLOBAL_MEMORY_BUFFER, _ALL_GROUP_RANKS
 
     if not torch.distributed.is_initialized():
-        raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group to be called first")
+        raise AssertionError("initialize_model_parallel needs torch.distributed.init_process_group to be called first")
     if _DATA_PARALLEL_GROUP is not None or _TENSOR_MODEL_PARALLEL_GROUP is not None:
         raise AssertionError("model parallel groups are already initialized: call destroy_model_parallel() first")
     if context_parallel_size != 1:

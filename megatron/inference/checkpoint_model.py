@@ -20,13 +20,28 @@ def add_text_generate_args(parser):
 
 
 def model_provider(pre_process=True, post_process=True):
-    """Megatron's legacy GPTModel with full-vocabulary logits (``parallel_output=False``), as for inference."""
-    from megatron.legacy.model import GPTModel
+    """The GPT that pretrain_gpt.py builds (megatron-core's, or the legacy one with --use-legacy-models), with
+    full-vocabulary logits (``parallel_output=False``), as for inference."""
     from megatron.training import get_args, print_rank_0
     from megatron.training.arguments import core_transformer_config_from_args
 
-    config = core_transformer_config_from_args(get_args())
+    args = get_args()
+    config = core_transformer_config_from_args(args)
     print_rank_0("building GPT model ...")
+    if not args.use_legacy_models:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm),
+                        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                        pre_process=pre_process, post_process=post_process, parallel_output=False,
+                        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
+                        rope_scaling_factor=args.rope_scaling_factor,
+                        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor)
+    from megatron.legacy.model import GPTModel
+
     return GPTModel(config, num_tokentypes=0, parallel_output=False, pre_process=pre_process,
                     post_process=post_process)
 

@@ -1,19 +1,4 @@
-"""Vocabulary padding, shared by the tokenizer builder and argument validation."""
-from __future__ import annotations
+"""Vocabulary padding (the implementation lives in :mod:`megatron.core.vocab_padding`)."""
+from megatron.core.vocab_padding import vocab_size_with_padding
 
-
-def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,
-                            tensor_model_parallel_size: int = 1, rank: int = 0, log: bool = True) -> int:
-    """Round ``orig_vocab_size`` up to a multiple of ``make_vocab_size_divisible_by * tp``.
-
-    Every TP rank then holds an equal slice of the embedding table and the slices stay aligned for fast
-    GEMMs. Prints Megatron's message on rank 0.
-    """
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    if multiple <= 0:
-        raise ValueError(f"--make-vocab-size-divisible-by x --tensor-model-parallel-size must be > 0, got {multiple}")
-    after = ((orig_vocab_size + multiple - 1) // multiple) * multiple
-    if log and rank == 0:
-        print(" > padded vocab (size: {}) with {} dummy tokens (new size: {})".format(
-            orig_vocab_size, after - orig_vocab_size, after), flush=True)
-    return after
+__all__ = ["vocab_size_with_padding"]

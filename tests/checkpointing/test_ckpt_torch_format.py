@@ -33,11 +33,13 @@ def resume_body(cases, data_path, root, layout_dir=None):
     out = {name: resume_case(data_path, os.path.join(root, name), extra) for name, extra in cases}
     if layout_dir is not None:
         # A 2x2 (TP, PP) save with the distributed optimizer, then a load of it with another layout.
+        # Legacy models write Megatron's legacy nested layout (megatron-core models, the default, write mcore keys).
         run_leg(["--data-path", data_path, "--train-iters", "4", "--exit-interval", "2", "--save", layout_dir,
-                 "--save-interval", "2",
+                 "--save-interval", "2", "--use-legacy-models",
                  *_tp_pp(2, 2, "--use-distributed-optimizer")])
         try:
-            run_leg(["--data-path", data_path, "--train-iters", "4", "--load", layout_dir, *_tp_pp(1, 4)])
+            run_leg(["--data-path", data_path, "--train-iters", "4", "--load", layout_dir, "--use-legacy-models",
+                     *_tp_pp(1, 4)])
             out["mismatch_error"] = None
         except Exception as e:  # noqa: BLE001 - the test inspects the message
             out["mismatch_error"] = f"{type(e).__name__}: {e}"

@@ -116,8 +116,8 @@ def test_split_helpers_and_vocab_utility():
     parts = tpl.split_tensor_along_last_dim(t, 3)
     assert [p.shape for p in parts] == [torch.Size([2, 4])] * 3 and torch.equal(parts[1], t[:, 4:8])
     assert all(p.is_contiguous() for p in tpl.split_tensor_along_last_dim(t, 3, contiguous_split_chunks=True))
-    assert tpl.VocabUtility.vocab_range_from_global_vocab_size(1024, 2, 4) == [512, 768]
-    assert tpl.VocabUtility.vocab_range_from_per_partition_vocab_size(100, 3, 4) == [300, 400]
+    assert tpl.VocabUtility.vocab_range_from_global_vocab_size(1024, 2, 4) == (512, 768)
+    assert tpl.VocabUtility.vocab_range_from_per_partition_vocab_size(100, 3, 4) == (300, 400)
     with pytest.raises(AssertionError):
         tpl.VocabUtility.vocab_range_from_global_vocab_size(1000, 0, 3)
 

@@ -31,12 +31,21 @@ def build_tiny_gpt(tp=1, pp=1, parallel_output=True, extra=()):
                                          "--pipeline-model-parallel-size", str(pp), *extra])
 
     def provider(pre_process=True, post_process=True):
-        from megatron.legacy.model import GPTModel
+        # The model pretrain_gpt.py builds (megatron-core's GPTModel unless --use-legacy-models is in extra).
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.legacy.model import GPTModel as LegacyGPTModel
         from megatron.training import get_args
         from megatron.training.arguments import core_transformer_config_from_args
 
-        return GPTModel(core_transformer_config_from_args(get_args()), parallel_output=parallel_output,
-                        pre_process=pre_process, post_process=post_process)
+        args = get_args()
+        config = core_transformer_config_from_args(args)
+        if args.use_legacy_models:
+            return LegacyGPTModel(config, parallel_output=parallel_output, pre_process=pre_process,
+                                  post_process=post_process)
+        return GPTModel(config, get_gpt_layer_local_spec(), args.padded_vocab_size, args.max_position_embeddings,
+                        pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
+                        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
 
     model = get_model(provider, wrap_with_ddp=False)[0]
     deterministic_init(model, NUM_LAYERS)

@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.model_options import MODEL_OPTION_DEFAULTS
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +38,8 @@ def causal_mask(s: int) -> torch.Tensor:
     return torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
 
 
-def tiny_config(tp: int = 1, pp: int = 1, sp: bool = False, style: str = "gpt2", explicit_defaults: bool = True,
-                **overrides) -> TransformerConfig:
-    """A small TransformerConfig with model options set.
+def tiny_config(tp: int = 1, pp: int = 1, sp: bool = False, style: str = "gpt2", **overrides) -> TransformerConfig:
+    """A small TransformerConfig (vocabulary 64, 16 positions).
 
     ``style='gpt2'``: LayerNorm, gelu, biases, learned positions, tied output layer.
     ``style='llama'``: RMSNorm, swiglu, RoPE, grouped-query attention (8 heads, 4 groups), no biases, untied.
@@ -49,24 +47,15 @@ def tiny_config(tp: int = 1, pp: int = 1, sp: bool = False, style: str = "gpt2",
     kwargs = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
                   use_cpu_initialization=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                   sequence_parallel=sp, pipeline_dtype=torch.float32 if pp > 1 else None)
-    # All model options are set on the config so that global args left by other tests cannot leak in through
-    # the legacy classes' global-args bridge (explicit_defaults=False tests that bridge).
-    options = dict(MODEL_OPTION_DEFAULTS) if explicit_defaults else {}
-    options.update(padded_vocab_size=64, max_position_embeddings=16)
+    kwargs.update(padded_vocab_size=64, max_position_embeddings=16)
     if style == "llama":
         import torch.nn.functional as F
 
         kwargs.update(num_attention_heads=8, num_query_groups=4, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
                       add_bias_linear=False, ffn_hidden_size=48, layernorm_epsilon=1e-6)
-        options.update(position_embedding_type="rope", untie_embeddings_and_output_weights=True)
-    for key in list(overrides):
-        if key in MODEL_OPTION_DEFAULTS:
-            options[key] = overrides.pop(key)
+        kwargs.update(position_embedding_type="rope", untie_embeddings_and_output_weights=True)
     kwargs.update(overrides)
-    config = TransformerConfig(**kwargs)
-    for key, value in options.items():
-        setattr(config, key, value)
-    return config
+    return TransformerConfig(**kwargs)
 
 
 def gpt_inputs(batch: int = 2, seq: int = 8, vocab: int = 60, seed: int = 0):

@@ -62,9 +62,11 @@ def load_entry_point(name):
     return module
 
 
-def _global_name(name: str, layer_offset: int) -> str:
-    if name.startswith("word_embeddings."):  # the last stage's tied copy of the input embedding
+def _global_name(name: str, layer_offset: int, tied: bool = False) -> str:
+    if name.startswith("word_embeddings."):  # legacy model: the last stage's tied copy of the input embedding
         name = "language_model.embedding." + name
+    if tied and name == "output_layer.weight":  # megatron-core model: the tied output layer is the embedding
+        name = "embedding.word_embeddings.weight"
     return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + layer_offset}.", name)
 
 
@@ -81,9 +83,10 @@ def deterministic_init(model, num_layers):
         per_virtual = per_stage // vpp
         offset = ps.get_virtual_pipeline_model_parallel_rank() * (num_layers // vpp) + r * per_virtual
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            gname = _global_name(name, offset)
+            gname = _global_name(name, offset, tied)
             shape = list(p.shape)
             dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
             if dim >= 0:

@@ -1,5 +1,5 @@
 """API details: megatron-core TransformerBlock/TransformerLayer, layer numbering across (virtual) pipeline stages,
-checkpoint key compatibility, the global-args bridge of the legacy classes, KV cache, RoPE options, Float16Module,
+checkpoint key compatibility, typed config fields (no global args in the legacy classes), KV cache, RoPE options, Float16Module,
 and the example training script."""
 import os
 import subprocess
@@ -14,7 +14,8 @@ from helpers.models_helpers import causal_mask, gpt_inputs, single_rank, tiny_co
 
 from megatron.core import InferenceParams, parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer import TransformerBlock, TransformerLayer
+from megatron.core.transformer import TransformerBlock, TransformerConfig, TransformerLayer
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.mlp import swiglu_ffn_hidden_size
 from megatron.core.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.core.transformer.transformer_block import ParallelTransformer
@@ -84,18 +85,38 @@ def test_checkpoint_keys_and_old_names(single_rank):
     assert all(torch.equal(other.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
-def test_legacy_classes_read_global_args(single_rank, monkeypatch):
-    """With the training framework's global args set, legacy classes take Megatron's flags from them."""
+def test_legacy_classes_read_typed_config_fields_not_global_args(single_rank, monkeypatch):
+    """Legacy classes take Megatron's model settings from typed TransformerConfig fields; global args are ignored."""
     fake = types.ModuleType("megatron.training.global_vars")
-    fake.get_args = lambda: types.SimpleNamespace(padded_vocab_size=96, max_position_embeddings=12, openai_gelu=True,
-                                                  untie_embeddings_and_output_weights=True)
+    fake.get_args = lambda: types.SimpleNamespace(padded_vocab_size=200, max_position_embeddings=40, openai_gelu=False,
+                                                  untie_embeddings_and_output_weights=False)
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", fake)
-    config = tiny_config(explicit_defaults=False, padded_vocab_size=None, max_position_embeddings=None)
+    config = tiny_config(padded_vocab_size=96, max_position_embeddings=12, openai_gelu=True,
+                         untie_embeddings_and_output_weights=True)
     model = GPTModel(config)
     assert model.language_model.embedding.word_embeddings.weight.shape[0] == 96
     assert model.language_model.embedding.position_embeddings.weight.shape[0] == 12
     assert model.language_model.output_layer.weight.shape[0] == 96
     assert model.language_model.encoder.layers[0].mlp.activation_func.__name__ == "openai_gelu"
+
+
+def test_model_settings_are_typed_fields():
+    """No setting is hung on the config from outside: unknown names are constructor errors, values are validated."""
+    with pytest.raises(TypeError, match="padded_vocab_sizes"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, padded_vocab_sizes=64)
+    with pytest.raises(ValueError, match="attention_backend"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, attention_backend="sdpa")
+    with pytest.raises(ValueError, match="position_embedding_type"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, position_embedding_type="alibi")
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, attention_backend="flash",
+                               padded_vocab_size=64, rotary_base=500000, use_rope_scaling=True)
+    assert config.attention_backend is AttnBackend.flash and config.rotary_base == 500000
+    with pytest.raises(ValueError, match="padded_vocab_size"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2).required_padded_vocab_size()
+    import megatron.core.transformer as transformer_pkg
+    assert not hasattr(transformer_pkg, "model_options")
+    with pytest.raises(ImportError):
+        __import__("megatron.core.transformer.model_options")
 
 
 def test_kv_cache_generation_equals_full_forward(single_rank):
@@ -178,3 +199,31 @@ def test_decoder_layer_with_cross_attention(single_rank):
     out = layer(x, causal_mask(6), encoder_output=encoder_output, enc_dec_attn_mask=None)
     out.sum().backward()
     assert out.shape == x.shape and encoder_output.grad.abs().sum() > 0
+
+
+def test_one_naming_scheme_legacy_names_only_in_state_dict(single_rank):
+    """Modules carry megatron-core names; the legacy classes show Megatron's names only in (and load them from)
+    their state dict, from the one table in conversion/keys.py."""
+    from megatron.core.models.conversion.keys import LEGACY_SUBMODULE_NAMES
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_layer import ParallelTransformerLayer
+
+    model = GPTModel(tiny_config())
+    layer = model.language_model.encoder.layers[0]
+    assert hasattr(layer.self_attention, "linear_qkv") and hasattr(layer.mlp, "linear_fc1")
+    assert hasattr(layer, "pre_mlp_layernorm") and not hasattr(layer, "post_attention_layernorm")
+    params = dict(model.named_parameters())
+    assert "language_model.encoder.layers.0.self_attention.linear_qkv.weight" in params
+    sd = model.state_dict()
+    assert "language_model.encoder.layers.0.self_attention.query_key_value.weight" in sd
+    assert "language_model.encoder.layers.0.post_attention_layernorm.weight" in sd
+    assert not any("linear_" in k or "pre_mlp" in k for k in sd)
+    decoder = ParallelTransformerLayer(tiny_config(), 1, layer_type=LayerType.decoder)
+    dsd = decoder.state_dict()
+    for mcore, legacy in LEGACY_SUBMODULE_NAMES["decoder_layer"].items():
+        assert any(k.startswith(legacy + ".") for k in dsd) and not any(k.startswith(mcore + ".") for k in dsd)
+    assert "inter_attention.query.weight" in dsd and "inter_attention.key_value.weight" in dsd
+    with torch.no_grad():
+        changed = {k: v + 1 for k, v in dsd.items()}
+    decoder.load_state_dict(changed)
+    assert torch.equal(decoder.cross_attention.linear_kv.weight, changed["inter_attention.key_value.weight"])

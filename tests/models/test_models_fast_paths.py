@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from helpers.numerics import rel_err
 from helpers.models_helpers import causal_mask, single_rank, tiny_config  # noqa: F401  (fixture)
 
-from megatron.core.transformer import fusions
+from megatron.core import activations
+from megatron.core.fusions import fused_bias_dropout, fused_bias_gelu
+from megatron.core.fusions import fused_kernels
 from megatron.core.transformer.dot_product_attention import CoreAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.norms import LayerNorm, RMSNorm
@@ -74,15 +76,15 @@ def test_fused_bias_gelu_equals_plain():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 3, 16, generator=g, requires_grad=True)
     b = torch.randn(16, generator=g, requires_grad=True)
-    fused = fusions.bias_gelu_impl(x, b, use_compiled=False)   # hand-written backward
+    fused = fused_bias_gelu.bias_gelu_impl(x, b, use_compiled=False)   # hand-written backward
     gx, gb = torch.autograd.grad(fused.sum() * 1.0 + fused.square().sum(), (x, b))
-    plain = fusions.openai_gelu(x + b)                          # autograd of the plain tanh-GeLU
+    plain = activations.openai_gelu(x + b)                          # autograd of the plain tanh-GeLU
     px, pb = torch.autograd.grad(plain.sum() * 1.0 + plain.square().sum(), (x, b))
     errs = [rel_err(fused, plain), rel_err(gx, px), rel_err(gb, pb)]
     # Megatron's fused GeLU is the tanh approximation: close to, not equal to, the exact erf GeLU.
     assert rel_err(fused, F.gelu(x + b)) < 2e-3
     if torch.cuda.is_available() or os.environ.get("MEGATRON_TEST_COMPILE") == "1":  # ~20 s to compile on CPU
-        compiled = fusions.bias_gelu_impl(x, b, use_compiled=True)
+        compiled = fused_bias_gelu.bias_gelu_impl(x, b, use_compiled=True)
         cx, cb = torch.autograd.grad(compiled.sum() * 1.0 + compiled.square().sum(), (x, b))
         errs += [rel_err(compiled, plain), rel_err(cx, px), rel_err(cb, pb)]
     print(f"fused bias-gelu vs plain, max relative errors: {max(errs):.2e}")
@@ -94,17 +96,17 @@ def test_fused_bias_dropout_add_equals_plain():
     g = torch.Generator().manual_seed(0)
     x, residual = torch.randn(6, 2, 16, generator=g), torch.randn(6, 2, 16, generator=g)
     bias = torch.randn(16, generator=g)
-    compiled = fusions.compiled(fusions._bias_dropout_add_train)
+    compiled = fused_kernels.compiled(fused_bias_dropout._bias_dropout_add_train)
     torch.manual_seed(4)
     fused = compiled(x, bias, residual, 0.3)
     torch.manual_seed(4)
-    plain = fusions.bias_dropout_add(x, bias, residual, 0.3, True)
+    plain = fused_bias_dropout.bias_dropout_add(x, bias, residual, 0.3, True)
     assert torch.equal(fused, plain)
     dropped = (plain == residual).float().mean().item()
     assert 0.1 < dropped < 0.5  # dropout really happened
     kept = plain != residual
     assert torch.allclose(plain[kept], (residual + (x + bias) / 0.7)[kept], atol=1e-6)
-    assert torch.equal(fusions.bias_dropout_add(x, bias, residual, 0.3, False), residual + (x + bias))
+    assert torch.equal(fused_bias_dropout.bias_dropout_add(x, bias, residual, 0.3, False), residual + (x + bias))
 
 
 def test_norms_match_definitions(single_rank):
@@ -147,7 +149,7 @@ def test_missing_optional_packages_raise_clear_errors(single_rank):
 
 
 def test_fast_path_choice_is_logged_once(single_rank, capsys):
-    fusions._LOGGED.clear()
+    fused_kernels._LOGGED.clear()
     sdpa, explicit = _attention_pair(AttnMaskType.causal)
     q = torch.randn(4, 1, 4, 8)
     for _ in range(2):

@@ -17,7 +17,7 @@ from helpers.models_helpers import single_rank, tiny_config  # noqa: F401  (fixt
 
 from megatron.core.fusions import fused_kernels
 from megatron.core.fusions.fused_cross_entropy import GRADIENT, LOCAL_STATISTICS, fused_vocab_parallel_cross_entropy
-from megatron.core.transformer import fusions
+from megatron.core.fusions import fused_bias_gelu
 
 
 # ---------------------------------------------------------------- independent references (written out here)
@@ -107,7 +107,7 @@ def test_compiled_kernels_match_plain_formulas_fp32(single_rank, monkeypatch):
         errs[name] = _check(fused, ref, inputs, 1e-5)
         assert op.last_choice == "compiled", f"{name}: {op._broken}"
     # bias-GeLU: the existing hand-written backward, now compiled when compile_blocker allows.
-    errs["bias-GeLU"] = _check(lambda y, b: fusions.bias_gelu_impl(y, b), lambda y, b: ref_gelu_tanh(y + b),
+    errs["bias-GeLU"] = _check(lambda y, b: fused_bias_gelu.bias_gelu_impl(y, b), lambda y, b: ref_gelu_tanh(y + b),
                                _kernel_cases(torch.float32)["bias-SwiGLU"][2], 1e-5)
     for smoothing in (0.0, 0.1):
         g = torch.Generator().manual_seed(1)
@@ -122,7 +122,7 @@ def test_compiled_kernels_match_plain_formulas_fp32(single_rank, monkeypatch):
 def test_plain_kernels_match_formulas_fp32_and_bf16(single_rank, monkeypatch, capsys):
     """The default CPU path (plain, logged with its reason): fp32 tight, bf16 against the fp32 formula."""
     monkeypatch.delenv(fused_kernels.COMPILE_ON_CPU_ENV, raising=False)
-    fusions._LOGGED.clear()
+    fused_kernels._LOGGED.clear()
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         for name, (fused, ref, inputs, op) in _kernel_cases(dtype).items():
             _check(fused, lambda *t: ref(*[x.float() for x in t]), inputs, tol)
@@ -198,7 +198,7 @@ def test_compile_failure_falls_back_with_reason(monkeypatch, capsys):
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(torch, "compile", broken)
-    fusions._LOGGED.clear()
+    fused_kernels._LOGGED.clear()
     assert torch.equal(op(torch.ones(2)), torch.full((2,), 2.0)) and op.last_choice == "plain"
     assert "using plain test op: torch.compile failed: RuntimeError: no C++ compiler found" in capsys.readouterr().out
     assert math.isclose(float(op(torch.ones(1))), 2.0) and op.last_choice == "plain"

@@ -3,7 +3,7 @@
 The HF models are built from small configs with random weights (no download); their state dicts are converted
 with megatron.core.models.conversion.hf and loaded into our legacy and megatron-core GPTModels.
 """
-import copy
+import dataclasses
 
 import pytest
 import torch
@@ -17,7 +17,6 @@ transformers = pytest.importorskip("transformers")
 from megatron.core.models.conversion import hf, keys  # noqa: E402
 from megatron.core.models.gpt import GPTModel as CoreGPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.transformer.model_options import model_option  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 
 SEQ, BATCH = 12, 2
@@ -58,15 +57,14 @@ def _check_family(hf_cfg, hf_model, to_config, to_megatron, to_hf, make_divisibl
     sd = to_megatron(hf_model.state_dict(), hf_cfg, config.padded_vocab_size)
     legacy = GPTModel(config).eval()
     legacy.load_state_dict(sd)
-    untied = model_option(config, "untie_embeddings_and_output_weights")
+    untied = config.untie_embeddings_and_output_weights
     core = CoreGPTModel(config, get_gpt_layer_local_spec(), config.padded_vocab_size, config.max_position_embeddings,
                         share_embeddings_and_output_weights=not untied,
-                        position_embedding_type=model_option(config, "position_embedding_type"),
-                        rotary_base=model_option(config, "rotary_base")).eval()
+                        position_embedding_type=config.position_embedding_type,
+                        rotary_base=config.rotary_base).eval()
     core.load_state_dict(keys.legacy_to_mcore(sd, "gpt"))
 
-    unfused_config = copy.copy(config)
-    unfused_config.attention_backend = "unfused"  # Megatron's explicit masked-softmax attention
+    unfused_config = dataclasses.replace(config, attention_backend="unfused")  # explicit masked-softmax attention
     unfused = GPTModel(unfused_config).eval()
     unfused.load_state_dict(sd)
 

@@ -18,14 +18,11 @@ LAYERS, HIDDEN, SEQ, VOCAB, GLOBAL_BATCH, STEPS = 4, 32, 8, 64, 4, 3
 
 def _config(pp, **kw):
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.model_options import MODEL_OPTION_DEFAULTS
 
-    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, hidden_dropout=0.0,
-                               attention_dropout=0.0, use_cpu_initialization=True, pipeline_model_parallel_size=pp,
-                               pipeline_dtype=kw.pop("pipeline_dtype", torch.float32) if pp > 1 else None, **kw)
-    for key, value in dict(MODEL_OPTION_DEFAULTS, padded_vocab_size=VOCAB, max_position_embeddings=SEQ).items():
-        setattr(config, key, value)
-    return config
+    return TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, hidden_dropout=0.0,
+                             attention_dropout=0.0, use_cpu_initialization=True, pipeline_model_parallel_size=pp,
+                             pipeline_dtype=kw.pop("pipeline_dtype", torch.float32) if pp > 1 else None,
+                             padded_vocab_size=VOCAB, max_position_embeddings=SEQ, **kw)
 
 
 def _batch(step):

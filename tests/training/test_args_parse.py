@@ -32,7 +32,8 @@ EXPECTED_DEFAULTS = {
     "exit_signal_handler": False, "tensorboard_dir": None, "masked_softmax_fusion": True, "bias_gelu_fusion": True,
     "bias_dropout_fusion": True, "use_flash_attn": False, "add_bias_linear": True, "optimizer": "adam",
     "dataloader_type": None, "async_tensor_model_parallel_allreduce": True, "no_persist_layer_norm": False,
-    "sequence_parallel": False, "gradient_accumulation_fusion": True, "use_mcore_models": False,
+    "sequence_parallel": False, "gradient_accumulation_fusion": True, "use_legacy_models": False,
+    "deprecated_use_mcore_models": False,
     # initialization
     "seed": 1234, "data_parallel_random_init": False, "init_method_std": 0.02, "init_method_xavier_uniform": False,
     # learning rate
@@ -88,7 +89,7 @@ EXPECTED_DEFAULTS = {
     "bert_embedder_type": "megatron",
     # transformer engine
     "fp8": None, "fp8_margin": 0, "fp8_interval": 1, "fp8_amax_history_len": 1, "fp8_amax_compute_algo": "most_recent",
-    "fp8_wgrad": True, "transformer_impl": "local", "normalization": "LayerNorm",
+    "fp8_wgrad": True, "transformer_impl": "transformer_engine", "normalization": "LayerNorm",
     # retro
     "retro_workdir": None, "retro_add_retriever": False, "retro_cyclic_train_iters": None, "retro_encoder_layers": 2,
     "retro_encoder_hidden_dropout": 0.1, "retro_encoder_attention_dropout": 0.1, "retro_num_neighbors": 2,
@@ -161,8 +162,10 @@ def test_parser_shape(clean_env, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv=["--tokenizer-type", "NoSuchTokenizer"])
     assert "invalid choice" in capsys.readouterr().err
-    # --attention-backend belongs to later Megatron versions and is deliberately absent.
-    assert "--attention-backend" not in parser._option_string_actions
+    # --attention-backend (today's Megatron): AttnBackend by name.
+    from megatron.core.transformer.enums import AttnBackend
+
+    assert parser._option_string_actions["--attention-backend"].type("flash") is AttnBackend.flash
 
 
 def test_extra_args_provider_and_unknown_args(clean_env, monkeypatch):

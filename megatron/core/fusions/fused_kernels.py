@@ -17,19 +17,55 @@ stays plain for the rest of the process.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-# compile_blocker (and its environment variables) is re-exported: one rule decides where every compiled fusion
-# may run.
-from megatron.core.transformer.fusions import (  # noqa: F401
-    COMPILE_ON_CPU_ENV,
-    NO_COMPILE_ENV,
-    compile_blocker,
-    log_once,
-)
+_LOGGED = set()
+
+
+def log_once(key: str, message: str) -> None:
+    """Print ``message`` the first time ``key`` is seen in this process (on rank 0 only)."""
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_rank() != 0:
+            return
+    print(f"> {message}", flush=True)
+
+
+NO_COMPILE_ENV = "MEGATRON_NO_COMPILE_FUSIONS"
+COMPILE_ON_CPU_ENV = "MEGATRON_COMPILE_FUSIONS_ON_CPU"
+
+
+def compile_blocker(on_cuda: bool) -> Optional[str]:
+    """Why a compiled fusion cannot be used for an input on this device (None when it can): every fusion
+    (here and in megatron.core.fusions) asks this one function."""
+    if os.environ.get(NO_COMPILE_ENV, "0") == "1":
+        return f"{NO_COMPILE_ENV}=1"
+    if not hasattr(torch, "compile"):
+        return "torch.compile is not available in this PyTorch"
+    if not on_cuda and os.environ.get(COMPILE_ON_CPU_ENV, "0") != "1":
+        return f"input on CPU (compiled fusions run on CUDA; {COMPILE_ON_CPU_ENV}=1 compiles on CPU too)"
+    return None
+
+
+_COMPILED = {}
+
+
+def compiled(fn: Callable) -> Callable:
+    """``torch.compile(fn)``, built once per function (dynamic shapes, so sequence lengths may vary).
+
+    ``fallback_random`` makes compiled dropout draw exactly the numbers eager dropout draws, so the fused
+    bias-dropout-add equals the plain one bit for bit and activation recompute reproduces its masks.
+    """
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True, options={"fallback_random": True})
+    return _COMPILED[fn]
+
 
 class FusedOp:
     """``fn`` and ``torch.compile(fn)``, chosen per call; ``last_choice`` says which ran ('compiled'/'plain')."""
@@ -121,9 +157,26 @@ def rotary(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat((t_rot, t_pass), dim=-1)
 
 
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """RoFormer's interleaved layout: ``(x[2i], x[2i+1]) -> (-x[2i+1], x[2i])``."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rotary_interleaved(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """:func:`rotary` for the interleaved layout (``freqs`` holds each angle twice in adjacent channels)."""
+    rot_dim = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    cos = torch.cos(freqs).to(t.dtype)
+    sin = torch.sin(freqs).to(t.dtype)
+    t_rot = (t_rot * cos) + (_rotate_pairs(t_rot) * sin)
+    return torch.cat((t_rot, t_pass), dim=-1)
+
+
 RMS_NORM = FusedOp("RMSNorm", rms_norm)
 LAYER_NORM = FusedOp("LayerNorm", layer_norm)
 BIAS_SWIGLU = FusedOp("bias-SwiGLU", bias_swiglu)
 ROTARY = FusedOp("rotary embedding", rotary)
+ROTARY_INTERLEAVED = FusedOp("interleaved rotary embedding", rotary_interleaved)
 
-ALL_OPS = [RMS_NORM, LAYER_NORM, BIAS_SWIGLU, ROTARY]
+ALL_OPS = [RMS_NORM, LAYER_NORM, BIAS_SWIGLU, ROTARY, ROTARY_INTERLEAVED]

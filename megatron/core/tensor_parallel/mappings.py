@@ -17,7 +17,8 @@ gather_from_sequence_parallel_region   Y = concat_first(X_i)         dX_i = (sum
 reduce_scatter_to_sequence_parallel_.  Y_i = (sum_j X_j)[chunk i]    dX = concat_first(dY_i)
 =====================================  ============================  ==================================
 
-All are identities when t == 1. Sequence-parallel mappings split the first (sequence) dimension of
+All are identities when t == 1. Each class also has Megatron's ``symbolic(graph, input_)`` (what tracing /
+ONNX export records): the forward computation. Sequence-parallel mappings split the first (sequence) dimension of
 ``[s, b, h]`` activations.
 """
 from __future__ import annotations
@@ -103,6 +104,10 @@ def _reduce_scatter_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
     @staticmethod
+    def symbolic(graph, input_):
+        return input_
+
+    @staticmethod
     def forward(ctx, input_):
         return input_
 
@@ -112,6 +117,10 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def symbolic(graph, input_):
+        return _reduce(input_)
+
     @staticmethod
     def forward(ctx, input_):
         return _reduce(input_)
@@ -123,6 +132,10 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
 
 class _ScatterToModelParallelRegion(torch.autograd.Function):
     @staticmethod
+    def symbolic(graph, input_):
+        return _split_along_last_dim(input_)
+
+    @staticmethod
     def forward(ctx, input_):
         return _split_along_last_dim(input_)
 
@@ -132,6 +145,10 @@ class _ScatterToModelParallelRegion(torch.autograd.Function):
 
 
 class _GatherFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def symbolic(graph, input_):
+        return _gather_along_last_dim(input_)
+
     @staticmethod
     def forward(ctx, input_):
         return _gather_along_last_dim(input_)
@@ -143,6 +160,10 @@ class _GatherFromModelParallelRegion(torch.autograd.Function):
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
+    def symbolic(graph, input_):
+        return _split_along_first_dim(input_)
+
+    @staticmethod
     def forward(ctx, input_):
         return _split_along_first_dim(input_)
 
@@ -152,6 +173,10 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def symbolic(graph, input_, tensor_parallel_output_grad=True):
+        return _gather_along_first_dim(input_)
+
     @staticmethod
     def forward(ctx, input_, tensor_parallel_output_grad=True):
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
@@ -167,6 +192,10 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def symbolic(graph, input_):
+        return _reduce_scatter_along_first_dim(input_)
+
     @staticmethod
     def forward(ctx, input_):
         return _reduce_scatter_along_first_dim(input_)

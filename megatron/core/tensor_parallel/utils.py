@@ -1,7 +1,7 @@
 """Tensor splitting helpers for tensor parallelism."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -46,11 +46,11 @@ class VocabUtility:
 
     @staticmethod
     def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
-                                                  world_size: int) -> List[int]:
+                                                  world_size: int) -> Tuple[int, int]:
         index_f = rank * per_partition_vocab_size
-        return [index_f, index_f + per_partition_vocab_size]
+        return index_f, index_f + per_partition_vocab_size
 
     @staticmethod
-    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> List[int]:
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> Tuple[int, int]:
         per_partition_vocab_size = divide(global_vocab_size, world_size)
         return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition_vocab_size, rank, world_size)

@@ -1,8 +1,10 @@
 """Tensor-parallel multi-head / grouped-query attention (self and cross), with KV cache and RoPE.
 
-``ParallelAttention`` is the one implementation; megatron-core's ``SelfAttention`` / ``CrossAttention`` are
-the same class with megatron-core's submodule names (``linear_qkv``/``linear_proj`` instead of Megatron's
-legacy ``query_key_value``/``dense``), so legacy checkpoints and megatron-core state dicts map key for key.
+``ParallelAttention`` is the one implementation, built with megatron-core's submodule names (``linear_qkv``,
+``linear_q``/``linear_kv``, ``linear_proj``); megatron-core's ``SelfAttention`` / ``CrossAttention`` are the
+same class. The legacy class saves and loads Megatron's names (``query_key_value``, ``dense`` ...) through the one
+table of :mod:`megatron.core.models.conversion.keys`, so legacy checkpoints and megatron-core state dicts map key
+for key.
 
 Fused QKV layout (per TP partition): the output of ``query_key_value`` viewed as ``[sq, b, ng, (np/ng + 2) * hn]``
 holds, for each of the ``ng`` query groups, the group's ``np/ng`` query heads, then its key head, then its value
@@ -18,20 +20,14 @@ from typing import Optional, Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.conversion.keys import install_legacy_state_dict_names
 from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType
-from megatron.core.transformer.fusions import log_once
-from megatron.core.transformer.model_options import model_option
+from megatron.core.fusions.fused_kernels import log_once
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary import apply_rotary_pos_emb
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import divide
-
-# Submodule names: Megatron legacy checkpoints vs megatron-core.
-ATTENTION_NAMES = {
-    "legacy": {"qkv": "query_key_value", "q": "query", "kv": "key_value", "proj": "dense"},
-    "mcore": {"qkv": "linear_qkv", "q": "linear_q", "kv": "linear_kv", "proj": "linear_proj"},
-}
 
 
 @dataclass
@@ -39,6 +35,8 @@ class SelfAttentionSubmodules:
     linear_qkv: Union[ModuleSpec, type] = None
     core_attention: Union[ModuleSpec, type] = None
     linear_proj: Union[ModuleSpec, type] = None
+    q_layernorm: Union[ModuleSpec, type] = None
+    k_layernorm: Union[ModuleSpec, type] = None
 
 
 @dataclass
@@ -95,7 +93,8 @@ class ParallelAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.params_dtype = config.params_dtype
         self.sequence_parallel = config.sequence_parallel
-        self.names = ATTENTION_NAMES[naming]
+        if naming == "legacy":  # Megatron's legacy checkpoint names, at the state-dict boundary only
+            install_legacy_state_dict_names(self, "attention")
         self.recompute_core_attention = config.recompute_granularity == "selective"
 
         query_projection_size = config.kv_channels * config.num_attention_heads
@@ -105,23 +104,22 @@ class ParallelAttention(MegatronModule):
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, world_size)
 
-        self.use_flash_attn = (model_option(config, "use_flash_attn") and attention_type == AttnType.self_attn
+        self.use_flash_attn = (config.use_flash_attn and attention_type == AttnType.self_attn
                                and attn_mask_type == AttnMaskType.causal)
 
-        qkv_bias = config.add_bias_linear or model_option(config, "add_qkv_bias")
+        qkv_bias = config.add_bias_linear or config.add_qkv_bias
         common = dict(config=config, init_method=config.init_method, gather_output=False)
         sub = submodules
         if attention_type == AttnType.self_attn:
             col = _class_of(getattr(sub, "linear_qkv", None), tensor_parallel.ColumnParallelLinear)
-            self.add_module(self.names["qkv"], col(config.hidden_size, query_projection_size + 2 * kv_projection_size,
-                                                   bias=qkv_bias, **common))
+            self.linear_qkv = col(config.hidden_size, query_projection_size + 2 * kv_projection_size,
+                                                   bias=qkv_bias, **common)
         else:
             assert attention_type == AttnType.cross_attn
             col_q = _class_of(getattr(sub, "linear_q", None), tensor_parallel.ColumnParallelLinear)
             col_kv = _class_of(getattr(sub, "linear_kv", None), tensor_parallel.ColumnParallelLinear)
-            self.add_module(self.names["q"], col_q(config.hidden_size, query_projection_size, bias=qkv_bias, **common))
-            self.add_module(self.names["kv"], col_kv(config.hidden_size, 2 * kv_projection_size, bias=qkv_bias,
-                                                     **common))
+            self.linear_q = col_q(config.hidden_size, query_projection_size, bias=qkv_bias, **common)
+            self.linear_kv = col_kv(config.hidden_size, 2 * kv_projection_size, bias=qkv_bias, **common)
 
         if naming == "mcore" or getattr(sub, "core_attention", None) is not None:
             self.core_attention = build_module(getattr(sub, "core_attention", None) or DotProductAttention,
@@ -130,21 +128,26 @@ class ParallelAttention(MegatronModule):
         else:
             self.core_attention = CoreAttention(self.layer_number, config, attn_mask_type)
 
+        # --qk-layernorm: one norm (config.normalization) over each head's hn channels of the queries / keys.
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            from megatron.core.transformer.norms import get_norm
+
+            self.q_layernorm = get_norm(config, hidden_size=self.hidden_size_per_attention_head)
+            self.k_layernorm = get_norm(config, hidden_size=self.hidden_size_per_attention_head)
+
         if self.use_flash_attn:
             self.core_attention_flash = FlashSelfAttention(
                 causal=True, softmax_scale=1.0 / (self.hidden_size_per_attention_head ** 0.5),
                 attention_dropout=config.attention_dropout)
 
         row = _class_of(getattr(sub, "linear_proj", None), tensor_parallel.RowParallelLinear)
-        self.add_module(self.names["proj"], row(query_projection_size, config.hidden_size, config=config,
+        self.linear_proj = (row(query_projection_size, config.hidden_size, config=config,
                                                 init_method=config.output_layer_init_method,
                                                 bias=config.add_bias_linear, input_is_parallel=True,
                                                 skip_bias_add=True))
 
     # ------------------------------------------------------------------------------------------ helpers
-    def _sub(self, role: str):
-        return getattr(self, self.names[role])
-
     def _checkpointed_attention_forward(self, query_layer, key_layer, value_layer, attention_mask):
         """Selective recompute: keep no activations of the core attention (the s^2 part) for backward."""
 
@@ -162,15 +165,15 @@ class ParallelAttention(MegatronModule):
         ng = self.num_query_groups_per_partition
         heads_per_group = self.num_attention_heads_per_partition // ng
         if self.attention_type == AttnType.self_attn:
-            mixed, _ = self._sub("qkv")(hidden_states)
+            mixed, _ = self.linear_qkv(hidden_states)
             mixed = mixed.view(*mixed.size()[:-1], ng, (heads_per_group + 2) * hn)
             query, key, value = torch.split(mixed, [heads_per_group * hn, hn, hn], dim=3)
             query = query.reshape(query.size(0), query.size(1), -1, hn)
         else:
-            mixed_kv, _ = self._sub("kv")(encoder_output)
+            mixed_kv, _ = self.linear_kv(encoder_output)
             mixed_kv = mixed_kv.view(*mixed_kv.size()[:-1], ng, 2 * hn)
             key, value = torch.split(mixed_kv, [hn, hn], dim=3)
-            query, _ = self._sub("q")(hidden_states)
+            query, _ = self.linear_q(hidden_states)
             query = query.view(*query.size()[:-1], self.num_attention_heads_per_partition, hn)
         return query, key, value
 
@@ -193,6 +196,9 @@ class ParallelAttention(MegatronModule):
                 key_memory, value_memory = memory[self.layer_number]
 
         query_layer, key_layer, value_layer = self._split_qkv(hidden_states, encoder_output)
+        if self.q_layernorm is not None:
+            query_layer = self.q_layernorm(query_layer)
+            key_layer = self.k_layernorm(key_layer)
 
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb,) * 2
@@ -217,8 +223,11 @@ class ParallelAttention(MegatronModule):
         if rotary_pos_emb is not None:
             q_pos_emb, k_pos_emb = rotary_pos_emb
             rope_fusion = self.config.apply_rope_fusion
-            query_layer = apply_rotary_pos_emb(query_layer, q_pos_emb[: query_layer.size(0)], fused=rope_fusion)
-            key_layer = apply_rotary_pos_emb(key_layer, k_pos_emb[: key_layer.size(0)], fused=rope_fusion)
+            interleaved = self.config.rotary_interleaved
+            query_layer = apply_rotary_pos_emb(query_layer, q_pos_emb[: query_layer.size(0)], fused=rope_fusion,
+                                               interleaved=interleaved)
+            key_layer = apply_rotary_pos_emb(key_layer, k_pos_emb[: key_layer.size(0)], fused=rope_fusion,
+                                             interleaved=interleaved)
 
         if self.use_flash_attn:
             groups = query_layer.size(2) // key_layer.size(2)
@@ -236,7 +245,7 @@ class ParallelAttention(MegatronModule):
         else:
             context_layer = self.core_attention(query_layer, key_layer, value_layer, attention_mask)
 
-        output, bias = self._sub("proj")(context_layer)
+        output, bias = self.linear_proj(context_layer)
         return output, bias
 
 

@@ -4,9 +4,10 @@
 implementations of the same function, chosen per call and printed once:
 
 * ``torch.nn.functional.scaled_dot_product_attention`` (SDPA: flash / memory-efficient kernels on GPU) for
-  causal and boolean padding masks — the default (model option ``attention_backend='auto'``);
+  causal and boolean padding masks — ``config.attention_backend`` ``auto`` (the default), ``fused`` and
+  ``flash`` (``--attention-backend``; Megatron's names for Transformer Engine's cuDNN / flash-attn kernels);
 * the explicit path of Megatron (``baddbmm`` into a reused buffer, scale-mask-softmax, dropout, ``bmm``)
-  for ``attention_backend='unfused'`` or masks that are not boolean;
+  for ``unfused`` and ``local``, or masks that are not boolean;
 * ``flash-attn``'s kernel when ``--use-flash-attn`` is given (see :mod:`megatron.core.transformer.attention`).
 
 Masks are boolean with True = masked. Rows that are masked entirely (padding queries in BERT) get the
@@ -22,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.fusions import FusedScaleMaskSoftmax, attention_mask_func, causal_mask, log_once
-from megatron.core.transformer.model_options import model_option
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
@@ -72,7 +73,13 @@ class CoreAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.sequence_parallel = config.sequence_parallel
-        self.backend = model_option(config, "attention_backend")
+        self.backend = config.attention_backend
+        self.explicit_only = self.backend in (AttnBackend.unfused, AttnBackend.local)
+        log_once(f"attention_backend:{self.backend.name}",
+                 f"--attention-backend {self.backend.name}: " + (
+                     "explicit baddbmm + masked softmax" if self.explicit_only else
+                     "torch SDPA (flash / memory-efficient kernels eligible on CUDA) where the mask allows, "
+                     "explicit masked softmax otherwise"))
 
         projection_size = config.kv_channels * config.num_attention_heads
         world_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -102,7 +109,7 @@ class CoreAttention(MegatronModule):
         return tensor_parallel.get_cuda_rng_tracker().fork()
 
     def use_sdpa(self, attention_mask) -> bool:
-        if self.backend in ("unfused", "local"):
+        if self.explicit_only:
             return False
         return attention_mask is None or attention_mask.dtype == torch.bool
 

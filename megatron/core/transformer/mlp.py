@@ -14,15 +14,12 @@ import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
 from megatron.core.fusions import fused_kernels
-from megatron.core.transformer.fusions import bias_gelu_impl, erf_gelu, log_once, openai_gelu, squared_relu
-from megatron.core.transformer.model_options import model_option
+from megatron.core.models.conversion.keys import install_legacy_state_dict_names
+from megatron.core.activations import erf_gelu, openai_gelu, squared_relu
+from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+from megatron.core.fusions.fused_kernels import log_once
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-
-MLP_NAMES = {
-    "legacy": {"fc1": "dense_h_to_4h", "fc2": "dense_4h_to_h"},
-    "mcore": {"fc1": "linear_fc1", "fc2": "linear_fc2"},
-}
 
 
 def swiglu_ffn_hidden_size(hidden_size: int) -> int:
@@ -50,7 +47,8 @@ class ParallelMLP(MegatronModule):
 
     def __init__(self, config, is_expert: bool = False, *, naming: str = "legacy", submodules=None):
         super().__init__(config=config)
-        self.names = MLP_NAMES[naming]
+        if naming == "legacy":  # Megatron's legacy checkpoint names, at the state-dict boundary only
+            install_legacy_state_dict_names(self, "mlp")
         self.add_bias = config.add_bias_linear
         ffn_hidden_size = config.ffn_hidden_size
         if config.gated_linear_unit:
@@ -58,9 +56,8 @@ class ParallelMLP(MegatronModule):
 
         col = _class_of(getattr(submodules, "linear_fc1", None), tensor_parallel.ColumnParallelLinear)
         row = _class_of(getattr(submodules, "linear_fc2", None), tensor_parallel.RowParallelLinear)
-        self.add_module(self.names["fc1"], col(config.hidden_size, ffn_hidden_size, config=config,
-                                               init_method=config.init_method, bias=self.add_bias,
-                                               gather_output=False, skip_bias_add=True))
+        self.linear_fc1 = col(config.hidden_size, ffn_hidden_size, config=config, init_method=config.init_method,
+                              bias=self.add_bias, gather_output=False, skip_bias_add=True)
 
         self.bias_gelu_fusion = False
         self.bias_swiglu_fusion = False
@@ -78,11 +75,11 @@ class ParallelMLP(MegatronModule):
             name = f"gated {getattr(act, '__name__', 'activation')} (swiglu when silu)"
             if self.bias_swiglu_fusion:
                 name = "fused bias-swiglu"
-        elif model_option(config, "openai_gelu"):
+        elif config.openai_gelu:
             self.activation_func, name = openai_gelu, "openai_gelu (tanh approximation)"
-        elif model_option(config, "onnx_safe"):
+        elif config.onnx_safe:
             self.activation_func, name = erf_gelu, "erf_gelu"
-        elif model_option(config, "squared_relu"):
+        elif config.squared_relu:
             self.activation_func, name = squared_relu, "squared_relu"
         else:
             self.activation_func = config.activation_func
@@ -90,12 +87,12 @@ class ParallelMLP(MegatronModule):
             name = "fused bias-gelu" if self.bias_gelu_fusion else getattr(config.activation_func, "__name__", "custom")
         log_once("mlp_activation", f"MLP activation: {name}")
 
-        self.add_module(self.names["fc2"], row(config.ffn_hidden_size, config.hidden_size, config=config,
-                                               init_method=config.output_layer_init_method, bias=self.add_bias,
-                                               input_is_parallel=True, skip_bias_add=True))
+        self.linear_fc2 = row(config.ffn_hidden_size, config.hidden_size, config=config,
+                              init_method=config.output_layer_init_method, bias=self.add_bias,
+                              input_is_parallel=True, skip_bias_add=True)
 
     def forward(self, hidden_states):
-        intermediate_parallel, bias_parallel = getattr(self, self.names["fc1"])(hidden_states)
+        intermediate_parallel, bias_parallel = self.linear_fc1(hidden_states)
         if self.bias_gelu_fusion:
             intermediate_parallel = bias_gelu_impl(intermediate_parallel, bias_parallel)
         elif self.bias_swiglu_fusion:
@@ -105,7 +102,7 @@ class ParallelMLP(MegatronModule):
             if bias_parallel is not None:
                 intermediate_parallel = intermediate_parallel + bias_parallel
             intermediate_parallel = self.activation_func(intermediate_parallel)
-        output, output_bias = getattr(self, self.names["fc2"])(intermediate_parallel)
+        output, output_bias = self.linear_fc2(intermediate_parallel)
         return output, output_bias
 
 

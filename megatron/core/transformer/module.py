@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.transformer.model_options import required_model_option
 
 _FLOAT_TYPES = (torch.float32,)
 _HALF_TYPES = (torch.float16,)
@@ -115,7 +114,7 @@ class MegatronModule(torch.nn.Module):
             assert not parallel_state.is_pipeline_first_stage()
             self._word_embeddings_for_head_key = "word_embeddings_for_head"
             self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-                required_model_option(self.config, "padded_vocab_size", "--vocab-size/--vocab-file"),
+                self.config.required_padded_vocab_size(),
                 self.config.hidden_size, config=self.config, init_method=self.config.init_method)
             is_copy = True
 

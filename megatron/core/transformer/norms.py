@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from megatron.core import device
-from megatron.core.fusions import fused_kernels  # module import: resolved lazily (import cycle)
-from megatron.core.transformer.fusions import log_once
+from megatron.core.fusions import fused_kernels
+from megatron.core.fusions.fused_kernels import log_once
 
 _APEX_LN = None
 _APEX_CHECKED = False

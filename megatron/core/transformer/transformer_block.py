@@ -12,7 +12,6 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.transformer.enums import AttnMaskType, LayerType
-from megatron.core.transformer.model_options import model_option
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import get_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -72,7 +71,7 @@ class ParallelTransformer(MegatronModule):
         super().__init__(config=config)
         if model_type == ModelType.encoder_and_decoder and parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("encoder-decoder models (T5) with pipeline parallelism are not implemented")
-        if model_option(config, "transformer_impl") == "transformer_engine":
+        if config.transformer_impl == "transformer_engine":
             from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
 
             transformer_engine_layers_unavailable()
@@ -89,7 +88,7 @@ class ParallelTransformer(MegatronModule):
         self.recompute_num_layers = config.recompute_num_layers
         self.distribute_saved_activations = bool(config.distribute_saved_activations) and not config.sequence_parallel
 
-        standalone = model_option(config, "standalone_embedding_stage")
+        standalone = config.standalone_embedding_stage
         self.num_layers = get_num_layers_to_build(config, standalone)
         offset = get_layer_offset(config, self.num_layers, standalone)
         self.drop_path_rates = [rate.item() for rate in torch.linspace(0, drop_path_rate, max(config.num_layers, 1))]
@@ -202,6 +201,10 @@ class TransformerBlock(ParallelTransformer):
             spec = get_gpt_layer_local_spec()
         super().__init__(config, post_layer_norm=post_layer_norm, pre_process=pre_process,
                          post_process=post_process, layer_spec=spec)
+        # megatron-core's attributes: layers per pipeline rank (of the whole model, not this chunk) and whether
+        # selective recompute checkpoints the core attention.
+        self.num_layers_per_pipeline_rank = config.num_layers // parallel_state.get_pipeline_model_parallel_world_size()
+        self.checkpoint_core_attention = config.recompute_granularity == "selective"
 
     def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
                 inference_params=None, packed_seq_params=None):

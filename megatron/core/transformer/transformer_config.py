@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -67,9 +68,42 @@ class TransformerConfig(ModelParallelConfig):
     fp8_wgrad: bool = True
 
     normalization: str = "LayerNorm"
+    # --qk-layernorm: normalise each head's queries and keys (the config's normalization) before RoPE/scores.
+    qk_layernorm: bool = False
+
+    # Attention implementation (--attention-backend): AttnBackend by name. auto/fused: SDPA where the mask allows
+    # (explicit softmax otherwise); flash: SDPA (PyTorch's flash kernel on CUDA) or the flash-attn package with
+    # use_flash_attn; unfused/local: the explicit baddbmm + masked-softmax path.
+    attention_backend: Union[AttnBackend, str] = AttnBackend.auto
+    # --transformer-impl: "local" (this library's modules) or "transformer_engine" (TE modules, not built here).
+    transformer_impl: str = "local"
+    use_flash_attn: bool = False                 # --use-flash-attn: the flash-attn package's kernel
+
+    # Language-model settings read by the legacy model classes (megatron-core's GPTModel/BERTModel take the
+    # same values as constructor arguments). Names equal the argparse destinations of Megatron's flags.
+    padded_vocab_size: Optional[int] = None      # vocabulary padded by --make-vocab-size-divisible-by x TP
+    max_position_embeddings: Optional[int] = None
+    position_embedding_type: str = "learned_absolute"  # --position-embedding-type {learned_absolute, rope, none}
+    add_position_embedding: bool = True          # --no-position-embedding (deprecated; needs rope)
+    rotary_percent: float = 1.0
+    rotary_base: int = 10000
+    rotary_interleaved: bool = False             # RoFormer pairs (x[2i], x[2i+1]) instead of rotate-half
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    use_rope_scaling: bool = False               # Llama-3.x frequency scaling of inv_freq
+    rope_scaling_factor: float = 8.0
+    untie_embeddings_and_output_weights: bool = False
+    openai_gelu: bool = False
+    onnx_safe: Optional[bool] = None
+    squared_relu: bool = False
+    embedding_weights_in_fp32: bool = False
+    fp16_lm_cross_entropy: bool = False
+    standalone_embedding_stage: bool = False
+    output_bert_embeddings: bool = False
+    add_qkv_bias: bool = False                   # bias on the QKV projection only
 
     def __post_init__(self):
         super().__post_init__()
+        self._validate_model_settings()
 
         if self.fp16 and self.bf16:
             raise ValueError(f"Only one of self.fp16: {self.fp16} and self.bf16 {self.bf16} should be True.")
@@ -153,3 +187,38 @@ class TransformerConfig(ModelParallelConfig):
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, max(self.num_layers, 1))
+
+    def required_padded_vocab_size(self) -> int:
+        """``padded_vocab_size`` for the legacy model classes, with a clear error when it is not set."""
+        if self.padded_vocab_size is None:
+            raise ValueError("the model needs padded_vocab_size: pass --vocab-size/--vocab-file (training scripts), "
+                             "or TransformerConfig(padded_vocab_size=...) when building the model directly")
+        return self.padded_vocab_size
+
+    def _validate_model_settings(self):
+        """Normalise ``attention_backend`` to :class:`AttnBackend` and reject contradictory model settings."""
+        if isinstance(self.attention_backend, str):
+            try:
+                self.attention_backend = AttnBackend[self.attention_backend]
+            except KeyError:
+                raise ValueError(f"attention_backend must be one of {[b.name for b in AttnBackend]}, "
+                                 f"got {self.attention_backend!r}") from None
+        elif not isinstance(self.attention_backend, AttnBackend):
+            raise ValueError(f"attention_backend must be an AttnBackend, got {self.attention_backend!r}")
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got {self.transformer_impl!r}")
+        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise ValueError("position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
+                             f"got {self.position_embedding_type!r}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.rope_scaling_factor <= 0:
+            raise ValueError(f"rope_scaling_factor must be > 0, got {self.rope_scaling_factor}")
+        if self.rotary_seq_len_interpolation_factor is not None and self.rotary_seq_len_interpolation_factor <= 0:
+            raise ValueError("rotary_seq_len_interpolation_factor must be > 0, "
+                             f"got {self.rotary_seq_len_interpolation_factor}")
+        if self.qk_layernorm and self.tensor_model_parallel_size > 1:
+            raise ValueError("qk_layernorm (--qk-layernorm) with tensor_model_parallel_size > 1 is not implemented "
+                             "(the shared q/k norm weights would need a TP all-reduce of their gradients)")
+        if self.padded_vocab_size is not None and self.padded_vocab_size <= 0:
+            raise ValueError(f"padded_vocab_size must be > 0, got {self.padded_vocab_size}")

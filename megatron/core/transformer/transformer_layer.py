@@ -1,8 +1,9 @@
 """One transformer layer: norm -> attention -> bias-dropout-add -> norm -> MLP -> bias-dropout-add.
 
-``ParallelTransformerLayer`` (Megatron's legacy API and checkpoint names) and megatron-core's
-``TransformerLayer`` (spec-built, megatron-core names) are one class; only the submodule names and the
-constructor/forward signatures differ.
+``ParallelTransformerLayer`` (Megatron's legacy API) and megatron-core's ``TransformerLayer`` (spec-built) are
+one class with megatron-core's submodule names (``input_layernorm``, ``self_attention``,
+``pre_cross_attn_layernorm``, ``cross_attention``, ``pre_mlp_layernorm``, ``mlp``); the legacy class saves and
+loads Megatron's legacy names through the one table of :mod:`megatron.core.models.conversion.keys`.
 """
 from __future__ import annotations
 
@@ -11,27 +12,15 @@ from typing import Union
 
 import torch
 
+from megatron.core.models.conversion.keys import install_legacy_state_dict_names
 from megatron.core.transformer.attention import ParallelAttention, SelfAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType, LayerType
-from megatron.core.transformer.fusions import get_bias_dropout_add_func
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add, get_bias_dropout_add_func
 from megatron.core.transformer.mlp import MLP, ParallelMLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import FusedLayerNorm, get_norm
 from megatron.core.transformer.spec_utils import IdentityFuncOp, IdentityOp, ModuleSpec, build_module
 from megatron.core.utils import make_viewless_tensor
-
-# role -> submodule name. Legacy names depend on the layer type (the decoder has a cross-attention block).
-LEGACY_LAYER_NAMES = {
-    "ln_attn": "input_layernorm", "self_attention": "self_attention",
-    "ln_cross": "post_attention_layernorm", "cross_attention": "inter_attention",
-    "ln_mlp_after_cross": "post_inter_attention_layernorm", "ln_mlp": "post_attention_layernorm", "mlp": "mlp",
-}
-MCORE_LAYER_NAMES = {
-    "ln_attn": "input_layernorm", "self_attention": "self_attention",
-    "ln_cross": "pre_cross_attn_layernorm", "cross_attention": "cross_attention",
-    "ln_mlp_after_cross": "pre_mlp_layernorm", "ln_mlp": "pre_mlp_layernorm", "mlp": "mlp",
-}
-
 
 @dataclass
 class TransformerLayerSubmodules:
@@ -83,44 +72,45 @@ class ParallelTransformerLayer(MegatronModule):
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         self.bias_dropout_fusion = config.bias_dropout_fusion
         self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0.0 else None
-        names = dict(LEGACY_LAYER_NAMES if naming == "legacy" else MCORE_LAYER_NAMES)
         h = config.hidden_size
 
+        # megatron-core specs choose the bias-dropout-add of each residual branch (self_attn_bda, cross_attn_bda,
+        # mlp_bda): factories ``bda(training, fused) -> f((x, bias), residual, prob)``. The legacy layer has none.
+        self._spec_bda = None
         if submodules is None:  # Megatron's legacy layer: fixed classes
             has_cross = layer_type == LayerType.decoder
-            self.add_module(names["ln_attn"], get_norm(config))
-            self.add_module(names["self_attention"], ParallelAttention(
-                config, layer_number, attention_type=AttnType.self_attn, attn_mask_type=self_attn_mask_type,
-                naming=naming))
+            self.input_layernorm = get_norm(config)
+            self.self_attention = ParallelAttention(config, layer_number, attention_type=AttnType.self_attn,
+                                                    attn_mask_type=self_attn_mask_type, naming=naming)
             if has_cross:
-                self.add_module(names["ln_cross"], get_norm(config))
-                self.add_module(names["cross_attention"], ParallelAttention(
-                    config, layer_number, attention_type=AttnType.cross_attn, naming=naming))
-                names["ln_mlp"] = names["ln_mlp_after_cross"]
-            self.add_module(names["ln_mlp"], get_norm(config))
-            self.add_module(names["mlp"], ParallelMLP(config, naming=naming))
+                self.pre_cross_attn_layernorm = get_norm(config)
+                self.cross_attention = ParallelAttention(config, layer_number, attention_type=AttnType.cross_attn,
+                                                         naming=naming)
+            self.pre_mlp_layernorm = get_norm(config)
+            self.mlp = ParallelMLP(config, naming=naming)
+            if naming == "legacy":  # Megatron's legacy checkpoint names, at the state-dict boundary only
+                install_legacy_state_dict_names(self, "decoder_layer" if has_cross else "encoder_layer")
         else:  # megatron-core: classes from the spec
             eps = config.layernorm_epsilon
             has_cross = submodules.cross_attention not in (None, IdentityOp)
-            self.add_module(names["ln_attn"], build_module(submodules.input_layernorm, config=config,
-                                                           hidden_size=h, eps=eps))
-            self.add_module(names["self_attention"], build_module(submodules.self_attention, config=config,
-                                                                  layer_number=layer_number))
+            self.input_layernorm = build_module(submodules.input_layernorm, config=config, hidden_size=h, eps=eps)
+            self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number)
             if has_cross:
-                self.add_module(names["ln_cross"], build_module(submodules.pre_cross_attn_layernorm, config=config,
-                                                                hidden_size=h, eps=eps))
-                self.add_module(names["cross_attention"], build_module(submodules.cross_attention, config=config,
-                                                                       layer_number=layer_number))
-            self.add_module(names["ln_mlp"], build_module(submodules.pre_mlp_layernorm, config=config,
-                                                          hidden_size=h, eps=eps))
-            self.add_module(names["mlp"], build_module(submodules.mlp, config=config))
+                self.pre_cross_attn_layernorm = build_module(submodules.pre_cross_attn_layernorm, config=config,
+                                                             hidden_size=h, eps=eps)
+                self.cross_attention = build_module(submodules.cross_attention, config=config,
+                                                    layer_number=layer_number)
+            self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config, hidden_size=h, eps=eps)
+            self.mlp = build_module(submodules.mlp, config=config)
+            self._spec_bda = {"self_attention": build_module(submodules.self_attn_bda),
+                              "cross_attention": build_module(submodules.cross_attn_bda),
+                              "mlp": build_module(submodules.mlp_bda)}
         self.has_cross_attention = has_cross
-        self._names = names
 
-    def _m(self, role):
-        return getattr(self, self._names[role])
-
-    def _bias_dropout_add(self, x, bias, residual):
+    def _bias_dropout_add(self, x, bias, residual, branch: str):
+        if self._spec_bda is not None and self.drop_path is None:
+            bda = self._spec_bda[branch](self.training, self.bias_dropout_fusion)
+            return bda((x, bias), residual, self.hidden_dropout)
         if self.drop_path is None:
             bda = get_bias_dropout_add_func(self.training, self.bias_dropout_fusion, on_cuda=x.is_cuda)
             return bda(x, bias, residual, self.hidden_dropout)
@@ -134,24 +124,24 @@ class ParallelTransformerLayer(MegatronModule):
         if retriever_input is not None or retriever_output is not None:
             raise NotImplementedError("retro layers are not implemented")
         # Self attention.
-        layernorm_output = self._m("ln_attn")(hidden_states)
-        attention_output, attention_bias = self._m("self_attention")(
+        layernorm_output = self.input_layernorm(hidden_states)
+        attention_output, attention_bias = self.self_attention(
             layernorm_output, attention_mask, inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
         residual = layernorm_output if self.apply_residual_connection_post_layernorm else hidden_states
-        layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual)
+        layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "self_attention")
 
-        layernorm_output = self._m("ln_mlp" if not self.has_cross_attention else "ln_cross")(layernorm_input)
+        layernorm_output = (self.pre_cross_attn_layernorm if self.has_cross_attention else self.pre_mlp_layernorm)(layernorm_input)
 
         if self.has_cross_attention:
-            attention_output, attention_bias = self._m("cross_attention")(
+            attention_output, attention_bias = self.cross_attention(
                 layernorm_output, enc_dec_attn_mask, encoder_output)
             residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input
-            layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual)
-            layernorm_output = self._m("ln_mlp")(layernorm_input)
+            layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "cross_attention")
+            layernorm_output = self.pre_mlp_layernorm(layernorm_input)
 
-        mlp_output, mlp_bias = self._m("mlp")(layernorm_output)
+        mlp_output, mlp_bias = self.mlp(layernorm_output)
         residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input
-        output = self._bias_dropout_add(mlp_output, mlp_bias, residual)
+        output = self._bias_dropout_add(mlp_output, mlp_bias, residual, "mlp")
         # Pipeline schedules free stage outputs by swapping .data, which needs a tensor that is not a view.
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
 
@@ -193,7 +183,6 @@ def default_layer_submodules(attn_mask_type) -> TransformerLayerSubmodules:
     """The local (non-Transformer-Engine) layer: our norms, SelfAttention, MLP."""
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.fusions import get_bias_dropout_add
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 

@@ -2,18 +2,17 @@
 from megatron.core.models.common.language_model import logits_or_loss
 from megatron.core.models.legacy import bert_model as _bert
 from megatron.core.models.legacy.bert_model import bert_extended_attention_mask, bert_position_ids  # noqa: F401
-from megatron.legacy.model.global_args import legacy_config
 
 
 class BertLMHead(_bert.BertLMHead):
     def __init__(self, mpu_vocab_size, hidden_size, config, parallel_output):
-        super().__init__(mpu_vocab_size, hidden_size, legacy_config(config), parallel_output)
+        super().__init__(mpu_vocab_size, hidden_size, config, parallel_output)
 
 
 class BertModel(_bert.BertModel):
     def __init__(self, config, num_tokentypes=2, add_binary_head=True, parallel_output=True, pre_process=True,
                  post_process=True):
-        super().__init__(legacy_config(config), num_tokentypes, add_binary_head, parallel_output, pre_process,
+        super().__init__(config, num_tokentypes, add_binary_head, parallel_output, pre_process,
                          post_process)
 
 

@@ -1,4 +1,4 @@
 """megatron.model.fused_softmax (legacy path)."""
-from megatron.core.transformer.fusions import FusedScaleMaskSoftmax
+from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
 
 __all__ = ["FusedScaleMaskSoftmax"]

@@ -1,15 +1,11 @@
-"""Bridge from Megatron's global ``args`` to the model options that megatron.core reads from the config.
-
-Megatron's legacy model classes read settings such as ``args.padded_vocab_size`` or ``args.openai_gelu``
-from the global arguments. The legacy classes here copy those (when the training framework has parsed
-arguments) onto a copy of the config before building the megatron.core implementation. Options set
-explicitly on the config win; without global args the config (and Megatron's defaults) are used as is.
+"""Megatron's legacy free functions (``parallel_lm_logits``, ``get_linear_layer``, ``Pooler``) read a few
+parallelism flags from the global ``args``; this is that one bridge. Model settings are never copied from the
+global args: the legacy model classes read typed ``TransformerConfig`` fields (set from the flags by
+``core_transformer_config_from_args``).
 """
 from __future__ import annotations
 
 from types import SimpleNamespace
-
-from megatron.core.transformer.model_options import MODEL_OPTION_DEFAULTS, config_with_options
 
 
 def global_args_or_none():
@@ -22,16 +18,6 @@ def global_args_or_none():
         return get_args()
     except Exception:  # noqa: BLE001 - "args not initialized" is an assertion in Megatron
         return None
-
-
-def legacy_config(config):
-    """``config`` with the model options found in the global args (those the config does not set itself)."""
-    args = global_args_or_none()
-    if args is None or config is None:
-        return config
-    options = {name: getattr(args, name) for name in MODEL_OPTION_DEFAULTS
-               if hasattr(args, name) and getattr(config, name, None) is None}
-    return config_with_options(config, **options)
 
 
 def args_as_parallel_config():

@@ -1,12 +1,11 @@
 """megatron.model.gpt_model (legacy path): ``GPTModel(config, num_tokentypes=0, parallel_output=True, ...)``."""
 from megatron.core.models.common.language_model import logits_or_loss, parallel_lm_logits
 from megatron.core.models.legacy import gpt_model as _gpt
-from megatron.legacy.model.global_args import legacy_config
 
 
 class GPTModel(_gpt.GPTModel):
     def __init__(self, config, num_tokentypes=0, parallel_output=True, pre_process=True, post_process=True):
-        super().__init__(legacy_config(config), num_tokentypes, parallel_output, pre_process, post_process)
+        super().__init__(config, num_tokentypes, parallel_output, pre_process, post_process)
 
 
 def post_language_model_processing(lm_output, labels, logit_weights, parallel_output, fp16_lm_cross_entropy):

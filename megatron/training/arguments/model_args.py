@@ -5,6 +5,19 @@ group and returns the parser, as Megatron's ``_add_*_args`` do.
 """
 from __future__ import annotations
 
+import argparse
+
+
+def _attn_backend(name: str):
+    """``--attention-backend NAME`` -> megatron.core's ``AttnBackend`` member of that name (Megatron's type)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    try:
+        return AttnBackend[name]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {name!r} (choose from {', '.join(b.name for b in AttnBackend)})") from None
+
 
 def _add_network_size_args(parser):
     group = parser.add_argument_group(title="network size")
@@ -26,13 +39,26 @@ def _add_network_size_args(parser):
     group.add_argument("--max-position-embeddings", type=int, default=None,
                        help="Largest sequence length the position embedding supports.")
     group.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                       choices=["learned_absolute", "rope"], help="Position embedding type.")
+                       choices=["learned_absolute", "rope", "none"], help="Position embedding type.")
     group.add_argument("--use-rotary-position-embeddings", action="store_true",
                        help="Deprecated: use --position-embedding-type rope.")
     group.add_argument("--rotary-percent", type=float, default=1.0,
                        help="Fraction of each head's dimensions that rotary embeddings rotate.")
     group.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
                        help="Sequence-length interpolation factor for rotary embeddings.")
+    group.add_argument("--rotary-base", type=int, default=10000, help="Base of the rotary embedding frequencies.")
+    group.add_argument("--rotary-interleaved", action="store_true",
+                       help="Rotate adjacent channel pairs (RoFormer) instead of the two halves of each head.")
+    group.add_argument("--use-rope-scaling", action="store_true",
+                       help="Apply Llama-3.x frequency scaling to the rotary embedding.")
+    group.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                       help="Frequency scaling factor of --use-rope-scaling.")
+    group.add_argument("--qk-layernorm", action="store_true",
+                       help="Normalise each head's queries and keys (with --normalization) before attention.")
+    group.add_argument("--attention-backend", type=_attn_backend, default="auto",
+                       metavar="{flash,fused,unfused,local,auto}",
+                       help="Attention implementation: auto/fused/flash use torch SDPA where the mask allows, "
+                            "unfused/local the explicit masked softmax.")
     group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
                        help="Deprecated: disable the position embedding (only with rope).")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
@@ -102,8 +128,9 @@ def _add_transformer_engine_args(parser):
                        help="How the FP8 amax is computed from its history.")
     group.add_argument("--no-fp8-wgrad", action="store_false", dest="fp8_wgrad",
                        help="Compute the weight gradients in higher precision under FP8.")
-    group.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
-                       help="Which transformer implementation to use.")
+    group.add_argument("--transformer-impl", default="transformer_engine", choices=["local", "transformer_engine"],
+                       help="Which transformer implementation to use (transformer_engine falls back to local, "
+                            "with a log line, because this library builds its layers from its own modules).")
     group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
                        help="Normalization layer type.")
     return parser

@@ -85,8 +85,11 @@ def _add_training_args(parser):
                        help="Shard layer-norm and dropout activations along the sequence over tensor-parallel ranks.")
     group.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                        help="Do not fuse weight-gradient computation with accumulation into main_grad.")
-    group.add_argument("--use-mcore-models", action="store_true",
-                       help="Build models from megatron.core instead of the legacy megatron.model classes.")
+    group.add_argument("--use-legacy-models", action="store_true",
+                       help="Build the legacy megatron.legacy.model classes instead of megatron.core's models "
+                            "(needs --ckpt-format torch).")
+    group.add_argument("--use-mcore-models", action="store_true", dest="deprecated_use_mcore_models",
+                       help="Deprecated no-op: megatron.core's models are the default.")
     return parser
 
 

@@ -15,7 +15,7 @@ def _mlp_activation(args):
         return F.silu, True
     if args.openai_gelu or args.squared_relu or args.onnx_safe:
         # The activations live with the fused ops of megatron.core.transformer; imported only when asked for.
-        from megatron.core.transformer import fusions
+        from megatron.core import activations as fusions
 
         if args.openai_gelu:
             return fusions.openai_gelu, False

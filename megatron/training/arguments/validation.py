@@ -373,10 +373,35 @@ def _validate_features(args):
         args.position_embedding_type = "rope"
     _require(args.add_position_embedding or args.position_embedding_type == "rope",
              "--no-position-embedding is deprecated: use --position-embedding-type rope")
+    _validate_model_implementation(args)
     _require(not getattr(args, "async_save", False) or getattr(args, "ckpt_format", "torch") == "torch_dist",
              "--async-save needs --ckpt-format torch_dist")
     from megatron.training.deterministic import check_deterministic_mode
     check_deterministic_mode(args)
+
+
+def _validate_model_implementation(args):
+    """--use-legacy-models rules, --transformer-impl fallback, RoPE-only flags (megatron-core models are the default)."""
+    # Derived for code that asks which model family is built (checkpoint tools, benchmarks).
+    args.use_mcore_models = not args.use_legacy_models
+    if args.use_legacy_models:
+        _require(getattr(args, "ckpt_format", "torch") == "torch",
+                 "--use-legacy-models needs --ckpt-format torch (torch_dist is for megatron-core models)")
+        _require(not args.rotary_interleaved, "--rotary-interleaved is not supported with --use-legacy-models")
+        _require(getattr(args, "decoupled_lr", None) is None,
+                 "--decoupled-lr is not supported with --use-legacy-models")
+        _require(not getattr(args, "overlap_param_gather", False),
+                 "--overlap-param-gather is not supported with --use-legacy-models")
+    if args.position_embedding_type != "rope":
+        args.apply_rope_fusion = False
+    if args.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # type: ignore  # noqa: F401
+            reason = "Transformer Engine is installed, but this library builds its layers from its own modules"
+        except ImportError:
+            reason = "Transformer Engine is not installed"
+        _log(args, f"--transformer-impl transformer_engine: {reason}; using --transformer-impl local")
+        args.transformer_impl = "local"
 
 
 def _nearest_existing(path: str) -> str:

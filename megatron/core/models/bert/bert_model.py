@@ -69,6 +69,7 @@ class BertModel(LanguageModule):
                                                     num_tokentypes=num_tokentypes)
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
+                                                  rotary_interleaved=config.rotary_interleaved,
                                                   seq_len_interpolation_factor=seq_len_interpolation_factor)
         self.encoder = TransformerBlock(config, spec=spec, pre_process=pre_process, post_process=post_process)
         if self.post_process:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.transformer.model_options import model_option
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import param_device
 
@@ -35,9 +34,9 @@ class Embedding(MegatronModule):
         self._word_embeddings_key = "word_embeddings"
 
         if position_embedding_type is None:
-            position_embedding_type = model_option(config, "position_embedding_type")
+            position_embedding_type = config.position_embedding_type
         self.add_position_embedding = (position_embedding_type == "learned_absolute"
-                                       and model_option(config, "add_position_embedding"))
+                                       and config.add_position_embedding)
         if self.add_position_embedding:
             if max_sequence_length is None:
                 raise ValueError("learned absolute position embeddings need --max-position-embeddings "

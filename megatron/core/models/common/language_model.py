@@ -1,8 +1,7 @@
 """Megatron's language model: embedding -> transformer -> (pooler, output layer), and the LM logits and loss.
 
 ``TransformerLanguageModel`` holds the parts that GPT and BERT share; settings Megatron reads from the command
-line (vocabulary size, position-embedding type, untied output layer ...) are model options on the config
-(see :mod:`megatron.core.transformer.model_options`).
+line (vocabulary size, position-embedding type, untied output layer ...) are typed fields of ``TransformerConfig``.
 """
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import Embedding
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.model_options import model_option, required_model_option
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import param_device
 from megatron.core.transformer.rotary import RotaryEmbedding
@@ -108,7 +106,7 @@ class TransformerLanguageModel(MegatronModule):
 
     def __init__(self, config, encoder_attn_mask_type, num_tokentypes=0, add_encoder=True, add_decoder=False,
                  decoder_attn_mask_type=AttnMaskType.causal, add_pooler=False, pre_process=True, post_process=True):
-        untie = model_option(config, "untie_embeddings_and_output_weights")
+        untie = config.untie_embeddings_and_output_weights
         super().__init__(config=config, share_embeddings_and_output_weights=not untie)
         if add_decoder:
             raise NotImplementedError("encoder-decoder language models (T5, add_decoder=True) are not implemented")
@@ -125,23 +123,25 @@ class TransformerLanguageModel(MegatronModule):
         self.encoder_hidden_state = None
         self.untie_embeddings_and_output_weights = untie
         self.sequence_parallel = config.sequence_parallel
-        padded_vocab_size = required_model_option(config, "padded_vocab_size", "--vocab-size/--vocab-file")
+        padded_vocab_size = config.required_padded_vocab_size()
 
         if self.pre_process:
-            self.embedding = Embedding(self.hidden_size, padded_vocab_size, model_option(config, "max_position_embeddings"),
+            self.embedding = Embedding(self.hidden_size, padded_vocab_size, config.max_position_embeddings,
                                        config.hidden_dropout, config, self.num_tokentypes,
-                                       model_option(config, "embedding_weights_in_fp32"))
+                                       config.embedding_weights_in_fp32)
             self._embedding_key = "embedding"
 
-        position_embedding_type = model_option(config, "position_embedding_type")
-        if position_embedding_type not in ("learned_absolute", "rope"):
-            raise ValueError(f"--position-embedding-type must be learned_absolute or rope, got {position_embedding_type!r}")
+        position_embedding_type = config.position_embedding_type
+        if position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise ValueError("--position-embedding-type must be learned_absolute, rope or none, "
+                             f"got {position_embedding_type!r}")
         self.use_rotary_position_embeddings = position_embedding_type == "rope"
         if self.use_rotary_position_embeddings:
             self.rotary_pos_emb = RotaryEmbedding(
-                config.kv_channels, model_option(config, "rotary_percent"),
-                seq_len_interpolation_factor=model_option(config, "rotary_seq_len_interpolation_factor"),
-                rotary_base=model_option(config, "rotary_base"))
+                config.kv_channels, config.rotary_percent, rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
+                rotary_base=config.rotary_base, rope_scaling=config.use_rope_scaling,
+                rope_scaling_factor=config.rope_scaling_factor)
 
         if self.add_encoder:
             self.encoder = ParallelTransformer(config, model_type=ModelType.encoder_or_decoder,

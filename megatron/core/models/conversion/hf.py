@@ -24,19 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.conversion.keys import legacy_to_mcore, mcore_to_legacy
-from megatron.core.transformer.model_options import MODEL_OPTION_DEFAULTS
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.tokenizer.vocab_padding import vocab_size_with_padding
+from megatron.core.vocab_padding import vocab_size_with_padding
 
 _P = "language_model.encoder.layers."
 _EMB = "language_model.embedding."
-
-
-def _with_all_options(config: TransformerConfig) -> TransformerConfig:
-    """Set every model option explicitly: the HF config fully describes the model (nothing from global args)."""
-    for name, value in MODEL_OPTION_DEFAULTS.items():
-        setattr(config, name, value)
-    return config
 
 
 def _pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
@@ -97,13 +89,12 @@ def gpt2_config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128, 
         hidden_dropout=hf_config.resid_pdrop, attention_dropout=hf_config.attn_pdrop,
         tensor_model_parallel_size=tensor_model_parallel_size, init_method_std=hf_config.initializer_range,
     )
+    kwargs.update(
+        padded_vocab_size=vocab_size_with_padding(hf_config.vocab_size, make_vocab_size_divisible_by,
+                                                  tensor_model_parallel_size, log=False),
+        max_position_embeddings=hf_config.n_positions, openai_gelu=hf_config.activation_function != "gelu")
     kwargs.update(config_kwargs)
-    config = _with_all_options(TransformerConfig(**kwargs))
-    config.padded_vocab_size = vocab_size_with_padding(hf_config.vocab_size, make_vocab_size_divisible_by,
-                                                       tensor_model_parallel_size, log=False)
-    config.max_position_embeddings = hf_config.n_positions
-    config.openai_gelu = hf_config.activation_function != "gelu"
-    return config
+    return TransformerConfig(**kwargs)
 
 
 def gpt2_hf_to_megatron(hf_state_dict: Dict[str, torch.Tensor], hf_config, padded_vocab_size: int,
@@ -207,16 +198,14 @@ def llama_config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128,
         tensor_model_parallel_size=tensor_model_parallel_size, init_method_std=hf_config.initializer_range,
         bias_gelu_fusion=False,
     )
+    kwargs.update(
+        padded_vocab_size=vocab_size_with_padding(hf_config.vocab_size, make_vocab_size_divisible_by,
+                                                  tensor_model_parallel_size, log=False),
+        max_position_embeddings=hf_config.max_position_embeddings, position_embedding_type="rope",
+        rotary_base=_rope_theta(hf_config), rotary_seq_len_interpolation_factor=_rope_interpolation_factor(hf_config),
+        untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False))
     kwargs.update(config_kwargs)
-    config = _with_all_options(TransformerConfig(**kwargs))
-    config.padded_vocab_size = vocab_size_with_padding(hf_config.vocab_size, make_vocab_size_divisible_by,
-                                                       tensor_model_parallel_size, log=False)
-    config.max_position_embeddings = hf_config.max_position_embeddings
-    config.position_embedding_type = "rope"
-    config.rotary_base = _rope_theta(hf_config)
-    config.rotary_seq_len_interpolation_factor = _rope_interpolation_factor(hf_config)
-    config.untie_embeddings_and_output_weights = not getattr(hf_config, "tie_word_embeddings", False)
-    return config
+    return TransformerConfig(**kwargs)
 
 
 def llama_hf_to_megatron(hf_state_dict: Dict[str, torch.Tensor], hf_config, padded_vocab_size: int,

@@ -22,13 +22,56 @@ GPT's megatron-core block is ``decoder``, BERT's is ``encoder``. Tensor values a
 """
 from __future__ import annotations
 
-_LAYER_RULES = (
-    (".self_attention.query_key_value.", ".self_attention.linear_qkv."),
-    (".self_attention.dense.", ".self_attention.linear_proj."),
-    (".post_attention_layernorm.", ".pre_mlp_layernorm."),
-    (".mlp.dense_h_to_4h.", ".mlp.linear_fc1."),
-    (".mlp.dense_4h_to_h.", ".mlp.linear_fc2."),
+# THE name table: megatron-core submodule name -> Megatron's legacy name, per legacy module kind (direct
+# children only). Modules are always built with megatron-core's names; the legacy classes (ParallelAttention,
+# ParallelMLP, ParallelTransformerLayer) apply this table at their state-dict boundary
+# (:func:`install_legacy_state_dict_names`), and the whole-key converters below are derived from it.
+LEGACY_SUBMODULE_NAMES = {
+    "attention": {"linear_qkv": "query_key_value", "linear_q": "query", "linear_kv": "key_value",
+                  "linear_proj": "dense"},
+    "mlp": {"linear_fc1": "dense_h_to_4h", "linear_fc2": "dense_4h_to_h"},
+    "encoder_layer": {"pre_mlp_layernorm": "post_attention_layernorm"},
+    "decoder_layer": {"pre_cross_attn_layernorm": "post_attention_layernorm", "cross_attention": "inter_attention",
+                      "pre_mlp_layernorm": "post_inter_attention_layernorm"},
+}
+
+# (legacy, mcore) substrings of whole keys of GPT/BERT encoder layers, from the table above.
+_LAYER_RULES = tuple(
+    [(f".self_attention.{old}.", f".self_attention.{new}.")
+     for new, old in LEGACY_SUBMODULE_NAMES["attention"].items() if new in ("linear_qkv", "linear_proj")]
+    + [(f".{old}.", f".{new}.") for new, old in LEGACY_SUBMODULE_NAMES["encoder_layer"].items()]
+    + [(f".mlp.{old}.", f".mlp.{new}.") for new, old in LEGACY_SUBMODULE_NAMES["mlp"].items()]
 )
+
+
+def _rename_children(state_dict, prefix: str, table: dict) -> None:
+    """Rename, in place and keeping the order, the keys ``{prefix}{child}.*`` whose ``child`` is in ``table``."""
+    renamed, changed = [], False
+    for key, value in state_dict.items():
+        if key.startswith(prefix):
+            child, dot, rest = key[len(prefix):].partition(".")
+            if dot and child in table:
+                key, changed = prefix + table[child] + "." + rest, True
+        renamed.append((key, value))
+    if changed:
+        state_dict.clear()
+        state_dict.update(renamed)
+
+
+def install_legacy_state_dict_names(module, kind: str) -> None:
+    """Make ``module`` (built with megatron-core child names) save and load its children under Megatron's legacy
+    names of ``LEGACY_SUBMODULE_NAMES[kind]``: the state-dict boundary of the legacy classes."""
+    table = LEGACY_SUBMODULE_NAMES[kind]
+    inverse = {legacy: mcore for mcore, legacy in table.items()}
+
+    def save_hook(mod, state_dict, prefix, local_metadata):
+        _rename_children(state_dict, prefix, table)
+
+    def load_pre_hook(state_dict, prefix, *unused):
+        _rename_children(state_dict, prefix, inverse)
+
+    module._register_state_dict_hook(save_hook)
+    module._register_load_state_dict_pre_hook(load_pre_hook)
 
 
 def _block_name(model: str) -> str:

@@ -10,8 +10,7 @@ def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layern
     """Causal self-attention + MLP built from megatron.core's own layers (no Transformer Engine)."""
     if num_experts is not None:
         raise NotImplementedError("mixture-of-experts layers (num_experts) are not implemented")
-    if qk_layernorm:
-        raise NotImplementedError("qk_layernorm is not implemented")
+    # qk_layernorm is read from config.qk_layernorm by the attention (the same local norms either way).
     return ModuleSpec(module=TransformerLayer, submodules=default_layer_submodules(AttnMaskType.causal))
 
 

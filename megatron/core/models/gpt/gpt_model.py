@@ -50,8 +50,8 @@ class LanguageModule(MegatronModule):
 class GPTModel(LanguageModule):
     """``GPTModel(config, transformer_layer_spec, vocab_size, max_sequence_length, pre_process=True,
     post_process=True, fp16_lm_cross_entropy=False, parallel_output=True, share_embeddings_and_output_weights=False,
-    position_embedding_type='learned_absolute', rotary_percent=1.0, rotary_base=10000,
-    seq_len_interpolation_factor=None)``.
+    position_embedding_type='learned_absolute', rotary_percent=1.0, rotary_base=10000, rope_scaling=False,
+    rope_scaling_factor=8.0, seq_len_interpolation_factor=None)``.
 
     ``forward(input_ids [b, s], position_ids [b, s], attention_mask, decoder_input=None, labels=None,
     inference_params=None)`` -> logits ``[b, s, V/tp]``, or the per-token loss ``[b, s]`` with ``labels``.
@@ -61,10 +61,12 @@ class GPTModel(LanguageModule):
                  pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
-                 rotary_base: int = 10000, seq_len_interpolation_factor=None):
+                 rotary_base: int = 10000, rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
+                 seq_len_interpolation_factor=None):
         super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
-        if position_embedding_type not in ("learned_absolute", "rope"):
-            raise ValueError(f"position_embedding_type must be 'learned_absolute' or 'rope', got {position_embedding_type!r}")
+        if position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise ValueError("position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
+                             f"got {position_embedding_type!r}")
         self.transformer_layer_spec = transformer_layer_spec
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -80,8 +82,10 @@ class GPTModel(LanguageModule):
                                                     position_embedding_type=position_embedding_type)
         if self.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
+                                                  rotary_interleaved=config.rotary_interleaved,
                                                   seq_len_interpolation_factor=seq_len_interpolation_factor,
-                                                  rotary_base=rotary_base)
+                                                  rotary_base=rotary_base, rope_scaling=rope_scaling,
+                                                  rope_scaling_factor=rope_scaling_factor)
         self.decoder = TransformerBlock(config, spec=transformer_layer_spec, pre_process=self.pre_process,
                                         post_process=self.post_process)
         if self.post_process:

@@ -1,6 +1,7 @@
 """Megatron's legacy model API (GPTModel(config, num_tokentypes, ...), BertModel) implemented in megatron.core.
 
-``megatron.legacy.model`` and ``megatron.model`` expose these classes with Megatron's global-args behaviour.
+``megatron.legacy.model`` and ``megatron.model`` expose these classes; every model setting is a typed
+field of the ``TransformerConfig`` passed in.
 """
 from megatron.core.models.legacy.bert_model import BertLMHead, BertModel
 from megatron.core.models.legacy.gpt_model import GPTModel

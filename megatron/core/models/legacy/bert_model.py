@@ -11,8 +11,7 @@ from megatron.core.models.common.language_model import (
     parallel_lm_logits,
 )
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.fusions import erf_gelu, openai_gelu
-from megatron.core.transformer.model_options import model_option
+from megatron.core.activations import erf_gelu, openai_gelu
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import LayerNorm, param_device
 
@@ -49,9 +48,9 @@ class BertLMHead(MegatronModule):
         self.layernorm = LayerNorm(hidden_size, eps=config.layernorm_epsilon, sequence_parallel=config.sequence_parallel,
                                    params_dtype=config.params_dtype, param_device_=param_device(config))
         self.gelu = torch.nn.functional.gelu
-        if model_option(config, "openai_gelu"):
+        if config.openai_gelu:
             self.gelu = openai_gelu
-        elif model_option(config, "onnx_safe"):
+        elif config.onnx_safe:
             self.gelu = erf_gelu
 
     def forward(self, hidden_states, word_embeddings_weight):
@@ -69,15 +68,15 @@ class BertModel(MegatronModule):
 
     def __init__(self, config, num_tokentypes=2, add_binary_head=True, parallel_output=True, pre_process=True,
                  post_process=True):
-        if model_option(config, "untie_embeddings_and_output_weights"):
+        if config.untie_embeddings_and_output_weights:
             raise ValueError("BertModel does not support --untie-embeddings-and-output-weights")
         super().__init__(config=config)
-        self.fp16_lm_cross_entropy = model_option(config, "fp16_lm_cross_entropy")
+        self.fp16_lm_cross_entropy = config.fp16_lm_cross_entropy
         self.add_binary_head = add_binary_head
         self.parallel_output = parallel_output
         self.pre_process = pre_process
         self.post_process = post_process
-        self.return_embeddings = model_option(config, "output_bert_embeddings")
+        self.return_embeddings = config.output_bert_embeddings
         if self.return_embeddings:
             assert self.post_process and self.add_binary_head, "--output-bert-embeddings needs the pooler (binary head)"
 

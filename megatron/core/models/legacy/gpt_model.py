@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from megatron.core.models.common.language_model import get_language_model, logits_or_loss, parallel_lm_logits
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.model_options import model_option
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -17,12 +16,12 @@ class GPTModel(MegatronModule):
     """
 
     def __init__(self, config, num_tokentypes=0, parallel_output=True, pre_process=True, post_process=True):
-        untie = model_option(config, "untie_embeddings_and_output_weights")
+        untie = config.untie_embeddings_and_output_weights
         super().__init__(config=config, share_embeddings_and_output_weights=not untie)
         self.parallel_output = parallel_output
         self.pre_process = pre_process
         self.post_process = post_process
-        self.fp16_lm_cross_entropy = model_option(config, "fp16_lm_cross_entropy")
+        self.fp16_lm_cross_entropy = config.fp16_lm_cross_entropy
         self.untie_embeddings_and_output_weights = untie
 
         self.language_model, self._language_model_key = get_language_model(
