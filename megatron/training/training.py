@@ -296,11 +296,32 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         loss_reduced = {}
-        for key in losses_reduced[0]:
-            values = [d[key] for d in losses_reduced]
-            loss_reduced[key] = sum(values) / len(values)
+        for key, (numerator, denominator) in _sum_reported_losses(losses_reduced).items():
+            loss_reduced[key] = numerator / denominator
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _sum_reported_losses(loss_dicts):
+    """``{key: (numerator, denominator)}`` over the micro-batch reports of one step (last pipeline stage).
+
+    A 2-element value ``[sum, count]`` (today's loss functions) is summed over the micro-batches and over the
+    data-parallel group, so ``numerator / denominator`` is the token mean of the global batch. A 1-element value
+    (2023 loss functions, already averaged over data-parallel ranks) gives (sum over micro-batches, their count).
+    """
+    totals = {}
+    for key in loss_dicts[0]:
+        values = [torch.as_tensor(d[key]).detach().float().reshape(-1) for d in loss_dicts]
+        if values[0].numel() == 2:
+            total = torch.stack(values).sum(dim=0).to(device.current_device())
+            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+            totals[key] = (total[0], total[1])
+        elif values[0].numel() == 1:
+            totals[key] = (torch.cat(values).sum(), len(values))
+        else:
+            raise RuntimeError(f"loss_func reported {key!r} with {values[0].numel()} elements: report a scalar "
+                               "(2023 style) or a [sum, count] pair")
+    return totals
 
 
 def _configure_schedule_hooks(config, model, optimizer):
@@ -454,9 +475,9 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.decoder_seq_length,
                 forward_only=True)
             if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-                for loss_dict in loss_dicts:
-                    for key, value in loss_dict.items():
-                        total_loss_dict[key] = total_loss_dict.get(key, 0.0) + float(value)
+                for key, (numerator, denominator) in _sum_reported_losses(loss_dicts).items():
+                    total = total_loss_dict.get(key, (0.0, 0.0))
+                    total_loss_dict[key] = (total[0] + float(numerator), total[1] + float(denominator))
             args.consumed_valid_samples += eval_batch_size
 
     collected_non_loss_data = None
@@ -469,8 +490,8 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                 forward_only=True, collect_non_loss_data=True)
     for chunk in model:
         chunk.train()
-    for key in total_loss_dict:
-        total_loss_dict[key] /= args.eval_iters * eval_num_microbatches
+    for key, (numerator, denominator) in total_loss_dict.items():
+        total_loss_dict[key] = numerator / denominator
     timers("evaluate").stop()
     timers.log(["evaluate"])
     return total_loss_dict, collected_non_loss_data

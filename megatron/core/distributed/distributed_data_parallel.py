@@ -65,7 +65,9 @@ class DistributedDataParallel(torch.nn.Module):
 
         self.data_parallel_group = parallel_state.get_data_parallel_group()
         dp_size = parallel_state.get_data_parallel_world_size()
-        gradient_scaling_factor = 1.0 / dp_size
+        # Per-token loss: gradients are summed over DP here and divided by the global token count in
+        # finalize_model_grads; otherwise every rank pre-scales by 1/|DP| before the SUM reduction.
+        gradient_scaling_factor = 1.0 if config.calculate_per_token_loss else 1.0 / dp_size
 
         param_to_name: Dict[torch.nn.Parameter, str] = {}
         params_by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
@@ -133,6 +135,11 @@ class DistributedDataParallel(torch.nn.Module):
         """Make every ``main_grad`` hold the DP-averaged gradient (own shards only with the distributed optimizer)."""
         for buffer in self.param_and_grad_buffers:
             buffer.finish_grad_sync()
+
+    def scale_gradients(self, scaling_factor: float):
+        """Multiply every gradient buffer by ``scaling_factor`` (per-token loss normalisation)."""
+        for buffer in self.param_and_grad_buffers:
+            buffer.grad_data.mul_(scaling_factor)
 
     def zero_grad_buffer(self, zero_buffer: bool = True):
         """Reset for a new iteration: zero the buffers and the bookkeeping of which gradients are ready."""
