@@ -380,9 +380,17 @@ def forward_backward_pipelining_with_interleaving(
     def set_chunk(c):
         parallel_state.set_virtual_pipeline_model_parallel_rank(c)
 
+    # Aligned parameter all-gathers (--overlap-param-gather with --align-param-gather): chunk 0's start with the
+    # step, chunk c + 1's when chunk c runs its first micro-batch; the forward pre-hooks then only wait.
+    param_sync_func = config.param_sync_func if isinstance(config.param_sync_func, list) else None
+    if param_sync_func is not None and not forward_only:
+        param_sync_func[0]()
+
     def forward_helper(k):
         c = chunk_id(k, forward=True)
         set_chunk(c)
+        if param_sync_func is not None and not forward_only and k == c * pp_size and c + 1 < num_chunks:
+            param_sync_func[c + 1]()
         if parallel_state.is_pipeline_first_stage() and len(input_tensors[c]) == len(output_tensors[c]):
             input_tensors[c].append(None)
         output_tensor, num_tokens = forward_step(forward_step_func, data_iterator[c], model[c], num_microbatches,
