@@ -75,7 +75,9 @@ LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", 
          "--disable-bias-linear", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
          "--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
          "--overlap-grad-reduce", "--ddp-bucket-size", "5000", "--decoupled-lr", "5e-3",
-         "--decoupled-min-lr", "5e-4", "--calculate-per-token-loss", "--manual-gc", "--train-iters", "12"]
+         "--decoupled-min-lr", "5e-4", "--calculate-per-token-loss", "--manual-gc", "--train-iters", "12",
+         # A small vocabulary makes the mock documents (1, 2, 3, ... wrapping around) learnable in 12 steps.
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "255"]
 
 
 def test_llama3_like_integration():
