@@ -518,6 +518,8 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                 num_microbatches=eval_num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.decoder_seq_length,
                 forward_only=True)
+            if args.empty_unused_memory_level >= 1:
+                device.empty_cache()
             if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
                 for key, (numerator, denominator) in _sum_reported_losses(loss_dicts).items():
                     total = total_loss_dict.get(key, (0.0, 0.0))
