@@ -1,7 +1,10 @@
 """Today's training flags: types, defaults and validation (one clear ConfigurationError line each), and the
 --step-batch-size-schedule calculator against tables worked out by hand."""
+import re
+
 import pytest
 
+from helpers.dist_harness import run_distributed
 from helpers.args_test_helpers import BASE_ARGV, clean_env, parse, validated  # noqa: F401  (fixture)
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.errors import ConfigurationError
@@ -113,3 +116,20 @@ def test_schedule_errors(clean_env, schedule, extra, words):
     with pytest.raises(ConfigurationError) as e:
         _schedule_args(schedule, extra)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def schedule_run_body():
+    from helpers.train_helpers import run_pretrain
+
+    records = run_pretrain("pretrain_gpt", ["--mock-data", "--use-mcore-models", "--num-layers", "2",
+                                            "--train-iters", "6", "--log-interval", "1", "--eval-interval", "1000",
+                                            "--eval-iters", "1", "--step-batch-size-schedule", "0:2 192:4"])
+    return [(int(re.search(r"global batch size:\s+(\d+)", r["line"]).group(1)),
+             int(re.search(r"consumed samples:\s+(\d+)", r["line"]).group(1))) for r in records]
+
+
+def test_training_run_with_changing_batch_size():
+    """seq 32: 192 tokens = sample 6. Batch 2 while fewer than 6 samples were consumed (iterations 1-3), then 4;
+    --global-batch-size 4 (from the test command line) is accepted because the schedule ends at 4."""
+    (rows,) = run_distributed(schedule_run_body, 1, timeout=200)
+    assert rows == [(2, 2), (2, 4), (2, 6), (4, 10), (4, 14), (4, 18)], rows

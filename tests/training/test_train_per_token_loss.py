@@ -121,3 +121,28 @@ def test_per_token_loss_matches_global_token_mean():
         assert abs(out["token_mean_per_micro_reported"] - out["ref_value"]) < 1e-6 * abs(out["ref_value"])
         # 2023 reports (one value per micro-batch) are averaged over micro-batches only.
         assert out["legacy_2tuple_reported"] > 0
+
+
+# --num-layers stays GPT_ARGS's 8: run_pretrain's deterministic init computes the pipeline layer offsets from it.
+PIPE_BASE = ["--mock-data", "--use-mcore-models", "--train-iters", "6", "--log-interval", "1",
+             "--eval-interval", "1000", "--eval-iters", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+             "255", "--seq-length", "128", "--max-position-embeddings", "128", "--eod-mask-loss",
+             "--calculate-per-token-loss", "--untie-embeddings-and-output-weights"]
+
+
+def pipeline_body(runs):
+    from helpers.train_helpers import run_pretrain
+
+    return {name: [r["loss"].get("lm loss") for r in run_pretrain("pretrain_gpt", PIPE_BASE + extra)]
+            for name, extra in runs}
+
+
+def test_per_token_loss_through_1f1b_matches_data_parallel():
+    """pretrain_gpt with --calculate-per-token-loss (EOD tokens masked, so micro-batches hold unequal token
+    counts): the 1F1B pipeline (PP = 2, the token count broadcast from the last stage) gives the same losses as
+    DP = 2 (the count summed over DP) — both the token mean over the global batch."""
+    runs = [("dp2", []), ("pp2", ["--pipeline-model-parallel-size", "2"])]
+    out = run_distributed(pipeline_body, 2, runs, timeout=300)[-1]
+    assert len(out["dp2"]) == 6 and all(x == x for x in out["dp2"])
+    for a, b in zip(out["pp2"], out["dp2"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (out["pp2"], out["dp2"])
