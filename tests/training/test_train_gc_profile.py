@@ -83,3 +83,23 @@ def test_pytorch_profiler_trace_for_requested_steps_and_ranks(tmp_path):
         events = json.load(f)["traceEvents"]
     steps = {int(m.group(1)) for e in events for m in [re.fullmatch(r"ProfilerStep#(\d+)", str(e.get("name")))] if m}
     assert steps == {2, 3}, steps
+
+
+def test_nsys_mode_on_cpu_logs_and_captures_nothing():
+    import types
+
+    from megatron.training.gc_and_profiling import IterationProfiler
+
+    args = types.SimpleNamespace(profile=True, profile_ranks=[], use_pytorch_profiler=False, profile_step_start=1,
+                                 profile_step_end=2, tensorboard_dir=None)
+    lines = []
+    profiler = IterationProfiler(args, rank=0, log=lines.append)
+    assert len(lines) == 1 and "nsys" in lines[0] and "CPU" in lines[0]
+    for completed in range(3):  # no CUDA profiler call may happen on CPU
+        profiler.before_iteration(completed)
+        profiler.after_iteration(completed + 1)
+    profiler.stop()
+    assert profiler.nvtx is None
+    # Ranks outside --profile-ranks do nothing and say nothing.
+    args.profile_ranks = [1]
+    assert not IterationProfiler(args, rank=0, log=lines.append).active and len(lines) == 1
