@@ -415,6 +415,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
 
         # A tensor: training_log turns it into a number only on log steps (no host-device sync per iteration).
         loss_scale = optimizer.get_loss_scale()
+        if args.log_params_norm and args.overlap_param_gather:
+            for chunk in model:
+                chunk.start_param_sync(force_sync=True)  # the norm needs whole parameters now
         params_norm = calc_params_l2_norm(model) if args.log_params_norm else None
         # Megatron logs the default group's LR, never a --decoupled-lr group's.
         learning_rate = next(g["lr"] for g in optimizer.param_groups if not g.get("is_decoupled_lr"))

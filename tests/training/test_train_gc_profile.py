@@ -14,6 +14,8 @@ import json
 import os
 import re
 
+import pytest
+
 from helpers.dist_harness import run_distributed
 from helpers.train_helpers import run_pretrain
 
@@ -40,27 +42,41 @@ class _CountingGC:
         self.real.enable()
 
 
-def gc_body(runs):
+def _count_gc_calls(extra):
     import gc
 
     from megatron.training import gc_and_profiling
 
-    calls = []
-    for extra in runs:
-        counting = _CountingGC(gc)
-        gc_and_profiling.gc = counting
-        try:
-            run_pretrain("pretrain_gpt", BASE + list(extra))
-        finally:
-            gc_and_profiling.gc = gc
-            gc.enable()
-        calls.append(counting.calls)
+    counting = _CountingGC(gc)
+    gc_and_profiling.gc = counting
+    try:
+        run_pretrain("pretrain_gpt", BASE + list(extra))
+    finally:
+        gc_and_profiling.gc = gc
+        gc.enable()
+    return counting.calls
+
+
+GC_ARGS = ["--manual-gc", "--manual-gc-interval", "3", "--eval-interval", "4"]
+
+
+def gc_and_profile_body(tb_dir):
+    calls = [_count_gc_calls(GC_ARGS), _count_gc_calls(GC_ARGS + ["--no-manual-gc-eval"])]
+    run_pretrain("pretrain_gpt", BASE + ["--eval-interval", "1000", "--profile", "--use-pytorch-profiler",
+                                         "--profile-step-start", "2", "--profile-step-end", "4",
+                                         "--profile-ranks", "1", "--tensorboard-dir", tb_dir])
     return calls
 
 
-def test_manual_gc_schedule():
-    base = ["--manual-gc", "--manual-gc-interval", "3", "--eval-interval", "4"]
-    per_rank = run_distributed(gc_body, 2, [base, base + ["--no-manual-gc-eval"]], timeout=240)
+@pytest.fixture(scope="module")
+def gc_and_profile(tmp_path_factory):
+    """Both features in one pair of ranks (three short runs): the per-rank gc calls and the trace directory."""
+    tb_dir = str(tmp_path_factory.mktemp("tb"))
+    return run_distributed(gc_and_profile_body, 2, tb_dir, timeout=300), tb_dir
+
+
+def test_manual_gc_schedule(gc_and_profile):
+    per_rank, _ = gc_and_profile
     # start | it 3 | eval at 4: before, after | it 6 | eval at 8: before, after | end
     expected = ["disable", 2, 2, 2, 0, 2, 2, 0, "enable"]
     for with_eval, without_eval in per_rank:
@@ -68,15 +84,8 @@ def test_manual_gc_schedule():
         assert without_eval == ["disable", 2, 2, 2, "enable"], without_eval
 
 
-def profile_body(tb_dir):
-    run_pretrain("pretrain_gpt", BASE + ["--eval-interval", "1000", "--profile", "--use-pytorch-profiler",
-                                         "--profile-step-start", "2", "--profile-step-end", "4",
-                                         "--profile-ranks", "1", "--tensorboard-dir", tb_dir])
-
-
-def test_pytorch_profiler_trace_for_requested_steps_and_ranks(tmp_path):
-    tb_dir = str(tmp_path / "tb")
-    run_distributed(profile_body, 2, tb_dir, timeout=200)
+def test_pytorch_profiler_trace_for_requested_steps_and_ranks(gc_and_profile):
+    _, tb_dir = gc_and_profile
     traces = glob.glob(os.path.join(tb_dir, "*.pt.trace.json*"))
     assert [os.path.basename(t).split("_")[0] for t in traces] == ["rank1"], traces
     with open(traces[0]) as f:
