@@ -13,7 +13,6 @@ from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.datasets_provider import bert_train_valid_test_datasets_provider
 from megatron.training.errors import exit_on_configuration_error
-from megatron.training.utils import average_losses_across_data_parallel_group
 
 
 def model_provider(pre_process=True, post_process=True):
@@ -50,20 +49,26 @@ def get_batch(data_iterator):
 
 
 def loss_func(loss_mask, sentence_order, output_tensor):
-    """Masked mean of the MLM loss, plus the sentence-order loss when the binary head is on."""
+    """(loss sum, number of masked tokens n, report) with report values ``[sum, count]``.
+
+    loss sum = sum of the masked-token MLM losses + (binary head) the sentence-order loss times ``max(n, 1)``,
+    so that the schedule's division by ``max(n, 1)`` gives Megatron's ``lm mean + sop mean``; a micro-batch
+    without masked tokens contributes zero MLM loss instead of 0/0. Reported: 'lm loss' [MLM sum, n] and
+    'sop loss' [sop mean x valid samples, valid samples].
+    """
     lm_loss_, sop_logits = output_tensor
     lm_loss_ = lm_loss_.float()
-    loss_mask = loss_mask.float()
-    # Short samples can end up with no masked token (the masking budget is 15% of the target length); such a
-    # micro-batch contributes zero MLM loss instead of Megatron's 0/0 = NaN, which would poison fp32/bf16 runs.
-    lm_loss = torch.sum(lm_loss_.view(-1) * loss_mask.reshape(-1)) / loss_mask.sum().clamp(min=1.0)
-    if sop_logits is not None:
-        sop_loss = F.cross_entropy(sop_logits.view(-1, 2).float(), sentence_order.view(-1), ignore_index=-1)
-        loss = lm_loss + sop_loss
-        averaged = average_losses_across_data_parallel_group([lm_loss, sop_loss])
-        return loss, {"lm loss": averaged[0], "sop loss": averaged[1]}
-    averaged = average_losses_across_data_parallel_group([lm_loss])
-    return lm_loss, {"lm loss": averaged[0]}
+    loss_mask = loss_mask.float().reshape(-1)
+    lm_loss = torch.sum(lm_loss_.view(-1) * loss_mask)
+    num_tokens = loss_mask.sum().detach().to(torch.int)
+    report = {"lm loss": torch.cat([lm_loss.detach().view(1), num_tokens.view(1).float()])}
+    if sop_logits is None:
+        return lm_loss, num_tokens, report
+    sop_loss = F.cross_entropy(sop_logits.view(-1, 2).float(), sentence_order.view(-1), ignore_index=-1)
+    num_sentences = (sentence_order.view(-1) != -1).sum().float()
+    report["sop loss"] = torch.cat([(sop_loss.detach() * num_sentences).view(1), num_sentences.view(1)])
+    loss = lm_loss + sop_loss * num_tokens.clamp(min=1).float()
+    return loss, num_tokens, report
 
 
 def forward_step(data_iterator, model):

@@ -9,7 +9,6 @@ from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.datasets_provider import gpt_train_valid_test_datasets_provider
 from megatron.training.errors import exit_on_configuration_error
-from megatron.training.utils import average_losses_across_data_parallel_group
 
 
 def model_provider(pre_process=True, post_process=True):
@@ -51,12 +50,17 @@ def get_batch(data_iterator):
 
 
 def loss_func(loss_mask, output_tensor):
-    """Masked mean of the per-token losses; the DP-averaged value is what the log line reports."""
+    """(sum of the masked per-token losses, number of unmasked tokens, {'lm loss': [sum, count]}).
+
+    The schedule turns the sum into the micro-batch's token mean (or, with --calculate-per-token-loss, lets
+    finalize_model_grads divide by the global token count); the log reports sum / count over the global batch.
+    """
     losses = output_tensor.float()
     loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum()
-    averaged_loss = average_losses_across_data_parallel_group([loss])
-    return loss, {"lm loss": averaged_loss[0]}
+    loss = torch.sum(losses.view(-1) * loss_mask)
+    num_tokens = loss_mask.sum().detach().to(torch.int)
+    reporting_loss = torch.cat([loss.detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": reporting_loss}
 
 
 def forward_step(data_iterator, model):

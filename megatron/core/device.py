@@ -106,3 +106,16 @@ def memory_stats_mb() -> dict:
         "reserved": torch.cuda.memory_reserved() / mb,
         "max reserved": torch.cuda.max_memory_reserved() / mb,
     }
+
+
+def cuda_profiler_start() -> bool:
+    """Open the CUDA profiler capture range (nsys ``--capture-range=cudaProfilerApi``); False on CPU."""
+    if not on_gpu():
+        return False
+    torch.cuda.cudart().cudaProfilerStart()
+    return True
+
+
+def cuda_profiler_stop() -> None:
+    if on_gpu():
+        torch.cuda.cudart().cudaProfilerStop()

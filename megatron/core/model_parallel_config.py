@@ -53,6 +53,9 @@ class ModelParallelConfig:
     # Called by the schedules after the last backward pass of a step with the list of model chunks
     # (training sets it to megatron.core.distributed.finalize_model_grads).
     finalize_model_grads_func: Optional[Callable] = None
+    # --calculate-per-token-loss: the loss function's (loss_sum, num_tokens) are not normalised per
+    # micro-batch; finalize_model_grads divides the gradients by the step's global token count instead.
+    calculate_per_token_loss: bool = False
 
     def __post_init__(self):
         if self.sequence_parallel:

@@ -16,7 +16,10 @@ Weight decay, with ``I`` = increment steps and ``r = n / I``: ``end_wd`` once ``
 ``start_wd + c * (end_wd - start_wd)`` with ``c = r`` (``linear``) or ``(cos(pi * (1 - r)) + 1) / 2``
 (``cosine``); ``constant`` requires ``start_wd == end_wd``.
 
-Each param group gets ``lr * group['lr_mult']`` and ``wd * group['wd_mult']`` (both default 1).
+Each param group gets ``lr * group['lr_mult']`` and ``wd * group['wd_mult']`` (both default 1), where ``lr`` is
+computed with the group's own ``max_lr`` / ``min_lr`` when it has them (``--decoupled-lr`` /
+``--decoupled-min-lr`` groups of the embedding and output weights) and the scheduler's otherwise; warmup
+always starts from ``init_lr``.
 """
 from __future__ import annotations
 
@@ -108,20 +111,23 @@ class OptimizerParamScheduler:
             coeff = 0.5 * (math.cos(math.pi * (1 - incr_ratio)) + 1.0)
         return self.start_wd + coeff * delta_wd
 
-    def get_lr(self) -> float:
+    def get_lr(self, param_group: Optional[dict] = None) -> float:
+        """The learning rate after ``num_steps`` steps, for ``param_group``'s max/min lr if it sets them."""
+        max_lr = param_group.get("max_lr", self.max_lr) if param_group else self.max_lr
+        min_lr = param_group.get("min_lr", self.min_lr) if param_group else self.min_lr
         if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            return self.init_lr + (self.max_lr - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps)
+            return self.init_lr + (max_lr - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps)
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if self.num_steps > self.lr_decay_steps:
-            return self.min_lr
+            return min_lr
         if self.lr_decay_style == "inverse-square-root":
             warmup_steps = max(self.lr_warmup_steps, 1)
             num_steps = max(self.num_steps, 1)
-            return max(self.min_lr, self.max_lr * warmup_steps ** 0.5 / num_steps ** 0.5)
+            return max(min_lr, max_lr * warmup_steps ** 0.5 / num_steps ** 0.5)
 
         decay_ratio = float(self.num_steps - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)
-        delta_lr = self.max_lr - self.min_lr
+        delta_lr = max_lr - min_lr
         if self.lr_decay_style == "linear":
             coeff = 1.0 - decay_ratio
         elif self.lr_decay_style == "cosine":
@@ -140,15 +146,14 @@ class OptimizerParamScheduler:
                     coeff = 2.0 * math.pow(0.5, ratio) - 1.0
                 else:  # minus_sqrt
                     coeff = 1.0 - math.sqrt(ratio)
-        return self.min_lr + coeff * delta_lr
+        return min_lr + coeff * delta_lr
 
     def step(self, increment: int):
         """Advance by ``increment`` steps and write lr / weight decay into every param group."""
         self.num_steps += increment
-        new_lr = self.get_lr()
         new_wd = self.get_wd()
         for group in self.optimizer.param_groups:
-            group["lr"] = new_lr * group.get("lr_mult", 1.0)
+            group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
             group["weight_decay"] = new_wd * group.get("wd_mult", 1.0)
 
     # ------------------------------------------------------------------------------ checkpoint

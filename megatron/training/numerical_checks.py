@@ -95,12 +95,14 @@ def wrap_forward_step(forward_step_func, guard: NumericalGuard, rank: int, itera
         output_tensor, loss_func = forward_step_func(data_iterator, model, *rest)
 
         def checked_loss_func(*args, **kwargs):
-            loss, reported = loss_func(*args, **kwargs)
+            # (loss, reported) or today's (loss_sum, num_tokens, reported): the loss is first, the report last.
+            result = loss_func(*args, **kwargs)
+            loss, reported = result[0], result[-1]
             if fault_requested("nan_loss", rank, iteration):
                 loss = loss * float("nan")
                 reported = {key: value * float("nan") for key, value in reported.items()}
             guard.note_loss(loss)
-            return loss, reported
+            return (loss, *result[1:-1], reported)
 
         return output_tensor, checked_loss_func
 

@@ -34,6 +34,7 @@ from megatron.training.global_vars import (
     update_num_microbatches,
 )
 from megatron.training.fault_handling import fault_handling, maybe_inject_fault
+from megatron.training.gc_and_profiling import IterationProfiler, ManualGC
 from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
 from megatron.training.numerical_checks import NumericalGuard, inject_nan_grad, wrap_forward_step
 from megatron.training.training_log import LogState, num_floating_point_operations, training_log
@@ -118,7 +119,18 @@ def update_train_iters(args):
     """Derive ``--train-iters`` from ``--train-samples`` (with or without batch-size ramp-up)."""
     if args.train_iters is not None:
         return
-    if args.rampup_batch_size is None:
+    if getattr(args, "step_batch_size_schedule", None):
+        # Simulate the step schedule until its last threshold, then whole batches of the final size.
+        from megatron.training.microbatches import parse_step_batch_size_schedule
+
+        schedule = parse_step_batch_size_schedule(args.step_batch_size_schedule, args.seq_length)
+        iterations, consumed = 0, 0
+        while consumed < schedule[-1][0] and consumed < args.train_samples:
+            consumed += [bs for threshold, bs in schedule if threshold <= consumed][-1]
+            iterations += 1
+        iterations += max(args.train_samples - consumed, 0) // schedule[-1][1]
+        args.train_iters = iterations
+    elif args.rampup_batch_size is None:
         args.train_iters = args.train_samples // args.global_batch_size
     else:
         iterations, consumed = 0, 0
@@ -188,6 +200,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=args.ddp_bucket_size,
+        overlap_param_gather=args.overlap_param_gather,
+        align_param_gather=args.align_param_gather,
         # check_for_nan_in_grad stays off: --check-for-nan-in-loss-and-grad is train_step's NumericalGuard, which
         # makes every rank agree before stopping.
     )
@@ -296,11 +310,32 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         loss_reduced = {}
-        for key in losses_reduced[0]:
-            values = [d[key] for d in losses_reduced]
-            loss_reduced[key] = sum(values) / len(values)
+        for key, (numerator, denominator) in _sum_reported_losses(losses_reduced).items():
+            loss_reduced[key] = numerator / denominator
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _sum_reported_losses(loss_dicts):
+    """``{key: (numerator, denominator)}`` over the micro-batch reports of one step (last pipeline stage).
+
+    A 2-element value ``[sum, count]`` (today's loss functions) is summed over the micro-batches and over the
+    data-parallel group, so ``numerator / denominator`` is the token mean of the global batch. A 1-element value
+    (2023 loss functions, already averaged over data-parallel ranks) gives (sum over micro-batches, their count).
+    """
+    totals = {}
+    for key in loss_dicts[0]:
+        values = [torch.as_tensor(d[key]).detach().float().reshape(-1) for d in loss_dicts]
+        if values[0].numel() == 2:
+            total = torch.stack(values).sum(dim=0).to(device.current_device())
+            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+            totals[key] = (total[0], total[1])
+        elif values[0].numel() == 1:
+            totals[key] = (torch.cat(values).sum(), len(values))
+        else:
+            raise RuntimeError(f"loss_func reported {key!r} with {values[0].numel()} elements: report a scalar "
+                               "(2023 style) or a [sum, count] pair")
+    return totals
 
 
 def _configure_schedule_hooks(config, model, optimizer):
@@ -310,6 +345,9 @@ def _configure_schedule_hooks(config, model, optimizer):
     if len(model) == 1:
         config.no_sync_func = model[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
+    if get_args().overlap_param_gather and get_args().align_param_gather:
+        # Interleaved schedule: each chunk's parameter all-gathers start at aligned points of the schedule.
+        config.param_sync_func = [chunk.start_param_sync for chunk in model]
     global _numerical_guard
     args = get_args()
     _numerical_guard = None
@@ -355,16 +393,21 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     log_state = LogState()
     wandb_run = _wandb_run(args)
     iteration = args.iteration
+    manual_gc = ManualGC.from_args(args)
+    manual_gc.start()
+    profiler = IterationProfiler(args, torch.distributed.get_rank())
 
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     while iteration < args.train_iters:
         maybe_inject_fault(iteration + 1, args.rank)  # a test hook; nothing when MEGATRON_FAULT_INJECT is unset
+        profiler.before_iteration(iteration)
         update_num_microbatches(args.consumed_train_samples)
         loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
         iteration += 1
         args.iteration = iteration
+        profiler.after_iteration(iteration)
         batch_size = args.data_parallel_size * args.micro_batch_size * get_num_microbatches()
         args.consumed_train_samples += batch_size
         # Saved in checkpoints (num_floating_point_operations_so_far) so throughput totals survive a resume.
@@ -372,19 +415,42 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
 
         # A tensor: training_log turns it into a number only on log steps (no host-device sync per iteration).
         loss_scale = optimizer.get_loss_scale()
+        if args.log_params_norm and args.overlap_param_gather:
+            for chunk in model:
+                chunk.start_param_sync(force_sync=True)  # the norm needs whole parameters now
         params_norm = calc_params_l2_norm(model) if args.log_params_norm else None
-        learning_rate = optimizer.param_groups[0]["lr"]
+        # Megatron logs the default group's LR, never a --decoupled-lr group's.
+        learning_rate = next(g["lr"] for g in optimizer.param_groups if not g.get("is_decoupled_lr"))
         training_log(log_state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, grad_norm,
                      params_norm, num_zeros_in_grad, wandb_run)
 
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+            manual_gc.before_eval()
+            _param_gather_hooks(model, enabled=False)
             evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
                                        iteration, process_non_loss_data_func, config)
+            _param_gather_hooks(model, enabled=True)
+            manual_gc.after_eval()
+        manual_gc.after_iteration(iteration)
         if _should_exit(iteration, model, optimizer, opt_param_scheduler):
             break
+    profiler.stop()
+    manual_gc.stop()
+    _param_gather_hooks(model, enabled=False)  # whole parameters for the final evaluation and save
     if wandb_run is not None:
         wandb_run.finish()
     return iteration
+
+
+def _param_gather_hooks(model, enabled: bool):
+    """--overlap-param-gather: turn the forward pre-hooks off (gathering pending parameters now) or back on."""
+    if not get_args().overlap_param_gather:
+        return
+    for chunk in model:
+        if enabled:
+            chunk.enable_forward_pre_hook()
+        else:
+            chunk.disable_forward_pre_hook()
 
 
 def _should_exit(iteration, model, optimizer, opt_param_scheduler) -> bool:
@@ -393,7 +459,9 @@ def _should_exit(iteration, model, optimizer, opt_param_scheduler) -> bool:
     saved = False
 
     def save():
+        _param_gather_hooks(model, enabled=False)  # --overlap-param-gather: save whole parameters
         save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+        _param_gather_hooks(model, enabled=True)
 
     if args.exit_signal_handler:
         # signals_received() is every rank's flag (a collective): stop when any rank got the signal.
@@ -453,10 +521,12 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                 num_microbatches=eval_num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.decoder_seq_length,
                 forward_only=True)
+            if args.empty_unused_memory_level >= 1:
+                device.empty_cache()
             if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-                for loss_dict in loss_dicts:
-                    for key, value in loss_dict.items():
-                        total_loss_dict[key] = total_loss_dict.get(key, 0.0) + float(value)
+                for key, (numerator, denominator) in _sum_reported_losses(loss_dicts).items():
+                    total = total_loss_dict.get(key, (0.0, 0.0))
+                    total_loss_dict[key] = (total[0] + float(numerator), total[1] + float(denominator))
             args.consumed_valid_samples += eval_batch_size
 
     collected_non_loss_data = None
@@ -469,8 +539,8 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                 forward_only=True, collect_non_loss_data=True)
     for chunk in model:
         chunk.train()
-    for key in total_loss_dict:
-        total_loss_dict[key] /= args.eval_iters * eval_num_microbatches
+    for key, (numerator, denominator) in total_loss_dict.items():
+        total_loss_dict[key] = numerator / denominator
     timers("evaluate").stop()
     timers.log(["evaluate"])
     return total_loss_dict, collected_non_loss_data

@@ -27,7 +27,7 @@ EXPECTED_DEFAULTS = {
     "micro_batch_size": None, "batch_size": None, "global_batch_size": None, "rampup_batch_size": None,
     "recompute_activations": False, "recompute_granularity": None, "distribute_saved_activations": False,
     "recompute_method": None, "recompute_num_layers": 1, "profile": False, "profile_step_start": 10,
-    "profile_step_end": 12, "profile_ranks": [0], "checkpoint_activations": False, "train_iters": None,
+    "profile_step_end": 12, "profile_ranks": [], "checkpoint_activations": False, "train_iters": None,
     "train_samples": None, "log_interval": 100, "exit_interval": None, "exit_duration_in_mins": None,
     "exit_signal_handler": False, "tensorboard_dir": None, "masked_softmax_fusion": True, "bias_gelu_fusion": True,
     "bias_dropout_fusion": True, "use_flash_attn": False, "add_bias_linear": True, "optimizer": "adam",

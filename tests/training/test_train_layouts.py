@@ -90,11 +90,13 @@ def precision_body(data_path):
         loss_func = module.loss_func
 
         def bad_loss(loss_mask, output_tensor):
-            loss, report = loss_func(loss_mask, output_tensor)
+            # (loss_sum, num_tokens, report) today, (loss, report) in 2023: the loss first, the report last.
+            result = loss_func(loss_mask, output_tensor)
+            loss, report = result[0], result[-1]
             if global_vars.get_args().iteration == 2:  # the 3rd iteration is running
                 loss = loss * float("inf")
                 report = {"lm loss": report["lm loss"] * float("inf")}
-            return loss, report
+            return (loss, *result[1:-1], report)
 
         module.loss_func = bad_loss
         return module

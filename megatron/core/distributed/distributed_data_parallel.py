@@ -65,7 +65,9 @@ class DistributedDataParallel(torch.nn.Module):
 
         self.data_parallel_group = parallel_state.get_data_parallel_group()
         dp_size = parallel_state.get_data_parallel_world_size()
-        gradient_scaling_factor = 1.0 / dp_size
+        # Per-token loss: gradients are summed over DP here and divided by the global token count in
+        # finalize_model_grads; otherwise every rank pre-scales by 1/|DP| before the SUM reduction.
+        gradient_scaling_factor = 1.0 if config.calculate_per_token_loss else 1.0 / dp_size
 
         param_to_name: Dict[torch.nn.Parameter, str] = {}
         params_by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
@@ -94,6 +96,18 @@ class DistributedDataParallel(torch.nn.Module):
             for param in self.param_to_buffer
         ]
 
+        # --overlap-param-gather: buckets chained in forward order (the reverse of their creation order, as
+        # buckets are filled from the last parameters), and a forward pre-hook on every submodule.
+        self.param_to_bucket = {p: b for buffer in self.param_and_grad_buffers for p, b in buffer.param_to_bucket.items()}
+        self.forward_order_buckets = [b for buffer in self.param_and_grad_buffers for b in buffer.buckets][::-1]
+        for bucket, following in zip(self.forward_order_buckets, self.forward_order_buckets[1:]):
+            bucket.next_param_gather_bucket = following
+        self.use_forward_hook = ddp_config.overlap_param_gather
+        self._forward_pre_hook_handles = []
+        if ddp_config.overlap_param_gather:
+            for module in self.module.modules():
+                self._forward_pre_hook_handles.append(module.register_forward_pre_hook(self._forward_pre_hook))
+
     @staticmethod
     def _make_param_hook(buffer: ParamAndGradBuffer):
         def hook(param: torch.nn.Parameter):
@@ -108,6 +122,15 @@ class DistributedDataParallel(torch.nn.Module):
             buffer.register_grad_ready(param)
 
         return hook
+
+    def _forward_pre_hook(self, module, *unused):
+        """Wait for the all-gather of the buckets holding ``module``'s own parameters (dispatching the next)."""
+        if not self.use_forward_hook:
+            return
+        for param in module.parameters(recurse=False):
+            bucket = self.param_to_bucket.get(param)
+            if bucket is not None and bucket.param_gather_pending:
+                bucket.finish_param_sync(skip_next=self.ddp_config.align_param_gather)
 
     # ------------------------------------------------------------------------------ public API
     def forward(self, *inputs, **kwargs):
@@ -134,6 +157,11 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.param_and_grad_buffers:
             buffer.finish_grad_sync()
 
+    def scale_gradients(self, scaling_factor: float):
+        """Multiply every gradient buffer by ``scaling_factor`` (per-token loss normalisation)."""
+        for buffer in self.param_and_grad_buffers:
+            buffer.grad_data.mul_(scaling_factor)
+
     def zero_grad_buffer(self, zero_buffer: bool = True):
         """Reset for a new iteration: zero the buffers and the bookkeeping of which gradients are ready."""
         for param in self.param_to_buffer:
@@ -157,10 +185,31 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.param_and_grad_buffers:
             buffer.all_gather_params()
 
+    def start_param_sync(self, *unused, force_sync: bool = False):
+        """Dispatch the all-gather of every pending bucket (asynchronous unless ``force_sync``, which also waits);
+        the interleaved schedule's ``config.param_sync_func`` with aligned parameter gathers."""
+        for bucket in self.forward_order_buckets:
+            bucket.start_param_sync(force_sync=force_sync)
+
+    def disable_forward_pre_hook(self, param_sync: bool = True):
+        """Stop the forward pre-hooks (around evaluation and checkpointing); gather pending buckets now."""
+        self.use_forward_hook = False
+        if param_sync:
+            self.start_param_sync(force_sync=True)
+
+    def enable_forward_pre_hook(self):
+        self.use_forward_hook = self.ddp_config.overlap_param_gather
+
+    def _sync_pending_params(self):
+        if self.ddp_config.overlap_param_gather:
+            self.start_param_sync(force_sync=True)
+
     def state_dict(self, prefix: str = "", keep_vars: bool = False):
+        self._sync_pending_params()  # --overlap-param-gather: a checkpoint holds whole parameters
         return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        self._sync_pending_params()
         inner = self.module
         if hasattr(inner, "state_dict_for_save_checkpoint"):
             return inner.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)

@@ -22,6 +22,10 @@ class DistributedDataParallelConfig:
     bucket_size: maximum elements per bucket; ``None`` means 40M when overlapping and one bucket per buffer
         otherwise.
     check_for_nan_in_grad: raise before the reduction if a bucket's local gradient norm is NaN/inf.
+    overlap_param_gather: with the distributed optimizer, all-gather the updated parameters during the next
+        forward pass (forward pre-hooks, bucket by bucket) instead of right after the optimizer step.
+    align_param_gather: with overlap_param_gather and an interleaved pipeline, the schedule launches each
+        chunk's all-gathers (``config.param_sync_func``) and the hooks only wait (no "dispatch next").
     """
 
     grad_reduce_in_fp32: bool = False
@@ -29,10 +33,14 @@ class DistributedDataParallelConfig:
     use_distributed_optimizer: bool = False
     bucket_size: Optional[int] = None
     check_for_nan_in_grad: bool = False
+    overlap_param_gather: bool = False
+    align_param_gather: bool = False
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"DistributedDataParallelConfig.bucket_size must be positive, got {self.bucket_size}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("DistributedDataParallelConfig.overlap_param_gather needs use_distributed_optimizer")
 
     def effective_bucket_size(self, disable_bucketing: bool = False) -> Optional[int]:
         """Elements per bucket, or None for one bucket per buffer (no overlap, or bucketing disabled)."""

@@ -9,18 +9,23 @@ with ``--overlap-grad-reduce`` it is already running when backward ends):
    and biases, row-parallel biases);
 3. all-reduce over the embedding group the gradient of the word embedding tied between the first and the
    last pipeline stage (and of the position embedding between the first and the split stage of an
-   encoder-decoder pipeline).
+   encoder-decoder pipeline);
+4. with ``--calculate-per-token-loss`` (``num_tokens`` given): the step's token count ``n`` of the last
+   pipeline stage is broadcast over the pipeline group and summed over the data-parallel group, and every
+   gradient is multiplied by ``1/n`` (DDP then reduces with a plain SUM, no ``1/|DP|`` pre-scaling), so the
+   gradient is that of the token mean over the whole global batch.
 
 Gradients are read from ``param.main_grad`` (our DDP buffers; ``.grad`` when there is none).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron.core import device as _device
 from megatron.core import parallel_state
 
 
@@ -127,8 +132,34 @@ def _timed(config, name: str):
         timer.stop()
 
 
-def finalize_model_grads(model: List[torch.nn.Module], *unused):
-    """Finish DP sync of every chunk, then the sequence-parallel and the embedding all-reduces."""
+def _scale_by_num_tokens(model: List[torch.nn.Module], num_tokens: torch.Tensor):
+    """Step 4 of the module docstring; ``num_tokens`` is the last stage's count (ignored elsewhere)."""
+    num_tokens = num_tokens.to(device=_device.current_device(), dtype=torch.int64).reshape(())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                    group=parallel_state.get_pipeline_model_parallel_group())
+    torch.distributed.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group())
+    total = int(num_tokens.item())
+    if total > 0:
+        for chunk in model:
+            scale_gradients(chunk, 1.0 / total)
+    return num_tokens
+
+
+def scale_gradients(chunk: torch.nn.Module, scaling_factor: float):
+    """Multiply every gradient of a model chunk (its DDP buffers, else ``main_grad`` / ``.grad``) in place."""
+    if hasattr(chunk, "scale_gradients"):
+        chunk.scale_gradients(scaling_factor)
+        return
+    for param in chunk.parameters():
+        grad = _main_grad(param)
+        if grad is not None:
+            grad.mul_(scaling_factor)
+
+
+def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None):
+    """Finish DP sync of every chunk, then the sequence-parallel and the embedding all-reduces, then (per-token
+    loss) the division by the global token count."""
     if not isinstance(model, (list, tuple)):
         model = [model]
     config = getattr(model[0], "config", None) or getattr(unwrap_model_chunk(model[0]), "config", None)
@@ -140,3 +171,5 @@ def finalize_model_grads(model: List[torch.nn.Module], *unused):
         _allreduce_layernorm_grads(model, config)
     with _timed(config, "embedding-grads-all-reduce"):
         _allreduce_embedding_grads(model, config)
+    if num_tokens is not None:
+        _scale_by_num_tokens(model, num_tokens)

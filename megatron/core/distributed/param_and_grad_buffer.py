@@ -15,6 +15,13 @@ split into ``d`` equal contiguous shards; rank ``r`` owns shard ``r`` of every b
 reduce-scattered (rank ``r`` ends up with the DP-averaged shard ``r``) and the buffer also holds the
 parameters themselves (``param_data``, the model parameters' storage is rebound to views of it) so the
 updated shards can be all-gathered back in place.
+
+Parameter all-gather (distributed optimizer): synchronously, bucket by bucket, right after the optimizer step
+(``all_gather_params``); or, with ``overlap_param_gather``, deferred: the step only marks every bucket
+"pending" (``mark_param_gather_pending``) and the next forward pass gathers each bucket when a module that
+owns one of its parameters is about to run (``Bucket.finish_param_sync``: dispatch its asynchronous
+all-gather if not yet dispatched, wait, then dispatch the next bucket's in forward order, so that one
+all-gather is always in flight while the previous bucket's layers compute).
 """
 from __future__ import annotations
 
@@ -56,10 +63,55 @@ class Bucket:
         self.gradient_scaling_factor = gradient_scaling_factor
         self.reset()
 
+        # Deferred parameter all-gather (overlap_param_gather): the bucket whose all-gather follows this one in
+        # forward order, whether this one still has to be gathered, and the in-flight all-gather.
+        self.next_param_gather_bucket: Optional["Bucket"] = None
+        self.param_gather_pending = False
+        self.param_gather_handle = None
+
     def reset(self):
         self.params_with_grad: Set[torch.nn.Parameter] = set()
         self.communication_handle = None
         self.communication_issued = False
+
+    # ------------------------------------------------------------------ deferred parameter all-gather
+    def start_param_sync(self, force_sync: bool = False):
+        """Dispatch this bucket's parameter all-gather (asynchronous unless ``force_sync``) if it is pending
+        and not dispatched yet."""
+        if not self.param_gather_pending or self.param_gather_handle is not None:
+            if force_sync:
+                self.finish_param_sync(skip_next=True)
+            return
+        if self.data_parallel_world_size == 1:
+            self.param_gather_pending = False
+            return
+        local = shard_buffer(self.param_data, self.data_parallel_world_size)[self.data_parallel_rank]
+        handle = all_gather_into_tensor(self.param_data, local, group=self.data_parallel_group,
+                                        async_op=not force_sync)
+        if force_sync:
+            self.param_gather_pending = False
+        else:
+            self.param_gather_handle = handle
+
+    def finish_param_sync(self, skip_next: bool = False):
+        """Make this bucket's parameters whole (dispatch and wait), then dispatch the next bucket's all-gather."""
+        if not self.param_gather_pending:
+            return
+        if self.param_gather_handle is None:
+            self.start_param_sync()
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+        self.param_gather_pending = False
+        if not skip_next and self.next_param_gather_bucket is not None:
+            self.next_param_gather_bucket.start_param_sync()
+
+    def mark_param_gather_pending(self):
+        """After an optimizer step: this bucket's parameters hold only the local shard's new values."""
+        if self.param_gather_handle is not None:  # dispatched but never waited for (module not run)
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+        self.param_gather_pending = True
 
     def _check_for_nan(self):
         norm = self.grad_data.norm(p=2)
@@ -218,6 +270,13 @@ class ParamAndGradBuffer:
     def register_grad_ready(self, param: torch.nn.Parameter):
         if self.is_last_microbatch and self.ddp_config.overlap_grad_reduce:
             self.param_to_bucket[param].register_grad_ready(param)
+
+    def mark_param_gather_pending(self):
+        """Defer the all-gather of every bucket to the next forward pass (overlap_param_gather)."""
+        if self.param_data is None:
+            raise RuntimeError("overlap_param_gather needs DistributedDataParallelConfig(use_distributed_optimizer=True)")
+        for bucket in self.buckets:
+            bucket.mark_param_gather_pending()
 
     def all_gather_params(self):
         """Distributed optimizer: every rank contributes its updated shard of every bucket's parameters."""

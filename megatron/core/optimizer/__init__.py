@@ -47,14 +47,20 @@ def _default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def get_param_groups(model_chunks: List[torch.nn.Module], no_weight_decay_cond: Optional[Callable] = None,
-                     scale_lr_cond: Optional[Callable] = None, lr_mult: float = 1.0) -> List[Dict]:
-    """Split the trainable parameters into groups by (weight decay on/off, scaled learning rate or not).
+                     scale_lr_cond: Optional[Callable] = None, lr_mult: float = 1.0,
+                     decoupled_lr: Optional[float] = None, decoupled_min_lr: Optional[float] = None) -> List[Dict]:
+    """Split the trainable parameters into groups by (weight decay on/off, scaled learning rate or not,
+    decoupled learning rate or not).
 
     Groups come in Megatron's order, empty ones omitted: decayed, decayed with ``lr_mult``, not decayed,
-    not decayed with ``lr_mult``. Each group carries ``wd_mult`` (1.0 or 0.0) and ``lr_mult``, which the
-    OptimizerParamScheduler multiplies into its weight decay and learning rate.
+    not decayed with ``lr_mult``; then the same four for the decoupled parameters. Each group carries
+    ``wd_mult`` (1.0 or 0.0) and ``lr_mult``, which the OptimizerParamScheduler multiplies into its weight
+    decay and learning rate. With ``decoupled_lr``, parameters marked ``is_embedding_or_output_parameter``
+    (the input embedding and output layer weights) get groups with ``is_decoupled_lr=True``,
+    ``max_lr=decoupled_lr`` and ``min_lr=decoupled_min_lr`` (when given; else the scheduler's min lr).
     """
-    buckets = {(1.0, False): [], (1.0, True): [], (0.0, False): [], (0.0, True): []}
+    keys = [(wd, scaled, decoupled) for decoupled in (False, True) for wd in (1.0, 0.0) for scaled in (False, True)]
+    buckets = {key: [] for key in keys}
     seen = set()
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
@@ -63,11 +69,18 @@ def get_param_groups(model_chunks: List[torch.nn.Module], no_weight_decay_cond: 
             seen.add(param)
             no_wd = (no_weight_decay_cond or _default_no_weight_decay)(name, param)
             scale_lr = bool(scale_lr_cond(name, param)) if scale_lr_cond is not None else False
-            buckets[(0.0 if no_wd else 1.0, scale_lr)].append(param)
+            decoupled = decoupled_lr is not None and getattr(param, "is_embedding_or_output_parameter", False)
+            buckets[(0.0 if no_wd else 1.0, scale_lr, decoupled)].append(param)
     groups = []
-    for (wd_mult, scaled), params in buckets.items():
-        if params:
-            groups.append({"params": params, "wd_mult": wd_mult, "lr_mult": lr_mult if scaled else 1.0})
+    for (wd_mult, scaled, decoupled), params in buckets.items():
+        if not params:
+            continue
+        group = {"params": params, "wd_mult": wd_mult, "lr_mult": lr_mult if scaled else 1.0}
+        if decoupled:
+            group.update(is_decoupled_lr=True, max_lr=decoupled_lr)
+            if decoupled_min_lr is not None:
+                group["min_lr"] = decoupled_min_lr
+        groups.append(group)
     return groups
 
 
@@ -135,11 +148,16 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         model_chunks = [model_chunks]
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is not set: pass --lr")
-    param_groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    param_groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
+                                    config.decoupled_lr, config.decoupled_min_lr)
     if not param_groups:
         raise ValueError("the model has no trainable parameters (requires_grad=True) to optimize")
+    if config.decoupled_lr is not None:
+        count = sum(len(g["params"]) for g in param_groups if g.get("is_decoupled_lr"))
+        log_once("decoupled_lr", f"--decoupled-lr {config.decoupled_lr}: {count} embedding/output parameter(s) "
+                                 "in their own param groups")
     for group in param_groups:
-        group["lr"] = config.lr * group["lr_mult"]
+        group["lr"] = group.get("max_lr", config.lr) * group["lr_mult"]
         group["weight_decay"] = config.weight_decay * group["wd_mult"]
 
     on_cuda = param_groups[0]["params"][0].is_cuda

@@ -9,7 +9,9 @@ main parameters and the optimizer state only for the elements of that shard. One
 3. unscale / overflow check / clip / count zeros over the whole world (shards are disjoint over DP,
    pieces over TP/PP as usual);
 4. the torch optimizer updates the shard main parameters; they are copied into the parameter buffer
-   (fp16/bf16; fp32 shards are views of it already) and every bucket's parameters are all-gathered.
+   (fp16/bf16; fp32 shards are views of it already) and every bucket's parameters are all-gathered, or,
+   with ``overlap_param_gather``, marked pending so that the next forward pass gathers them bucket by bucket
+   (``overlap_param_gather_with_optimizer_step``: the first chunk's first bucket is dispatched right away).
 
 A parameter that straddles a shard boundary is split between ranks: each rank optimizes its piece.
 Element-wise optimizers (Adam, SGD) therefore give exactly the unsharded result.
@@ -83,6 +85,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.dp_size = torch.distributed.get_world_size(group=self.data_parallel_group)
         self.dp_rank = torch.distributed.get_rank(group=self.data_parallel_group)
 
+        self.overlap_param_gather = any(chunk.ddp_config.overlap_param_gather for chunk in model_chunks)
         self.param_ranges: Dict[torch.nn.Parameter, ShardRange] = self._build_shard_ranges()
         self._build_shard_param_groups()
 
@@ -160,7 +163,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             shard_grad = model_param.main_grad.view(-1)[r.param_start:r.param_end]
             shard_main.grad = shard_grad.float()
 
-    def _copy_main_params_to_model_params(self):
+    def _copy_main_params_to_model_params(self, sync_gather: bool = False):
         model, main = [], []
         for model_group, shard_group in zip(self.model_float16_groups, self.shard_fp32_from_float16_groups):
             for model_param, shard_main in zip(model_group, shard_group):
@@ -169,6 +172,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 main.append(shard_main)
         if model:
             torch._foreach_copy_(model, main)
+        if self.overlap_param_gather and not sync_gather:
+            for buffer in self.buffers:
+                buffer.mark_param_gather_pending()
+            if self.config.overlap_param_gather_with_optimizer_step:
+                self.model_chunks[0].forward_order_buckets[0].start_param_sync()
+            return
         with self._timed("params-all-gather"):
             for buffer in self.buffers:
                 buffer.all_gather_params()
@@ -311,7 +320,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 offset += bucket.numel_unpadded
         # The shard main params changed: refresh the model parameters of every rank.
         with torch.no_grad():
-            self._copy_main_params_to_model_params()
+            self._copy_main_params_to_model_params(sync_gather=True)
 
     def _check_parameter_state(self, state, keys) -> str:
         if not isinstance(state, dict):

@@ -155,6 +155,11 @@ class MegatronOptimizer(ABC):
 
     def _load_inner_state_dict(self, state_dict: dict):
         """Load a state dict written by apex FusedAdam or torch Adam (see _inner_state_dict)."""
+        # A checkpoint written before --decoupled-lr was added keeps this run's decoupled max/min lr.
+        for saved, current in zip(state_dict["param_groups"], self.optimizer.param_groups):
+            for key in ("is_decoupled_lr", "max_lr", "min_lr"):
+                if key in current and key not in saved:
+                    saved[key] = current[key]
         steps = [g["step"] for g in state_dict["param_groups"] if g.get("step") is not None]
         steps += [v["step"] for v in state_dict["state"].values() if "step" in v]
         self._inner_steps = int(max(float(s) for s in steps)) if steps else 0

@@ -22,6 +22,13 @@ class OptimizerConfig:
     optimizer: str = "adam"
     lr: Optional[float] = None
     min_lr: Optional[float] = None
+    # --decoupled-lr / --decoupled-min-lr: max / min lr of the parameters marked is_embedding_or_output_parameter
+    # (min falls back to min_lr).
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
+    # With --overlap-param-gather: dispatch the first model chunk's first parameter all-gather right after
+    # the step (--overlap-param-gather-with-optimizer-step).
+    overlap_param_gather_with_optimizer_step: bool = False
     weight_decay: float = 0.01
 
     fp16: bool = False

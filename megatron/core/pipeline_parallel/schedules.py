@@ -1,9 +1,18 @@
 """Forward-backward schedules over micro-batches (megatron.core.pipeline_parallel.schedules).
 
 All three schedules share one keyword-only signature and the ``forward_step_func(data_iterator, model) ->
-(output_tensor, loss_func)`` contract. On the last pipeline stage ``loss_func(output_tensor)`` returns
-``(loss, reported_dict)``; the schedule divides ``loss`` by the number of micro-batches (so gradients
-are averaged over them), stores ``reported_dict`` and backpropagates ``config.grad_scale_func(loss)``.
+(output_tensor, loss_func)`` contract. On the last pipeline stage ``loss_func(output_tensor)`` returns either
+
+* ``(loss_sum, num_tokens, reported_dict)`` (today's contract): ``loss_sum`` is the sum of the masked
+  per-token losses of the micro-batch and ``num_tokens`` their count. Without
+  ``config.calculate_per_token_loss`` the schedule backpropagates ``loss_sum / max(num_tokens, 1) / M``
+  (``M`` micro-batches: a mean of per-micro-batch token means). With it, ``loss_sum`` is backpropagated
+  unchanged and ``num_tokens`` is summed over the step's micro-batches (and model chunks) into
+  ``total_num_tokens``, which ``finalize_model_grads`` sums over DP and divides the gradients by: the
+  gradient of the exact token mean over the global batch.
+* ``(loss, reported_dict)`` (the 2023 contract): ``loss / M`` is backpropagated.
+
+``reported_dict`` is stored per micro-batch; backward multiplies by ``config.grad_scale_func`` (loss scale).
 
 1F1B (``forward_backward_pipelining_without_interleaving``), with ``p`` stages, stage ``r``, ``M``
 micro-batches: stage ``r`` first runs ``w = min(p - r - 1, M)`` forward passes (warm-up), then alternates
@@ -74,7 +83,11 @@ def _autocast(config):
 
 def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store,
                  config, collect_non_loss_data=False, checkpoint_activations_microbatch=None):
-    """Run one micro-batch forward; on the last stage, apply the loss function and store its report."""
+    """Run one micro-batch forward; on the last stage, apply the loss function and store its report.
+
+    Returns ``(output_tensor, num_tokens)``: ``num_tokens`` is the loss function's token count on the last
+    stage with the 3-tuple contract, else an int64 zero.
+    """
     if config.timers is not None:
         config.timers("forward-compute", log_level=2).start()
     set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
@@ -86,23 +99,37 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
         else:
             output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
 
+    num_tokens = torch.zeros((), dtype=torch.int64)
     if parallel_state.is_pipeline_last_stage():
         if not collect_non_loss_data:
-            result = loss_func(output_tensor)
-            if not (isinstance(result, (tuple, list)) and len(result) == 2):
-                raise RuntimeError(
-                    "loss_func must return (loss, reported_dict), e.g. (loss, {'lm loss': averaged_loss}); "
-                    f"got {type(result).__name__}"
-                )
-            loss, loss_reduced = result
-            output_tensor = loss / num_microbatches
+            output_tensor, num_tokens, loss_reduced = _apply_loss_func(loss_func, output_tensor, num_microbatches,
+                                                                       config)
             forward_data_store.append(loss_reduced)
         else:
             forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
 
     if config.timers is not None:
         config.timers("forward-compute").stop()
-    return output_tensor
+    return output_tensor, num_tokens
+
+
+def _apply_loss_func(loss_func, output_tensor, num_microbatches, config):
+    """(tensor to backpropagate, token count, report) from a 3-tuple or legacy 2-tuple loss function."""
+    result = loss_func(output_tensor)
+    if isinstance(result, (tuple, list)) and len(result) == 3:
+        loss, num_tokens, loss_reduced = result
+        num_tokens = torch.as_tensor(num_tokens).detach().to(torch.int64).reshape(())
+        if not config.calculate_per_token_loss:
+            loss = loss / num_tokens.clamp(min=1).to(loss.dtype) / num_microbatches
+        return loss, num_tokens, loss_reduced
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        if config.calculate_per_token_loss:
+            raise RuntimeError("--calculate-per-token-loss needs a loss_func that returns (loss_sum, num_tokens, "
+                               "reported_dict); this one returns the 2023 (loss, reported_dict)")
+        loss, loss_reduced = result
+        return loss / num_microbatches, torch.zeros((), dtype=torch.int64), loss_reduced
+    raise RuntimeError("loss_func must return (loss_sum, num_tokens, reported_dict) or (loss, reported_dict), e.g. "
+                       f"(loss, {{'lm loss': averaged_loss}}); got {type(result).__name__}")
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
@@ -152,9 +179,18 @@ def _no_sync_func(config, model):
     return contextlib.nullcontext
 
 
-def _finalize(config, models, forward_only):
+def _zero_tokens() -> torch.Tensor:
+    """The step's token counter (int64 on the collective device, as finalize_model_grads reduces it)."""
+    return torch.zeros((), dtype=torch.int64, device=device.current_device())
+
+
+def _finalize(config, models, forward_only, total_num_tokens):
+    """Call ``config.finalize_model_grads_func``, with the step's token count under per-token loss."""
     if not forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
-        config.finalize_model_grads_func(models)
+        if config.calculate_per_token_loss:
+            config.finalize_model_grads_func(models, total_num_tokens.clone())
+        else:
+            config.finalize_model_grads_func(models)
 
 
 def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[Iterator, List[Iterator]],
@@ -170,18 +206,21 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
 
     forward_data_store = []
     input_tensor, output_tensor_grad = None, None
+    total_num_tokens = _zero_tokens()
     with no_sync():
         for _ in range(num_microbatches - 1):
-            output_tensor = forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
-                                         forward_data_store, config, collect_non_loss_data)
+            output_tensor, num_tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches,
+                                                     input_tensor, forward_data_store, config, collect_non_loss_data)
+            total_num_tokens += num_tokens.to(total_num_tokens.device)
             if not forward_only:
                 backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
     # The last micro-batch runs outside no_sync so that the gradient reduction happens once.
-    output_tensor = forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
-                                 forward_data_store, config, collect_non_loss_data)
+    output_tensor, num_tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
+                                             forward_data_store, config, collect_non_loss_data)
+    total_num_tokens += num_tokens.to(total_num_tokens.device)
     if not forward_only:
         backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
-    _finalize(config, [model], forward_only)
+    _finalize(config, [model], forward_only, total_num_tokens)
     return forward_data_store
 
 
@@ -229,9 +268,13 @@ def forward_backward_pipelining_without_interleaving(
     num_remaining = num_microbatches - num_warmup
     (shape,) = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, config=config)
 
+    total_num_tokens = _zero_tokens()
+
     def fwd(input_tensor):
-        return forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
-                            forward_data_store, config, collect_non_loss_data)
+        output_tensor, num_tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches,
+                                                 input_tensor, forward_data_store, config, collect_non_loss_data)
+        total_num_tokens.add_(num_tokens.to(total_num_tokens.device))
+        return output_tensor
 
     forward_data_store = []
     input_tensors, output_tensors = [], []
@@ -280,7 +323,7 @@ def forward_backward_pipelining_without_interleaving(
             input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
             p2p_communication.send_backward(input_tensor_grad, config)
     grad_sync.enable()
-    _finalize(config, [model], forward_only)
+    _finalize(config, [model], forward_only, total_num_tokens)
     return forward_data_store
 
 
@@ -328,6 +371,7 @@ def forward_backward_pipelining_with_interleaving(
     output_tensors = [[] for _ in range(num_chunks)]
     output_tensor_grads = [[] for _ in range(num_chunks)]
     forward_data_store = []
+    total_num_tokens = _zero_tokens()
 
     def chunk_id(k, forward):
         c = (k % (pp_size * num_chunks)) // pp_size
@@ -336,13 +380,23 @@ def forward_backward_pipelining_with_interleaving(
     def set_chunk(c):
         parallel_state.set_virtual_pipeline_model_parallel_rank(c)
 
+    # Aligned parameter all-gathers (--overlap-param-gather with --align-param-gather): chunk 0's start with the
+    # step, chunk c + 1's when chunk c runs its first micro-batch; the forward pre-hooks then only wait.
+    param_sync_func = config.param_sync_func if isinstance(config.param_sync_func, list) else None
+    if param_sync_func is not None and not forward_only:
+        param_sync_func[0]()
+
     def forward_helper(k):
         c = chunk_id(k, forward=True)
         set_chunk(c)
+        if param_sync_func is not None and not forward_only and k == c * pp_size and c + 1 < num_chunks:
+            param_sync_func[c + 1]()
         if parallel_state.is_pipeline_first_stage() and len(input_tensors[c]) == len(output_tensors[c]):
             input_tensors[c].append(None)
-        output_tensor = forward_step(forward_step_func, data_iterator[c], model[c], num_microbatches,
-                                     input_tensors[c][-1], forward_data_store, config, collect_non_loss_data)
+        output_tensor, num_tokens = forward_step(forward_step_func, data_iterator[c], model[c], num_microbatches,
+                                                 input_tensors[c][-1], forward_data_store, config,
+                                                 collect_non_loss_data)
+        total_num_tokens.add_(num_tokens.to(total_num_tokens.device))
         output_tensors[c].append(output_tensor)
         if forward_only:
             input_tensors[c].pop()
@@ -442,5 +496,5 @@ def forward_backward_pipelining_with_interleaving(
     for toggle in toggles:
         toggle.enable()
     set_chunk(0)
-    _finalize(config, model, forward_only)
+    _finalize(config, model, forward_only, total_num_tokens)
     return forward_data_store

@@ -58,6 +58,15 @@ def _add_distributed_args(parser):
                        help="Overlap the data-parallel gradient reduction with the backward pass (bucketed).")
     group.add_argument("--ddp-bucket-size", type=int, default=None,
                        help="Elements per gradient bucket with --overlap-grad-reduce (default 40M).")
+    group.add_argument("--overlap-param-gather", action="store_true",
+                       help="Distributed optimizer: all-gather the updated parameters bucket by bucket during the "
+                            "next forward pass instead of right after the optimizer step.")
+    group.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                       help="Start the first model chunk's parameter all-gather right after its optimizer step "
+                            "(interleaved pipeline only).")
+    group.add_argument("--no-align-param-gather", action="store_false", dest="align_param_gather",
+                       help="Interleaved pipeline: let each chunk's forward hooks launch the parameter all-gathers "
+                            "instead of the schedule launching them at aligned points.")
     group.add_argument("--check-for-nan-in-loss-and-grad", "--check-for-nan-in-grad", action="store_true",
                        dest="check_for_nan_in_loss_and_grad",
                        help="Stop the run (every rank, exit code 1) at the first NaN/Inf in a rank's local loss or "

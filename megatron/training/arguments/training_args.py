@@ -15,6 +15,20 @@ def _add_training_args(parser):
                        help="Training batch size; micro-batch-size * data-parallel size if not given.")
     group.add_argument("--rampup-batch-size", nargs="*", default=None,
                        help="Batch-size ramp-up: <start batch size> <batch size increment> <ramp-up samples>.")
+    group.add_argument("--step-batch-size-schedule", type=str, default=None,
+                       help="Step-wise global batch size: 'THRESHOLD:BS' pairs separated by spaces or commas, "
+                            "thresholds in consumed tokens with optional K/M/B/T suffixes (e.g. '0:16 2.4B:320'); "
+                            "the first threshold must be 0. --global-batch-size, if given, must equal the last BS.")
+    group.add_argument("--calculate-per-token-loss", action="store_true",
+                       help="Normalise the loss by the number of non-padded tokens of the whole global batch "
+                            "(instead of averaging per-micro-batch token means).")
+    group.add_argument("--manual-gc", action="store_true",
+                       help="Disable Python's automatic garbage collector and collect only at the points given by "
+                            "--manual-gc-interval and around evaluation, the same on every rank.")
+    group.add_argument("--manual-gc-interval", type=int, default=0,
+                       help="With --manual-gc: run a full gc.collect() every this many iterations (0: never).")
+    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                       help="With --manual-gc: do not collect before and after each periodic evaluation.")
     group.add_argument("--recompute-activations", action="store_true",
                        help="Recompute activations (selective granularity).")
     group.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
@@ -25,10 +39,15 @@ def _add_training_args(parser):
                        help="uniform: recompute groups of layers; block: recompute the first layers of each stage.")
     group.add_argument("--recompute-num-layers", type=int, default=1,
                        help="Layers per recompute group (uniform) or recomputed layers per stage (block).")
-    group.add_argument("--profile", action="store_true", help="Enable the torch profiler.")
+    group.add_argument("--profile", action="store_true",
+                       help="Profile iterations --profile-step-start..--profile-step-end: nsys ranges (CUDA), or "
+                            "with --use-pytorch-profiler a PyTorch profiler trace in --tensorboard-dir.")
     group.add_argument("--profile-step-start", type=int, default=10, help="Global step at which to start profiling.")
     group.add_argument("--profile-step-end", type=int, default=12, help="Global step at which to stop profiling.")
-    group.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="Global ranks to profile.")
+    group.add_argument("--profile-ranks", nargs="+", type=int, default=[],
+                       help="Global ranks to profile (default: all ranks).")
+    group.add_argument("--use-pytorch-profiler", action="store_true",
+                       help="With --profile: use torch.profiler and write TensorBoard traces to --tensorboard-dir.")
     group.add_argument("--checkpoint-activations", action="store_true",
                        help="Deprecated: use --recompute-activations or --recompute-granularity.")
     group.add_argument("--train-iters", type=int, default=None,
@@ -110,6 +129,11 @@ def _add_learning_rate_args(parser):
     group.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warmup.")
     group.add_argument("--warmup", type=int, default=None, help="Deprecated: use --lr-warmup-fraction.")
     group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor of the decay.")
+    group.add_argument("--decoupled-lr", type=float, default=None,
+                       help="Separate peak learning rate for the input embedding and output layer weights.")
+    group.add_argument("--decoupled-min-lr", type=float, default=None,
+                       help="Minimum learning rate of the input embedding and output layer weights "
+                            "(--min-lr if not given).")
     group.add_argument("--override-opt_param-scheduler", action="store_true",
                        help="Use the scheduler values from the flags, ignoring those in the checkpoint.")
     group.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
@@ -167,6 +191,9 @@ def _add_mixed_precision_args(parser):
                        help="Compute the attention softmax in fp32.")
     group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                        help="Accumulate and all-reduce gradients in fp32.")
+    group.add_argument("--grad-reduce-in-bf16", action="store_true",
+                       help="With --bf16: keep the gradient buffer in bf16, so micro-batch accumulation and the "
+                            "data-parallel reduction run in bf16 (fp32 otherwise).")
     group.add_argument("--fp16-lm-cross-entropy", action="store_true",
                        help="Compute the unreduced cross entropy of the LM head in fp16.")
     return parser

@@ -65,6 +65,11 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_recompute(args)
     _validate_sequence_parallel(args)
     _validate_features(args)
+    _validate_per_token_loss(args)
+    _validate_decoupled_lr(args)
+    _validate_param_gather(args)
+    _validate_manual_gc(args)
+    _validate_profiling(args)
     _validate_paths(args)
 
     if args.vocab_size is not None:
@@ -129,6 +134,9 @@ def _validate_batch_sizes(args):
     mbs, dp = args.micro_batch_size, args.data_parallel_size
     _require(mbs is not None, "--micro-batch-size is required: pass the per-rank batch size, e.g. --micro-batch-size 1")
     _require(mbs > 0, f"--micro-batch-size must be > 0, got {mbs}")
+    if args.step_batch_size_schedule is not None:
+        _validate_step_batch_size_schedule(args)
+        return
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp
         _log(args, "setting global batch size to {}".format(args.global_batch_size))
@@ -156,6 +164,36 @@ def _validate_batch_sizes(args):
     _require(start % (mbs * dp) == 0 and increment % (mbs * dp) == 0,
              f"--rampup-batch-size start ({start}) and increment ({increment}) must be multiples of "
              f"--micro-batch-size ({mbs}) x data-parallel size ({dp})")
+
+
+def _validate_step_batch_size_schedule(args):
+    """--step-batch-size-schedule (today's Megatron): a step function of the global batch size.
+
+    Today's Megatron rejects --global-batch-size next to a schedule although its own gpt3 example passes both;
+    here the pair is accepted when the schedule ends at that batch size. Without it the global batch size
+    defaults to micro-batch x DP, as in Megatron (it only sizes --train-iters runs' datasets and LR steps).
+    """
+    from megatron.training.microbatches import parse_step_batch_size_schedule
+
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    _require(args.rampup_batch_size is None,
+             "--step-batch-size-schedule and --rampup-batch-size both change the batch size: pass only one")
+    seq_length = args.seq_length or args.encoder_seq_length
+    _require(seq_length, "--step-batch-size-schedule needs --seq-length (its thresholds are in tokens)")
+    schedule = parse_step_batch_size_schedule(args.step_batch_size_schedule, seq_length)
+    final = schedule[-1][1]
+    if args.global_batch_size is not None:
+        _require(args.global_batch_size == final,
+                 f"--global-batch-size ({args.global_batch_size}) must equal the last batch size of "
+                 f"--step-batch-size-schedule ({final}): make them agree or drop --global-batch-size")
+    else:
+        args.global_batch_size = mbs * dp
+        _log(args, "setting global batch size to {}".format(args.global_batch_size))
+    # (early) Megatron checks each batch size only when the schedule reaches it.
+    for threshold, batch_size in schedule:
+        _require(batch_size % (mbs * dp) == 0,
+                 f"--step-batch-size-schedule batch size {batch_size} (from sample {threshold}) must be a multiple "
+                 f"of --micro-batch-size ({mbs}) x data-parallel size ({dp})")
 
 
 def _set_virtual_pipeline_size(args):
@@ -186,8 +224,11 @@ def _set_precision(args):
         args.params_dtype = torch.half
     if args.bf16:
         args.params_dtype = torch.bfloat16
-        # bf16 has too few mantissa bits to accumulate gradients in.
-        if not args.accumulate_allreduce_grads_in_fp32:
+        # bf16 has too few mantissa bits to accumulate gradients in, unless the user asks for it.
+        if args.grad_reduce_in_bf16:
+            args.accumulate_allreduce_grads_in_fp32 = False
+            _log(args, "accumulate and reduce gradients in bfloat16 (--grad-reduce-in-bf16).")
+        elif not args.accumulate_allreduce_grads_in_fp32:
             args.accumulate_allreduce_grads_in_fp32 = True
             _log(args, "accumulate and all-reduce gradients in fp32 for bfloat16 data type.")
     _log(args, "using {} for parameters ...".format(args.params_dtype))
@@ -388,10 +429,6 @@ def _validate_model_implementation(args):
         _require(getattr(args, "ckpt_format", "torch") == "torch",
                  "--use-legacy-models needs --ckpt-format torch (torch_dist is for megatron-core models)")
         _require(not args.rotary_interleaved, "--rotary-interleaved is not supported with --use-legacy-models")
-        _require(getattr(args, "decoupled_lr", None) is None,
-                 "--decoupled-lr is not supported with --use-legacy-models")
-        _require(not getattr(args, "overlap_param_gather", False),
-                 "--overlap-param-gather is not supported with --use-legacy-models")
     if args.position_embedding_type != "rope":
         args.apply_rope_fusion = False
     if args.transformer_impl == "transformer_engine":
@@ -402,6 +439,71 @@ def _validate_model_implementation(args):
             reason = "Transformer Engine is not installed"
         _log(args, f"--transformer-impl transformer_engine: {reason}; using --transformer-impl local")
         args.transformer_impl = "local"
+
+
+def _legacy_models(args) -> bool:
+    """True when the legacy (megatron.legacy.model) classes build the model (--use-legacy-models)."""
+    return bool(args.use_legacy_models)
+
+
+def _validate_per_token_loss(args):
+    if args.calculate_per_token_loss:
+        # The token count divides the gradients after a SUM reduction in Megatron's own DDP.
+        _require(args.DDP_impl == "local", "--calculate-per-token-loss needs --DDP-impl local (torch DDP averages "
+                                           "gradients over ranks)")
+
+
+def _validate_decoupled_lr(args):
+    if args.decoupled_lr is None and args.decoupled_min_lr is None:
+        return
+    _require(not _legacy_models(args), "--decoupled-lr / --decoupled-min-lr need the megatron-core models "
+                                       "(the legacy models do not mark embedding and output parameters)")
+    if args.decoupled_lr is not None:
+        _require(args.decoupled_lr >= 0, f"--decoupled-lr must be >= 0, got {args.decoupled_lr}")
+        min_lr = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
+        _require(min_lr <= args.decoupled_lr,
+                 f"--decoupled-min-lr (else --min-lr) ({min_lr}) must be <= --decoupled-lr ({args.decoupled_lr})")
+
+
+def _validate_param_gather(args):
+    if args.overlap_param_gather:
+        _require(args.use_distributed_optimizer,
+                 "--overlap-param-gather only supported with distributed optimizer: add --use-distributed-optimizer")
+        _require(args.overlap_grad_reduce, "--overlap-grad-reduce should be turned on when using "
+                                           "--overlap-param-gather: add --overlap-grad-reduce")
+        _require(not _legacy_models(args), "--overlap-param-gather is not supported with legacy models")
+    if args.overlap_param_gather_with_optimizer_step:
+        _require(args.use_distributed_optimizer, "--overlap-param-gather-with-optimizer-step only supported with "
+                                                 "distributed optimizer: add --use-distributed-optimizer")
+        _require(args.overlap_param_gather, "must use --overlap-param-gather with "
+                                            "--overlap-param-gather-with-optimizer-step")
+        _require(args.virtual_pipeline_model_parallel_size is not None,
+                 "--overlap-param-gather-with-optimizer-step only supported with interleaved pipeline parallelism: "
+                 "add --num-layers-per-virtual-pipeline-stage")
+        _require(getattr(args, "ckpt_format", "torch") == "torch",
+                 "--overlap-param-gather-with-optimizer-step not supported with distributed checkpointing: "
+                 "use --ckpt-format torch")
+    if args.virtual_pipeline_model_parallel_size is None:
+        # Aligned all-gathers only matter for the interleaved schedule.
+        args.align_param_gather = False
+
+
+def _validate_manual_gc(args):
+    _require(args.manual_gc_interval >= 0,
+             f"--manual-gc-interval must be >= 0 (0: only around evaluation), got {args.manual_gc_interval}")
+
+
+def _validate_profiling(args):
+    if not args.profile:
+        if args.use_pytorch_profiler:
+            _log(args, "WARNING: --use-pytorch-profiler does nothing without --profile")
+        return
+    _require(0 <= args.profile_step_start < args.profile_step_end,
+             f"--profile-step-start ({args.profile_step_start}) must be >= 0 and smaller than --profile-step-end "
+             f"({args.profile_step_end})")
+    if args.use_pytorch_profiler:
+        _require(args.tensorboard_dir is not None,
+                 "--use-pytorch-profiler writes its traces to --tensorboard-dir: pass --tensorboard-dir")
 
 
 def _nearest_existing(path: str) -> str:
