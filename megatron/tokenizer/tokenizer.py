@@ -9,7 +9,7 @@ from megatron.tokenizer.dict_vocab import DictVocab
 from megatron.tokenizer.bert_wordpiece import _BertWordPieceTokenizer
 from megatron.tokenizer.gpt2_bpe import _GPT2BPETokenizer
 from megatron.tokenizer.sentencepiece_tokenizers import _GPTSentencePieceTokenizer, _SentencePieceTokenizer
-from megatron.tokenizer.vocab_padding import vocab_size_with_padding
+from megatron.tokenizer.vocab_padding import null_tokenizer_vocab_size, vocab_size_with_padding
 
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
                    "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -139,7 +139,8 @@ class _HuggingFaceTokenizer(DictVocab, MegatronTokenizer):
 
 
 class _NullTokenizer(MegatronTokenizer):
-    """Text is space-separated ids; ``eod`` is ``vocab_size`` (so the vocabulary holds one more id)."""
+    """Text is space-separated ids; with ``--vocab-size N`` the end-of-document id is N and the vocabulary holds
+    N + 1 ids (megatron-core 0.16.1's rule, ``null_tokenizer_vocab_size``)."""
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__(None, vocab_size=vocab_size)
@@ -159,7 +160,7 @@ class _NullTokenizer(MegatronTokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return self._vocab_size_without_eod + 1
+        return null_tokenizer_vocab_size(self._vocab_size_without_eod)
 
     @property
     def vocab(self):

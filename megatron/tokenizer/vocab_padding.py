@@ -17,3 +17,17 @@ def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: 
         print(" > padded vocab (size: {}) with {} dummy tokens (new size: {})".format(
             orig_vocab_size, after - orig_vocab_size, after), flush=True)
     return after
+
+
+def null_tokenizer_vocab_size(vocab_size: int) -> int:
+    """NullTokenizer's vocabulary for ``--vocab-size N``: ids 0..N-1 plus the end-of-document id N, so N + 1.
+
+    This is megatron-core 0.16.1's rule (and Megatron-LM 2023's); Megatron-LM after 0.16.1 uses N with eod N - 1.
+    The embedding tables of 0.16.1 torch_dist checkpoints are padded from N + 1.
+    """
+    return int(vocab_size) + 1
+
+
+def unpadded_vocab_size(tokenizer_type, vocab_size: int) -> int:
+    """The vocabulary ``--vocab-size`` stands for before padding: N + 1 for NullTokenizer, else N."""
+    return null_tokenizer_vocab_size(vocab_size) if tokenizer_type == "NullTokenizer" else int(vocab_size)

@@ -15,8 +15,9 @@ import types
 import torch
 
 from megatron.core import device
-from megatron.tokenizer.vocab_padding import vocab_size_with_padding
+from megatron.tokenizer.vocab_padding import unpadded_vocab_size, vocab_size_with_padding
 from megatron.training.arguments.printing import _print_args
+from megatron.training.arguments.unimplemented import validate_t5_unimplemented, validate_unimplemented_features
 from megatron.training.errors import ConfigurationError
 from megatron.training.global_vars import get_retro_args, set_retro_args
 
@@ -43,6 +44,7 @@ def _log(args, message: str) -> None:
 
 
 def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defaults is never mutated
+    validate_unimplemented_features(args)  # MoE, CP > 1, T5, FP8: checked, then stop with one line
     _validate_parallel_sizes(args)
     _apply_deprecations(args)
     _apply_defaults(args, defaults)
@@ -61,6 +63,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_schedule_units(args)
     _validate_model_shape(args)
     _validate_lengths_and_misc(args)
+    validate_t5_unimplemented(args)  # T5 values: checked above, then stop with one line
     _set_weight_decay(args)
     _validate_recompute(args)
     _validate_sequence_parallel(args)
@@ -69,7 +72,8 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
 
     if args.vocab_size is not None:
         args.padded_vocab_size = vocab_size_with_padding(
-            args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, rank=args.rank)
+            unpadded_vocab_size(args.tokenizer_type, args.vocab_size), args.make_vocab_size_divisible_by,
+            args.tensor_model_parallel_size, rank=args.rank)
 
     _print_args("arguments", args)
     retro_args = get_retro_args()
