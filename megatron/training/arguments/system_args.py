@@ -4,17 +4,7 @@ Names, types, defaults and destinations follow Megatron-LM (reference §4).
 """
 from __future__ import annotations
 
-TOKENIZER_TYPES = [
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "GPT2BPETokenizer",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "HuggingFaceTokenizer",
-    "Llama2Tokenizer",
-    "TikTokenizer",
-    "NullTokenizer",
-]
+from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # the one table of tokenizer names
 
 
 def _add_distributed_args(parser):
@@ -113,7 +103,7 @@ def _add_data_args(parser):
                        help="Probability of producing a short sequence (BERT).")
     group.add_argument("--mmap-warmup", action="store_true", help="Warm up the memory-mapped dataset files.")
     group.add_argument("--num-workers", type=int, default=2, help="Data loader worker processes.")
-    group.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES, help="Tokenizer.")
+    group.add_argument("--tokenizer-type", type=str, default=None, choices=list(TOKENIZER_TYPES), help="Tokenizer.")
     group.add_argument("--tokenizer-model", type=str, default=None,
                        help="SentencePiece model file, Hugging Face tokenizer directory, or TikTokenizer JSON "
                             "vocabulary.")
