@@ -375,6 +375,9 @@ def _validate_features(args):
         _load_retro_args(args)
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    _require(not (args.reset_attention_mask and not args.create_attention_mask_in_dataloader),
+             "--reset-attention-mask needs the attention mask the data loader builds: drop "
+             "--no-create-attention-mask-in-dataloader (or --reset-attention-mask)")
     _require(args.add_position_embedding or args.position_embedding_type == "rope",
              "--no-position-embedding is deprecated: use --position-embedding-type rope")
     _require(not getattr(args, "async_save", False) or getattr(args, "ckpt_format", "torch") == "torch_dist",
