@@ -28,6 +28,12 @@ def null_tokenizer_vocab_size(vocab_size: int) -> int:
     return int(vocab_size) + 1
 
 
-def unpadded_vocab_size(tokenizer_type, vocab_size: int) -> int:
-    """The vocabulary ``--vocab-size`` stands for before padding: N + 1 for NullTokenizer, else N."""
-    return null_tokenizer_vocab_size(vocab_size) if tokenizer_type == "NullTokenizer" else int(vocab_size)
+def unpadded_vocab_size(tokenizer_type, vocab_size: int):
+    """The vocabulary ``--vocab-size N`` stands for before padding: N + 1 for NullTokenizer, N for TikTokenizer
+    or when no tokenizer is named; None for the tokenizers whose files define the vocabulary (Hugging Face,
+    SentencePiece, Llama2, BERT, GPT-2), which ignore ``--vocab-size``, as Megatron-LM's do."""
+    if tokenizer_type == "NullTokenizer":
+        return null_tokenizer_vocab_size(vocab_size)
+    if tokenizer_type in (None, "TikTokenizer"):
+        return int(vocab_size)
+    return None

@@ -120,3 +120,13 @@ def test_null_tokenizer_one_rule(clean_env):
     # a multiple of 128 itself: N = 1024 still needs 1025 ids, so one more padding block
     assert validated("--tokenizer-type NullTokenizer --vocab-size 1024").padded_vocab_size == 1152
     assert validated("--vocab-size 1024").padded_vocab_size == 1024  # no tokenizer named: N as given
+
+
+def test_vocab_size_flag_is_ignored_by_file_tokenizers(clean_env, tmp_path):
+    """--vocab-size pre-sizes only NullTokenizer (N + 1) and TikTokenizer (N); a Hugging Face or SentencePiece
+    tokenizer defines its own vocabulary, padded by build_tokenizer (the llama example passes both)."""
+    args = validated(f"--tokenizer-type Llama2Tokenizer --tokenizer-model {SPM_MODEL} --vocab-size 128256")
+    assert getattr(args, "padded_vocab_size", None) is None
+    build_tokenizer(args)
+    assert args.padded_vocab_size == 8064
+    assert validated("--tokenizer-type TikTokenizer --vocab-size 1000").padded_vocab_size == 1024

@@ -70,10 +70,10 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_features(args)
     _validate_paths(args)
 
-    if args.vocab_size is not None:
+    unpadded = None if args.vocab_size is None else unpadded_vocab_size(args.tokenizer_type, args.vocab_size)
+    if unpadded is not None:
         args.padded_vocab_size = vocab_size_with_padding(
-            unpadded_vocab_size(args.tokenizer_type, args.vocab_size), args.make_vocab_size_divisible_by,
-            args.tensor_model_parallel_size, rank=args.rank)
+            unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, rank=args.rank)
 
     _print_args("arguments", args)
     retro_args = get_retro_args()
