@@ -160,3 +160,59 @@ def test_2023_example_scripts_still_parse(clean_env, tmp_path, script):
     assert argv[entry].startswith(REPO)
     args = parse_args(argv=argv[entry + 1:])
     assert args.num_layers == 24 and args.fp16
+
+
+# Our flag's dest -> the megatron-core 0.16.1 config field it fills (same default), for the flags declared here.
+CONFIG_FIELD_OF = {
+    "num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "moe_router_load_balancing_type": "moe_router_load_balancing_type", "moe_aux_loss_coeff": "moe_aux_loss_coeff",
+    "moe_z_loss_coeff": "moe_z_loss_coeff", "moe_router_pre_softmax": "moe_router_pre_softmax",
+    "moe_router_score_function": "moe_router_score_function",
+    "moe_router_topk_scaling_factor": "moe_router_topk_scaling_factor",
+    "moe_router_num_groups": "moe_router_num_groups", "moe_router_group_topk": "moe_router_group_topk",
+    "moe_router_enable_expert_bias": "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate": "moe_router_bias_update_rate", "moe_router_dtype": "moe_router_dtype",
+    "moe_router_fusion": "moe_router_fusion", "moe_grouped_gemm": "moe_grouped_gemm",
+    "moe_use_legacy_grouped_gemm": "moe_use_legacy_grouped_gemm",
+    "moe_token_dispatcher_type": "moe_token_dispatcher_type", "moe_layer_freq": "moe_layer_freq",
+    "moe_input_jitter_eps": "moe_input_jitter_eps", "moe_expert_capacity_factor": "moe_expert_capacity_factor",
+    "moe_token_drop_policy": "moe_token_drop_policy",
+    "moe_pad_expert_input_to_capacity": "moe_pad_expert_input_to_capacity",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate": "moe_shared_expert_gate", "moe_shared_expert_overlap": "moe_shared_expert_overlap",
+    "moe_permute_fusion": "moe_permute_fusion", "moe_per_layer_logging": "moe_per_layer_logging",
+    "moe_layer_recompute": "moe_layer_recompute", "expert_model_parallel_size": "expert_model_parallel_size",
+    "expert_tensor_parallel_size": "expert_tensor_parallel_size", "context_parallel_size": "context_parallel_size",
+    "hierarchical_context_parallel_sizes": "hierarchical_context_parallel_sizes", "fp8": "fp8",
+    "fp8_recipe": "fp8_recipe", "fp8_margin": "fp8_margin", "fp8_amax_history_len": "fp8_amax_history_len",
+    "fp8_amax_compute_algo": "fp8_amax_compute_algo", "fp8_interval": "fp8_interval", "fp8_wgrad": "fp8_wgrad",
+    "fp8_param_gather": "fp8_param",
+}
+ORACLE = "/work/mcore_oracle"
+DUMP = """
+import dataclasses, json, sys
+from megatron.core.transformer.transformer_config import TransformerConfig
+fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
+out = {}
+for name in sys.argv[1:]:
+    f = fields[name]
+    out[name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(ORACLE, "megatron", "core")), reason="megatron-core 0.16.1 absent")
+def test_defaults_match_megatron_core_0_16_1(clean_env, tmp_path):
+    """The MoE / CP / FP8 flag defaults equal the defaults of the real megatron-core 0.16.1 config fields."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = ORACLE
+    proc = subprocess.run([sys.executable, "-c", DUMP, *CONFIG_FIELD_OF.values()], cwd=str(tmp_path), env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    oracle = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = vars(parse_args(argv=[]))
+    assert {dest: ours[dest] for dest in CONFIG_FIELD_OF} == {dest: oracle[f] for dest, f in CONFIG_FIELD_OF.items()}
