@@ -104,6 +104,7 @@ def test_llama_without_fp8_validates(clean_env, paths):
     ("--num-experts 2 --moe-router-topk 3", "--moe-router-topk (3) must be <= --num-experts (2)"),
     ("--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.1",
      "--moe-router-load-balancing-type has 2 values: pass as many --moe-aux-loss-coeff values"),
+    ("--moe-layer-freq [1,0,1]", "--moe-layer-freq lists 3 layers; the model has 4"),
     ("--context-parallel-size 2", "--context-parallel-size 2: context parallelism is not implemented yet"),
     ("--context-parallel-size 3", "--seq-length (32) must be divisible by 2 x --context-parallel-size (6)"),
     ("--cp-comm-type allgather", "--cp-comm-type allgather is not one of p2p, all_gather, a2a, a2a+p2p"),

@@ -45,6 +45,10 @@ def _validate_moe(args) -> None:
         args.moe_expert_capacity_factor = None
     _require(not args.moe_pad_expert_input_to_capacity or args.moe_expert_capacity_factor is not None,
              "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if isinstance(args.moe_layer_freq, list):
+        num_layers = args.num_layers if args.num_layers is not None else args.encoder_num_layers
+        _require(len(args.moe_layer_freq) == num_layers,
+                 f"--moe-layer-freq lists {len(args.moe_layer_freq)} layers; the model has {num_layers}")
     ep = args.expert_model_parallel_size
     _require(ep >= 1, f"--expert-model-parallel-size must be >= 1, got {ep}")
     if args.expert_tensor_parallel_size is not None:

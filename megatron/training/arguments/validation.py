@@ -44,7 +44,7 @@ def _log(args, message: str) -> None:
 
 
 def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defaults is never mutated
-    validate_unimplemented_features(args)  # MoE, CP > 1, T5, FP8: checked, then stop with one line
+    validate_unimplemented_features(args)  # MoE, CP > 1, FP8: checked, then stop with one line
     _validate_parallel_sizes(args)
     _apply_deprecations(args)
     _apply_defaults(args, defaults)
