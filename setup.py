@@ -50,6 +50,7 @@ INSTALL_REQUIRES = [
     "regex>=2022.1",
     "sentencepiece>=0.1.99",
     "tokenizers>=0.15",
+    "tiktoken>=0.7",  # --tokenizer-type TikTokenizer
     "pybind11>=2.10",
 ]
 

@@ -179,3 +179,20 @@ class _GPTSentencePieceTokenizer(_SentencePieceTokenizer):
     @property
     def additional_special_tokens_ids(self):
         return None
+
+
+class _Llama2Tokenizer(_GPTSentencePieceTokenizer):
+    """Megatron's ``Llama2Tokenizer``: a SentencePiece model used as is (``vocab_size`` = the model's pieces),
+    ``tokenize`` prepends the model's BOS id (``bos=True, eos=False`` by default); ``eod`` is the model's EOS id;
+    cls/sep/mask are -1."""
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def tokenize(self, text: str, bos: bool = True, eos: bool = False) -> List[int]:
+        ids = self.tokenizer.encode_as_ids(text)
+        return ([self._bos_id] if bos else []) + ids + ([self._eos_id] if eos else [])
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [[self._bos_id] + ids for ids in self.tokenizer.encode_as_ids(list(texts))]

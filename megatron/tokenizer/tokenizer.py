@@ -8,11 +8,17 @@ from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
 from megatron.tokenizer.dict_vocab import DictVocab
 from megatron.tokenizer.bert_wordpiece import _BertWordPieceTokenizer
 from megatron.tokenizer.gpt2_bpe import _GPT2BPETokenizer
-from megatron.tokenizer.sentencepiece_tokenizers import _GPTSentencePieceTokenizer, _SentencePieceTokenizer
-from megatron.tokenizer.vocab_padding import vocab_size_with_padding
+from megatron.tokenizer.sentencepiece_tokenizers import (
+    _GPTSentencePieceTokenizer,
+    _Llama2Tokenizer,
+    _SentencePieceTokenizer,
+)
+from megatron.tokenizer.tiktoken_tokenizer import _TikTokenizer
+from megatron.tokenizer.vocab_padding import null_tokenizer_vocab_size, vocab_size_with_padding
 
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
-                   "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+                   "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
+                   "NullTokenizer")
 
 # End-of-text pieces a bare tokenizer.json may use, in order of preference.
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -51,6 +57,14 @@ def build_tokenizer(args) -> MegatronTokenizer:
         tokenizer = _GPTSentencePieceTokenizer(_require(args, "tokenizer_model", tokenizer_type))
     elif tokenizer_type == "HuggingFaceTokenizer":
         tokenizer = _HuggingFaceTokenizer(_require(args, "tokenizer_model", tokenizer_type))
+    elif tokenizer_type == "Llama2Tokenizer":
+        tokenizer = _Llama2Tokenizer(_require(args, "tokenizer_model", tokenizer_type))
+    elif tokenizer_type == "TikTokenizer":
+        tokenizer = _TikTokenizer(_require(args, "tokenizer_model", tokenizer_type),
+                                  _require(args, "tiktoken_pattern", tokenizer_type),
+                                  vocab_size=getattr(args, "vocab_size", None),
+                                  num_special_tokens=getattr(args, "tiktoken_num_special_tokens", 1000),
+                                  special_tokens=getattr(args, "tiktoken_special_tokens", None))
     elif tokenizer_type == "NullTokenizer":
         tokenizer = _NullTokenizer(_require(args, "vocab_size", tokenizer_type))
     else:
@@ -139,7 +153,8 @@ class _HuggingFaceTokenizer(DictVocab, MegatronTokenizer):
 
 
 class _NullTokenizer(MegatronTokenizer):
-    """Text is space-separated ids; ``eod`` is ``vocab_size`` (so the vocabulary holds one more id)."""
+    """Text is space-separated ids; with ``--vocab-size N`` the end-of-document id is N and the vocabulary holds
+    N + 1 ids (megatron-core 0.16.1's rule, ``null_tokenizer_vocab_size``)."""
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__(None, vocab_size=vocab_size)
@@ -159,7 +174,7 @@ class _NullTokenizer(MegatronTokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return self._vocab_size_without_eod + 1
+        return null_tokenizer_vocab_size(self._vocab_size_without_eod)
 
     @property
     def vocab(self):
@@ -196,4 +211,6 @@ BertWordPieceTokenizer = _BertWordPieceTokenizer
 SentencePieceTokenizer = _SentencePieceTokenizer
 GPTSentencePieceTokenizer = _GPTSentencePieceTokenizer
 HuggingFaceTokenizer = _HuggingFaceTokenizer
+Llama2Tokenizer = _Llama2Tokenizer
+TikTokenizer = _TikTokenizer
 NullTokenizer = _NullTokenizer

@@ -21,6 +21,7 @@ import logging
 import os
 import struct
 import tempfile
+import time
 from enum import Enum
 from itertools import accumulate
 from typing import List, Optional, Tuple, Type, Union
@@ -175,12 +176,26 @@ class _MMapBinReader:
 
 
 class _FileBinReader:
-    """Plain file reads (``--no-mmap-bin-files``), for filesystems where mmap is slow or limited."""
+    """Plain file reads (``--no-mmap-bin-files``), for filesystems where mmap is slow or limited: every read opens
+    the ``.bin``, seeks and reads into a fresh array. A read that fails with an OSError (a flaky network
+    filesystem) is retried after 10, 20 and 40 seconds, as Megatron-LM does, then the error is raised."""
+
+    RETRY_DELAYS_S = (10, 20, 40)
 
     def __init__(self, bin_path: str) -> None:
         self._bin_path = bin_path
 
     def read(self, dtype, count: int, offset: int) -> numpy.ndarray:
+        for delay in self.RETRY_DELAYS_S:
+            try:
+                return self._read_once(dtype, count, offset)
+            except OSError as error:
+                logger.warning("reading %s at offset %d failed (%s); retrying in %d s", self._bin_path, offset,
+                               error, delay)
+                time.sleep(delay)
+        return self._read_once(dtype, count, offset)
+
+    def _read_once(self, dtype, count: int, offset: int) -> numpy.ndarray:
         out = numpy.empty(count, dtype=dtype)
         with open(self._bin_path, mode="rb", buffering=0) as f:
             f.seek(offset)

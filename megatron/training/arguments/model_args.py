@@ -128,11 +128,111 @@ def _add_transformer_engine_args(parser):
                        help="How the FP8 amax is computed from its history.")
     group.add_argument("--no-fp8-wgrad", action="store_false", dest="fp8_wgrad",
                        help="Compute the weight gradients in higher precision under FP8.")
+    group.add_argument("--fp8-recipe", default="delayed", choices=["tensorwise", "delayed", "mxfp8", "blockwise",
+                                                                   "custom"],
+                       help="FP8 scaling recipe (delayed: amax history; tensorwise: current scaling; mxfp8 and "
+                            "blockwise: block scaling; custom: a user quantizer factory).")
+    group.add_argument("--fp8-param-gather", action="store_true",
+                       help="Keep the parameters in FP8 and all-gather them in FP8 (needs the distributed optimizer).")
     group.add_argument("--transformer-impl", default="transformer_engine", choices=["local", "transformer_engine"],
                        help="Which transformer implementation to use (transformer_engine falls back to local, "
                             "with a log line, because this library builds its layers from its own modules).")
     group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
                        help="Normalization layer type.")
+    return parser
+
+
+def _moe_layer_freq(value: str):
+    """``--moe-layer-freq``: an int N (every N-th layer is MoE) or a Python list expression of 0/1 per layer,
+    e.g. ``"([0]+[1]*23)"``."""
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        pattern = _eval_layer_pattern(value)
+    except (ValueError, SyntaxError, TypeError):
+        pattern = None
+    if not isinstance(pattern, list) or not all(v in (0, 1) for v in pattern):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq must be an integer or a list expression of 0/1 such as "
+                                         f"'([0]+[1]*23)', got {value!r}")
+    return pattern
+
+
+def _eval_layer_pattern(value: str):
+    """Evaluate a list expression made only of list literals of ints, ``+`` and ``* int`` (no names, no calls)."""
+    import ast
+
+    def walk(node):
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.List):
+            return [walk(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = walk(node.left), walk(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(f"unsupported element in {value!r}")
+
+    return walk(ast.parse(value.strip(), mode="eval"))
+
+
+def _add_moe_args(parser):
+    """Mixture-of-experts flags (Megatron-LM 0.16.1 names, types and defaults). They parse; a value that needs MoE
+    layers (``--num-experts``, ``--expert-model-parallel-size`` > 1) stops in validate_args (not implemented yet)."""
+    group = parser.add_argument_group(title="moe")
+
+    group.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert model parallel size (EP).")
+    group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                       help="Tensor parallel size of the experts (--tensor-model-parallel-size if not given).")
+    group.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=1,
+                       help="Every N-th layer is an MoE layer (int N), or a 0/1 list expression per layer.")
+    group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                       help="Hidden size of each expert's MLP (--ffn-hidden-size if not given).")
+    group.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                       help="Total hidden size of the shared experts (none if not given).")
+    group.add_argument("--moe-shared-expert-gate", action="store_true", help="Gate the shared experts' output.")
+    group.add_argument("--moe-shared-expert-overlap", action="store_true",
+                       help="Overlap the shared experts with the token dispatch (alltoall dispatcher only).")
+    group.add_argument("--moe-grouped-gemm", action="store_true", help="Compute the local experts with grouped GEMMs.")
+    group.add_argument("--moe-use-legacy-grouped-gemm", action="store_true",
+                       help="Use the legacy GroupedMLP (grouped_gemm package) for --moe-grouped-gemm.")
+    group.add_argument("--moe-layer-recompute", action="store_true", help="Recompute the MoE layers in backward.")
+    group.add_argument("--moe-router-load-balancing-type", nargs="+", type=str, default="aux_loss",
+                       choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+                       help="Load-balancing strategy (several: one --moe-aux-loss-coeff each).")
+    group.add_argument("--moe-router-dtype", type=str, default=None, choices=["fp32", "fp64"],
+                       help="Data type of the router's GEMM, routing and probability weighting.")
+    group.add_argument("--moe-router-fusion", action="store_true", help="Fused router kernels (Transformer Engine).")
+    group.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"],
+                       help="Router score function.")
+    group.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to (k).")
+    group.add_argument("--moe-router-pre-softmax", action="store_true",
+                       help="Softmax over all experts before the top-k selection.")
+    group.add_argument("--moe-router-num-groups", type=int, default=None, help="Expert groups (group-limited routing).")
+    group.add_argument("--moe-router-group-topk", type=int, default=None, help="Groups selected per token.")
+    group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                       help="Scale the top-k routing probabilities by this factor.")
+    group.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                       help="Aux-loss-free load balancing with a per-expert bias (sigmoid scores only).")
+    group.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                       help="Update rate of the expert bias.")
+    group.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
+                       help="Coefficient(s) of the auxiliary load-balancing loss (0 disables it).")
+    group.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Coefficient of the router z-loss.")
+    group.add_argument("--moe-input-jitter-eps", type=float, default=None,
+                       help="Multiply the router input by U(1-eps, 1+eps).")
+    group.add_argument("--moe-per-layer-logging", action="store_true", help="Log the MoE losses of every layer.")
+    group.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
+                       choices=["allgather", "alltoall", "flex"], help="How tokens are dispatched to the experts.")
+    group.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                       help="Expert capacity factor (dropless if not given; a negative value means not given).")
+    group.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                       help="Pad each expert's input to its capacity (needs --moe-expert-capacity-factor).")
+    group.add_argument("--moe-token-drop-policy", type=str, default="probs", choices=["probs", "position"],
+                       help="Which tokens are dropped over capacity: lowest probability, or last positions.")
+    group.add_argument("--moe-permute-fusion", action="store_true", help="Fused token permutation (Transformer Engine).")
     return parser
 
 

@@ -4,15 +4,7 @@ Names, types, defaults and destinations follow Megatron-LM (reference §4).
 """
 from __future__ import annotations
 
-TOKENIZER_TYPES = [
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "GPT2BPETokenizer",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "HuggingFaceTokenizer",
-    "NullTokenizer",
-]
+from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # the one table of tokenizer names
 
 
 def _add_distributed_args(parser):
@@ -28,6 +20,13 @@ def _add_distributed_args(parser):
                        help="Layers per virtual pipeline stage (interleaved schedule).")
     group.add_argument("--overlap-p2p-communication", action="store_true", dest="overlap_p2p_comm",
                        help="Overlap pipeline send/receive with computation.")
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="Context parallel size: ranks that split each sequence (> 1 is not implemented yet).")
+    group.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
+                       help="Context-parallel communication per layer (one value for all, or one per layer): "
+                            "p2p, all_gather, a2a or a2a+p2p.")
+    group.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+                       help="Sizes of the two context-parallel levels of a2a+p2p (their product is the CP size).")
     group.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],
                        help="torch.distributed backend (gloo is used whenever CUDA is not available).")
     group.add_argument("--distributed-timeout-minutes", type=float, default=10,
@@ -90,6 +89,11 @@ def _add_data_args(parser):
     group.add_argument("--data-cache-path", default=None, help="Directory for the dataset index caches.")
     group.add_argument("--mock-data", action="store_true",
                        help="Train on generated tokens instead of --data-path (for testing).")
+    group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                       help="Read the .bin files with open/seek/read per sample instead of memory-mapping them.")
+    group.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                       dest="create_attention_mask_in_dataloader",
+                       help="Samples carry no attention_mask; the model applies the causal mask itself.")
     group.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (with NullTokenizer).")
     group.add_argument("--vocab-file", type=str, default=None, help="Vocabulary file.")
     group.add_argument("--merge-file", type=str, default=None, help="BPE merge file.")
@@ -108,9 +112,16 @@ def _add_data_args(parser):
                        help="Probability of producing a short sequence (BERT).")
     group.add_argument("--mmap-warmup", action="store_true", help="Warm up the memory-mapped dataset files.")
     group.add_argument("--num-workers", type=int, default=2, help="Data loader worker processes.")
-    group.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES, help="Tokenizer.")
+    group.add_argument("--tokenizer-type", type=str, default=None, choices=list(TOKENIZER_TYPES), help="Tokenizer.")
     group.add_argument("--tokenizer-model", type=str, default=None,
-                       help="SentencePiece model file, or Hugging Face tokenizer name/path.")
+                       help="SentencePiece model file, Hugging Face tokenizer directory, or TikTokenizer JSON "
+                            "vocabulary.")
+    group.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"],
+                       help="Pre-tokenisation pattern of TikTokenizer.")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="Number of special-token ids before the BPE ids of TikTokenizer.")
+    group.add_argument("--tiktoken-special-tokens", type=str, nargs="+", default=None,
+                       help="TikTokenizer's special tokens (must include <unk>, <s>, </s>).")
     group.add_argument("--data-impl", type=str, default="infer", choices=["mmap", "infer"],
                        help="Indexed dataset implementation.")
     group.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each EOD token.")

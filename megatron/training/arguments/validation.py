@@ -15,8 +15,9 @@ import types
 import torch
 
 from megatron.core import device
-from megatron.tokenizer.vocab_padding import vocab_size_with_padding
+from megatron.tokenizer.vocab_padding import unpadded_vocab_size, vocab_size_with_padding
 from megatron.training.arguments.printing import _print_args
+from megatron.training.arguments.unimplemented import validate_t5_unimplemented, validate_unimplemented_features
 from megatron.training.errors import ConfigurationError
 from megatron.training.global_vars import get_retro_args, set_retro_args
 
@@ -43,6 +44,7 @@ def _log(args, message: str) -> None:
 
 
 def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defaults is never mutated
+    validate_unimplemented_features(args)  # MoE, CP > 1, FP8: checked, then stop with one line
     _validate_parallel_sizes(args)
     _apply_deprecations(args)
     _apply_defaults(args, defaults)
@@ -61,6 +63,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_schedule_units(args)
     _validate_model_shape(args)
     _validate_lengths_and_misc(args)
+    validate_t5_unimplemented(args)  # T5 values: checked above, then stop with one line
     _set_weight_decay(args)
     _validate_recompute(args)
     _validate_sequence_parallel(args)
@@ -72,9 +75,10 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_profiling(args)
     _validate_paths(args)
 
-    if args.vocab_size is not None:
+    unpadded = None if args.vocab_size is None else unpadded_vocab_size(args.tokenizer_type, args.vocab_size)
+    if unpadded is not None:
         args.padded_vocab_size = vocab_size_with_padding(
-            args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, rank=args.rank)
+            unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, rank=args.rank)
 
     _print_args("arguments", args)
     retro_args = get_retro_args()
@@ -412,6 +416,9 @@ def _validate_features(args):
         _load_retro_args(args)
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    _require(not (args.reset_attention_mask and not args.create_attention_mask_in_dataloader),
+             "--reset-attention-mask needs the attention mask the data loader builds: drop "
+             "--no-create-attention-mask-in-dataloader (or --reset-attention-mask)")
     _require(args.add_position_embedding or args.position_embedding_type == "rope",
              "--no-position-embedding is deprecated: use --position-embedding-type rope")
     _validate_model_implementation(args)
