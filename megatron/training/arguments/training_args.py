@@ -141,6 +141,11 @@ def _add_checkpointing_args(parser):
     group.add_argument("--async-save", action="store_true", default=None,
                        help="Write torch_dist checkpoints in a background thread; finished before the next save, "
                             "a load, or the end of training.")
+    group.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected",
+                       choices=["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                                "return_unexpected", "return_all", "ignore_all"],
+                       help="torch_dist load: what to do with keys this model needs that the checkpoint lacks "
+                            "(unexpected) and checkpoint keys the model does not use (missing).")
     return parser
 
 
