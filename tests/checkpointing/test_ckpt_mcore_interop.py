@@ -87,70 +87,81 @@ def _setup(tp, pp, seed):
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    ps.destroy_model_parallel()
     ps.initialize_model_parallel(tp, pp)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def load_body(style, tp, pp, directory):
+LOAD_LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (TP, PP) on 2 ranks (TP=1 PP=1 is DP=2)
+
+
+def load_body(style, directory):
+    """Our model loads ``directory`` at every layout of LOAD_LAYOUTS; {layout: logits} on the last stage."""
     from megatron.training import dist_checkpointing as dc
 
-    _setup(tp, pp, 99)  # another seed than the oracle's: the weights must come from the checkpoint
-    model = _our_model(style, tp, pp)
-    request = dc.model_sharded_state([model], for_load=True)
-    dc.load_sharded_checked(request, directory, "raise_all", [k for k in request if "word_embeddings" in k])
-    dc.apply_loaded_model([model], request)
-    return _logits(model)
+    out = {}
+    for tp, pp in LOAD_LAYOUTS:
+        _setup(tp, pp, 99)  # another seed than the oracle's: the weights must come from the checkpoint
+        model = _our_model(style, tp, pp)
+        request = dc.model_sharded_state([model], for_load=True)
+        dc.load_sharded_checked(request, directory, "raise_all", [k for k in request if "word_embeddings" in k])
+        dc.apply_loaded_model([model], request)
+        out[(tp, pp)] = _logits(model)
+    return out
 
 
-def save_body(style, tp, pp, directory):
+SAVE_LAYOUTS = ((2, 1, 1), (1, 2, 2))  # (TP, PP, TP megatron-core loads it with)
+
+
+def save_body(style, root):
+    """Our model (seed 4321) saved at each layout of SAVE_LAYOUTS under root/ours_tp{TP}_pp{PP}; its logits."""
     import json
 
     from megatron.core.dist_checkpointing import save_sharded
     from megatron.training import dist_checkpointing as dc
 
-    _setup(tp, pp, 4321)
-    model = _our_model(style, tp, pp)
-    save_sharded(dc.model_sharded_state([model]), directory)
-    if torch.distributed.get_rank() == 0:
-        torch.save({}, os.path.join(directory, "common.pt"))
-        with open(os.path.join(directory, "metadata.json"), "w") as f:
-            json.dump(dc.METADATA, f)
-    torch.distributed.barrier()
-    return _logits(model)
+    out = {}
+    for tp, pp, _ in SAVE_LAYOUTS:
+        directory = os.path.join(root, f"ours_tp{tp}_pp{pp}")
+        _setup(tp, pp, 4321)
+        model = _our_model(style, tp, pp)
+        save_sharded(dc.model_sharded_state([model]), directory)
+        if torch.distributed.get_rank() == 0:
+            torch.save({}, os.path.join(directory, "common.pt"))
+            with open(os.path.join(directory, "metadata.json"), "w") as f:
+                json.dump(dc.METADATA, f)
+        torch.distributed.barrier()
+        out[(tp, pp)] = _logits(model)
+    return out
 
 
-def _last(outputs):
-    found = [o for o in outputs if o is not None]
-    return found[0]
+def _last(outputs, layout):
+    return next(o[layout] for o in outputs if o[layout] is not None)
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
-def test_megatron_core_checkpoints_load_here(oracle, style, tmp_path):
+@pytest.mark.parametrize("style,saved_tp", [("gpt2", 1), ("gpt2", 2), ("llama", 1), ("llama", 2)])
+def test_megatron_core_checkpoints_load_here(oracle, style, saved_tp, tmp_path):
+    directory = tmp_path / f"mcore_tp{saved_tp}"
+    _run_oracle(oracle, tmp_path, "save", style, saved_tp, 1, directory, tmp_path / "ref.pt")
+    expected = torch.load(tmp_path / "ref.pt")
+    outputs = run_distributed(load_body, 2, style, str(directory), timeout=280)
     report = []
-    for saved_tp in (1, 2):
-        directory = tmp_path / f"mcore_tp{saved_tp}"
-        _run_oracle(oracle, tmp_path, "save", style, saved_tp, 1, directory, tmp_path / f"ref{saved_tp}.pt")
-        expected = torch.load(tmp_path / f"ref{saved_tp}.pt")
-        for tp, pp in ((1, 1), (2, 1), (1, 2)):
-            got = _last(run_distributed(load_body, tp * pp, style, tp, pp, str(directory), timeout=240))
-            err = rel_err(got, expected)
-            report.append(f"{style} mcore TP={saved_tp} -> ours TP={tp} PP={pp}: max rel diff {err:.2e}")
-            print(report[-1])
-            assert err <= TOL, "\n".join(report)
+    for tp, pp in LOAD_LAYOUTS:
+        err = rel_err(_last(outputs, (tp, pp)), expected)
+        report.append(f"{style} megatron-core TP={saved_tp} -> ours TP={tp} PP={pp}: max rel diff {err:.2e}")
+    print("\n".join(report))
+    assert all(float(r.rsplit(" ", 1)[1]) <= TOL for r in report), "\n".join(report)
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_megatron_core_loads_our_checkpoints(oracle, style, tmp_path):
+    outputs = run_distributed(save_body, 2, style, str(tmp_path), timeout=280)
     report = []
-    for tp, pp in ((2, 1), (1, 2)):
-        directory = tmp_path / f"ours_tp{tp}_pp{pp}"
-        os.makedirs(directory)
-        ours = _last(run_distributed(save_body, tp * pp, style, tp, pp, str(directory), timeout=240))
-        for load_tp in (1, 2):
-            out = tmp_path / f"mcore_from_tp{tp}_pp{pp}_at{load_tp}.pt"
-            _run_oracle(oracle, tmp_path, "load", style, load_tp, 1, directory, out)
-            err = rel_err(torch.load(out), ours)
-            report.append(f"{style} ours TP={tp} PP={pp} -> mcore TP={load_tp}: max rel diff {err:.2e}")
-            print(report[-1])
-            assert err <= TOL, "\n".join(report)
+    for tp, pp, load_tp in SAVE_LAYOUTS:
+        out = tmp_path / f"mcore_from_tp{tp}_pp{pp}.pt"
+        _run_oracle(oracle, tmp_path, "load", style, load_tp, 1, tmp_path / f"ours_tp{tp}_pp{pp}", out)
+        err = rel_err(torch.load(out), _last(outputs, (tp, pp)))
+        report.append(f"{style} ours TP={tp} PP={pp} -> megatron-core TP={load_tp}: max rel diff {err:.2e}")
+    print("\n".join(report))
+    assert all(float(r.rsplit(" ", 1)[1]) <= TOL for r in report), "\n".join(report)

@@ -136,8 +136,9 @@ def _add_checkpointing_args(parser):
                        help="Load the checkpoint of this iteration instead of the one the tracker file names.")
     group.add_argument("--pretrained-checkpoint", type=str, default=None,
                        help="Checkpoint to start a finetune from when --load holds none (implies --finetune).")
-    group.add_argument("--ckpt-format", type=str, default="torch", choices=["torch", "torch_dist"],
-                       help="Checkpoint format: one file per model-parallel rank (torch) or distributed (torch_dist).")
+    group.add_argument("--ckpt-format", type=str, default="torch_dist", choices=["torch", "torch_dist"],
+                       help="Checkpoint format: distributed, reshardable, Megatron-LM's layout (torch_dist, the "
+                            "default) or one file per model-parallel rank (torch).")
     group.add_argument("--async-save", action="store_true", default=None,
                        help="Write torch_dist checkpoints in a background thread; finished before the next save, "
                             "a load, or the end of training.")
