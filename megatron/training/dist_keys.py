@@ -103,3 +103,12 @@ def extra_state_key(block_key: str, linear: str, layer: int, num_layers: int) ->
 
 def rng_key(pp_rank: int, tp_rank: int, pp: int, tp: int) -> str:
     return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
+
+
+def module_name(key: str, layer: Optional[int]) -> str:
+    """Inverse of :func:`disk_key`: the megatron-core state-dict name of on-disk ``key`` (layer ``layer``)."""
+    if layer is None:
+        return key
+    block, rest = key.split(".layers.", 1)
+    inverse = {v: k for k, v in _LAYER_RENAMES.items()}
+    return f"{block}.layers.{layer}.{inverse.get(rest, rest)}"
