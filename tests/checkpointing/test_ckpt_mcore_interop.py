@@ -23,6 +23,7 @@ ORACLE = os.environ.get("MCORE_ORACLE_DIR", os.path.join(REPO, ".venv", "mcore-o
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_oracle_child.py")
 VOCAB, SEQ, HIDDEN, LAYERS = 100, 8, 64, 4
 TOL = 1e-5
+pytestmark = pytest.mark.timeout(600)  # an oracle subprocess per case; ~1 min each on an idle 2-core machine
 
 
 @pytest.fixture(scope="module")
