@@ -484,13 +484,16 @@ def load_args_from_checkpoint(args, load_arg="load"):
     except ValueError as e:
         raise CheckpointError(f"{get_checkpoint_tracker_filename(load_dir)}: {e}") from e
     checkpoint_name = find_checkpoint_rank_0(load_dir, iteration, release)
+    if checkpoint_name is None and os.path.isfile(os.path.join(iter_dir, "metadata.json")):  # torch_dist
+        from megatron.training.dist_checkpointing import read_common
+        checkpoint_name = os.path.join(iter_dir, "common.pt")
     if checkpoint_name is None and iter_dir.endswith(ASIDE_SUFFIX):
         for rank_dir in ("mp_rank_00", "mp_rank_00_000"):
             if os.path.isfile(os.path.join(iter_dir, rank_dir, MODEL_BASENAME)):
                 checkpoint_name = os.path.join(iter_dir, rank_dir, MODEL_BASENAME)
     if checkpoint_name is None:
         raise CheckpointError(f"--use-checkpoint-args: {iter_dir} has no mp_rank_00[_000]/{MODEL_BASENAME}")
-    state_dict = _read_checkpoint_file(checkpoint_name)
+    state_dict = read_common(iter_dir) if checkpoint_name.endswith("common.pt") else _read_checkpoint_file(checkpoint_name)
     checkpoint_args = state_dict.get("args")
     if checkpoint_args is None:
         raise CheckpointError(f"--use-checkpoint-args: {checkpoint_name} holds no 'args' entry")

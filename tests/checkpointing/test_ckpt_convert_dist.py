@@ -32,6 +32,12 @@ def test_torch_dist_loader_and_saver(tmp_path):
     assert ckpt["checkpoint_version"] == 3.0
     assert ckpt["model"]["decoder.layers.self_attention.linear_qkv.weight"].shape == (2, 128, 64)
     assert ckpt["model"]["decoder.layers.mlp.linear_fc1.layer_norm_weight"].shape == (2, 64)
+    # --use-checkpoint-args reads the model shape from a torch_dist checkpoint's common.pt.
+    import argparse
+
+    from megatron.training.checkpointing import load_args_from_checkpoint
+    args, ckpt_args = load_args_from_checkpoint(argparse.Namespace(load=dist, ckpt_step=None))
+    assert (args.num_layers, args.hidden_size, args.num_query_groups, args.swiglu) == (2, 64, 4, True)
     _convert("--loader", "torch_dist", "--saver", "legacy", "--load-dir", dist, "--save-dir", via,
              "--target-tensor-parallel-size", "2")
     _convert("--loader", "hf", "--saver", "legacy", "--load-dir", src, "--save-dir", direct,
