@@ -562,11 +562,25 @@ def _load_model(model, state_dict, checkpoint_name, strict):
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
 
 
+def _load_format(args, load_dir):
+    """--ckpt-format, or with --auto-detect-ckpt-format the format the tracker's checkpoint directory holds."""
+    if not getattr(args, "auto_detect_ckpt_format", False) or not _checkpoint_exists(load_dir):
+        return args.ckpt_format
+    try:
+        _, _, iter_dir = _locate(load_dir, getattr(args, "ckpt_step", None))
+    except CheckpointError:
+        return args.ckpt_format
+    detected = "torch_dist" if os.path.isfile(os.path.join(iter_dir, "metadata.json")) else \
+        "torch" if _saved_layout(iter_dir) is not None else args.ckpt_format
+    print_rank_0(f" --auto-detect-ckpt-format: {iter_dir} holds a {detected} checkpoint")
+    return detected
+
+
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
     """Load ``--load`` (or ``--pretrained-checkpoint`` when ``--load`` has none) into model, optimizer, scheduler
     and RNG; set ``args.num_floating_point_operations_so_far``; return the iteration to resume from."""
     args = get_args()
-    if args.ckpt_format == "torch_dist":
+    if _load_format(args, getattr(args, load_arg)) == "torch_dist":
         from megatron.training import dist_checkpointing
         return dist_checkpointing.load(model, optimizer, opt_param_scheduler, load_arg, strict)
     load_dir = getattr(args, load_arg)

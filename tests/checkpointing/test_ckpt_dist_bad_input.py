@@ -116,3 +116,23 @@ def test_strictness_values(results):
     assert "not_a_megatron_key" in results["unknown_raise_all"] and "raise_all" in results["unknown_raise_all"]
     assert "decoder.final_layernorm.weight" in results["lacking_raise_unexpected"]
     assert results["lacking_log_unexpected"] is None and results["lacking_ignore_all"] is None
+
+
+def test_auto_detect_ckpt_format(tmp_path):
+    import argparse
+
+    from megatron.training.checkpointing import _load_format
+
+    for fmt, marker in (("torch_dist", "metadata.json"), ("torch", "mp_rank_00")):
+        root = tmp_path / fmt
+        (root / "iter_0000003").mkdir(parents=True)
+        (root / "latest_checkpointed_iteration.txt").write_text("3")
+        if fmt == "torch":
+            (root / "iter_0000003" / marker).mkdir()
+        else:
+            (root / "iter_0000003" / marker).write_text("{}")
+        other = "torch" if fmt == "torch_dist" else "torch_dist"
+        args = argparse.Namespace(ckpt_format=other, auto_detect_ckpt_format=True, ckpt_step=None)
+        assert _load_format(args, str(root)) == fmt
+        args.auto_detect_ckpt_format = False
+        assert _load_format(args, str(root)) == other
