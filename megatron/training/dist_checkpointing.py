@@ -553,6 +553,10 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
     print_rank_0(" loading checkpoint from {} at iteration {} (torch_dist)".format(load_dir, iteration))
     common = read_common(directory)
     stored = read_metadata_checked(directory, DistCheckpointError)
+    if any(k.startswith("model.") for k in stored) and not any(k.startswith(("embedding.", "decoder.", "encoder."))
+                                                              for k in stored):
+        raise DistCheckpointError(f"{directory} uses the pre-Megatron key layout of older versions of this library "
+                                  "(model.<name> keys), which is no longer read: re-create it with --ckpt-format torch")
     finetune = bool(args.finetune) or release
     load_optim = optimizer is not None and not finetune and not args.no_load_optim
     ckpt_args = common.get("args")
