@@ -484,13 +484,16 @@ def load_args_from_checkpoint(args, load_arg="load"):
     except ValueError as e:
         raise CheckpointError(f"{get_checkpoint_tracker_filename(load_dir)}: {e}") from e
     checkpoint_name = find_checkpoint_rank_0(load_dir, iteration, release)
+    if checkpoint_name is None and os.path.isfile(os.path.join(iter_dir, "metadata.json")):  # torch_dist
+        from megatron.training.dist_checkpointing import read_common
+        checkpoint_name = os.path.join(iter_dir, "common.pt")
     if checkpoint_name is None and iter_dir.endswith(ASIDE_SUFFIX):
         for rank_dir in ("mp_rank_00", "mp_rank_00_000"):
             if os.path.isfile(os.path.join(iter_dir, rank_dir, MODEL_BASENAME)):
                 checkpoint_name = os.path.join(iter_dir, rank_dir, MODEL_BASENAME)
     if checkpoint_name is None:
         raise CheckpointError(f"--use-checkpoint-args: {iter_dir} has no mp_rank_00[_000]/{MODEL_BASENAME}")
-    state_dict = _read_checkpoint_file(checkpoint_name)
+    state_dict = read_common(iter_dir) if checkpoint_name.endswith("common.pt") else _read_checkpoint_file(checkpoint_name)
     checkpoint_args = state_dict.get("args")
     if checkpoint_args is None:
         raise CheckpointError(f"--use-checkpoint-args: {checkpoint_name} holds no 'args' entry")
@@ -559,11 +562,25 @@ def _load_model(model, state_dict, checkpoint_name, strict):
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
 
 
+def _load_format(args, load_dir):
+    """--ckpt-format, or with --auto-detect-ckpt-format the format the tracker's checkpoint directory holds."""
+    if not getattr(args, "auto_detect_ckpt_format", False) or not _checkpoint_exists(load_dir):
+        return args.ckpt_format
+    try:
+        _, _, iter_dir = _locate(load_dir, getattr(args, "ckpt_step", None))
+    except CheckpointError:
+        return args.ckpt_format
+    detected = "torch_dist" if os.path.isfile(os.path.join(iter_dir, "metadata.json")) else \
+        "torch" if _saved_layout(iter_dir) is not None else args.ckpt_format
+    print_rank_0(f" --auto-detect-ckpt-format: {iter_dir} holds a {detected} checkpoint")
+    return detected
+
+
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
     """Load ``--load`` (or ``--pretrained-checkpoint`` when ``--load`` has none) into model, optimizer, scheduler
     and RNG; set ``args.num_floating_point_operations_so_far``; return the iteration to resume from."""
     args = get_args()
-    if args.ckpt_format == "torch_dist":
+    if _load_format(args, getattr(args, load_arg)) == "torch_dist":
         from megatron.training import dist_checkpointing
         return dist_checkpointing.load(model, optimizer, opt_param_scheduler, load_arg, strict)
     load_dir = getattr(args, load_arg)

@@ -81,20 +81,23 @@ def test_offline_read_and_async_save(legs):
 
     root, _ = legs
     full_a = load_full_checkpoint(os.path.join(root, "a", "iter_0000002"))
-    assert full_a["iteration"] == 2 and full_a["saved_layout"] == {"tp": 2, "pp": 2, "dp": 1}
+    assert full_a["iteration"] == 2 and full_a["checkpoint_version"] == 3.0
+    assert (full_a["args"].tensor_model_parallel_size, full_a["args"].pipeline_model_parallel_size) == (2, 2)
+    assert full_a["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     model = full_a["model"]
-    # Global names and shapes: all 8 layers, the full (padded) vocabulary, the full fused QKV and MLP.
+    # Megatron's keys: all 8 layers stacked on a leading axis, the full (padded) vocabulary, full fused QKV / MLP.
     vocab = full_a["args"].padded_vocab_size
-    assert model["language_model.embedding.word_embeddings.weight"].shape == (vocab, 32)
-    assert model["language_model.encoder.layers.7.self_attention.query_key_value.weight"].shape == (96, 32)
-    assert model["language_model.encoder.layers.7.mlp.dense_4h_to_h.weight"].shape == (32, 128)
-    assert "word_embeddings.weight" not in model
+    assert model["embedding.word_embeddings.weight"].shape == (vocab, 32)
+    assert model["decoder.layers.self_attention.linear_qkv.weight"].shape == (8, 96, 32)
+    assert model["decoder.layers.self_attention.linear_qkv.layer_norm_weight"].shape == (8, 32)
+    assert model["decoder.layers.mlp.linear_fc2.weight"].shape == (8, 32, 128)
+    assert not any(k.startswith("language_model.") for k in model)
     state = full_a["optimizer_state"]
-    assert set(state) == {"fp32_param", "exp_avg", "exp_avg_sq"} and set(state["exp_avg"]) == set(model)
-    assert all(torch.equal(state["fp32_param"][k], model[k]) for k in model)  # fp32 run: main params = weights
-    assert state["exp_avg_sq"]["language_model.encoder.layers.0.mlp.dense_h_to_4h.weight"].abs().sum() > 0
+    assert set(state) == {"param", "exp_avg", "exp_avg_sq"} and set(state["exp_avg"]) == set(model)
+    assert all(torch.equal(state["param"][k], model[k]) for k in model)  # fp32 run: main params = weights
+    assert state["exp_avg_sq"]["decoder.layers.mlp.linear_fc1.weight"].abs().sum() > 0
     assert full_a["opt_param_scheduler"]["num_steps"] == 2 * 4
-    assert len(full_a["rng_state"]) == 4  # one per (PP, TP) position
+    assert sorted(full_a["rng_state"]) == [f"rng_state/shard_{p}.{t}_2.2" for p in (0, 1) for t in (0, 1)]
 
     # B saved iteration 4 asynchronously at (1,1,2), C synchronously at (4,1,1): the same training, the same weights.
     for leg in ("b", "c"):
@@ -125,6 +128,14 @@ def test_torch_checkpoint_converts_to_the_same_weights(legs, tmp_path):
     merged, args, info = load_legacy(str(tmp_path / "t11"))
     assert (info["tp"], info["pp"], info["iteration"]) == (1, 1, 4) and args.tensor_model_parallel_size == 1
     reference = load_full_checkpoint(os.path.join(root, "a", "iter_0000004"))["model"]
-    assert set(merged) == set(reference), set(merged) ^ set(reference)
-    for key in reference:
-        assert torch.equal(merged[key], reference[key]), key
+    from megatron.core.models.conversion.keys import legacy_to_mcore_key
+    from megatron.training.dist_keys import disk_key
+
+    stacked = {}
+    for key, value in merged.items():
+        name, layer = disk_key(legacy_to_mcore_key(key), 0, True)
+        stacked.setdefault(name, {})[layer] = value
+    assert set(stacked) == set(reference), set(stacked) ^ set(reference)
+    for key, layers in stacked.items():
+        value = layers[None] if None in layers else torch.stack([layers[i] for i in range(len(layers))])
+        assert torch.equal(value, reference[key]), key

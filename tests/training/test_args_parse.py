@@ -43,7 +43,7 @@ EXPECTED_DEFAULTS = {
     # checkpointing
     "save": None, "save_interval": None, "no_save_optim": None, "no_save_rng": None, "load": None,
     "no_load_optim": None, "no_load_rng": None, "finetune": False, "perform_initialization": True,
-    "use_checkpoint_args": False, "exit_on_missing_checkpoint": False, "ckpt_format": "torch",
+    "use_checkpoint_args": False, "exit_on_missing_checkpoint": False, "ckpt_format": "torch_dist",
     # mixed precision
     "fp16": False, "bf16": False, "loss_scale": None, "initial_loss_scale": 2 ** 32, "min_loss_scale": 1.0,
     "loss_scale_window": 1000, "hysteresis": 2, "fp32_residual_connection": False,

@@ -5,6 +5,7 @@
         --load-dir ckpt_tp2_pp2 --save-dir ckpt_tp1_pp1 \\
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 [--true-vocab-size 50257]
 
+``torch_dist`` (Megatron-LM's distributed format, any source TP/PP) can be loader and saver too.
 Loaders: ``legacy`` (aliases ``megatron``, ``core``, ``mcore``: Megatron ``torch``-format checkpoints with any
 TP/PP, legacy or megatron-core model names) and ``hf`` (a Hugging Face GPT-2 or Llama directory). Savers:
 ``legacy`` (aliases as above; any target TP/PP) and ``hf`` (config.json + model.safetensors). Unlike Megatron
@@ -30,8 +31,10 @@ def get_args(argv=None):
     parser = argparse.ArgumentParser(description="Megatron checkpoint converter (TP/PP resharding, Hugging Face "
                                                  "import/export)", allow_abbrev=False)
     parser.add_argument("--model-type", type=str, required=True, choices=["GPT", "BERT"], help="Type of the model")
-    parser.add_argument("--loader", type=str, default="legacy", help="legacy (megatron, core, mcore) or hf")
-    parser.add_argument("--saver", type=str, default="legacy", help="legacy (megatron, core, mcore) or hf")
+    parser.add_argument("--loader", type=str, default="legacy",
+                        help="legacy (megatron, core, mcore: the torch format), torch_dist or hf")
+    parser.add_argument("--saver", type=str, default="legacy",
+                        help="legacy (megatron, core, mcore: the torch format), torch_dist or hf")
     parser.add_argument("--load-dir", type=str, required=True, help="Directory to load the model checkpoint from")
     parser.add_argument("--save-dir", type=str, required=True, help="Directory to save the model checkpoint to")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=None,
@@ -50,10 +53,12 @@ def get_args(argv=None):
 
 def convert(args):
     loader, saver = args.loader.lower(), args.saver.lower()
-    if loader not in _LEGACY_NAMES + ("hf",):
-        raise ConversionError(f"--loader {args.loader}: supported loaders are legacy (megatron, core, mcore) and hf")
-    if saver not in _LEGACY_NAMES + ("hf",):
-        raise ConversionError(f"--saver {args.saver}: supported savers are legacy (megatron, core, mcore) and hf")
+    if loader not in _LEGACY_NAMES + ("hf", "torch_dist"):
+        raise ConversionError(f"--loader {args.loader}: supported loaders are legacy (megatron, core, mcore), "
+                              "torch_dist and hf")
+    if saver not in _LEGACY_NAMES + ("hf", "torch_dist"):
+        raise ConversionError(f"--saver {args.saver}: supported savers are legacy (megatron, core, mcore), "
+                              "torch_dist and hf")
     if "hf" in (loader, saver) and args.model_type != "GPT":
         raise ConversionError("Hugging Face import/export supports --model-type GPT (GPT-2 and Llama) only")
     if loader == "hf" and saver == "hf":
@@ -68,7 +73,11 @@ def convert(args):
         info = {"iteration": 0, "release": True, "tp": 1, "pp": 1}
         true_vocab = args.true_vocab_size or margs.true_vocab_size
     else:
-        full, margs, info = load_legacy(args.load_dir)
+        if loader == "torch_dist":
+            from tools.checkpoint.dist_io import load_dist
+            full, margs, info = load_dist(args.load_dir)
+        else:
+            full, margs, info = load_legacy(args.load_dir)
         if (args.model_type == "BERT") != ("binary_head.weight" in full or "lm_head.bias" in full):
             print(f"WARNING: --model-type {args.model_type} does not look like this checkpoint's model", flush=True)
         divisible = args.make_vocab_size_divisible_by or getattr(margs, "make_vocab_size_divisible_by", 128)
@@ -89,7 +98,11 @@ def convert(args):
     margs.make_vocab_size_divisible_by = divisible
     if true_vocab is not None:
         margs.true_vocab_size = true_vocab
-    save_legacy(full, margs, args.save_dir, tp, pp, info["iteration"], info["release"])
+    if saver == "torch_dist":
+        from tools.checkpoint.dist_io import save_dist
+        save_dist(full, margs, args.save_dir, tp, pp, info["iteration"], info["release"])
+    else:
+        save_legacy(full, margs, args.save_dir, tp, pp, info["iteration"], info["release"])
     print(f"saved TP={tp} PP={pp} checkpoint to {args.save_dir}", flush=True)
 
 

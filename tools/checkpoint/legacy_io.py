@@ -60,9 +60,8 @@ def load_legacy(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
     if not os.path.isdir(iter_dir):
         raise ConversionError(f"{iter_dir} (named by the tracker file) does not exist")
     if os.path.isfile(os.path.join(iter_dir, "metadata.json")):
-        raise ConversionError(f"{iter_dir} is a torch_dist checkpoint: it needs no converter to change TP/PP (load "
-                              "it with --ckpt-format torch_dist) and its full state dict is read by "
-                              "megatron.training.dist_checkpointing.load_full_checkpoint")
+        raise ConversionError(f"{iter_dir} is a torch_dist checkpoint: convert it with --loader torch_dist (it needs "
+                              "no converter to change TP/PP: load it with --ckpt-format torch_dist)")
     ranks = {}
     for name in os.listdir(iter_dir):
         m = _RANK_DIR.match(name)

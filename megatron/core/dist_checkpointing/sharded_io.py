@@ -1,6 +1,7 @@
 """Save and load *sharded* state dicts with PyTorch Distributed Checkpoint (DCP), without DTensor.
 
-Every rank describes what it holds as a flat ``{key: LocalShard | object}`` dict. A :class:`LocalShard` is a
+Every rank describes what it holds as a flat ``{key: LocalShard | [LocalShard, ...] | object}`` dict (a list
+when this rank holds several disjoint pieces of one tensor, e.g. the gate and up halves of a SwiGLU weight). A :class:`LocalShard` is a
 local tensor plus the global shape of the tensor it belongs to and this piece's offset in it. The save planner
 turns each shard into a DCP ``SHARD`` write item (``ChunkStorageMetadata(offsets, sizes)`` and the global size),
 so DCP's ``.metadata`` records, per key, the global shape and every stored chunk. Identical chunks offered by
@@ -45,6 +46,25 @@ class LocalShard:
                              f"rank, got {self.global_shape} and {self.global_offset}")
 
 
+def _is_shards(obj) -> bool:
+    return isinstance(obj, LocalShard) or (isinstance(obj, list) and bool(obj)
+                                           and all(isinstance(x, LocalShard) for x in obj))
+
+
+def _as_list(obj):
+    return obj if isinstance(obj, list) else [obj]
+
+
+def _find_shard(obj, offset) -> LocalShard:
+    """The shard of ``obj`` (one shard or a list of shards of one key) that starts at ``offset``."""
+    if isinstance(obj, LocalShard):
+        return obj
+    for shard in obj:
+        if offset is None or tuple(shard.global_offset) == tuple(offset):
+            return shard
+    raise KeyError(f"no shard at offset {tuple(offset)}")
+
+
 class ShardingError(RuntimeError):
     """A checkpoint does not hold what the loading layout asks for; the message names the key."""
 
@@ -56,13 +76,15 @@ class _ShardSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         items = []
         for key, obj in self.state_dict.items():
-            if isinstance(obj, LocalShard):
-                offsets = torch.Size(obj.global_offset)
-                items.append(WriteItem(
-                    index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=obj.data.size()),
-                                                properties=TensorProperties.create_from_tensor(obj.data),
-                                                size=torch.Size(obj.global_shape))))
+            if _is_shards(obj):
+                for shard in _as_list(obj):
+                    offsets = torch.Size(shard.global_offset)
+                    items.append(WriteItem(
+                        index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets=offsets, sizes=shard.data.size()),
+                            properties=TensorProperties.create_from_tensor(shard.data),
+                            size=torch.Size(shard.global_shape))))
             else:
                 items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items)
@@ -70,8 +92,8 @@ class _ShardSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem):
         obj = self.state_dict[write_item.index.fqn]
-        if isinstance(obj, LocalShard):
-            return obj.data.detach().contiguous()
+        if _is_shards(obj):
+            return _find_shard(obj, write_item.index.offset).data.detach().contiguous()
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         buffer.seek(0)
@@ -98,14 +120,16 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
             if key not in stored:
                 raise ShardingError(f"the checkpoint has no entry {key!r}")
             md = stored[key]
-            if isinstance(obj, LocalShard):
+            if _is_shards(obj):
                 if not isinstance(md, TensorStorageMetadata):
                     raise ShardingError(f"checkpoint entry {key!r} is not a tensor")
-                if tuple(md.size) != obj.global_shape and key not in self.allow_shape_mismatch:
+                shards = _as_list(obj)
+                if tuple(md.size) != shards[0].global_shape and key not in self.allow_shape_mismatch:
                     raise ShardingError(f"checkpoint tensor {key!r} has global shape {tuple(md.size)}, this model "
-                                        f"expects {obj.global_shape}: the model configuration differs")
-                chunk = ChunkStorageMetadata(offsets=torch.Size(obj.global_offset), sizes=obj.data.size())
-                requests += create_read_items_for_chunk_list(key, md, [chunk])
+                                        f"expects {shards[0].global_shape}: the model configuration differs")
+                chunks = [ChunkStorageMetadata(offsets=torch.Size(sh.global_offset), sizes=sh.data.size())
+                          for sh in shards]
+                requests += create_read_items_for_chunk_list(key, md, chunks)
             else:
                 if not isinstance(md, BytesStorageMetadata):
                     raise ShardingError(f"checkpoint entry {key!r} is a tensor, an object was expected")
@@ -118,7 +142,7 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
 
     def resolve_tensor(self, read_item: ReadItem):
-        data = self.state_dict[read_item.dest_index.fqn].data
+        data = _find_shard(self.state_dict[read_item.dest_index.fqn], read_item.dest_index.offset).data
         for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             data = data.narrow(dim, start, length)
         return data
@@ -148,7 +172,7 @@ def load_sharded(state_dict: Dict[str, Any], checkpoint_dir: str, allow_shape_mi
                 raise ShardingError(str(failure)) from e
         raise
     for key, value in state_dict.items():  # dcp.load hands the planner a copy of the dict: bring objects back
-        if not isinstance(value, LocalShard):
+        if not _is_shards(value):
             state_dict[key] = planner.state_dict[key]
     return state_dict
 

@@ -163,11 +163,35 @@ def _add_checkpointing_args(parser):
                        help="Load the checkpoint of this iteration instead of the one the tracker file names.")
     group.add_argument("--pretrained-checkpoint", type=str, default=None,
                        help="Checkpoint to start a finetune from when --load holds none (implies --finetune).")
-    group.add_argument("--ckpt-format", type=str, default="torch", choices=["torch", "torch_dist"],
-                       help="Checkpoint format: one file per model-parallel rank (torch) or distributed (torch_dist).")
+    group.add_argument("--ckpt-format", type=str, default="torch_dist", choices=["torch", "torch_dist"],
+                       help="Checkpoint format: distributed, reshardable, Megatron-LM's layout (torch_dist, the "
+                            "default) or one file per model-parallel rank (torch).")
     group.add_argument("--async-save", action="store_true", default=None,
                        help="Write torch_dist checkpoints in a background thread; finished before the next save, "
                             "a load, or the end of training.")
+    group.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected",
+                       choices=["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                                "return_unexpected", "return_all", "ignore_all"],
+                       help="torch_dist load: what to do with keys this model needs that the checkpoint lacks "
+                            "(unexpected) and checkpoint keys the model does not use (missing).")
+    group.add_argument("--auto-detect-ckpt-format", action="store_true",
+                       help="Load whichever format --load holds (metadata.json: torch_dist; mp_rank_*: torch), "
+                            "whatever --ckpt-format says (which still decides the format of saves).")
+    group.add_argument("--ckpt-fully-parallel-save", action="store_true", dest="deprecated_ckpt_fully_parallel_save",
+                       help="Deprecated no-op (fully parallel save is the default).")
+    group.add_argument("--no-ckpt-fully-parallel-save", action="store_false", dest="ckpt_fully_parallel_save",
+                       help="torch_dist: accepted for Megatron compatibility; here every distinct chunk is written "
+                            "once by one of the ranks holding it (DCP de-duplication) either way.")
+    group.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                       help="torch_dist: accepted for Megatron compatibility; every rank reads only its own chunks "
+                            "either way.")
+    group.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                       help="torch_dist: accepted for Megatron compatibility; save plans are recomputed every save.")
+    group.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                       help="torch_dist: the distributed optimizer is always saved in Megatron's fully_reshardable "
+                            "form here (optimizer.state.{param,exp_avg,exp_avg_sq}.<key>), with or without it.")
+    group.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                       help="--async-save: accepted for Megatron compatibility; the background save is a thread.")
     return parser
 
 

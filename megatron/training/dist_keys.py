@@ -1,0 +1,114 @@
+"""Megatron-LM's ``torch_dist`` tensor keys and sharding for a megatron-core GPT/BERT model state dict.
+
+The one table of this format (``_LAYER_RENAMES``) maps a per-layer name of the megatron-core module state dict to
+the on-disk name Megatron-LM uses (its Transformer-Engine names, also used by its local spec)::
+
+    decoder.layers.{i}.input_layernorm.{weight,bias}     -> decoder.layers.self_attention.linear_qkv.layer_norm_{weight,bias}
+    decoder.layers.{i}.pre_mlp_layernorm.{weight,bias}   -> decoder.layers.mlp.linear_fc1.layer_norm_{weight,bias}
+    decoder.layers.{i}.<anything else>                   -> decoder.layers.<anything else>
+
+Layers are *stacked*: a layer tensor of global shape ``S`` is stored as one tensor of shape ``[L] + S`` (L = total
+number of layers) under the key without the layer number; layer ``i`` of pipeline stage ``p`` is the chunk at
+offset ``i + first layer of p`` of the leading axis. Tensor-parallel tensors are chunks at ``tp_rank * local``
+along their partition dim (rows for column-parallel, columns for row-parallel weights). Fused QKV rows are stored
+as the model holds them: per query group ``[q heads of the group; k; v]``, ranks owning contiguous groups, so the
+global tensor does not depend on TP. A SwiGLU ``linear_fc1`` of local rows ``[gate_r; up_r]`` is stored as two
+chunks, ``gate_r`` at row ``r*F/t`` and ``up_r`` at row ``F + r*F/t`` of the global ``[gate (F); up (F)]``.
+Non-layer tensors keep their names; a tied output layer on a later pipeline stage is the embedding
+(``embedding.word_embeddings.weight``). Each linear layer also has an ``_extra_state`` object per layer, key
+``decoder.layers.<linear>._extra_state/shard_{layer}_{L}``, payload ``[None]`` (no FP8 metadata).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import List, Optional, Tuple
+
+import torch
+
+from megatron.core.dist_checkpointing.sharded_io import LocalShard
+
+_LAYER = re.compile(r"^((?:decoder|encoder)\.layers)\.(\d+)\.(.+)$")
+_LAYER_RENAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+_GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+
+
+@dataclasses.dataclass
+class Entry:
+    """One tensor of a model chunk: its local name, on-disk key, global layer (None outside layers), tensor,
+    parameter (None for buffers) and tensor-parallel partition dim (None when replicated)."""
+
+    local_name: str
+    key: str
+    layer: Optional[int]
+    tensor: torch.Tensor
+    param: Optional[torch.nn.Parameter]
+    tp_dim: Optional[int]
+
+
+def disk_key(name: str, layer_offset: int, tied_output: bool) -> Tuple[str, Optional[int]]:
+    """(on-disk key, global layer number or None) of a megatron-core state-dict name."""
+    m = _LAYER.match(name)
+    if m:
+        rest = m.group(3)
+        return f"{m.group(1)}.{_LAYER_RENAMES.get(rest, rest)}", int(m.group(2)) + layer_offset
+    if name == "output_layer.weight" and tied_output:
+        return "embedding.word_embeddings.weight", None
+    return name, None
+
+
+def shards(entry: Entry, num_layers: int, tp_size: int, tp_rank: int, gated: bool,
+           tensor: Optional[torch.Tensor] = None) -> List[LocalShard]:
+    """This rank's chunk(s) of ``entry`` (or of ``tensor``, a same-shaped companion such as an Adam moment) in the
+    global on-disk tensor."""
+    data = entry.tensor if tensor is None else tensor
+    shape, offset = list(data.shape), [0] * data.dim()
+    pieces = [(data, offset)]
+    if entry.tp_dim is not None and tp_size > 1 or gated and entry.key.endswith(_GATED):
+        dim = entry.tp_dim if entry.tp_dim is not None else 0
+        if gated and entry.key.endswith(_GATED):
+            half = shape[0] // 2
+            total = half * tp_size  # F
+            rest = [0] * (data.dim() - 1)
+            pieces = [(data[:half], [tp_rank * half] + rest), (data[half:], [total + tp_rank * half] + rest)]
+        else:
+            offset[dim] = tp_rank * shape[dim]
+        shape[dim] *= tp_size
+    out = []
+    for piece, off in pieces:
+        if entry.layer is not None:
+            out.append(LocalShard(piece.unsqueeze(0), (num_layers, *shape), (entry.layer, *off)))
+        else:
+            out.append(LocalShard(piece, tuple(shape), tuple(off)))
+    return out
+
+
+def merge_loaded(entry: Entry, loaded: List[LocalShard]) -> torch.Tensor:
+    """The local tensor from the chunk(s) :func:`shards` described, after they were read."""
+    parts = [sh.data.squeeze(0) if entry.layer is not None else sh.data for sh in loaded]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def extra_state_key(block_key: str, linear: str, layer: int, num_layers: int) -> str:
+    """DCP key of a linear layer's ``_extra_state`` object (Megatron's ShardedObject ``unique_key``)."""
+    return f"{block_key}.{linear}._extra_state/shard_{layer}_{num_layers}"
+
+
+def rng_key(pp_rank: int, tp_rank: int, pp: int, tp: int) -> str:
+    return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
+
+
+def module_name(key: str, layer: Optional[int]) -> str:
+    """Inverse of :func:`disk_key`: the megatron-core state-dict name of on-disk ``key`` (layer ``layer``)."""
+    if layer is None:
+        return key
+    block, rest = key.split(".layers.", 1)
+    inverse = {v: k for k, v in _LAYER_RENAMES.items()}
+    return f"{block}.layers.{layer}.{inverse.get(rest, rest)}"

@@ -1,0 +1,168 @@
+"""torch_dist interop with the real megatron-core 0.16.1 (run in a subprocess, tests/checkpointing/mcore_oracle_child.py).
+
+Direction 1: megatron-core builds a GPT-2-shaped and a Llama-shaped GPT (local spec, 4 layers, hidden 64) at TP=1
+and TP=2, saves it with ``dist_checkpointing.save`` and records its logits; we load the directory at TP=1, TP=2 and
+PP=2 and compare our logits. Direction 2: we save our model (TP=2 and PP=2) in the torch_dist format; megatron-core
+loads it at TP=1 and compares its logits with ours. Tolerance 1e-5 relative (max |a-e| / max |e|).
+
+The oracle's location comes from $MCORE_ORACLE_DIR (.ci/run installs it in <repo>/.venv/mcore-oracle). Without
+it the tests skip, except under CI (``$CI`` set), where they fail.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers.dist_harness import run_distributed
+from helpers.numerics import rel_err
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ORACLE = os.environ.get("MCORE_ORACLE_DIR", os.path.join(REPO, ".venv", "mcore-oracle"))
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_oracle_child.py")
+VOCAB, SEQ, HIDDEN, LAYERS = 100, 8, 64, 4
+TOL = 1e-5
+pytestmark = pytest.mark.timeout(600)  # an oracle subprocess per case; ~1 min each on an idle 2-core machine
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    if not os.path.isdir(os.path.join(ORACLE, "megatron", "core")):
+        message = (f"megatron-core 0.16.1 not found in {ORACLE} (set MCORE_ORACLE_DIR, or run .ci/run which installs "
+                   "it with pip install --no-deps --target .venv/mcore-oracle megatron-core==0.16.1)")
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return ORACLE
+
+
+def _run_oracle(oracle, tmp, *argv):
+    env = dict(os.environ, PYTHONPATH=oracle, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, CHILD, *map(str, argv)], cwd=str(tmp), env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, f"megatron-core oracle failed:\n{proc.stderr[-4000:]}"
+
+
+def _our_model(style, tp, pp):
+    import torch.nn.functional as F
+
+    from helpers.models_helpers import tiny_config
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    over = dict(num_layers=LAYERS, hidden_size=HIDDEN, padded_vocab_size=VOCAB, max_position_embeddings=SEQ)
+    if style == "llama":
+        over.update(num_query_groups=2, ffn_hidden_size=96)
+    else:
+        over.update(ffn_hidden_size=4 * HIDDEN, activation_func=F.gelu)
+    config = tiny_config(tp=tp, pp=pp, style=style, **over)
+    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ, pre_process=ps.is_pipeline_first_stage(),
+                    post_process=ps.is_pipeline_last_stage(), parallel_output=False,
+                    share_embeddings_and_output_weights=style == "gpt2",
+                    position_embedding_type="rope" if style == "llama" else "learned_absolute")
+
+
+def _logits(model):
+    """Logits of the oracle's fixed batch through a hand-run pipeline; on the last stage, else None."""
+    from megatron.core import parallel_state as ps
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 90, (2, SEQ), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        if not ps.is_pipeline_first_stage():
+            hidden = torch.empty(SEQ, 2, HIDDEN)
+            torch.distributed.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        y = model(ids, pos, mask)
+        if not ps.is_pipeline_last_stage():
+            torch.distributed.send(y.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            return None
+    return y.float()
+
+
+def _setup(tp, pp, seed):
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tp, pp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+LOAD_LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (TP, PP) on 2 ranks (TP=1 PP=1 is DP=2)
+
+
+def load_body(style, directory):
+    """Our model loads ``directory`` at every layout of LOAD_LAYOUTS; {layout: logits} on the last stage."""
+    from megatron.training import dist_checkpointing as dc
+
+    out = {}
+    for tp, pp in LOAD_LAYOUTS:
+        _setup(tp, pp, 99)  # another seed than the oracle's: the weights must come from the checkpoint
+        model = _our_model(style, tp, pp)
+        request = dc.model_sharded_state([model], for_load=True)
+        dc.load_sharded_checked(request, directory, "raise_all", [k for k in request if "word_embeddings" in k])
+        dc.apply_loaded_model([model], request)
+        out[(tp, pp)] = _logits(model)
+    return out
+
+
+SAVE_LAYOUTS = ((2, 1, 1), (1, 2, 2))  # (TP, PP, TP megatron-core loads it with)
+
+
+def save_body(style, root):
+    """Our model (seed 4321) saved at each layout of SAVE_LAYOUTS under root/ours_tp{TP}_pp{PP}; its logits."""
+    import json
+
+    from megatron.core.dist_checkpointing import save_sharded
+    from megatron.training import dist_checkpointing as dc
+
+    out = {}
+    for tp, pp, _ in SAVE_LAYOUTS:
+        directory = os.path.join(root, f"ours_tp{tp}_pp{pp}")
+        _setup(tp, pp, 4321)
+        model = _our_model(style, tp, pp)
+        save_sharded(dc.model_sharded_state([model]), directory)
+        if torch.distributed.get_rank() == 0:
+            torch.save({}, os.path.join(directory, "common.pt"))
+            with open(os.path.join(directory, "metadata.json"), "w") as f:
+                json.dump(dc.METADATA, f)
+        torch.distributed.barrier()
+        out[(tp, pp)] = _logits(model)
+    return out
+
+
+def _last(outputs, layout):
+    return next(o[layout] for o in outputs if o[layout] is not None)
+
+
+@pytest.mark.parametrize("style,saved_tp", [("gpt2", 1), ("gpt2", 2), ("llama", 1), ("llama", 2)])
+def test_megatron_core_checkpoints_load_here(oracle, style, saved_tp, tmp_path):
+    directory = tmp_path / f"mcore_tp{saved_tp}"
+    _run_oracle(oracle, tmp_path, "save", style, saved_tp, 1, directory, tmp_path / "ref.pt")
+    expected = torch.load(tmp_path / "ref.pt")
+    outputs = run_distributed(load_body, 2, style, str(directory), timeout=280)
+    report = []
+    for tp, pp in LOAD_LAYOUTS:
+        err = rel_err(_last(outputs, (tp, pp)), expected)
+        report.append(f"{style} megatron-core TP={saved_tp} -> ours TP={tp} PP={pp}: max rel diff {err:.2e}")
+    print("\n".join(report))
+    assert all(float(r.rsplit(" ", 1)[1]) <= TOL for r in report), "\n".join(report)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_megatron_core_loads_our_checkpoints(oracle, style, tmp_path):
+    outputs = run_distributed(save_body, 2, style, str(tmp_path), timeout=280)
+    report = []
+    for tp, pp, load_tp in SAVE_LAYOUTS:
+        out = tmp_path / f"mcore_from_tp{tp}_pp{pp}.pt"
+        _run_oracle(oracle, tmp_path, "load", style, load_tp, 1, tmp_path / f"ours_tp{tp}_pp{pp}", out)
+        err = rel_err(torch.load(out), _last(outputs, (tp, pp)))
+        report.append(f"{style} ours TP={tp} PP={pp} -> megatron-core TP={load_tp}: max rel diff {err:.2e}")
+    print("\n".join(report))
+    assert all(float(r.rsplit(" ", 1)[1]) <= TOL for r in report), "\n".join(report)

@@ -1,0 +1,103 @@
+"""Offline reader and writer of Megatron-LM ``torch_dist`` checkpoints for tools/checkpoint/convert.py.
+
+The reader returns the full (unsharded) megatron-core state dict: stacked layer tensors ``[L, ...]`` are split back
+into ``decoder.layers.{i}.…`` with the module names of megatron.training.dist_keys. The writer does the reverse in
+one process: every tensor is one chunk covering its whole global shape (the format is TP/PP-independent), plus an
+empty ``_extra_state`` object per linear layer, ``common.pt`` (args, checkpoint_version 3.0, iteration,
+content_metadata), ``metadata.json`` and the tracker file. No optimizer or RNG state is written.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Dict, Tuple
+
+import torch
+
+from megatron.core.dist_checkpointing.sharded_io import LocalShard, save_sharded
+from megatron.core.models.conversion.keys import legacy_to_mcore
+from megatron.training import dist_keys
+from megatron.training.dist_checkpointing import (CHECKPOINT_VERSION, METADATA, DistCheckpointError,
+                                                  load_full_checkpoint, safe_args)
+from tools.checkpoint.legacy_io import ConversionError, read_tracker
+
+
+def is_dist_checkpoint(load_dir: str) -> bool:
+    try:
+        iteration, release = read_tracker(load_dir)
+    except (ConversionError, OSError):
+        return False
+    iter_dir = os.path.join(load_dir, "release" if release else "iter_{:07d}".format(iteration))
+    return os.path.isfile(os.path.join(iter_dir, "metadata.json"))
+
+
+def load_dist(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
+    """(full megatron-core state dict, the checkpoint's args, info {'iteration', 'release', 'tp', 'pp'})."""
+    iteration, release = read_tracker(load_dir)
+    iter_dir = os.path.join(load_dir, "release" if release else "iter_{:07d}".format(iteration))
+    if not os.path.isfile(os.path.join(iter_dir, "metadata.json")):
+        raise ConversionError(f"{iter_dir} is not a torch_dist checkpoint (no metadata.json): use --loader legacy")
+    try:
+        ckpt = load_full_checkpoint(iter_dir)
+    except DistCheckpointError as e:
+        raise ConversionError(str(e)) from e
+    args = ckpt.get("args")
+    if args is None:
+        raise ConversionError(f"{iter_dir}/common.pt holds no 'args': the converter needs the model's shape")
+    args = copy.deepcopy(args)
+    args.use_mcore_models = True  # the names below are megatron-core's
+    full = {}
+    for key, value in ckpt["model"].items():
+        if ".layers." in key:
+            for layer in range(value.shape[0]):
+                full[dist_keys.module_name(key, layer)] = value[layer].clone()
+        else:
+            full[key] = value
+    info = {"iteration": ckpt.get("iteration", iteration), "release": release,
+            "tp": getattr(args, "tensor_model_parallel_size", 1), "pp": getattr(args, "pipeline_model_parallel_size", 1)}
+    return full, args, info
+
+
+def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: int, iteration: int,
+              release: bool = False) -> None:
+    """Write ``full`` (legacy or megatron-core names, per ``args.use_mcore_models``) as a torch_dist checkpoint."""
+    if not getattr(args, "use_mcore_models", False):
+        full = legacy_to_mcore(full, "gpt")
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    num_layers = args.num_layers
+    stacked: Dict[str, Dict[int, torch.Tensor]] = {}
+    state = {}
+    for name, value in full.items():
+        if name.endswith("_extra_state"):
+            continue
+        key, layer = dist_keys.disk_key(name, 0, tied)
+        if layer is None:
+            if key not in state:
+                state[key] = LocalShard(value.contiguous(), tuple(value.shape), (0,) * value.dim())
+        else:
+            stacked.setdefault(key, {})[layer] = value
+    for key, layers in stacked.items():
+        if sorted(layers) != list(range(num_layers)):
+            raise ConversionError(f"{key}: found layers {sorted(layers)}, args.num_layers is {num_layers}")
+        value = torch.stack([layers[i] for i in range(num_layers)])
+        state[key] = LocalShard(value, tuple(value.shape), (0,) * value.dim())
+        block, rest = key.split(".layers.", 1)
+        for linear in dist_keys.LINEARS:
+            if rest == f"{linear}.weight":
+                for layer in range(num_layers):
+                    state[dist_keys.extra_state_key(f"{block}.layers", linear, layer, num_layers)] = [None]
+    iter_dir = os.path.join(save_dir, "release" if release else "iter_{:07d}".format(iteration))
+    os.makedirs(iter_dir, exist_ok=True)
+    save_sharded(state, iter_dir)
+    out_args = safe_args(args)
+    out_args.tensor_model_parallel_size, out_args.pipeline_model_parallel_size = tp, pp
+    out_args.ckpt_format = "torch_dist"
+    torch.save({"args": out_args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                "num_floating_point_operations_so_far": 0.0,
+                "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}},
+               os.path.join(iter_dir, "common.pt"))
+    with open(os.path.join(iter_dir, "metadata.json"), "w") as f:
+        json.dump(METADATA, f)
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release" if release else str(iteration))
