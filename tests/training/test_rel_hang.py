@@ -1,0 +1,106 @@
+"""Hang and straggler detection (megatron/training/hang_detection.py) on real 3-rank jobs of pretrain_gpt.py.
+
+* A rank stopped with SIGSTOP, and a rank stuck in Python inside the gradient all-reduce phase (the ``stall``
+  fault), are named by every other rank in one line with their last phase within 2x --hang-timeout-minutes; the
+  hung rank's Python stack is printed; every process exits non-zero.
+* A rank that is slow but progressing (the ``slow`` fault, a delay of half the hang timeout per micro-batch) is no
+  false alarm: the run finishes with exit code 0, and the --log-straggler report names it the slowest rank.
+
+Each case prints ``REL_HANG_TRIAL`` with the detection time of each rank (seconds from the fault to its line).
+"""
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from helpers.rel_jobs import Job
+from helpers.train_helpers import preprocess_corpus_slice
+
+HANG_MIN = 0.1  # --hang-timeout-minutes: 6 s
+HANG_S = HANG_MIN * 60
+BASE = ["--num-layers", "2", "--global-batch-size", "3", "--log-interval", "1", "--eval-iters", "0",
+        "--distributed-timeout-minutes", "2", "--hang-timeout-minutes", str(HANG_MIN)]
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory):
+    return preprocess_corpus_slice(str(tmp_path_factory.mktemp("hang_data")), num_docs=200)
+
+
+def _exit_lines_and_times(job, hung, fault_time, timeout):
+    """Wait until every rank but ``hung`` printed its ``exiting:`` line; return {rank: (line, seconds after fault)}."""
+    seen = {}
+    deadline = time.time() + timeout
+    while len(seen) < len(job.procs) - 1 and time.time() < deadline:
+        for rank in range(len(job.procs)):
+            if rank == hung or rank in seen:
+                continue
+            lines = [line for line in job.output(rank).splitlines() if line.startswith(f"[rank {rank}] exiting: ")]
+            if lines:
+                seen[rank] = (lines, time.time() - job.start - fault_time)
+        time.sleep(0.05)
+    return seen
+
+
+def _check_hang_reported(job, hung, fault_time, phase_pattern):
+    seen = _exit_lines_and_times(job, hung, fault_time, 4 * HANG_S + 30)
+    codes, _ = job.wait(60)
+    out = job.output()
+    assert len(seen) == len(job.procs) - 1, f"not every rank reported the hang: {seen}\n{out[-5000:]}"
+    for rank, (lines, after) in seen.items():
+        assert len(lines) == 1, (rank, lines)
+        assert re.search(rf"exiting: rank {hung} hung: .*{phase_pattern}", lines[0]), lines[0]
+        assert after < 2 * HANG_S, f"rank {rank} reported after {after:.1f} s (hang timeout {HANG_S} s)"
+    assert all(code != 0 for code in codes), f"exit codes {codes}\n{out[-4000:]}"
+    job.assert_no_process_left()
+    times = sorted(round(after, 1) for _, after in seen.values())
+    print(f"REL_HANG_TRIAL detection_s={times} codes={codes} line={seen[min(seen)][0][0]!r}")
+    return times
+
+
+@pytest.mark.timeout(150)
+def test_rel_hang_sigstop_one_rank_of_three(tmp_path, data_path):
+    job = Job(str(tmp_path), data_path, 3, base=BASE, extra=["--train-iters", "100000"])
+    job.wait_for(r"iteration\s+3/")
+    fault_time = time.time() - job.start
+    os.kill(job.procs[1].pid, signal.SIGSTOP)
+    _check_hang_reported(job, 1, fault_time, r"not responding .*last progress iteration \d+")
+    # The stopped rank was made to print its stack (faulthandler, on SIGUSR2 sent by the rank that detected it).
+    own = job.output(1)
+    assert "most recent call first" in own and "training.py" in own, own[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_rel_hang_rank_stuck_in_python_inside_a_collective_phase(tmp_path, data_path):
+    job = Job(str(tmp_path), data_path, 3, base=BASE, extra=["--train-iters", "100000"],
+              env={"MEGATRON_FAULT_INJECT": "stall:rank=1:iter=4"})
+    job.wait_for(r"iteration\s+3/")
+    fault_time = time.time() - job.start  # the stall starts a little later, in iteration 4
+    _check_hang_reported(job, 1, fault_time,
+                         r"no progress for [0-9.]+ s in iteration 4, micro-batch 1, phase finalize_model_grads")
+    own = job.output(1)
+    stack = [line for line in own.splitlines() if line.startswith("[rank 1] ")]
+    text = "\n".join(stack)
+    assert "Python stack of the main thread" in text and "in _stall" in text and "in train_step" in text, own[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_rel_hang_slow_rank_is_no_false_alarm_and_is_reported_as_straggler(tmp_path, data_path):
+    delay = HANG_S / 2  # per micro-batch; the other ranks wait that long in the loss all-reduce each iteration
+    job = Job(str(tmp_path), data_path, 3, base=BASE,
+              extra=["--train-iters", "4", "--log-straggler", "--log-interval", "2"],
+              env={"MEGATRON_FAULT_INJECT": f"slow:rank=1:delay={delay}"})
+    codes, _ = job.wait(120)
+    out = job.output()
+    assert codes == [0, 0, 0], f"exit codes {codes}\n{out[-4000:]}"
+    assert "hung" not in out, out[-4000:]
+    reports = re.findall(r"straggler report \(iterations (\d+)-(\d+).*slowest rank (\d+) ([0-9.]+) ms.*\| "
+                         r"fastest rank (\d+) ([0-9.]+) ms", out)
+    assert [(a, b) for a, b, *_ in reports] == [("1", "2"), ("3", "4")], out[-4000:]
+    for _, _, slow, slow_ms, fast, fast_ms in reports:
+        assert slow == "1" and fast != "1", reports
+        # Rank 1 sleeps `delay` per iteration; the others' waits for it are excluded from their compute time.
+        assert float(slow_ms) >= delay * 1e3 and float(fast_ms) < delay * 1e3 / 2, reports
+    job.assert_no_process_left()
