@@ -64,6 +64,7 @@ def _check_hang_reported(job, hung, fault_time, phase_pattern):
 def test_rel_hang_sigstop_one_rank_of_three(tmp_path, data_path):
     job = Job(str(tmp_path), data_path, 3, base=BASE, extra=["--train-iters", "100000"])
     job.wait_for(r"iteration\s+3/")
+    time.sleep(2.5)  # the watchdogs publish progress about once a second: let them publish a training record
     fault_time = time.time() - job.start
     os.kill(job.procs[1].pid, signal.SIGSTOP)
     _check_hang_reported(job, 1, fault_time, r"not responding .*last progress iteration \d+")
