@@ -25,7 +25,8 @@ class Job:
             log = open(os.path.join(tmp, "torchrun.log"), "w+")
             self.logs.append(log)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nranks),
-                   "--master-addr", "127.0.0.1", "--master-port", port, *torchrun_args, *argv]
+                   *(() if "--standalone" in torchrun_args else ("--master-addr", "127.0.0.1", "--master-port", port)),
+                   *torchrun_args, *argv]
             self.procs = [subprocess.Popen(cmd, env=base_env, stdout=log, stderr=subprocess.STDOUT,
                                            process_group=0)]
         else:
