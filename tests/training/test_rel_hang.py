@@ -105,3 +105,31 @@ def test_rel_hang_slow_rank_is_no_false_alarm_and_is_reported_as_straggler(tmp_p
         # Rank 1 sleeps `delay` per iteration; the others' waits for it are excluded from their compute time.
         assert float(slow_ms) >= delay * 1e3 and float(fast_ms) < delay * 1e3 / 2, reports
     job.assert_no_process_left()
+
+
+def test_rel_hang_judge_rules():
+    """The judge's rules on hand-made records (count iteration micro-batch waiting phase), T = 10 s."""
+    from megatron.training.hang_detection import HangJudge
+
+    def judge(records_at):  # {rank: [(time, text), ...]} -> verdict at t = 30
+        j = HangJudge(len(records_at), 10.0)
+        events = sorted((t, r, text) for r, seq in records_at.items() for t, text in seq)
+        for t, r, text in events:
+            j.observe(r, text, t)
+        return j.verdict(30.0)
+
+    # Rank 1 stopped in backward at t=5; rank 0 waits in the gradient all-reduce since t=6; rank 2 still moves.
+    ranks, line = judge({0: [(6, "9 3 1 1 finalize_model_grads")], 1: [(5, "7 3 1 0 backward")],
+                         2: [(25, "9 3 1 1 finalize_model_grads")]})
+    assert ranks == [1] and line.startswith("rank 1 hung: no progress for 25.0 s in iteration 3, micro-batch 1, "
+                                            "phase backward"), line
+    # Every rank stuck at the same place and nobody waiting (one long phase everywhere): no hang.
+    assert judge({r: [(1, "5 2 0 0 save and exit checks")] for r in range(3)}) is None
+    # Not stuck long enough: no verdict.
+    assert judge({0: [(25, "9 3 1 1 x")], 1: [(21, "7 3 1 0 backward")]}) is None
+    # Everybody waiting in a collective, but rank 2 in another one of an earlier iteration: a mismatch.
+    ranks, line = judge({0: [(2, "20 4 1 1 loss_func")], 1: [(2, "20 4 1 1 loss_func")],
+                         2: [(2, "15 3 2 1 finalize_model_grads")]})
+    assert ranks == [2] and "mismatched collectives" in line, line
+    # A rank still in setup: nothing is judged yet.
+    assert judge({0: [(1, "0 0 0 0 setup")], 1: [(1, "7 3 1 0 backward")]}) is None
