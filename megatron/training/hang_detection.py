@@ -120,6 +120,8 @@ class ProgressTracker:
             self.phase(name)
             fault = requested_fault(("stall",), self.rank, self.record[1])
             if fault is not None:  # a rank stuck in Python inside a collective phase (tests)
+                print(f"[rank {self.rank}] injected stall in {describe(self.record[:3] + (False,) + self.record[3:])}",
+                      file=sys.stderr, flush=True)
                 _stall(fault[1])
             result = func(*args, **kwargs)
             self.phase(then, compute=then_compute)

@@ -77,8 +77,8 @@ def test_rel_hang_sigstop_one_rank_of_three(tmp_path, data_path):
 def test_rel_hang_rank_stuck_in_python_inside_a_collective_phase(tmp_path, data_path):
     job = Job(str(tmp_path), data_path, 3, base=BASE, extra=["--train-iters", "100000"],
               env={"MEGATRON_FAULT_INJECT": "stall:rank=1:iter=4"})
-    job.wait_for(r"iteration\s+3/")
-    fault_time = time.time() - job.start  # the stall starts a little later, in iteration 4
+    job.wait_for(r"injected stall in iteration 4", timeout=120)
+    fault_time = time.time() - job.start
     _check_hang_reported(job, 1, fault_time,
                          r"no progress for [0-9.]+ s in iteration 4, micro-batch 1, phase finalize_model_grads")
     own = job.output(1)
