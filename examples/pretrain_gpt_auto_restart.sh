@@ -6,9 +6,10 @@
 # Megatron-LM, --load does not default to --save: pass both.
 #
 # A hung rank (deadlock, stopped process) is turned into a failure by --hang-timeout-minutes (below
-# --distributed-timeout-minutes), so torchrun restarts it too. Use torchrun's c10d rendezvous (--rdzv-backend
-# c10d, or --standalone on one node): in our runs a static --master-addr/--master-port rendezvous did not come
-# back up after a restart.
+# --distributed-timeout-minutes), so torchrun restarts it too. One node uses --standalone (tested); several
+# nodes use the c10d rendezvous (not tested here). In our runs on one node, neither a static
+# --master-addr/--master-port rendezvous nor --rdzv-endpoint localhost:PORT brought the restarted workers past
+# process-group creation (torch 2.13, gloo); --standalone did.
 #
 # Under SLURM without torchrun restarts, requeue the job instead; the same flags make it resume:
 #   #SBATCH --requeue
@@ -30,8 +31,13 @@ DATA_PATH=${DATA_PATH:-data/my-gpt2_text_document}
 NPROC=${NPROC:-2}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 
-torchrun --nproc-per-node "$NPROC" --nnodes "$NNODES" --max-restarts "$MAX_RESTARTS" \
-    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_JOB_ID:-megatron}" \
+if [ "$NNODES" = 1 ]; then
+    RDZV_ARGS=(--standalone)  # the configuration tests/training/test_rel_restart.py runs
+else
+    RDZV_ARGS=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+               --rdzv-id "${SLURM_JOB_ID:-megatron}")
+fi
+torchrun --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" "${RDZV_ARGS[@]}" \
     "$MEGATRON_DIR/pretrain_gpt.py" \
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 \
     --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --train-iters 100 --lr-decay-style cosine \

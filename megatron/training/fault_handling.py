@@ -377,6 +377,20 @@ class FaultMonitor:
         self.thread.join(timeout=5 * POLL_SECONDS)
 
 
+def restart_safe_store(timeout):
+    """Under torchrun, a rendezvous store for ``init_process_group`` whose keys are prefixed by the restart count.
+
+    torchrun's workers share the agent's store across restarts (``TORCHELASTIC_USE_AGENT_STORE``); torch does not
+    prefix its keys per attempt, so a restarted worker can read the process-group addresses of the previous
+    attempt's dead workers and fail with "Gloo connectFullMesh failed ... Connection refused". None elsewhere
+    (the default rendezvous is used)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    base = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return torch.distributed.PrefixStore(f"/megatron/attempt_{attempt}/", base)
+
+
 def _hard_exit(code):
     """Leave now: no atexit handlers, no process-group teardown that could wait on a dead peer."""
     with contextlib.suppress(Exception):
