@@ -105,6 +105,7 @@ def test_rel_hang_slow_rank_is_no_false_alarm_and_is_reported_as_straggler(tmp_p
         # Rank 1 sleeps `delay` per iteration; the others' waits for it are excluded from their compute time.
         assert float(slow_ms) >= delay * 1e3 and float(fast_ms) < delay * 1e3 / 2, reports
     job.assert_no_process_left()
+    print("REL_STRAGGLER " + " || ".join(re.findall(r"straggler report.*", out)))
 
 
 def test_rel_hang_judge_rules():
