@@ -1,7 +1,6 @@
 """Automatic restart: under ``torchrun --max-restarts 1`` a job that loses a rank resumes from its last complete
 checkpoint with the same command line
-(``--standalone``: torchrun's c10d rendezvous; a static ``--master-addr/--master-port`` rendezvous is not restarted by torchrun 2.x in our
-runs, the second attempt waits in ``init_process_group``) (``--save D --load D``: the first start finds no checkpoint in D and
+(torchrun ``--standalone``, the one-node configuration of examples/pretrain_gpt_auto_restart.sh) (``--save D --load D``: the first start finds no checkpoint in D and
 starts from scratch, the restart loads the newest one) and reaches exactly the losses of an uninterrupted run.
 """
 import re
