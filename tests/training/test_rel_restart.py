@@ -1,7 +1,7 @@
 """Automatic restart: under ``torchrun --max-restarts 1`` a job that loses a rank resumes from its last complete
-checkpoint with the same command line
-(torchrun ``--standalone``, the one-node configuration of examples/pretrain_gpt_auto_restart.sh) (``--save D --load D``: the first start finds no checkpoint in D and
+checkpoint with the same command line (``--save D --load D``: the first start finds no checkpoint in D and
 starts from scratch, the restart loads the newest one) and reaches exactly the losses of an uninterrupted run.
+torchrun runs with ``--standalone``, the one-node configuration of examples/pretrain_gpt_auto_restart.sh.
 """
 import re
 
