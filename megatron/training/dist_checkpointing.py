@@ -390,7 +390,9 @@ def finalize_async_save():
         _pending = None
         if _pending_error:
             error = _pending_error.pop()
-            raise DistCheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
+            # Every rank's thread raised the same agreed error (a full disk on one rank): an orderly stop.
+            raise DistCheckpointError(f"the asynchronous checkpoint save failed: {error}",
+                                      same_on_every_rank=getattr(error, "same_on_every_rank", False)) from error
 
 
 def _atomic_write(path, data: bytes):

@@ -30,6 +30,10 @@ How: ``fault_handling(args)`` wraps the body of ``pretrain`` (multi-rank runs on
 torchrun tears the other workers down itself (SIGTERM, then SIGKILL) when one exits non-zero; the failing rank has
 already printed its prefixed traceback before exiting, so the first failure is still named.
 
+* A rank that stops without dying (a deadlock, SIGSTOP, a stuck collective) is found by the same thread, from
+  the progress record the training loop keeps (``--hang-timeout-minutes``): megatron/training/hang_detection.py
+  states that protocol.
+
 ``MEGATRON_FAULT_INJECT`` (tests only) injects a fault at the start of an iteration, e.g.
 ``raise:rank=1:iter=3`` (ZeroDivisionError), ``raise:rank=1:iter=3:delay=2`` (sleep first, so that the peers are
 blocked inside a collective when it raises), ``kill:rank=1:iter=3`` (SIGKILL itself), ``sigterm:rank=1:iter=3`` (SIGTERM to itself only),
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import sys
@@ -50,8 +55,10 @@ from datetime import timedelta
 
 import torch
 
+from megatron.training import hang_detection
 from megatron.training.errors import FatalRunError
 from megatron.training.fault_injection import requested_fault
+from megatron.training.hang_detection import ProgressTracker
 
 POLL_SECONDS = 1.0
 _RUN_COUNTER = [0]  # pretrain may run several times in one process (tests): each run gets its own store keys
@@ -80,14 +87,20 @@ def _describe(exc, limit=None):
     return text if limit is None or len(text) <= limit else text[:limit] + " ..."
 
 
+def _process_state(pid):
+    """The state letter of ``pid`` in /proc (R, S, T stopped, Z zombie, ...); None when it is absent."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
 def _process_gone(pid):
     """True when ``pid`` no longer runs on this host (absent, or a zombie waiting to be reaped)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state in ("Z", "X")
-    except FileNotFoundError:
-        return True
+        state = _process_state(pid)
+        return state is None or state in ("Z", "X")
     except OSError:
         try:
             os.kill(pid, 0)
@@ -101,11 +114,17 @@ def _process_gone(pid):
 class FaultMonitor:
     """One rank's view of the job's health, kept in the rendezvous store (a client connection of its own)."""
 
-    def __init__(self, rank, world_size, timeout_seconds):
+    def __init__(self, rank, world_size, timeout_seconds, hang_seconds=0.0, progress=None):
         self.rank, self.world_size = rank, world_size
         self.stale_after = min(60.0, max(5.0, timeout_seconds / 2))  # a heartbeat older than this is a dead rank
+        self.hang_seconds, self.progress = hang_seconds, progress
+        self.poll = min(POLL_SECONDS, max(0.2, hang_seconds / 5)) if hang_seconds > 0 else POLL_SECONDS
+        self.judge = hang_detection.HangJudge(world_size, hang_seconds) if hang_seconds > 0 and rank == 0 else None
+        self.published = None  # the progress text last written to the store
         _RUN_COUNTER[0] += 1
-        self.prefix = f"megatron_fault/{_RUN_COUNTER[0]}/"
+        # A restarted job (torchrun --max-restarts) may find the previous attempt's keys in the agent's store.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"megatron_fault/{attempt}/{_RUN_COUNTER[0]}/"
         self.host = socket.gethostname()
         self.addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.port = int(os.environ.get("MASTER_PORT", "6000"))
@@ -115,6 +134,9 @@ class FaultMonitor:
         self.peers = {}  # rank -> (host, pid), filled lazily: peers register at about the same time
         self.beats = {}  # rank -> (last heartbeat value seen, local time it was first seen)
         self.lock = threading.Lock()  # the main thread (on failure) and the watchdog share the store client
+        if hang_seconds > 0:
+            hang_detection.register_stack_dump()
+            self._publish_progress()
         self.stopped = threading.Event()
         self.reporting = threading.Lock()  # only one thread (main or watchdog) reports and exits
         self.thread = threading.Thread(target=self._watch, name="megatron-fault-watchdog", daemon=True)
@@ -180,11 +202,85 @@ class FaultMonitor:
         where = f"pid {pid}" if host == self.host else f"host {host}, no heartbeat for {self.stale_after:.0f} s"
         return f"rank {rank} died ({where}) without reporting an exception (killed by a signal?)"
 
+    # ---------------------------------------------------------------- hang detection (hang_detection.py)
+    def _publish_progress(self):
+        text = hang_detection.encode(self.progress.record, hang_detection.main_thread_waiting())
+        if text != self.published:
+            with self.lock:
+                self.store.set(self._key("progress", self.rank), text)
+            self.published = text
+
+    def _frozen(self, rank, named=False):
+        """Seconds since ``rank``'s watchdog last beat when that exceeds the hang timeout (its whole process is
+        stopped or frozen, yet not gone), else None. Same host: its heartbeat (same clock); a rank the judge named
+        also counts when its process is in the stopped state (SIGSTOP)."""
+        peer = self._peer(rank)
+        if peer is None or self.hang_seconds <= 0:
+            return None
+        host, pid = peer
+        with self.lock:
+            beat = self.store.get(self._key("hb", rank))
+        stopped = False
+        if host == self.host:
+            age = time.time() - float(beat)
+        else:
+            if self.beats.get(rank, (None,))[0] != beat:
+                self.beats[rank] = (beat, time.time())
+            age = time.time() - self.beats[rank][1]
+        with contextlib.suppress(OSError):
+            stopped = named and host == self.host and _process_state(pid) in ("T", "t")
+        if (age < self.hang_seconds and not stopped) or (host == self.host and _process_gone(pid)):
+            return None
+        with self.lock:
+            if self.store.check([self._key("done", rank)]):
+                return None
+        return age
+
+    def _report_frozen(self, rank, age):
+        """Record that ``rank`` is not responding; on this host make it print its stack and run to its end."""
+        host, pid = self._peer(rank)
+        with self.lock:
+            last = self.store.get(self._key("progress", rank)).decode() \
+                if self.store.check([self._key("progress", rank)]) else None
+        failure = self.record_failure(hang_detection.frozen_message(rank, host, pid, age, last))
+        if failure.startswith(f"rank {rank} hung: not responding") and host == self.host:
+            hang_detection.ask_for_stack(pid)
+        return failure
+
+    def _check_hang(self, neighbour):
+        """One poll: publish this rank's progress, watch the neighbour's heartbeat, and on rank 0 judge everyone."""
+        self._publish_progress()
+        age = self._frozen(neighbour)
+        if age is not None:
+            return self._report_frozen(neighbour, age)
+        if self.judge is None:
+            return None
+        keys = [self._key("progress", r) for r in range(self.world_size)]
+        with self.lock:
+            if not self.store.check(keys):
+                return None
+            texts = [v.decode() for v in self.store.multi_get(keys)]
+        now = time.monotonic()
+        for r, text in enumerate(texts):
+            self.judge.observe(r, text, now)
+        named = self.judge.verdict(now)
+        if named is None:
+            return None
+        ranks, message = named
+        with self.lock:
+            if any(self.store.check([self._key("done", r)]) for r in ranks):
+                return None  # a rank that finished normally is not hung
+        for r in ranks:
+            age = self._frozen(r, named=True) if r != self.rank else None
+            if age is not None:
+                return self._report_frozen(r, age)
+        return self.record_failure(message)
+
     # ---------------------------------------------------------------- watchdog thread
     def _watch(self):
         neighbour = (self.rank + 1) % self.world_size
         store_errors_since = None
-        while not self.stopped.wait(POLL_SECONDS):
+        while not self.stopped.wait(self.poll):
             try:
                 with self.lock:
                     self.store.set(self._key("hb", self.rank), str(time.time()))
@@ -194,6 +290,8 @@ class FaultMonitor:
                     dead = self._dead_peer(neighbour)
                     if dead is not None:
                         failure = self.record_failure(dead)
+                if failure is None and self.hang_seconds > 0:
+                    failure = self._check_hang(neighbour)
                 store_errors_since = None
             except Exception as exc:  # the store's host is gone, or a transient network error
                 if self.stopped.is_set():
@@ -212,6 +310,8 @@ class FaultMonitor:
             return  # our own failure: the main thread is reporting it and exiting
         if not self.reporting.acquire(blocking=False):
             return  # the main thread is already reporting
+        if re.search(rf"(^|; )rank {self.rank} hung: no progress", failure):
+            print(hang_detection.main_thread_stack(self.rank), file=sys.stderr, flush=True)
         print(f"[rank {self.rank}] exiting: {failure}", file=sys.stderr, flush=True)
         self.leave(1)
 
@@ -277,6 +377,20 @@ class FaultMonitor:
         self.thread.join(timeout=5 * POLL_SECONDS)
 
 
+def restart_safe_store(timeout):
+    """Under torchrun, a rendezvous store for ``init_process_group`` whose keys are prefixed by the restart count.
+
+    torchrun's workers share the agent's store across restarts (``TORCHELASTIC_USE_AGENT_STORE``); torch does not
+    prefix its keys per attempt, so a restarted worker can read the process-group addresses of the previous
+    attempt's dead workers and fail with "Gloo connectFullMesh failed ... Connection refused". None elsewhere
+    (the default rendezvous is used)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    base = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return torch.distributed.PrefixStore(f"/megatron/attempt_{attempt}/", base)
+
+
 def _hard_exit(code):
     """Leave now: no atexit handlers, no process-group teardown that could wait on a dead peer."""
     with contextlib.suppress(Exception):
@@ -293,14 +407,21 @@ def _print_prefixed(text, rank):
 @contextlib.contextmanager
 def fault_handling(args):
     """Wrap the body of ``pretrain`` (after torch.distributed is initialised); see the module docstring."""
+    progress = ProgressTracker(getattr(args, "rank", 0) or 0, bool(getattr(args, "log_straggler", False)),
+                               getattr(args, "straggler_minmax_count", 1), getattr(args, "log_interval", 100) or 100)
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
             or torch.distributed.get_world_size() == 1 or os.environ.get("MEGATRON_FAULT_HANDLER", "1") == "0":
-        yield None
+        yield progress
         return
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    monitor = FaultMonitor(rank, world_size, args.distributed_timeout_minutes * 60.0)
+    hang_minutes = getattr(args, "hang_timeout_minutes", 0.0) or 0.0
+    if rank == 0 and 0 < hang_minutes and hang_minutes >= args.distributed_timeout_minutes:
+        print(f"note: --hang-timeout-minutes {hang_minutes:g} is not below --distributed-timeout-minutes "
+              f"{args.distributed_timeout_minutes:g}: a hung rank may end the job by the collective timeout first",
+              flush=True)
+    monitor = FaultMonitor(rank, world_size, args.distributed_timeout_minutes * 60.0, hang_minutes * 60.0, progress)
     try:
-        yield monitor
+        yield progress
     except SystemExit as exc:  # --exit-interval, --exit-duration-in-mins, SIGTERM: a normal, agreed exit
         if exc.code in (None, 0):
             monitor.shutdown()

@@ -105,9 +105,11 @@ def _initialize_distributed():
             args.local_rank = launch.local_rank
         if args.distributed_backend == "nccl":
             device.set_device_for_local_rank(args.local_rank)
-        torch.distributed.init_process_group(
-            backend=args.distributed_backend, world_size=args.world_size, rank=args.rank,
-            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        from megatron.training.fault_handling import restart_safe_store
+        timeout = timedelta(minutes=args.distributed_timeout_minutes)
+        torch.distributed.init_process_group(  # under torchrun: a store whose keys survive no restart
+            backend=args.distributed_backend, world_size=args.world_size, rank=args.rank, timeout=timeout,
+            store=restart_safe_store(timeout))
 
     if parallel_state.model_parallel_is_initialized():
         print("model parallel is already initialized", flush=True)

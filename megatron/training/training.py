@@ -35,6 +35,7 @@ from megatron.training.global_vars import (
 )
 from megatron.training.fault_handling import fault_handling, maybe_inject_fault
 from megatron.training.gc_and_profiling import IterationProfiler, ManualGC
+from megatron.training.hang_detection import ProgressTracker
 from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
 from megatron.training.numerical_checks import NumericalGuard, inject_nan_grad, wrap_forward_step
 from megatron.training.training_log import LogState, num_floating_point_operations, training_log
@@ -50,13 +51,13 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     """Initialise, build everything, train, then evaluate on the validation and test sets."""
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
     # From here on a failure on any rank ends every rank with a message naming it (fault_handling.py).
-    with fault_handling(get_args()):
+    with fault_handling(get_args()) as progress:
         return _pretrain_after_initialize(train_valid_test_dataset_provider, model_provider, model_type,
-                                          forward_step_func, process_non_loss_data_func)
+                                          forward_step_func, process_non_loss_data_func, progress=progress)
 
 
 def _pretrain_after_initialize(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-                               process_non_loss_data_func):
+                               process_non_loss_data_func, progress=None):
     set_jit_fusion_options()
     _report_initialization_time()
     args, timers = get_args(), get_timers()
@@ -86,7 +87,7 @@ def _pretrain_after_initialize(train_valid_test_dataset_provider, model_provider
     if not args.skip_train and args.do_train and args.train_iters > 0:
         print_rank_0("training ...")
         iteration = train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
-                          valid_data_iterator, process_non_loss_data_func, config)
+                          valid_data_iterator, process_non_loss_data_func, config, progress=progress)
         print_datetime("after training is done")
         if args.save and iteration != 0 and iteration % args.save_interval != 0:
             save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
@@ -384,12 +385,17 @@ def _wandb_run(args):
 
 
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
-          process_non_loss_data_func, config):
+          process_non_loss_data_func, config, progress=None):
     """Run ``train_step`` until ``--train-iters``; log, evaluate, save and exit as the flags ask."""
     args, timers = get_args(), get_timers()
     for chunk in model:
         chunk.train()
     _configure_schedule_hooks(config, model, optimizer)
+    # Progress records for hang and straggler detection (hang_detection.py): local writes only.
+    progress = progress or ProgressTracker(args.rank)
+    forward_step_func = progress.wrap_forward_step(forward_step_func)
+    config.finalize_model_grads_func = progress.wrap_collective(config.finalize_model_grads_func,
+                                                                "finalize_model_grads (gradient all-reduce)", "optimizer")
     log_state = LogState()
     wandb_run = _wandb_run(args)
     iteration = args.iteration
@@ -402,6 +408,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     while iteration < args.train_iters:
         maybe_inject_fault(iteration + 1, args.rank)  # a test hook; nothing when MEGATRON_FAULT_INJECT is unset
         profiler.before_iteration(iteration)
+        progress.begin_iteration(iteration + 1)
         update_num_microbatches(args.consumed_train_samples)
         loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
@@ -423,6 +430,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         learning_rate = next(g["lr"] for g in optimizer.param_groups if not g.get("is_decoupled_lr"))
         training_log(log_state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, grad_norm,
                      params_norm, num_zeros_in_grad, wandb_run)
+        progress.after_step(iteration)  # the --log-straggler report on log intervals
 
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
             manual_gc.before_eval()
@@ -432,6 +440,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             _param_gather_hooks(model, enabled=True)
             manual_gc.after_eval()
         manual_gc.after_iteration(iteration)
+        progress.phase("save and exit checks")
         if _should_exit(iteration, model, optimizer, opt_param_scheduler):
             break
     profiler.stop()

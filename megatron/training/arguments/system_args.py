@@ -32,6 +32,16 @@ def _add_distributed_args(parser):
     group.add_argument("--distributed-timeout-minutes", type=float, default=10,
                        help="Timeout of torch.distributed collectives, in minutes (a fraction is accepted: 0.25 is "
                             "15 s). A failed or killed rank ends every rank well within it (see fault_handling.py).")
+    group.add_argument("--hang-timeout-minutes", type=float, default=5.0,
+                       help="A rank whose training progress (iteration, micro-batch, phase) stops for this long while "
+                            "the others go on or wait for it is named by every rank, prints its Python stack, and "
+                            "the job exits 1 (see hang_detection.py); keep it below --distributed-timeout-minutes "
+                            "and above the longest checkpoint save. Fractions accepted; 0 turns it off.")
+    group.add_argument("--log-straggler", action="store_true",
+                       help="At every log interval, print the slowest and fastest ranks by their compute time per "
+                            "iteration (waits in collectives excluded); one small all-gather per log interval.")
+    group.add_argument("--straggler-minmax-count", type=int, default=1,
+                       help="Number of slowest and fastest ranks the --log-straggler report lists.")
     group.add_argument("--DDP-impl", default="local", choices=["local", "torch"],
                        help="Data-parallel implementation.")
     group.add_argument("--no-contiguous-buffers-in-local-ddp", action="store_false",

@@ -426,6 +426,10 @@ def _validate_features(args):
              "--async-save needs --ckpt-format torch_dist")
     from megatron.training.deterministic import check_deterministic_mode
     check_deterministic_mode(args)
+    _require(args.hang_timeout_minutes >= 0,
+             f"--hang-timeout-minutes must be >= 0 (0 turns hang detection off), got {args.hang_timeout_minutes}")
+    _require(args.straggler_minmax_count >= 1,
+             f"--straggler-minmax-count must be >= 1, got {args.straggler_minmax_count}")
 
 
 def _validate_model_implementation(args):
