@@ -106,3 +106,10 @@ def memory_stats_mb() -> dict:
         "reserved": torch.cuda.memory_reserved() / mb,
         "max reserved": torch.cuda.max_memory_reserved() / mb,
     }
+
+
+def fp8_tensor_cores_available() -> bool:
+    """True on a CUDA device of compute capability >= 8.9 (Ada, Hopper and later), where torch._scaled_mm runs."""
+    if not on_gpu():
+        return False
+    return torch.cuda.get_device_capability() >= (8, 9)
