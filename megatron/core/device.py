@@ -119,3 +119,10 @@ def cuda_profiler_start() -> bool:
 def cuda_profiler_stop() -> None:
     if on_gpu():
         torch.cuda.cudart().cudaProfilerStop()
+
+
+def fp8_tensor_cores_available() -> bool:
+    """True on a CUDA device of compute capability >= 8.9 (Ada, Hopper and later), where torch._scaled_mm runs."""
+    if not on_gpu():
+        return False
+    return torch.cuda.get_device_capability() >= (8, 9)

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
-from megatron.core import device
+from megatron.core import device, parallel_state
+from megatron.core.fp8_utils import Fp8Meta, fp8_dgrad, fp8_forward, fp8_recipe_from_config, fp8_wgrad
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.parallel_state import (
     get_global_memory_buffer,
@@ -195,8 +196,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel):
+    def forward(ctx, input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel,
+                fp8_meta=None):
         ctx.save_for_backward(input, weight)
+        ctx.fp8_meta = fp8_meta
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
         ctx.async_grad_allreduce = async_grad_allreduce
@@ -212,6 +215,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         else:
             total_input = input
 
+        if fp8_meta is not None:
+            output, ctx.fp8_saved = fp8_forward(fp8_meta, total_input, weight, bias)
+            return output
         if bias is not None and total_input.dim() >= 2:
             # One GEMM that starts from the bias: no separate pass (and no second buffer) to add it. It writes
             # into a tensor of the final shape, so the output is not a view (a loss may work in it in place).
@@ -243,7 +249,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         else:
             total_input = input
 
-        grad_input = grad_output.matmul(weight)
+        if ctx.fp8_meta is not None:
+            grad_input, fp8_grad_q = fp8_dgrad(ctx.fp8_meta, grad_output, ctx.fp8_saved)
+        else:
+            grad_input = grad_output.matmul(weight)
         if gather_handle is not None:
             gather_handle.wait()
 
@@ -265,7 +274,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                                                                     group=group, async_op=True)
 
         grad_weight = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.fp8_meta is not None:
+            grad_weight = fp8_wgrad(ctx.fp8_meta, fp8_grad_q, grad_output_2d, ctx.fp8_saved, total_input_2d)
+            if ctx.gradient_accumulation_fusion:
+                _add_into_main_grad(weight, grad_weight)
+                grad_weight = None
+        elif ctx.needs_input_grad[1]:
             if ctx.gradient_accumulation_fusion:
                 _accumulate_into_main_grad(weight, total_input_2d, grad_output_2d)
             else:
@@ -275,8 +289,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if reduce_handle is not None:
             reduce_handle.wait()
         if ctx.sequence_parallel:
-            return sub_grad_input, grad_weight, grad_bias, None, None, None
-        return grad_input, grad_weight, grad_bias, None, None, None
+            return sub_grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 _FUSED_WGRAD_MODULE = None
@@ -300,15 +314,24 @@ def _fused_wgrad_module():
     return _FUSED_WGRAD_MODULE
 
 
-def _accumulate_into_main_grad(weight, total_input_2d, grad_output_2d):
+def _checked_main_grad(weight):
     if not hasattr(weight, "main_grad") or weight.main_grad is None:
         raise RuntimeError(
             "gradient_accumulation_fusion adds weight gradients into param.main_grad, but this parameter has "
             "none: wrap the model in megatron's DistributedDataParallel (which allocates grad buffers) or pass "
             "--no-gradient-accumulation-fusion"
         )
+    return weight.main_grad
+
+
+def _add_into_main_grad(weight, grad_weight):
+    main_grad = _checked_main_grad(weight)
+    main_grad.add_(grad_weight.to(main_grad.dtype))
+
+
+def _accumulate_into_main_grad(weight, total_input_2d, grad_output_2d):
+    main_grad = _checked_main_grad(weight)
     fused = _fused_wgrad_module()
-    main_grad = weight.main_grad
     if fused is not None and total_input_2d.is_cuda:
         if main_grad.dtype == torch.float32:
             fused.wgrad_gemm_accum_fp32(total_input_2d, grad_output_2d, main_grad)
@@ -323,7 +346,7 @@ _WARNED_DEVICE_MAX_CONNECTIONS = False
 
 
 def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion,
-                                                      async_grad_allreduce, sequence_parallel):
+                                                      async_grad_allreduce, sequence_parallel, fp8_meta=None):
     """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`."""
     global _WARNED_DEVICE_MAX_CONNECTIONS
     if (async_grad_allreduce or sequence_parallel) and device.on_gpu() and not _WARNED_DEVICE_MAX_CONNECTIONS:
@@ -334,8 +357,22 @@ def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradi
             )
             _WARNED_DEVICE_MAX_CONNECTIONS = True
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
-        input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel
+        input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, fp8_meta
     )
+
+
+def _fp8_meta_for(config) -> Optional[Fp8Meta]:
+    """The FP8 scaling state of a new linear layer when the config asks for FP8 (else None)."""
+    recipe = fp8_recipe_from_config(config)
+    if recipe is None:
+        return None
+    try:
+        group = parallel_state.get_amax_reduction_group()
+    except AssertionError as e:
+        raise RuntimeError("FP8 linear layers reduce their amaxes over the amax reduction group: call "
+                           "parallel_state.initialize_model_parallel(..., use_fp8=True) before building the model "
+                           "(the training scripts do this for --fp8-format)") from e
+    return Fp8Meta(recipe, amax_group=group)
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -393,6 +430,7 @@ class ColumnParallelLinear(torch.nn.Module):
                 "`async_tensor_model_parallel_allreduce` and `sequence_parallel` cannot be enabled at the same time."
             )
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.fp8_meta = _fp8_meta_for(config)
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None):
         if weight is None:
@@ -419,7 +457,7 @@ class ColumnParallelLinear(torch.nn.Module):
             input=input_parallel, weight=weight, bias=bias,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             async_grad_allreduce=self.async_tensor_model_parallel_allreduce,
-            sequence_parallel=self.sequence_parallel,
+            sequence_parallel=self.sequence_parallel, fp8_meta=self.fp8_meta,
         )
         if self.gather_output:
             if self.sequence_parallel:
@@ -474,6 +512,7 @@ class RowParallelLinear(torch.nn.Module):
             setattr(self.bias, "sequence_parallel", self.sequence_parallel)
         else:
             self.register_parameter("bias", None)
+        self.fp8_meta = _fp8_meta_for(config)
 
     def forward(self, input_: torch.Tensor):
         if self.input_is_parallel:
@@ -484,7 +523,7 @@ class RowParallelLinear(torch.nn.Module):
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
             input=input_parallel, weight=self.weight, bias=None,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            async_grad_allreduce=False, sequence_parallel=False,
+            async_grad_allreduce=False, sequence_parallel=False, fp8_meta=self.fp8_meta,
         )
         if self.sequence_parallel:
             output_ = reduce_scatter_to_sequence_parallel_region(output_parallel)

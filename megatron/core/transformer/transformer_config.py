@@ -7,6 +7,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fp8_utils import fp8_recipe_from_config
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
@@ -59,8 +60,9 @@ class TransformerConfig(ModelParallelConfig):
     recompute_num_layers: Optional[int] = None
     distribute_saved_activations: Optional[bool] = None
 
-    # FP8 (Transformer Engine only)
+    # FP8 (--fp8-format e4m3|hybrid): GEMMs of the linear layers in FP8, see megatron/core/fp8_utils.py
     fp8: Optional[str] = None
+    fp8_recipe: str = "delayed"
     fp8_margin: int = 0
     fp8_interval: int = 1
     fp8_amax_history_len: int = 1
@@ -138,6 +140,9 @@ class TransformerConfig(ModelParallelConfig):
 
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
+
+        if self.fp8 is not None:
+            fp8_recipe_from_config(self)  # raises a ValueError naming the flag for an invalid combination
 
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
