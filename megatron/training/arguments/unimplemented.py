@@ -1,9 +1,10 @@
 """Flags of today's Megatron-LM whose features this library does not implement yet: MoE, context parallelism > 1,
-T5 (encoder-decoder) models and FP8.
+T5 (encoder-decoder) models, and the FP8 variants that need Transformer Engine (block-scaled recipes, FP8
+parameters; per-tensor FP8 GEMMs with --fp8-format run, see megatron/core/fp8_utils.py).
 
 The flags parse with Megatron's types and defaults, and their values are checked as Megatron checks them; then a
 value that would need the missing feature stops with one ConfigurationError line naming the flag. A flag left at
-its default (``--context-parallel-size 1``, no ``--num-experts``, no ``--fp8-format``) changes nothing, so a
+its default (``--context-parallel-size 1``, no ``--num-experts``, no ``--fp8-param-gather``) changes nothing, so a
 script that merely spells those defaults out runs.
 """
 from __future__ import annotations
@@ -114,6 +115,12 @@ def _validate_fp8(args) -> None:
         _require(args.fp8 is not None, "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
         _require(args.use_distributed_optimizer,
                  "--fp8-param-gather needs --use-distributed-optimizer (FP8 parameters are gathered by it)")
-    if args.fp8 is not None:
-        raise _not_implemented(f"--fp8-format {args.fp8}", "FP8 training (Transformer Engine on a GPU)",
-                               "drop the --fp8-* flags and train in --bf16")
+    if args.fp8 is None:
+        return
+    # FP8 GEMMs run without Transformer Engine (megatron/core/fp8_utils.py) with the two per-tensor recipes.
+    if args.fp8_recipe not in ("delayed", "tensorwise"):
+        raise _not_implemented(f"--fp8-recipe {args.fp8_recipe}", "block-scaled FP8 recipes (Transformer Engine)",
+                               "use --fp8-recipe delayed or tensorwise")
+    if args.fp8_param_gather:
+        raise _not_implemented("--fp8-param-gather", "FP8 parameters (Transformer Engine's fp8_model_init)",
+                               "drop --fp8-param-gather: the GEMMs still run in FP8")
