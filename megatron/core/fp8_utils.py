@@ -156,6 +156,16 @@ class Fp8Meta(torch.nn.Module):
         # Number of amaxes recorded per tensor (persistent, so a resumed run continues the same schedule).
         self.register_buffer("num_recorded", torch.zeros(3, dtype=torch.int64))
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if not any(k.startswith(prefix) for k in state_dict):
+            # A checkpoint saved without FP8 (or by Transformer Engine, which keeps its scales elsewhere): start the
+            # scaling state afresh, as a new FP8 run does.
+            _log_once("fresh_state", "the checkpoint holds no FP8 scaling state; scales start at 1")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def _reduced_amax(self, x: torch.Tensor) -> torch.Tensor:
         amax = x.detach().abs().max().float().reshape(1)
         group = self.amax_group

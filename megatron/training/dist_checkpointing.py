@@ -570,6 +570,11 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
         check_checkpoint_args(ckpt_args, directory, skip=("padded_vocab_size",))
     strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     request = model_sharded_state(model, args, for_load=True)
+    absent_fp8 = [k for k in request if ".fp8_meta." in k and k not in stored]
+    if absent_fp8:  # a checkpoint saved without FP8: the FP8 layers start their scaling state afresh
+        print_rank_0(f"  the checkpoint holds no FP8 scaling state ({len(absent_fp8)} keys): scales start at 1")
+        for k in absent_fp8:
+            del request[k]
     entries = model_entries(model, args)
     main_kind = None
     if load_optim:

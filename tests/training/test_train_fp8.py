@@ -52,3 +52,21 @@ def test_fp8_state_resumes_bit_exact(results):
     assert sorted(second) == [4, 5, 6], second
     for it in second:
         assert second[it] == straight[it], (it, second[it], straight[it])
+
+
+def _from_bf16_body(data, root):
+    """A bf16 checkpoint (torch_dist and torch) loads into an FP8 run, whose scales then start at 1."""
+    out = {}
+    for fmt in ("torch_dist", "torch"):
+        save = os.path.join(root, fmt)
+        base = ["--data-path", data, "--train-iters", "4", "--ckpt-format", fmt] + BF16
+        run_leg(base + ["--save", save, "--save-interval", "1000", "--exit-interval", "2"])
+        out[fmt] = losses(run_leg(base + HYBRID + ["--load", save])[0])
+    return out
+
+
+def test_bf16_checkpoint_loads_into_fp8_run(tmp_path_factory):
+    data = preprocess_corpus_slice(str(tmp_path_factory.mktemp("fp8_data2")))
+    out = run_distributed(_from_bf16_body, 1, data, str(tmp_path_factory.mktemp("fp8_from_bf16")), timeout=300)[0]
+    for fmt in ("torch_dist", "torch"):
+        assert sorted(out[fmt]) == [3, 4], (fmt, out[fmt])
