@@ -45,7 +45,8 @@ def test_report_collapses_blank_lines_in_samples_only():
 
 def test_quickstart_smoke(tmp_path):
     out = tmp_path / "qs"
-    env = dict(os.environ, OUT=str(out), ITERS="4", EVAL_INTERVAL="2", GEN_TOKENS="8", PYTHONPATH=REPO)
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OUT=str(out), ITERS="4", LOG_INTERVAL="2", EVAL_INTERVAL="4", GEN_TOKENS="8", PYTHONPATH=path)
     proc = subprocess.run(["bash", os.path.join(REPO, "examples", "quickstart_cpu.sh")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=380)
     text = proc.stdout + proc.stderr
