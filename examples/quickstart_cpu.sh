@@ -3,7 +3,8 @@
 #
 #   bash examples/quickstart_cpu.sh      # one process using every core, 4-5 minutes of training on 2 idle cores
 #
-# Steps: tokenise data/stdlib_prose.jsonl.gz with the shipped GPT-2 BPE files (tools/preprocess_data.py), then
+# Steps: tokenise data/stdlib_prose.jsonl.gz (documents in a fixed random order, so that the 2 % validation split
+# is a random sample) with the shipped GPT-2 BPE files (tools/preprocess_data.py), then
 # `torchrun pretrain_gpt.py` with Megatron's flags (a 4-layer GPT, hidden 256, sequence 128, 16 sequences per
 # step, about 1.2 M tokens seen, a little over one pass over the corpus), then tools/quickstart_report.py prints
 # the loss curve as a table and writes $OUT/loss.png, and tools/generate_text.py completes three prompts from the
@@ -36,8 +37,15 @@ DATA="$OUT/stdlib_gpt2_text_document"
 mkdir -p "$OUT"
 
 if [ ! -f "$DATA.idx" ]; then
-  echo "== tokenising the shipped corpus into $DATA.{bin,idx}"
-  python tools/preprocess_data.py --input data/stdlib_prose.jsonl.gz --output-prefix "$OUT/stdlib_gpt2" \
+  # The corpus is ordered by source (docstrings, comments, then the language-reference topics) and --split takes
+  # contiguous document ranges, so the last 2 % would be reference topics only. A fixed random document order
+  # makes the validation documents a random sample of the corpus.
+  echo "== shuffling the shipped corpus's documents (seed 1234) into $OUT/stdlib_prose_shuffled.jsonl"
+  python -c "import gzip, random, sys; lines = gzip.open(sys.argv[1], 'rt', encoding='utf-8').readlines(); \
+random.Random(1234).shuffle(lines); open(sys.argv[2], 'w', encoding='utf-8').writelines(lines)" \
+    data/stdlib_prose.jsonl.gz "$OUT/stdlib_prose_shuffled.jsonl"
+  echo "== tokenising it into $DATA.{bin,idx}"
+  python tools/preprocess_data.py --input "$OUT/stdlib_prose_shuffled.jsonl" --output-prefix "$OUT/stdlib_gpt2" \
     --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES" --append-eod --workers 2
 fi
 
