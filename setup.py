@@ -59,6 +59,12 @@ EXTRAS = {
     "server": [
         "flask>=2.2",
     ],
+    # examples/quickstart_cpu.sh: loss.png (matplotlib) and TensorBoard event files (tensorboard); optional, the
+    # quickstart says what it skipped without them
+    "quickstart": [
+        "matplotlib>=3.5",
+        "tensorboard>=2.10",
+    ],
     "test": [
         "pytest>=7",
         "pytest-timeout>=2.1",

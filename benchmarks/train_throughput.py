@@ -56,6 +56,9 @@ COMMON_FLAGS = [
 PRESETS = {
     "cpu": ["--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512",
             "--micro-batch-size", "4", "--global-batch-size", "4"],
+    # The vocabulary-bound case: the output layer and the loss dominate (2 layers, 50k vocabulary, sequence 1024).
+    "cpu-vocab": ["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "1024",
+                  "--micro-batch-size", "2", "--global-batch-size", "2"],
     "gpt-125m": ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "2048",
                  "--micro-batch-size", "8", "--global-batch-size", "8", "--bf16"],
     "gpt-1.3b": ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
@@ -196,13 +199,14 @@ def run_ours(opts, argv):
     config = get_model_config(model[0])
     for chunk in model:
         chunk.train()
-    _configure_schedule_hooks(config, model, optimizer)
+    numerical_guard = _configure_schedule_hooks(config, model, optimizer)
     data = cycle(synthetic_batches(args, 2 * get_num_microbatches()))
     inner = type(optimizer.optimizer).__name__ if hasattr(optimizer, "optimizer") else type(optimizer).__name__
     fused = getattr(getattr(optimizer, "optimizer", None), "defaults", {}).get("fused")
 
     def step():
-        loss_dict, _, _, _ = train_step(forward_step, data, model, optimizer, scheduler, config)
+        loss_dict, _, _, _ = train_step(forward_step, data, model, optimizer, scheduler, config,
+                                        numerical_guard=numerical_guard)
         return loss_dict["lm loss"]
 
     windows, loss0, loss_last = timed_loop(step, opts)

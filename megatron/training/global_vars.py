@@ -61,6 +61,11 @@ def get_tokenizer():
     return _GLOBAL_TOKENIZER
 
 
+def get_tokenizer_or_none():
+    """The tokenizer when one was built (``set_global_variables(build_tokenizer=True)``), else None."""
+    return _GLOBAL_TOKENIZER
+
+
 def get_tensorboard_writer():
     """The TensorBoard ``SummaryWriter`` (last rank, with --tensorboard-dir), or None."""
     return _GLOBAL_TENSORBOARD_WRITER

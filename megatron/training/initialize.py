@@ -1,8 +1,9 @@
 """``initialize_megatron``: flags -> global state -> torch.distributed -> parallel groups -> seeds.
 
-The order is Megatron-LM's (reference §5): parse, validate (all configuration errors surface here, before any
-process group exists), create the global singletons, initialise torch.distributed from torchrun's or SLURM's
-environment, build the model-parallel groups, seed python/numpy/torch with ``seed + 100 * pp_rank``.
+The order is that of Megatron-LM's ``megatron/training/initialize.py``: parse, validate (all configuration errors
+surface here, before any process group exists), create the global singletons, initialise torch.distributed from
+torchrun's or SLURM's environment, build the model-parallel groups, seed python/numpy/torch with ``seed + 100 *
+pp_rank``.
 """
 from __future__ import annotations
 
@@ -65,7 +66,9 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
 def _check_data_files(args):
     """Every rank opens the datasets (and checks their token ids against the tokenizer) before any collective."""
     from megatron.training.data_checks import check_data_files
-    from megatron.training.global_vars import _GLOBAL_TOKENIZER as tokenizer
+    from megatron.training.global_vars import get_tokenizer_or_none
+
+    tokenizer = get_tokenizer_or_none()
 
     vocab_size = getattr(tokenizer, "vocab_size", None) if tokenizer is not None else None
     check_data_files(args, vocab_size)

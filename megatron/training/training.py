@@ -7,6 +7,7 @@ evaluation, checkpointing and exit checks) → final validation and test.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -43,7 +44,6 @@ from megatron.training.utils import calc_params_l2_norm, print_datetime, print_r
 
 _TRAIN_START_TIME = time.time()
 # Set by train() when --check-for-nan-in-loss-and-grad or a test's MEGATRON_FAULT_INJECT is on; else None.
-_numerical_guard = None
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
@@ -272,15 +272,19 @@ def setup_model_and_optimizer(model_provider_func, model_type, no_wd_decay_cond=
 
 # ------------------------------------------------------------------------------------------ train
 
-def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
-    """One iteration: forward and backward over every micro-batch, then one optimizer step."""
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+               numerical_guard=None):
+    """One iteration: forward and backward over every micro-batch, then one optimizer step.
+
+    ``numerical_guard`` (a ``NumericalGuard`` from ``_configure_schedule_hooks``, or None) checks losses and
+    gradients and stops every rank before the optimizer can use a NaN."""
     args, timers = get_args(), get_timers()
 
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
 
-    guard = _numerical_guard
+    guard = numerical_guard
     if guard is not None:
         forward_step_func = wrap_forward_step(forward_step_func, guard, torch.distributed.get_rank(),
                                               args.iteration + 1)
@@ -340,7 +344,9 @@ def _sum_reported_losses(loss_dicts):
 
 
 def _configure_schedule_hooks(config, model, optimizer):
-    """Let the schedules scale the loss, defer DDP gradient reduction and finalise gradients."""
+    """Let the schedules scale the loss, defer DDP gradient reduction and finalise gradients.
+
+    Returns the ``NumericalGuard`` that train_step and the gradient hook share (None when no check is asked)."""
     config.grad_scale_func = optimizer.scale_loss
     config.timers = get_timers()
     if len(model) == 1:
@@ -349,15 +355,15 @@ def _configure_schedule_hooks(config, model, optimizer):
     if get_args().overlap_param_gather and get_args().align_param_gather:
         # Interleaved schedule: each chunk's parameter all-gathers start at aligned points of the schedule.
         config.param_sync_func = [chunk.start_param_sync for chunk in model]
-    global _numerical_guard
     args = get_args()
-    _numerical_guard = None
+    guard = None
     if args.check_for_nan_in_loss_and_grad or os.environ.get(FAULT_INJECT_ENV_VAR):
-        _numerical_guard = NumericalGuard(args.check_for_nan_in_loss_and_grad, allow_inf=args.fp16)
-        config.finalize_model_grads_func = _checked_finalize_model_grads
+        guard = NumericalGuard(args.check_for_nan_in_loss_and_grad, allow_inf=args.fp16)
+        config.finalize_model_grads_func = functools.partial(_checked_finalize_model_grads, guard=guard)
+    return guard
 
 
-def _checked_finalize_model_grads(model_chunks, *rest, **kwargs):
+def _checked_finalize_model_grads(model_chunks, *rest, guard, **kwargs):
     """Look at (or, in tests, poison) this rank's local gradients before the data-parallel reduction.
 
     With --overlap-grad-reduce (or --DDP-impl torch) the reduction already ran during the backward pass, so
@@ -365,7 +371,7 @@ def _checked_finalize_model_grads(model_chunks, *rest, **kwargs):
     args = get_args()
     rank = torch.distributed.get_rank()
     inject_nan_grad(model_chunks, rank, args.iteration + 1)
-    _numerical_guard.note_grads(model_chunks)
+    guard.note_grads(model_chunks)
     return finalize_model_grads(model_chunks, *rest, **kwargs)
 
 
@@ -390,7 +396,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     args, timers = get_args(), get_timers()
     for chunk in model:
         chunk.train()
-    _configure_schedule_hooks(config, model, optimizer)
+    numerical_guard = _configure_schedule_hooks(config, model, optimizer)
     # Progress records for hang and straggler detection (hang_detection.py): local writes only.
     progress = progress or ProgressTracker(args.rank)
     forward_step_func = progress.wrap_forward_step(forward_step_func)
@@ -411,7 +417,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         progress.begin_iteration(iteration + 1)
         update_num_microbatches(args.consumed_train_samples)
         loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
+            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config,
+            numerical_guard=numerical_guard)
         iteration += 1
         args.iteration = iteration
         profiler.after_iteration(iteration)
@@ -441,8 +448,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             manual_gc.after_eval()
         manual_gc.after_iteration(iteration)
         progress.phase("save and exit checks")
-        if _should_exit(iteration, model, optimizer, opt_param_scheduler):
-            break
+        _save_or_exit(iteration, model, optimizer, opt_param_scheduler)
     profiler.stop()
     manual_gc.stop()
     _param_gather_hooks(model, enabled=False)  # whole parameters for the final evaluation and save
@@ -462,8 +468,8 @@ def _param_gather_hooks(model, enabled: bool):
             chunk.disable_forward_pre_hook()
 
 
-def _should_exit(iteration, model, optimizer, opt_param_scheduler) -> bool:
-    """Save and exit checks after each iteration, in Megatron's order."""
+def _save_or_exit(iteration, model, optimizer, opt_param_scheduler) -> None:
+    """Save and exit checks after each iteration, in Megatron's order; an exit ends the process (``_exit``)."""
     args = get_args()
     saved = False
 
@@ -496,7 +502,6 @@ def _should_exit(iteration, model, optimizer, opt_param_scheduler) -> bool:
         torch.distributed.barrier()
         print_datetime("exiting program at iteration {}".format(iteration))
         _exit()
-    return False
 
 
 def _exit():

@@ -38,6 +38,24 @@ def num_floating_point_operations(args, batch_size: int) -> float:
             * (1 + (ffn / h) * gated + query_group_ratio + s / h + vocab / (2 * num_layers * h)))
 
 
+def format_tflops(value: float) -> str:
+    """TFLOP/s for the log line: Megatron's ``{:.1f}`` from 10 up, two significant digits below 10.
+
+    A CPU run does 0.01-1 TFLOP/s, which ``{:.1f}`` prints as ``0.0``; fixed notation keeps the field a plain
+    decimal number (``0.031``, ``0.52``, ``3.4``, ``123.4``), at most 6 decimals.
+    """
+    if not math.isfinite(value) or value >= 10.0 or value <= 0.0:
+        return "{:.1f}".format(value)
+    decimals = min(6, max(1, 1 - math.floor(math.log10(value))))
+    return "{:.{}f}".format(value, decimals)
+
+
+def format_eta(seconds: float) -> str:
+    """Seconds as ``H:MM:SS`` (hours unbounded), for the time-to-finish field."""
+    seconds = max(0, int(round(seconds)))
+    return "{:d}:{:02d}:{:02d}".format(seconds // 3600, seconds // 60 % 60, seconds % 60)
+
+
 class LogState:
     """Counters accumulated between two log lines (Megatron keeps these in ``total_loss_dict``)."""
 
@@ -121,11 +139,14 @@ def training_log(state: LogState, loss_dict, learning_rate, iteration, loss_scal
     line = " iteration {:8d}/{:8d} |".format(iteration, args.train_iters)
     line += " consumed samples: {:12d} |".format(args.consumed_train_samples)
     line += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_per_iter * 1000.0)
+    # Not in Megatron's line: the time the remaining iterations take at this interval's pace.
+    line += " time to finish (h:mm:ss): {} |".format(
+        format_eta(elapsed_per_iter * max(args.train_iters - iteration, 0)))
     if args.log_throughput:
         flops = num_floating_point_operations(args, batch_size)
         tflops_per_gpu = flops / (elapsed_per_iter * 1e12 * args.world_size)
         tokens_per_second = batch_size * args.seq_length / elapsed_per_iter
-        line += " throughput per GPU (TFLOP/s/GPU): {:.1f} |".format(tflops_per_gpu)
+        line += " throughput per GPU (TFLOP/s/GPU): {} |".format(format_tflops(tflops_per_gpu))
         line += " tokens per second: {:.1f} |".format(tokens_per_second)
         if writer is not None:
             writer.add_scalar("throughput", tflops_per_gpu, iteration)

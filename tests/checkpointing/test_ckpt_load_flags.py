@@ -1,4 +1,4 @@
-"""Load-behaviour flags (reference §4.6) and clear errors, on one rank.
+"""Load-behaviour flags (--no-load-optim, --no-load-rng, --finetune, ...) and clear errors, on one rank.
 
 A 4-iteration run saves at iterations 2 and 4; every later leg loads from it with one flag. Losses of an
 iteration computed before any optimizer step after the load depend only on the loaded weights and the data

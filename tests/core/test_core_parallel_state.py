@@ -11,7 +11,7 @@ from helpers.dist_harness import run_distributed
 
 # (world, tp, pp, vpp) -> hand-written group tables.
 LAYOUTS = {
-    (8, 2, 2, None): {  # reference §2.2 worked example
+    (8, 2, 2, None): {  # TP groups: consecutive ranks; DP: stride TP; PP: stride TP*DP
         "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
         "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
         "pipeline": [[0, 4], [1, 5], [2, 6], [3, 7]],

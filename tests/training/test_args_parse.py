@@ -1,4 +1,5 @@
-"""parse_args: flag defaults and destinations against Megatron-LM's (reference §4, typed in by hand), the
+"""parse_args: flag defaults and destinations against Megatron-LM's (Megatron-LM's
+``megatron/training/arguments.py``, typed in by hand), the
 argument groups, argv / extra-args handling, and the arguments table."""
 import argparse
 import importlib
@@ -8,7 +9,7 @@ from helpers.args_test_helpers import BASE_ARGV, clean_env, validated  # noqa: F
 
 from megatron.training.arguments import build_parser, format_args_table, parse_args
 
-# dest -> Megatron's default, from reference §4 (not read back from our parser).
+# dest -> Megatron's default, from Megatron-LM's arguments.py (not read back from our parser).
 EXPECTED_DEFAULTS = {
     # network size
     "num_layers": None, "encoder_num_layers": None, "decoder_num_layers": None, "hidden_size": None,

@@ -94,9 +94,9 @@ def numerics_body():
     snapshots = []
     original_step = training_mod.train_step
 
-    def snapshot_step(forward_step_func, data_iterator, model, optimizer, scheduler, config):
+    def snapshot_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, **kwargs):
         before = _optimizer_snapshot(optimizer, scheduler)
-        result = original_step(forward_step_func, data_iterator, model, optimizer, scheduler, config)
+        result = original_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, **kwargs)
         snapshots.append((before, _optimizer_snapshot(optimizer, scheduler), result[1]))
         return result
 

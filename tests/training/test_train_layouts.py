@@ -68,6 +68,7 @@ def test_loss_curve_is_layout_independent(world, reference_losses, gpt_data):
 
 LOG_FIELDS = re.compile(
     r"^ iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| elapsed time per iteration \(ms\): ([\d.]+) \|"
+    r" time to finish \(h:mm:ss\): \d+:\d\d:\d\d \|"
     r"( throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| tokens per second: [\d.]+ \|)?"
     r" learning rate: ([\d.E+-]+) \| global batch size:\s+(\d+) \|( lm loss: [\d.E+-]+ \|)?"
     r" loss scale: ([\d.]+) \|( grad norm: [\d.]+ \|)? number of skipped iterations:\s+(\d+) \|"

@@ -1,6 +1,7 @@
 """Flags that describe the model: network size, regularization, initialization, Transformer Engine, retro.
 
-Names, types, defaults and destinations follow Megatron-LM (reference §4); each function adds one argument
+Names, types, defaults and destinations follow Megatron-LM's ``megatron/training/arguments.py``
+(https://github.com/NVIDIA/Megatron-LM); each function adds one argument
 group and returns the parser, as Megatron's ``_add_*_args`` do.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Flags about the job rather than the model: distributed, data, autoresume, logging, inference.
 
-Names, types, defaults and destinations follow Megatron-LM (reference §4).
+Names, types, defaults and destinations follow Megatron-LM's
+``megatron/training/arguments.py`` (https://github.com/NVIDIA/Megatron-LM).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Flags of task-specific models Megatron-LM ships: the biencoder (ICT/REALM) and vision models.
 
-Kept so that existing command lines parse; names, types and defaults follow Megatron-LM (reference §4).
+Kept so that existing command lines parse; names, types and defaults follow Megatron-LM's
+``megatron/training/arguments.py`` (https://github.com/NVIDIA/Megatron-LM).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Flags that describe a training run: training, learning rate, checkpointing, mixed precision, validation.
 
-Names, types, defaults and destinations follow Megatron-LM (reference §4).
+Names, types, defaults and destinations follow Megatron-LM's
+``megatron/training/arguments.py`` (https://github.com/NVIDIA/Megatron-LM).
 """
 from __future__ import annotations
 

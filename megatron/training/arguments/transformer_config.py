@@ -1,4 +1,6 @@
-"""``core_transformer_config_from_args``: Megatron-LM's mapping from flags onto ``TransformerConfig`` (§2.5)."""
+"""``core_transformer_config_from_args``: Megatron-LM's mapping from flags onto ``TransformerConfig``.
+
+The same function as in Megatron-LM's ``megatron/training/arguments.py`` (https://github.com/NVIDIA/Megatron-LM)."""
 from __future__ import annotations
 
 import dataclasses

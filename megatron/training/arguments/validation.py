@@ -1,4 +1,5 @@
-"""``validate_args``: Megatron-LM's checks and derived values, in Megatron's order (reference §4).
+"""``validate_args``: Megatron-LM's checks and derived values, in Megatron's order (``validate_args`` in
+Megatron-LM's ``megatron/training/arguments.py``, https://github.com/NVIDIA/Megatron-LM).
 
 Every user mistake raises :class:`ConfigurationError` with one line naming the flag(s) and the fix. Nothing
 here needs a process group: the world size comes from the launcher's environment (``args.world_size``), so a
