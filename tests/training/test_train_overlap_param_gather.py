@@ -5,7 +5,8 @@
    synchronous all-gather runs 0 times instead of once per iteration).
 2. A shrunk llama3 (RMSNorm, SwiGLU, RoPE, GQA, untied, no bias) with bf16, TP = 2 with sequence parallelism,
    the distributed optimizer, --overlap-grad-reduce --overlap-param-gather, --decoupled-lr,
-   --calculate-per-token-loss, --manual-gc and --mock-data: the loss falls, equals the run without
+   --calculate-per-token-loss, --manual-gc, --attention-backend auto, --no-create-attention-mask-in-dataloader,
+   --rotary-base and --mock-data: the loss falls, equals the run without
    --overlap-param-gather within 1e-6 relative, the logged LR is the default group's (not the decoupled one),
    and the gradient buffers are fp32 (bf16 with --grad-reduce-in-bf16, which also trains).
 """
@@ -76,6 +77,7 @@ LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", 
          "--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
          "--overlap-grad-reduce", "--ddp-bucket-size", "5000", "--decoupled-lr", "5e-3",
          "--decoupled-min-lr", "5e-4", "--calculate-per-token-loss", "--manual-gc", "--train-iters", "12",
+         "--attention-backend", "auto", "--no-create-attention-mask-in-dataloader", "--rotary-base", "500000",
          # A small vocabulary makes the mock documents (1, 2, 3, ... wrapping around) learnable in 12 steps.
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "255"]
 
