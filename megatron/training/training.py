@@ -93,7 +93,7 @@ def _pretrain_after_initialize(train_valid_test_dataset_provider, model_provider
             save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                             args.num_floating_point_operations_so_far)
         if args.async_save:
-            from megatron.training.dist_checkpointing import finalize_async_save
+            from megatron.training.checkpointing.torch_dist import finalize_async_save
             finalize_async_save()  # the last checkpoint is complete before evaluation and exit
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
@@ -506,7 +506,7 @@ def _save_or_exit(iteration, model, optimizer, opt_param_scheduler) -> None:
 
 def _exit():
     if get_args().async_save:
-        from megatron.training.dist_checkpointing import finalize_async_save
+        from megatron.training.checkpointing.torch_dist import finalize_async_save
         finalize_async_save()
     writer = get_tensorboard_writer()
     if writer is not None:

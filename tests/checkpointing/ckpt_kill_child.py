@@ -19,6 +19,7 @@ from helpers.ckpt_helpers import run_leg  # noqa: E402
 def main():
     mode, stage, occurrence, save_dir, data = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
     from megatron.training import checkpointing
+    from megatron.training.checkpointing import protocol
     import megatron.training.training as training_mod
 
     state = {"armed": False, "count": 0}
@@ -35,7 +36,7 @@ def main():
                 print(f"killing myself at {name} ({path})", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpointing._save_stage = kill_at
+    protocol.save_stage = kill_at
     training_mod.save_checkpoint = arming_save
     base = ["--data-path", data, "--train-iters", "6", "--exit-interval", "4", "--save", save_dir,
             "--save-interval", "2", "--use-distributed-optimizer"]

@@ -23,7 +23,7 @@ def _convert(*argv):
 
 
 def test_torch_dist_loader_and_saver(tmp_path):
-    from megatron.training.dist_checkpointing import load_full_checkpoint
+    from megatron.training.checkpointing.torch_dist import load_full_checkpoint
 
     src, dist, via, direct, back = (str(tmp_path / n) for n in ("hf", "dist", "via", "direct", "back"))
     _llama().save_pretrained(src, safe_serialization=True)

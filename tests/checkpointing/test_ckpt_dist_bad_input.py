@@ -27,7 +27,7 @@ def _model(hidden=32):
 
 def _save(directory, drop=(), extra=None):
     from megatron.core.dist_checkpointing import LocalShard, save_sharded
-    from megatron.training import dist_checkpointing as dc
+    from megatron.training.checkpointing import torch_dist as dc
 
     state = dc.model_sharded_state([_model()])
     for key in drop:
@@ -39,7 +39,7 @@ def _save(directory, drop=(), extra=None):
 
 def _load(directory, strictness="assume_ok_unexpected", hidden=32):
     """(error line or None, the loaded model's final norm weight)."""
-    from megatron.training import dist_checkpointing as dc
+    from megatron.training.checkpointing import torch_dist as dc
 
     model = _model(hidden)
     request = dc.model_sharded_state([model], for_load=True)
@@ -121,7 +121,7 @@ def test_strictness_values(results):
 def test_auto_detect_ckpt_format(tmp_path):
     import argparse
 
-    from megatron.training.checkpointing import _load_format
+    from megatron.training.checkpointing import load_format
 
     for fmt, marker in (("torch_dist", "metadata.json"), ("torch", "mp_rank_00")):
         root = tmp_path / fmt
@@ -133,6 +133,6 @@ def test_auto_detect_ckpt_format(tmp_path):
             (root / "iter_0000003" / marker).write_text("{}")
         other = "torch" if fmt == "torch_dist" else "torch_dist"
         args = argparse.Namespace(ckpt_format=other, auto_detect_ckpt_format=True, ckpt_step=None)
-        assert _load_format(args, str(root)) == fmt
+        assert load_format(args, str(root)) == fmt
         args.auto_detect_ckpt_format = False
-        assert _load_format(args, str(root)) == other
+        assert load_format(args, str(root)) == other

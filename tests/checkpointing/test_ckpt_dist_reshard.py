@@ -77,7 +77,7 @@ def test_reshard_on_load_continues_the_loss_curve(legs):
 
 
 def test_offline_read_and_async_save(legs):
-    from megatron.training.dist_checkpointing import load_full_checkpoint
+    from megatron.training.checkpointing.torch_dist import load_full_checkpoint
 
     root, _ = legs
     full_a = load_full_checkpoint(os.path.join(root, "a", "iter_0000002"))
@@ -117,7 +117,7 @@ def test_offline_read_and_async_save(legs):
 def test_torch_checkpoint_converts_to_the_same_weights(legs, tmp_path):
     """The trainer's legacy (2,2) checkpoint, merged by tools/checkpoint/convert.py, equals the torch_dist
     checkpoint of the same run read offline: two independent paths from shards to full tensors."""
-    from megatron.training.dist_checkpointing import load_full_checkpoint
+    from megatron.training.checkpointing.torch_dist import load_full_checkpoint
     from tools.checkpoint import convert
     from tools.checkpoint.legacy_io import load_legacy
 
@@ -129,7 +129,7 @@ def test_torch_checkpoint_converts_to_the_same_weights(legs, tmp_path):
     assert (info["tp"], info["pp"], info["iteration"]) == (1, 1, 4) and args.tensor_model_parallel_size == 1
     reference = load_full_checkpoint(os.path.join(root, "a", "iter_0000004"))["model"]
     from megatron.core.models.conversion.keys import legacy_to_mcore_key
-    from megatron.training.dist_keys import disk_key
+    from megatron.training.checkpointing.dist_keys import disk_key
 
     stacked = {}
     for key, value in merged.items():

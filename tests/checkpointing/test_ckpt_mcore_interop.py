@@ -99,7 +99,7 @@ LOAD_LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (TP, PP) on 2 ranks (TP=1 PP=1 is DP=
 
 def load_body(style, directory):
     """Our model loads ``directory`` at every layout of LOAD_LAYOUTS; {layout: logits} on the last stage."""
-    from megatron.training import dist_checkpointing as dc
+    from megatron.training.checkpointing import torch_dist as dc
 
     out = {}
     for tp, pp in LOAD_LAYOUTS:
@@ -120,7 +120,7 @@ def save_body(style, root):
     import json
 
     from megatron.core.dist_checkpointing import save_sharded
-    from megatron.training import dist_checkpointing as dc
+    from megatron.training.checkpointing import torch_dist as dc
 
     out = {}
     for tp, pp, _ in SAVE_LAYOUTS:

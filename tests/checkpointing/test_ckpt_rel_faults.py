@@ -102,7 +102,7 @@ def _assert_complete(save_dir, ckpt_format, world):
                                map_location="cpu", weights_only=False)
             assert state["iteration"] == iteration
     else:
-        from megatron.training.dist_checkpointing import load_full_checkpoint
+        from megatron.training.checkpointing.torch_dist import load_full_checkpoint
         assert os.path.isfile(os.path.join(iter_dir, "metadata.json")), os.listdir(iter_dir)
         assert load_full_checkpoint(iter_dir)["iteration"] == iteration
     return iteration
@@ -311,7 +311,7 @@ def test_ckpt_rel_disk_full_real_tmpfs(data, reference, tmp_path):
 def resave_body(data, save_dir):
     """torch_dist: save 2 and 4; resume from --ckpt-step 2 and save 4 again, failing right after the complete copy
     of iteration 4 (the one the tracker names) was moved aside; then resume from the tracker."""
-    from megatron.training import checkpointing
+    from megatron.training.checkpointing import protocol
     base = ["--data-path", data, "--train-iters", "6", "--exit-interval", "4", "--ckpt-format", "torch_dist",
             "--save", save_dir, "--save-interval", "2"]
     run_leg(base)
@@ -320,14 +320,14 @@ def resave_body(data, save_dir):
         if stage == "previous-copy-moved-aside":
             raise OSError(errno.EIO, "simulated crash between the two renames", path)
 
-    checkpointing._save_stage = fail_after_moving_aside
+    protocol.save_stage = fail_after_moving_aside
     try:
         run_leg(base + ["--load", save_dir, "--ckpt-step", "2"])
         error = None
     except Exception as e:  # noqa: BLE001 - the test inspects it
         error = str(e)
     finally:
-        checkpointing._save_stage = lambda stage, path: None
+        protocol.save_stage = lambda stage, path: None
     listing = sorted(os.listdir(save_dir))
     records, _ = run_leg(["--data-path", data, "--train-iters", "6", "--ckpt-format", "torch_dist",
                           "--load", save_dir])

@@ -1,0 +1,355 @@
+"""The ``torch_dist`` state of a model and its optimizer: Megatron-LM's keys, sharding and common state.
+
+Model tensors: every tensor of each model chunk's state dict under its Megatron on-disk key
+(megatron.training.checkpointing.dist_keys), as this rank's shards of the global (layer-stacked, TP-merged) tensor;
+plus one empty ``_extra_state`` object (payload ``[None]``) per linear layer, written by TP/DP rank 0.
+
+Optimizer state, per model tensor with the same sharding: ``optimizer.state.{exp_avg,exp_avg_sq}.<key>`` (Adam;
+``momentum_buffer`` for SGD) plus the fp32 master copy ``optimizer.state.fp32_param.<key>`` (mixed precision) for
+the plain optimizer; the distributed optimizer uses Megatron's ``fully_reshardable`` form
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``: each parameter's pieces are gathered over the data-parallel
+group (the ranges of all DP ranks are disjoint and summed by one all-reduce per kind). Without a master copy (fp32
+training) the model weights are the master copy. The common state (``common.pt`` ``optimizer``) holds the param
+groups without their params, ``state.common_step`` and the grad scaler.
+
+``args`` in common.pt holds only values Megatron's ``weights_only`` loader accepts (:func:`safe_args`);
+:func:`read_common` reads Megatron-LM's common.pt too (classes this package does not define become placeholders).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.sharded_io import LocalShard
+from megatron.core.models.conversion.keys import legacy_to_mcore_key
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+from megatron.training.checkpointing import dist_keys
+from megatron.training.errors import FatalRunError
+
+CHECKPOINT_VERSION = 3.0
+METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+            "common_backend": "torch", "common_backend_version": 1}
+_SAFE_SCALARS = (type(None), bool, int, float, str, torch.dtype)
+
+
+class DistCheckpointError(FatalRunError):
+    """A torch_dist checkpoint that cannot be used; the message names the directory or entry."""
+
+
+# ------------------------------------------------------------------------------------------------ model
+def _layer_offset(num_layers: int) -> int:
+    """Global number of this stage's (and virtual chunk's) first layer; layers are split evenly."""
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None:
+        return rank * (num_layers // pp)
+    virtual_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    return virtual_rank * (num_layers // vpp) + rank * (num_layers // pp // vpp)
+
+
+def _is_mcore(chunk) -> bool:
+    return type(chunk).__module__.startswith("megatron.core.")
+
+
+def model_layout(chunk, args=None):
+    """(num_layers, gated, tied output layer) of a model chunk (from its config; the args for legacy models)."""
+    config = getattr(chunk, "config", None)
+    num_layers = getattr(config, "num_layers", None) or getattr(args, "num_layers")
+    gated = bool(getattr(config, "gated_linear_unit", False) or getattr(args, "swiglu", False))
+    if hasattr(chunk, "share_embeddings_and_output_weights"):
+        tied = bool(chunk.share_embeddings_and_output_weights)
+    else:
+        tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    return num_layers, gated, tied
+
+
+def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
+    """Per model chunk, every tensor of its state dict with its Megatron on-disk key."""
+    out = []
+    for i, chunk in enumerate(model):
+        if len(model) > 1:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(i)
+        num_layers, _, tied = model_layout(chunk, args)
+        offset = _layer_offset(num_layers)
+        params = dict(chunk.named_parameters())
+        mcore = _is_mcore(chunk)
+        entries = []
+        for name, value in chunk.state_dict().items():
+            if value is None or name.endswith("_extra_state"):
+                continue
+            if not torch.is_tensor(value):
+                raise DistCheckpointError(f"model entry {name!r} is a {type(value).__name__}, not a tensor: the "
+                                          "torch_dist format stores only tensors in the model state")
+            key, layer = dist_keys.disk_key(name if mcore else legacy_to_mcore_key(name), offset, tied)
+            param = params.get(name)
+            tp_dim = param.partition_dim if param is not None and getattr(param, "tensor_model_parallel", False) \
+                else None
+            entries.append(dist_keys.Entry(name, key, layer, value, param, tp_dim))
+        out.append(entries)
+    if len(model) > 1:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    return out
+
+
+def tp_size_rank():
+    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+
+
+def model_sharded_state(model, args=None, for_load=False) -> Dict[str, object]:
+    """The model part of the sharded state dict (tensors + ``_extra_state`` objects); for loading, fresh zero
+    buffers of the same shards."""
+    tp, tp_rank = tp_size_rank()
+    out: Dict[str, object] = {}
+    for chunk, entries in zip(model, model_entries(model, args)):
+        num_layers, gated, _ = model_layout(chunk, args)
+        layers = set()
+        for e in entries:
+            pieces = dist_keys.shards(e, num_layers, tp, tp_rank, gated)
+            if for_load:
+                pieces = [LocalShard(torch.zeros_like(p.data), p.global_shape, p.global_offset) for p in pieces]
+            out.setdefault(e.key, []).extend(pieces)  # stacked keys collect one chunk per layer
+            if e.layer is not None:
+                layers.add((e.key.split(".layers.")[0] + ".layers", e.layer))
+        # Megatron expects one (empty) _extra_state object per linear layer; written by TP/DP rank 0.
+        if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank() == 0):
+            keys = {e.key for e in entries}
+            for block, layer in sorted(layers):
+                for linear in dist_keys.LINEARS:
+                    if f"{block}.{linear}.weight" in keys:
+                        out[dist_keys.extra_state_key(block, linear, layer, num_layers)] = [None]
+    return out
+
+
+def apply_loaded_model(model, loaded, args=None, strict=True):
+    """Copy the tensors read into ``loaded`` (from :func:`model_sharded_state` ``for_load``) into the model."""
+    tp, tp_rank = tp_size_rank()
+    for i, (chunk, entries) in enumerate(zip(model, model_entries(model, args))):
+        num_layers, gated, _ = model_layout(chunk, args)
+        state = {e.local_name: take_loaded(loaded, e.key, e, num_layers, tp, tp_rank, gated).reshape(e.tensor.shape)
+                 for e in entries if e.key in loaded}
+        if len(model) > 1:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(i)
+        chunk.load_state_dict(state, strict=strict)
+    if len(model) > 1:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+
+
+def take_loaded(loaded, key, entry, num_layers, tp, tp_rank, gated) -> torch.Tensor:
+    """``entry``'s local tensor from the shards read under ``key`` (matched by their global offsets)."""
+    got = loaded[key] if isinstance(loaded[key], list) else [loaded[key]]
+    by_offset = {tuple(sh.global_offset): sh for sh in got}
+    wanted = dist_keys.shards(entry, num_layers, tp, tp_rank, gated)
+    return dist_keys.merge_loaded(entry, [by_offset[tuple(w.global_offset)] for w in wanted])
+
+
+def safe_args(args) -> argparse.Namespace:
+    """A copy of ``args`` with only values Megatron's ``torch.load(weights_only=True)`` accepts (None, bool, int,
+    float, str, torch.dtype and lists/tuples/dicts of them); anything else (functions, classes) is left out."""
+    def ok(v):
+        if isinstance(v, _SAFE_SCALARS):
+            return True
+        if isinstance(v, (list, tuple)):
+            return all(ok(x) for x in v)
+        if isinstance(v, dict):
+            return all(isinstance(k, str) and ok(x) for k, x in v.items())
+        return False
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if ok(v)})
+
+
+class _Placeholder:
+    """Stands for a class pickled by another program (e.g. megatron-core's enums in its args) that this package
+    does not define; keeps the pickled state for inspection."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _TolerantUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return type(name, (_Placeholder,), {"__module__": "megatron_checkpoint." + module})
+
+
+class _TolerantPickle:
+    Unpickler = _TolerantUnpickler
+    load = staticmethod(pickle.load)
+    __name__ = "pickle"
+
+
+def read_common(directory):
+    """common.pt of a torch_dist checkpoint (ours or Megatron-LM's: unknown classes become placeholders)."""
+    path = os.path.join(directory, "common.pt")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_TolerantPickle)
+    except Exception as e:  # noqa: BLE001 - corrupt or truncated file: say which
+        raise DistCheckpointError(f"could not read {path} (corrupt or truncated?): {type(e).__name__}: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------------ optimizer
+def _state_keys(torch_optimizer) -> List[str]:
+    name = type(torch_optimizer).__name__
+    if "Adam" in name:
+        return ["exp_avg", "exp_avg_sq"]
+    if "SGD" in name:
+        return ["momentum_buffer"]
+    raise DistCheckpointError(f"--ckpt-format torch_dist does not know the state of the {name} optimizer")
+
+
+def _main_params(optimizer):
+    """{model param: (main tensor the torch optimizer updates, (start, end) in param.view(-1) or None)}."""
+    if isinstance(optimizer, DistributedOptimizer):
+        out = {}
+        for param, (g, o) in optimizer.model_param_group_index_map.items():
+            r = optimizer.param_ranges[param]
+            out[param] = (optimizer.optimizer.param_groups[g]["params"][o], (r.param_start, r.param_end))
+        return out
+    if isinstance(optimizer, Float16OptimizerWithFloat16Params):
+        out = {}
+        for model_group, main_group in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups):
+            out.update({p: (m, None) for p, m in zip(model_group, main_group)})
+        for group in optimizer.fp32_from_fp32_groups:
+            out.update({p: (p, None) for p in group})
+        return out
+    if type(optimizer).__name__ == "FP32Optimizer":
+        return {p: (p, None) for group in optimizer.optimizer.param_groups for p in group["params"]}
+    raise DistCheckpointError(f"--ckpt-format torch_dist cannot save a {type(optimizer).__name__}")
+
+
+def _main_kind(optimizer) -> Optional[str]:
+    """Megatron's name of the fp32 master copy: ``param`` (distributed optimizer), ``fp32_param`` (mixed
+    precision), None (fp32 training: the model weights are the master copy)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return "param"
+    if isinstance(optimizer, Float16OptimizerWithFloat16Params):
+        return "fp32_param"
+    return None
+
+
+def _optimizer_kinds(optimizer) -> List[str]:
+    main = _main_kind(optimizer)
+    return ([main] if main else []) + _state_keys(optimizer.optimizer)
+
+
+def optimizer_tensors(optimizer, entries) -> Dict[str, list]:
+    """{kind: [(entry, fp32 tensor of the param's local (TP) shape)]}.
+
+    The distributed optimizer holds only a range of each parameter: the ranges of all DP ranks are summed (they
+    are disjoint) with one all-reduce per kind.
+    """
+    mains = _main_params(optimizer)
+    sharded = isinstance(optimizer, DistributedOptimizer)
+    # The same list on every DP rank (the all-reduce below needs it): with the distributed optimizer a rank may
+    # own no piece of some parameter, and contributes zeros for it.
+    params = [e for e in entries if e.param is not None and (e.param in mains or sharded and e.param.requires_grad)]
+    out = {}
+    for kind in _optimizer_kinds(optimizer):
+        pieces = []
+        for e in params:
+            main, rng = mains.get(e.param, (None, None))
+            if main is None:
+                src = None
+            else:
+                src = main if kind == _main_kind(optimizer) else optimizer.optimizer.state.get(main, {}).get(kind)
+            full = torch.zeros(e.param.numel(), dtype=torch.float32)
+            if src is not None:
+                lo, hi = rng if rng is not None else (0, e.param.numel())
+                full[lo:hi] = src.detach().float().view(-1)
+            pieces.append(full)
+        if sharded and pieces:
+            flat = torch.cat(pieces)
+            torch.distributed.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+            pieces = list(torch.split(flat, [e.param.numel() for e in params]))
+        out[kind] = [(e, full.view(e.param.shape)) for e, full in zip(params, pieces)]
+    return out
+
+
+def optimizer_common(optimizer):
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
+    scaler = getattr(optimizer, "grad_scaler", None)
+    common = {"optimizer": {"param_groups": groups, "state": {"common_step": int(getattr(optimizer, "_inner_steps",
+                                                                                         0))}},
+              "grad_scaler": scaler.state_dict() if scaler is not None else None}
+    if isinstance(optimizer, DistributedOptimizer):
+        common["param_state_sharding_type"] = "fully_reshardable"
+    return common
+
+
+def optimizer_request(optimizer, model, entries, args, stored, directory):
+    """{key: zero shards} of the optimizer state this rank needs; one clear error for formats we cannot read."""
+    if any(k.startswith("optimizer.distributed.") for k in stored):
+        raise DistCheckpointError(
+            f"{directory} holds the distributed optimizer in Megatron's dp_reshardable layout (keys "
+            "optimizer.distributed.*), which this loader does not read: pass --no-load-optim (the optimizer "
+            "starts fresh, the weights load), or re-save it in Megatron with --dist-ckpt-optim-fully-reshardable")
+    main = _main_kind(optimizer)
+    kinds = _state_keys(optimizer.optimizer)
+    if main is not None:
+        # A checkpoint of the other optimizer flavour names the master copy differently; fall back to the weights.
+        alt = [m for m in ("param", "fp32_param") if any(k.startswith(f"optimizer.state.{m}.") for k in stored)]
+        main = alt[0] if alt else None
+        kinds = ([main] if main else []) + kinds
+    tp, tp_rank = tp_size_rank()
+    request = {}
+    for chunk, chunk_entries in zip(model, entries):
+        num_layers, gated, _ = model_layout(chunk, args)
+        for e in chunk_entries:
+            if e.param is None or not e.param.requires_grad:
+                continue
+            for kind in kinds:
+                pieces = [LocalShard(torch.zeros(p.data.shape, dtype=torch.float32), p.global_shape, p.global_offset)
+                          for p in dist_keys.shards(e, num_layers, tp, tp_rank, gated)]
+                request.setdefault(f"optimizer.state.{kind}.{e.key}", []).extend(pieces)
+    return request, main, kinds
+
+
+def load_optimizer_state(optimizer, model, entries, loaded, common, main_kind, args):
+    saved_groups = common["optimizer"]["param_groups"]
+    if len(saved_groups) != len(optimizer.optimizer.param_groups):
+        raise DistCheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one has "
+                                  f"{len(optimizer.optimizer.param_groups)}: pass --no-load-optim")
+    for group, saved in zip(optimizer.optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    step = int(common["optimizer"].get("state", {}).get("common_step", 0) or 0)
+    optimizer._inner_steps = step
+    scaler = getattr(optimizer, "grad_scaler", None)
+    if scaler is not None and common.get("grad_scaler") is not None:
+        scaler.load_state_dict(common["grad_scaler"])
+    mains = _main_params(optimizer)
+    own_main = _main_kind(optimizer)
+    adam = "Adam" in type(optimizer.optimizer).__name__
+    tp, tp_rank = tp_size_rank()
+    with torch.no_grad():
+        for e, (num_layers, gated, _) in [(e, model_layout(chunk, args)) for chunk, es in zip(model, entries)
+                                          for e in es]:
+            if e.param is None or e.param not in mains:
+                continue
+            main, rng = mains[e.param]
+            lo, hi = rng if rng is not None else (0, e.param.numel())
+            state = optimizer.optimizer.state[main]
+
+            def value(kind):
+                full = take_loaded(loaded, f"optimizer.state.{kind}.{e.key}", e, num_layers, tp, tp_rank, gated)
+                return full.reshape(-1)[lo:hi].view(main.shape)
+
+            if own_main is not None:
+                source = value(main_kind) if main_kind else e.param.detach().reshape(-1)[lo:hi].view(main.shape)
+                main.copy_(source.to(main.dtype))
+            for kind in _state_keys(optimizer.optimizer):
+                state[kind] = value(kind).to(main.dtype).clone()
+            if adam:
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer._copy_main_params_to_model_params()  # all-gathers the shards into the model params
+
