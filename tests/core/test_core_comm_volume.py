@@ -6,7 +6,7 @@ with ``megatron.core.comm_accounting.CommAccountant`` active inside ``train_step
 such as the initial parameter broadcast and the tied-embedding sync are outside). For every rank the counted
 calls and payload bytes per (process group, operation) must equal, exactly, the formulas of
 docs/performance.md ("Scaling on paper"), written out independently in ``expected_volume`` below —
-including the small terms (data broadcast over TP, loss averaging over DP, gradient-norm all-reduce).
+including the small terms (data broadcast over TP, the reported loss summed over DP, gradient-norm all-reduce).
 """
 import os
 from collections import defaultdict
@@ -101,7 +101,7 @@ def expected_volume(c, pp_rank):
 
     # --- data parallel ----------------------------------------------------------------------------------
     if last:
-        add("dp", "all_reduce", m, m * 4)  # loss averaged over DP (fp32 scalar) per micro-batch
+        add("dp", "all_reduce", 1, 8)  # the reported [loss sum, token count] (fp32 pair), once per iteration
     if d > 1:
         layer_params = 12 * h * h // t + 7 * h // t + 6 * h
         embedding = V // t * h if (first or (last and p > 1)) else 0

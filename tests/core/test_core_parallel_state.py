@@ -260,5 +260,5 @@ def test_getters_before_initialization():
     with pytest.raises(AssertionError, match="not initialized"):
         ps.get_tensor_model_parallel_group()
     assert ps.get_tensor_model_parallel_group(check_initialized=False) is None
-    with pytest.raises(RuntimeError, match="init_process_group"):
+    with pytest.raises(AssertionError, match="init_process_group"):
         ps.initialize_model_parallel(1, 1)
