@@ -173,9 +173,10 @@ def test_transformer_impl_default_falls_back_to_local_with_a_log_line(clean_env,
 def test_legacy_and_mcore_model_flags(clean_env):
     args = validated("--use-mcore-models")
     assert args.use_legacy_models is False and args.deprecated_use_mcore_models is True
-    assert validated("--use-legacy-models").use_legacy_models is True
-    for extra, flag in (("--ckpt-format torch_dist", "--ckpt-format torch"),
-                        ("--position-embedding-type rope --rotary-interleaved", "--rotary-interleaved")):
+    assert validated("--use-legacy-models --ckpt-format torch").use_legacy_models is True
+    for extra, flag in (("--ckpt-format torch_dist", "--ckpt-format torch"), ("", "--ckpt-format torch"),
+                        ("--ckpt-format torch --position-embedding-type rope --rotary-interleaved",
+                         "--rotary-interleaved")):
         with pytest.raises(ConfigurationError, match=flag):
             validated("--use-legacy-models " + extra)
 
@@ -185,7 +186,7 @@ def test_model_provider_builds_mcore_by_default_and_legacy_on_request(clean_env,
     from megatron.legacy.model import GPTModel as LegacyGPTModel
     from megatron.training.global_vars import set_args
 
-    for extra, cls in (("", CoreGPTModel), ("--use-legacy-models", LegacyGPTModel)):
+    for extra, cls in (("", CoreGPTModel), ("--use-legacy-models --ckpt-format torch", LegacyGPTModel)):
         args = validated(extra + " --use-cpu-initialization")
         args.padded_vocab_size = 128
         set_args(args)
