@@ -44,13 +44,12 @@ def test_defaults_and_types(clean_env):
     ("--profile --profile-step-start 5 --profile-step-end 5", "--profile-step-end"),
     ("--calculate-per-token-loss --DDP-impl torch", "--DDP-impl local"),
     ("--use-mcore-models --decoupled-lr 1e-4 --decoupled-min-lr 1e-3", "--decoupled-lr"),
-    ("LEGACY --decoupled-lr 1e-4", "legacy"),
-    ("LEGACY --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather", "legacy"),
+    ("LEGACY --decoupled-lr 1e-4", "need the megatron-core models"),
+    ("LEGACY --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather",
+     "--overlap-param-gather is not supported with legacy models"),
 ])
 def test_validation_errors(clean_env, extra, words):
-    # The legacy models are chosen by --use-legacy-models where that flag exists, else by leaving out
-    # --use-mcore-models (the 2023 default).
-    legacy = "--use-legacy-models" if hasattr(parse(), "use_legacy_models") else ""
+    legacy = "--use-legacy-models --ckpt-format torch"  # legacy models need the torch format, as in Megatron
     with pytest.raises(ConfigurationError) as e:
         validated(extra.replace("LEGACY", legacy))
     message = str(e.value)
