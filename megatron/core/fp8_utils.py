@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from megatron.core import device
+from megatron.core.fusions.fused_kernels import log_once
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise")
@@ -47,15 +48,6 @@ AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
-
-_LOGGED = set()
-
-
-def _log_once(key: str, message: str) -> None:
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        print(f"> fp8: {message}", flush=True)
-
 
 def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
@@ -132,10 +124,10 @@ def fp8_gemm(qa: torch.Tensor, scale_a: torch.Tensor, qb: torch.Tensor, scale_b:
              out_dtype: torch.dtype) -> torch.Tensor:
     """``(qa / scale_a) @ (qb / scale_b)`` for 2-D FP8 operands ``qa [M, K]``, ``qb [K, N]``."""
     if _scaled_mm_usable(qa, qb):
-        _log_once("gemm_scaled_mm", "GEMMs run in FP8 on tensor cores (torch._scaled_mm)")
+        log_once("fp8_gemm_scaled_mm", "fp8: GEMMs run in FP8 on tensor cores (torch._scaled_mm)")
         return torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=scale_a.reciprocal().float(),
                                 scale_b=scale_b.reciprocal().float(), out_dtype=out_dtype)
-    _log_once("gemm_emulated", "GEMMs emulated: FP8-rounded operands multiplied in the compute dtype "
+    log_once("fp8_gemm_emulated", "fp8: GEMMs emulated: FP8-rounded operands multiplied in the compute dtype "
                                "(no FP8 tensor cores on this device)")
     return dequantize(qa, scale_a, out_dtype) @ dequantize(qb, scale_b, out_dtype)
 
@@ -161,7 +153,7 @@ class Fp8Meta(torch.nn.Module):
         if not any(k.startswith(prefix) for k in state_dict):
             # A checkpoint saved without FP8 (or by Transformer Engine, which keeps its scales elsewhere): start the
             # scaling state afresh, as a new FP8 run does.
-            _log_once("fresh_state", "the checkpoint holds no FP8 scaling state; scales start at 1")
+            log_once("fp8_fresh_state", "fp8: the checkpoint holds no FP8 scaling state; scales start at 1")
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
