@@ -94,8 +94,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         ranges = {}
         for buffer in self.buffers:
             for bucket in buffer.buckets:
-                shard_size = bucket.grad_data.numel() // self.dp_size
-                shard_lo = bucket.offset + self.dp_rank * shard_size
+                # Expert buffers are sharded over the expert data-parallel group (the bucket's own group).
+                shard_size = bucket.grad_data.numel() // bucket.data_parallel_world_size
+                shard_lo = bucket.offset + bucket.data_parallel_rank * shard_size
                 shard_hi = shard_lo + shard_size
                 for param in bucket.params_list:
                     start, end, _ = buffer.param_index_map[param]
@@ -258,9 +259,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             target = shard_main if key is None else self.optimizer.state[shard_main][key]
             target.data.view(-1).copy_(local[r.shard_start:r.shard_start + r.numel])
 
+    def _no_expert_buffers(self):
+        if any(b.data_parallel_group is not self.data_parallel_group for b in self.buffers):
+            raise NotImplementedError("saving/loading the distributed optimizer's state with expert parallelism "
+                                      "(expert buffers sharded over the expert data-parallel group) is not "
+                                      "implemented yet")
+
     def get_parameter_state(self) -> Optional[dict]:
         """Gather the main params and optimizer state of all DP ranks on DP rank 0 (gloo); None elsewhere."""
         self._ensure_state()
+        self._no_expert_buffers()
         keys = ["param"] + _state_keys(self.optimizer)
         group, src = self.data_parallel_group_gloo, parallel_state.get_data_parallel_src_rank()
         is_root = self.dp_rank == 0
@@ -295,6 +303,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if self.dp_rank == 0 and isinstance(state, (str, os.PathLike)):
             state = torch.load(state, map_location="cpu", weights_only=False)
         self._ensure_state()
+        self._no_expert_buffers()
         keys = ["param"] + _state_keys(self.optimizer)
         group, src = self.data_parallel_group_gloo, parallel_state.get_data_parallel_src_rank()
         is_root = self.dp_rank == 0

@@ -99,6 +99,8 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
         else:
             output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
 
+    if getattr(config, "num_moe_experts", None) is not None:  # on every stage: each holds router losses
+        _set_moe_aux_loss_scale(num_microbatches, config)
     num_tokens = torch.zeros((), dtype=torch.int64)
     if parallel_state.is_pipeline_last_stage():
         if not collect_non_loss_data:
@@ -116,8 +118,6 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
 def _apply_loss_func(loss_func, output_tensor, num_microbatches, config):
     """(tensor to backpropagate, token count, report) from a 3-tuple or legacy 2-tuple loss function."""
     result = loss_func(output_tensor)
-    if getattr(config, "num_moe_experts", None) is not None:
-        _set_moe_aux_loss_scale(num_microbatches, config)
     if isinstance(result, (tuple, list)) and len(result) == 3:
         loss, num_tokens, loss_reduced = result
         num_tokens = torch.as_tensor(num_tokens).detach().to(torch.int64).reshape(())

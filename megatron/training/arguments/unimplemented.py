@@ -76,6 +76,8 @@ def _validate_moe_implemented(args) -> None:
         _require(args.world_size % (etp * ep * pp) == 0,
                  f"world size ({args.world_size}) must be divisible by --expert-tensor-parallel-size ({etp}) x "
                  f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp})")
+    _require(tp == 1 or args.sequence_parallel, f"--num-experts with --tensor-model-parallel-size {tp} needs "
+                                                "--sequence-parallel (every TP rank routes its own tokens)")
     if args.moe_grouped_gemm:
         _require(not args.fp16, "--moe-grouped-gemm with --fp16 is not supported (grouped GEMMs run in bf16 or "
                                 "fp32): use --bf16, or drop --moe-grouped-gemm")
