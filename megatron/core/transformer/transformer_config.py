@@ -112,6 +112,7 @@ class TransformerConfig(ModelParallelConfig):
     moe_shared_expert_gate: bool = False
     moe_shared_expert_overlap: bool = False
     moe_grouped_gemm: bool = False
+    moe_use_legacy_grouped_gemm: bool = False     # GroupedMLP is the only grouped implementation here
     moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
     moe_router_topk: int = 2
     moe_router_pre_softmax: bool = False

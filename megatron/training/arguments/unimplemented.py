@@ -68,9 +68,11 @@ def _validate_moe(args) -> None:
 
 def _validate_moe_implemented(args) -> None:
     """Megatron's remaining MoE checks, and the MoE options this library does not implement."""
-    tp = args.tensor_model_parallel_size
+    world = args.world_size
+    # TP and PP larger than the world are clipped to it later (Megatron's rule); EP is not.
+    tp = min(args.tensor_model_parallel_size, world) if world else args.tensor_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp
-    pp = args.pipeline_model_parallel_size
+    pp = min(args.pipeline_model_parallel_size, world) if world else args.pipeline_model_parallel_size
     ep = args.expert_model_parallel_size
     if args.world_size is not None:
         _require(args.world_size % (etp * ep * pp) == 0,
