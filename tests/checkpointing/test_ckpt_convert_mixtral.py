@@ -47,6 +47,13 @@ def test_mixtral_hf_torch_dist_round_trip(tmp_path, single_rank):
     assert ckpt["model"]["decoder.layers.mlp.experts.experts.linear_fc2.weight"].shape == (2, 4, 32, 48)
     assert ckpt["model"]["decoder.layers.mlp.router.weight"].shape == (2, 4, 32)
     assert ckpt["args"].num_experts == 4 and ckpt["args"].moe_router_topk == 2
+    # --use-checkpoint-args takes the MoE shape from the checkpoint (Megatron force-copies these).
+    import argparse
+
+    from megatron.training.checkpointing import load_args_from_checkpoint
+    args, _ = load_args_from_checkpoint(argparse.Namespace(load=dist, ckpt_step=None, num_experts=None,
+                                                           moe_router_topk=2, moe_ffn_hidden_size=None))
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size, args.swiglu) == (4, 2, 48, True)
 
     _convert("--loader", "torch_dist", "--saver", "hf", "--load-dir", dist, "--save-dir", back)
     a, b = load_file(os.path.join(back, "model.safetensors")), model.state_dict()
