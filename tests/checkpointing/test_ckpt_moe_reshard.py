@@ -5,7 +5,7 @@ and expert implementation, and the loss curve continues; the torch format saves 
 Leg A trains 4 iterations at (TP, EP, PP) = (2, 2, 1) (+SP, expert TP 2, distributed optimizer), saving at 2 and 4.
 Leg B loads iteration 2 at (1, 1, 2); leg C at (1, 4, 1) with grouped GEMM (GroupedMLP reads SequentialMLP's
 experts). Iteration 3's loss checks the weights (a gate/up row order that depended on expert TP would show here),
-iteration 4's the optimizer state. The slow test saves the torch format at (2, 2, 1) and resumes it in that layout.
+iteration 4's the optimizer state. The slow test saves the torch format (distributed optimizer) at (2, 2, 1) and resumes it in that layout.
 """
 import math
 import os
@@ -50,9 +50,10 @@ def moe_ckpt_body(data_path, root):
 def moe_torch_format_body(data_path, root):
     data = ["--data-path", data_path]
     t_dir = os.path.join(root, "t")
-    t = run_pretrain("pretrain_gpt", data + _leg(2, 2, 1, "--ckpt-format", "torch", "--save", t_dir))
+    opt = ["--use-distributed-optimizer", "--ckpt-format", "torch"]  # distrib_optim.pt: expert state over expert DP
+    t = run_pretrain("pretrain_gpt", data + _leg(2, 2, 1, *opt, "--save", t_dir))
     _set_latest(t_dir, 2)
-    t2 = run_pretrain("pretrain_gpt", data + _leg(2, 2, 1, "--ckpt-format", "torch", "--load", t_dir))
+    t2 = run_pretrain("pretrain_gpt", data + _leg(2, 2, 1, *opt, "--load", t_dir))
     return {"t": t, "t2": t2, "files": sorted(os.listdir(os.path.join(t_dir, "iter_0000002")))}
 
 

@@ -298,7 +298,7 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
             if not os.path.isfile(optim_name):
                 raise CheckpointError(f"distributed optimizer state {optim_name} is missing; pass --no-load-optim "
                                       "to start the optimizer from scratch")
-            state = read_checkpoint_file(optim_name) if parallel_state.get_data_parallel_rank() == 0 else None
+            state = read_checkpoint_file(optim_name) if optimizer.is_parameter_state_root() else None
             optimizer.load_parameter_state(state)
         scheduler_state = state_dict.get("opt_param_scheduler", state_dict.get("lr_scheduler"))
         if opt_param_scheduler is not None and scheduler_state is not None:
