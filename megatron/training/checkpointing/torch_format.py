@@ -182,7 +182,7 @@ def saved_layout(iter_dir):
     # With expert parallelism (EP > 1) Megatron appends the EP rank: mp_rank_TT_EEE or mp_rank_TT_PPP_EEE, so a
     # two-number name is read as (TP, EP) when this run has EP > 1 and no pipeline.
     expert_suffix = _expert_rank() is not None
-    pipeline = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    pipeline = expert_suffix and parallel_state.get_pipeline_model_parallel_world_size() > 1
     tp, pp, found = 0, 0, False
     for name in os.listdir(iter_dir):
         m = _RANK_DIR.match(name)
