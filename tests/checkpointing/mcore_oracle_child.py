@@ -2,9 +2,12 @@
 torch_dist checkpoint with ``megatron.core.dist_checkpointing`` and write the logits of a fixed batch.
 
 Usage (``PYTHONPATH=<megatron-core install dir>``, cwd outside our repository):
-    python mcore_oracle_child.py {save|load} STYLE TP PP CKPT_DIR OUT_LOGITS [EP]
+    python mcore_oracle_child.py JOBS.json
+JOBS.json lists jobs ``{"mode": "save"|"load", "style", "tp", "pp", "ckpt", "out"[, "ep"]}``, run one after the
+other on 2 gloo ranks in one launch (the parallel state is rebuilt per job; ranks beyond TP x PP are data parallel).
 STYLE is ``gpt2`` (LayerNorm, GeLU, learned positions, biases, tied), ``llama`` (RMSNorm, SwiGLU, RoPE, GQA,
-untied, no biases) or ``mixtral`` (llama with MoE MLPs: 4 experts, top-2, SequentialMLP, EP ranks). Only this subprocess stubs the few ``torch.cuda`` calls megatron-core makes on CPU.
+untied, no biases) or ``mixtral`` (llama with MoE MLPs: 4 experts of width 48, top-2, SequentialMLP, ``ep`` expert
+parallel ranks). Only this subprocess stubs the few ``torch.cuda`` calls megatron-core makes on CPU.
 """
 import os
 import socket
@@ -78,12 +81,10 @@ def _batch():
     return ids, pos, mask
 
 
-def _worker(rank, world, port, mode, style, tp, pp, ckpt, out, ep=1):
-    _stub_cuda()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+def _job(mode, style, tp, pp, ckpt, out, ep=1):
     from megatron.core import dist_checkpointing, parallel_state as ps, tensor_parallel
 
+    ps.destroy_model_parallel()
     ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -102,24 +103,33 @@ def _worker(rank, world, port, mode, style, tp, pp, ckpt, out, ep=1):
         y = model(ids, pos, mask)
         if not ps.is_pipeline_last_stage():
             torch.distributed.send(y.contiguous(), ps.get_pipeline_model_parallel_next_rank())
-    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and out != "-":
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
+            and ps.get_data_parallel_rank() == 0 and out != "-":
         torch.save(y.float(), out)
     if mode == "save":
+        os.makedirs(ckpt, exist_ok=True)
         dist_checkpointing.save(model.sharded_state_dict(), ckpt)
     torch.distributed.barrier()
+
+
+def _worker(rank, world, port, jobs):
+    _stub_cuda()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    for job in jobs:
+        _job(job["mode"], job["style"], job["tp"], job["pp"], job["ckpt"], job["out"], job.get("ep", 1))
     torch.distributed.destroy_process_group()
 
 
 def main():
-    mode, style, tp, pp, ckpt, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
-    ep = int(sys.argv[7]) if len(sys.argv) > 7 else 1
-    if mode == "save":
-        os.makedirs(ckpt, exist_ok=True)
+    import json
+
+    with open(sys.argv[1]) as f:
+        jobs = json.load(f)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    world = tp * pp * ep
-    mp.spawn(_worker, args=(world, port, mode, style, tp, pp, ckpt, out, ep), nprocs=world, join=True)
+    mp.spawn(_worker, args=(2, port, jobs), nprocs=2, join=True)
 
 
 if __name__ == "__main__":
