@@ -2,8 +2,8 @@
 
 The tables follow megatron-core's documented expert grid ``(tp=ETP, cp=1, ep=EP, dp=EDP, pp=PP)`` over the
 order ``tp-cp-ep-dp-pp`` (first dimension fastest), worked out by hand: e.g. with W=8, TP=2, EP=2 a rank r has
-etp = r % 2, ep = (r // 2) % 2, edp = r // 4. The generator is checked without processes; one 8-rank gloo run
-then re-initializes every layout and checks each group with a real all-reduce and every getter.
+etp = r % 2, ep = (r // 2) % 2, edp = r // 4. The generator is checked without processes; one 4-rank gloo run
+then re-initializes three 4-rank layouts and checks each group with a real all-reduce and every getter.
 """
 import pytest
 import torch
@@ -47,6 +47,20 @@ EXPERT_LAYOUTS = {
         "expert_tensor_and_model": S,
         "expert_tensor_model_pipeline": S,
         "expert_data": [list(range(8))],
+    },
+    (4, 2, 1, 2, None): {  # expert TP = TP = 2: rank = etp + 2 * ep, no expert DP
+        "expert_tensor": [[0, 1], [2, 3]],
+        "expert_model": [[0, 2], [1, 3]],
+        "expert_tensor_and_model": [[0, 1, 2, 3]],
+        "expert_tensor_model_pipeline": [[0, 1, 2, 3]],
+        "expert_data": [[0], [1], [2], [3]],
+    },
+    (4, 1, 2, 2, 1): {  # PP 2: rank = ep + 2 * pp
+        "expert_tensor": [[0], [1], [2], [3]],
+        "expert_model": [[0, 1], [2, 3]],
+        "expert_tensor_and_model": [[0, 1], [2, 3]],
+        "expert_tensor_model_pipeline": [[0, 1, 2, 3]],
+        "expert_data": [[0], [1], [2], [3]],
     },
     (4, 2, 1, 2, 1): {  # rank = ep + 2 * edp
         "expert_tensor": [[0], [1], [2], [3]],
@@ -135,10 +149,11 @@ def expert_layouts_body(layouts):
     return True
 
 
-def test_expert_layouts_world_8():
-    # Three layouts cover EP with ETP == TP, ETP < TP with PP, and ETP > TP (the rest: generator tables only).
-    layouts = [(8, 2, 1, 2, None), (8, 2, 2, 4, 1), (8, 1, 1, 4, 2)]
-    assert all(run_distributed(expert_layouts_body, 8, layouts, timeout=120))
+def test_expert_layouts_world_4():
+    # Real groups on 4 ranks (8-rank layouts: generator tables above): expert TP = TP with EP, expert TP < TP
+    # with expert DP, and EP with PP.
+    layouts = [(4, 2, 1, 2, None), (4, 2, 1, 2, 1), (4, 1, 2, 2, 1)]
+    assert all(run_distributed(expert_layouts_body, 4, layouts, timeout=120))
 
 
 def test_expert_getters_before_initialization():
