@@ -68,6 +68,9 @@ def _validate_moe(args) -> None:
 
 def _validate_moe_implemented(args) -> None:
     """Megatron's remaining MoE checks, and the MoE options this library does not implement."""
+    if getattr(args, "use_legacy_models", False):
+        raise _not_implemented("--num-experts with --use-legacy-models", "mixture of experts in the legacy model "
+                               "classes", "drop --use-legacy-models (megatron-core models are the default)")
     world = args.world_size
     # TP and PP larger than the world are clipped to it later (Megatron's rule); EP is not.
     tp = min(args.tensor_model_parallel_size, world) if world else args.tensor_model_parallel_size

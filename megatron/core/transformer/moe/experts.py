@@ -165,7 +165,7 @@ def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: List
         log_once(f"moe_grouped_gemm_{x.device.type}_{x.dtype}",
                  f"MoE grouped GEMM: torch._grouped_mm ({x.device.type}, {x.dtype})")
         offs = torch.tensor(list(tokens_per_expert), device=x.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weights, offs=offs)
+        return torch._grouped_mm(x, weights.contiguous(), offs=offs)  # the probe's layout (strided views may fail)
     log_once(f"moe_grouped_gemm_fallback_{x.device.type}_{x.dtype}",
              f"MoE grouped GEMM: batched bmm fallback (torch._grouped_mm unavailable for {x.device.type}, {x.dtype})")
     n = weights.shape[0]
