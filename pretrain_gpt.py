@@ -18,9 +18,13 @@ def model_provider(pre_process=True, post_process=True):
     print_rank_0("building GPT model ...")
     if not args.use_legacy_models:
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
-        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm),
+        if args.num_experts:
+            layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        else:
+            layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)
+        return GPTModel(config=config, transformer_layer_spec=layer_spec,
                         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                         pre_process=pre_process, post_process=post_process,
                         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,

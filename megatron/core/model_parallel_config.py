@@ -20,6 +20,9 @@ class ModelParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
+    # Mixture of experts: experts split over EP ranks, each expert's weights over ETP ranks (None: = TP).
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
 
     # Initialization
     perform_initialization: bool = True
@@ -68,6 +71,11 @@ class ModelParallelConfig:
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             raise ValueError("When using pipeline parallelism, pipeline_dtype must be specified "
                              "(the dtype of tensors sent between stages)")
+
+        if self.expert_model_parallel_size < 1:
+            raise ValueError(f"expert_model_parallel_size must be >= 1, got {self.expert_model_parallel_size}")
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
 
         if self.autocast_dtype is None:
             self.autocast_dtype = self.params_dtype

@@ -21,6 +21,29 @@ Worked example, W=8, TP=2, PP=2 (so DP=2):
     model      [0,1,4,5] [2,3,6,7]
     embedding  [0,4] [1,5] [2,6] [3,7]   (first and last stage of each pipeline)
 
+Expert layout (mixture of experts)
+----------------------------------
+Expert layers use a *second* grid over the same world and the same order string, with the context dimension
+folded away: ``(tp=ETP, cp=1, ep=EP, dp=EDP, pp=PP)`` where ``ETP = expert_tensor_parallel_size`` (default
+TP) and ``EDP = W / (ETP * EP * PP)``. The pipeline groups of both grids must coincide. Groups of the
+expert grid: ``ep`` (expert model parallel: ranks holding different experts), expert ``tp`` (one expert's
+weights split across ranks), ``tp-ep`` (the token dispatcher's group), ``tp-ep-pp`` (the experts' model
+parallel group: optimizer and grad norm) and expert ``dp`` (replicas of the same expert shard: expert grads
+are reduced here).
+
+Worked example, W=8, TP=2, EP=2, PP=1 (so DP=4, ETP=2, EDP=2)::
+
+    dense tensor    [0,1] [2,3] [4,5] [6,7]        dense data  [0,2,4,6] [1,3,5,7]
+    expert tensor   [0,1] [2,3] [4,5] [6,7]        expert model (ep)  [0,2] [1,3] [4,6] [5,7]
+    tp-ep           [0,1,2,3] [4,5,6,7]            expert data  [0,4] [1,5] [2,6] [3,7]
+
+so rank r has etp = r % 2, ep = (r // 2) % 2, edp = r // 4; with 4 experts ranks {0,1,4,5} hold experts 0-1
+and {2,3,6,7} hold experts 2-3. Worked example, W=8, TP=2, ETP=1, EP=4, PP=2 (DP=2, EDP=1)::
+
+    expert tensor   [0] [1] ... [7]                expert model (ep)  [0,1,2,3] [4,5,6,7]
+    tp-ep-pp        [0,1,2,3,4,5,6,7]              expert data  [0] [1] ... [7]
+    pipeline        [0,4] [1,5] [2,6] [3,7]        (the same in both grids)
+
 The ``set_*`` overrides (``_MPU_*`` globals) take precedence over group queries: tools that build a model
 for one rank of a layout without a process group use them.
 """
@@ -44,6 +67,19 @@ _DATA_PARALLEL_GROUP = None
 _DATA_PARALLEL_GROUP_GLOO = None
 _CONTEXT_PARALLEL_GROUP = None
 _AMAX_REDUCTION_GROUP = None
+
+# Expert (mixture-of-experts) groups of this rank, from the expert grid (see the module docstring).
+_EXPERT_MODEL_PARALLEL_GROUP = None
+_EXPERT_MODEL_PARALLEL_RANKS = None
+_EXPERT_TENSOR_PARALLEL_GROUP = None
+_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP = None
+_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP = None
+_EXPERT_DATA_PARALLEL_GROUP = None
+_EXPERT_DATA_PARALLEL_GROUP_GLOO = None
+_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE = None
+_MPU_EXPERT_MODEL_PARALLEL_RANK = None
+_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE = None
+_MPU_EXPERT_TENSOR_PARALLEL_RANK = None
 
 # Rank lists of this rank's groups (for queries that need global ranks, and the group table).
 _EMBEDDING_GLOBAL_RANKS = None
@@ -145,12 +181,16 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     order: str = "tp-cp-ep-dp-pp",
     distributed_timeout_minutes: Optional[float] = None,
+    *,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
 ) -> None:
     """Create the tensor, pipeline, data, model, embedding and position-embedding groups.
 
     Must be called on every rank after ``torch.distributed.init_process_group``. ``context_parallel_size``
     and ``order`` shape the rank grid as in megatron-core (context-parallel layers are not implemented yet,
-    so only ``context_parallel_size=1`` is accepted).
+    so only ``context_parallel_size=1`` is accepted). ``expert_model_parallel_size`` (EP) and
+    ``expert_tensor_parallel_size`` (ETP, default TP) shape the expert grid (module docstring).
     """
     global _TENSOR_MODEL_PARALLEL_GROUP, _PIPELINE_MODEL_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP
     global _EMBEDDING_GROUP, _POSITION_EMBEDDING_GROUP, _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GROUP_GLOO
@@ -241,6 +281,10 @@ def initialize_model_parallel(
     if use_fp8:
         _AMAX_REDUCTION_GROUP, _ = build("amax", "tp-dp")
 
+    # Mixture-of-experts groups: a second grid over the same world (kept in its own function).
+    _initialize_expert_groups(gen, tp, pp, order, expert_model_parallel_size, expert_tensor_parallel_size,
+                              timeout)
+
     if use_sharp:
         # SHARP is an NCCL/InfiniBand feature; only meaningful with NCCL.
         import os
@@ -249,6 +293,57 @@ def initialize_model_parallel(
         os.environ["NCCL_SHARP_DISABLE"] = "1"
 
     _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+
+
+def expert_rank_generator(world_size: int, tp: int, pp: int, expert_model_parallel_size: int = 1,
+                          expert_tensor_parallel_size: Optional[int] = None,
+                          order: str = "tp-cp-ep-dp-pp") -> RankGenerator:
+    """The expert grid ``(tp=ETP, cp=1, ep=EP, dp=EDP, pp=PP)`` with ``EDP = W / (ETP * EP * PP)``."""
+    ep = expert_model_parallel_size
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    if ep < 1 or etp < 1:
+        raise RuntimeError(f"expert model ({ep}) and expert tensor ({etp}) parallel sizes must be >= 1")
+    if world_size % (etp * ep * pp) != 0:
+        raise RuntimeError(f"world_size ({world_size}) is not divisible by expert_tensor_parallel_size ({etp}) x "
+                           f"expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp})")
+    return RankGenerator(tp=etp, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, cp=1, order=order)
+
+
+def _initialize_expert_groups(dense_gen: RankGenerator, tp: int, pp: int, order: str, ep: int,
+                              etp: Optional[int], timeout) -> None:
+    global _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS, _EXPERT_TENSOR_PARALLEL_GROUP
+    global _EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP, _EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP
+    global _EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP_GLOO
+    world_size = torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank()
+    gen = expert_rank_generator(world_size, tp, pp, ep, etp, order)
+    if not order.endswith("pp") and pp > 1 and gen.sizes["dp"] != dense_gen.sizes["dp"]:
+        raise RuntimeError("when the order does not end with 'pp', the data parallel sizes of the dense and the "
+                           "expert layers must be equal")
+    if gen.get_ranks("pp") != dense_gen.get_ranks("pp"):
+        raise RuntimeError(f"pipeline groups differ between the dense ({dense_gen.get_ranks('pp')}) and the expert "
+                           f"({gen.get_ranks('pp')}) layouts")
+
+    def build(kind: str, token: str, backend: Optional[str] = None):
+        mine = (None, None)
+        groups = gen.get_ranks(token)
+        for ranks in groups:
+            group = _new_group(ranks, timeout, backend)
+            if rank in ranks:
+                mine = (group, ranks)
+        _ALL_GROUP_RANKS[kind] = groups
+        return mine
+
+    _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS = build("expert_model", "ep")
+    _EXPERT_TENSOR_PARALLEL_GROUP, _ = build("expert_tensor", "tp")
+    _EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP, _ = build("expert_tensor_and_model", "tp-ep")
+    _EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP, _ = build("expert_tensor_model_pipeline", "tp-ep-pp")
+    _EXPERT_DATA_PARALLEL_GROUP, _ = build("expert_data", "dp")
+    if torch.distributed.get_backend() == "gloo":
+        _EXPERT_DATA_PARALLEL_GROUP_GLOO = _EXPERT_DATA_PARALLEL_GROUP
+        _ALL_GROUP_RANKS["expert_data_gloo"] = _ALL_GROUP_RANKS["expert_data"]
+    else:
+        _EXPERT_DATA_PARALLEL_GROUP_GLOO, _ = build("expert_data_gloo", "dp", backend="gloo")
 
 
 def embedding_ranks_of(pipeline_ranks: Sequence[int], split_rank: Optional[int] = None):
@@ -545,6 +640,132 @@ def set_virtual_pipeline_model_parallel_world_size(world_size):
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = world_size
 
 
+# ---------------------------------------------------------------------------------------- experts
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def get_expert_model_parallel_group(check_initialized: bool = True):
+    return _checked(_EXPERT_MODEL_PARALLEL_GROUP, "expert model parallel", check_initialized)
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    """Global rank of the first member of this rank's expert-model-parallel group."""
+    if _EXPERT_MODEL_PARALLEL_RANKS is None:
+        raise AssertionError("expert model parallel group is not initialized")
+    return _EXPERT_MODEL_PARALLEL_RANKS[0]
+
+
+def get_expert_model_parallel_world_size() -> int:
+    if _MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE is not None:
+        return _MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE
+    if _dist_ready():
+        return torch.distributed.get_world_size(group=get_expert_model_parallel_group())
+    return 0
+
+
+def set_expert_model_parallel_world_size(world_size):
+    global _MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE
+    _MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE = world_size
+
+
+def get_expert_model_parallel_rank() -> int:
+    if _MPU_EXPERT_MODEL_PARALLEL_RANK is not None:
+        return _MPU_EXPERT_MODEL_PARALLEL_RANK
+    if _dist_ready():
+        return torch.distributed.get_rank(group=get_expert_model_parallel_group())
+    return 0
+
+
+def set_expert_model_parallel_rank(rank):
+    global _MPU_EXPERT_MODEL_PARALLEL_RANK
+    _MPU_EXPERT_MODEL_PARALLEL_RANK = rank
+
+
+def get_expert_tensor_parallel_group(check_initialized: bool = True):
+    return _checked(_EXPERT_TENSOR_PARALLEL_GROUP, "expert tensor parallel", check_initialized)
+
+
+def get_expert_tensor_parallel_world_size():
+    """Size of the expert-TP group; without one, the TP override (as megatron-core, for offline tools)."""
+    if _MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE is not None:
+        return _MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE
+    if _EXPERT_TENSOR_PARALLEL_GROUP is None:
+        return _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE
+    return torch.distributed.get_world_size(group=_EXPERT_TENSOR_PARALLEL_GROUP)
+
+
+def set_expert_tensor_parallel_world_size(world_size):
+    global _MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE
+    _MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE = world_size
+
+
+def get_expert_tensor_parallel_rank():
+    if _MPU_EXPERT_TENSOR_PARALLEL_RANK is not None:
+        return _MPU_EXPERT_TENSOR_PARALLEL_RANK
+    if _EXPERT_TENSOR_PARALLEL_GROUP is None:
+        return _MPU_TENSOR_MODEL_PARALLEL_RANK
+    return torch.distributed.get_rank(group=_EXPERT_TENSOR_PARALLEL_GROUP)
+
+
+def set_expert_tensor_parallel_rank(rank):
+    global _MPU_EXPERT_TENSOR_PARALLEL_RANK
+    _MPU_EXPERT_TENSOR_PARALLEL_RANK = rank
+
+
+def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True):
+    return _checked(_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP, "expert tensor and model parallel", check_initialized)
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    if _dist_ready():
+        return torch.distributed.get_world_size(group=get_expert_tensor_and_model_parallel_group())
+    return 0
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    if _dist_ready():
+        return torch.distributed.get_rank(group=get_expert_tensor_and_model_parallel_group())
+    return 0
+
+
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True):
+    return _checked(_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP, "expert tensor-model-pipeline parallel",
+                    check_initialized)
+
+
+def get_expert_data_parallel_group(check_initialized: bool = True, partial_expert_data_parallel: bool = False):
+    """The expert-data-parallel group (``partial_expert_data_parallel`` needs several distributed-optimizer
+    instances, which are not implemented: then the full group is the only instance)."""
+    return _checked(_EXPERT_DATA_PARALLEL_GROUP, "expert data parallel", check_initialized)
+
+
+def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False):
+    """Deprecated megatron-core name of :func:`get_expert_data_parallel_group`."""
+    import warnings
+
+    warnings.warn("get_data_modulo_expert_parallel_group is deprecated, please use get_expert_data_parallel_group "
+                  "instead.", DeprecationWarning)
+    return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False):
+    return _checked(_EXPERT_DATA_PARALLEL_GROUP_GLOO, "expert data parallel gloo")
+
+
+def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+    if _dist_ready():
+        return torch.distributed.get_rank(group=get_expert_data_parallel_group())
+    return 0
+
+
+def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+    if _dist_ready():
+        return torch.distributed.get_world_size(group=get_expert_data_parallel_group())
+    return 0
+
+
 # ----------------------------------------------------------------------------------- memory buffer
 
 def get_global_memory_buffer() -> GlobalMemoryBuffer:
@@ -584,3 +805,17 @@ def destroy_model_parallel():
     _MPU_TENSOR_MODEL_PARALLEL_RANK = _MPU_PIPELINE_MODEL_PARALLEL_RANK = None
     _ALL_GROUP_RANKS = {}
     _GLOBAL_MEMORY_BUFFER = None
+    _destroy_expert_groups()
+
+
+def _destroy_expert_groups():
+    global _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS, _EXPERT_TENSOR_PARALLEL_GROUP
+    global _EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP, _EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP
+    global _EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP_GLOO
+    global _MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE, _MPU_EXPERT_MODEL_PARALLEL_RANK
+    global _MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE, _MPU_EXPERT_TENSOR_PARALLEL_RANK
+    _EXPERT_MODEL_PARALLEL_GROUP = _EXPERT_MODEL_PARALLEL_RANKS = _EXPERT_TENSOR_PARALLEL_GROUP = None
+    _EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP = _EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP = None
+    _EXPERT_DATA_PARALLEL_GROUP = _EXPERT_DATA_PARALLEL_GROUP_GLOO = None
+    _MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE = _MPU_EXPERT_MODEL_PARALLEL_RANK = None
+    _MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE = _MPU_EXPERT_TENSOR_PARALLEL_RANK = None

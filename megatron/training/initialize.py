@@ -124,6 +124,8 @@ def _initialize_distributed():
         args.pipeline_model_parallel_split_rank,
         use_fp8=args.fp8 is not None,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     if args.rank == 0:
         print(f"> initialized tensor model parallel with size "

@@ -16,6 +16,9 @@ Counts, for the most loaded rank of each pipeline stage, what this library alloc
   times the micro-batches in flight on the first pipeline stage (``pp``, at most the number of micro-batches;
   ``(1 + (pp - 1) / (pp vpp))`` more with the interleaved schedule).
 
+MoE layers (``--num-experts``, ``--moe-layer-freq``) replace the dense MLP by the router (``E x h``), this rank's
+``E / EP`` experts (each split by expert TP) and the shared experts; with the distributed optimizer the expert
+state is sharded over the expert data-parallel group. Activations are counted as for the dense MLP.
 Parameter counts follow this library's GPT/BERT layers exactly (biases, LayerNorm/RMSNorm, GQA, SwiGLU, tied or
 untied output layer, learned position embeddings), so weights, gradients and optimizer state can be compared
 with what a built model and optimizer hold (tests/training/test_train_theoretical_memory.py).
@@ -60,6 +63,48 @@ def _layer_params(args, tp: int) -> int:
     return params
 
 
+def _is_moe_layer(args, layer: int) -> bool:
+    """Layer ``layer`` (0-based) has an MoE MLP (``--num-experts`` with ``--moe-layer-freq``)."""
+    if not getattr(args, "num_experts", None):
+        return False
+    freq = getattr(args, "moe_layer_freq", 1)
+    return layer % freq == 0 if isinstance(freq, int) else bool(freq[layer])
+
+
+def _moe_mlp_params(args, tp: int):
+    """(dense part, expert part) of an MoE layer's MLP on one rank, replacing the dense MLP of ``_layer_params``:
+    the router ``E x h`` (replicated), the rank's ``E / EP`` experts split by expert TP, and the shared experts
+    (tensor-parallel like a dense MLP)."""
+    h, experts = args.hidden_size, args.num_experts
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    bias = getattr(args, "add_bias_linear", True)
+    ffn = getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size or 4 * h
+    glu = 2 if getattr(args, "swiglu", False) else 1
+    router = experts * h + experts * bias
+    per_expert = h * glu * ffn // etp + ffn // etp * h + (glu * ffn + h) * bias
+    shared = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
+    shared_params = h * glu * shared // tp + shared // tp * h + (h if getattr(args, "moe_shared_expert_gate", False)
+                                                                  else 0)
+    return router + shared_params, experts // ep * per_expert
+
+
+def _dense_mlp_params(args, tp: int) -> int:
+    h, bias = args.hidden_size, getattr(args, "add_bias_linear", True)
+    ffn = args.ffn_hidden_size or 4 * h
+    fc1_out = 2 * ffn if getattr(args, "swiglu", False) else ffn
+    return h * fc1_out // tp + fc1_out // tp * bias + ffn // tp * h + h * bias
+
+
+def stage_expert_params(args, stage: int) -> int:
+    """Expert parameters on one rank of pipeline stage ``stage`` (sharded over expert DP by the distributed
+    optimizer, not over DP)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    per_stage = args.num_layers // pp
+    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    return sum(_moe_mlp_params(args, tp)[1] for layer in layers if _is_moe_layer(args, layer))
+
+
 def _padded_vocab(args) -> int:
     vocab = getattr(args, "padded_vocab_size", None)
     if not vocab:
@@ -80,6 +125,9 @@ def stage_params(args, stage: int) -> int:
 
     layers_here = args.num_layers // pp
     params = layers_here * _layer_params(args, tp)
+    for layer in range(stage * layers_here, (stage + 1) * layers_here):
+        if _is_moe_layer(args, layer):  # an MoE MLP instead of the dense one
+            params += sum(_moe_mlp_params(args, tp)) - _dense_mlp_params(args, tp)
     if first:
         params += vocab * h
         if getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
@@ -193,9 +241,18 @@ def report_theoretical_memory(args, distributed_optimizer=None, recompute=None) 
     per_param = bytes_per_parameter(args, distributed_optimizer)
     pp = args.pipeline_model_parallel_size
     params = [stage_params(args, s) for s in range(pp)]
+    optimizer = [n * per_param["optimizer"] for n in params]
+    if distributed_optimizer and getattr(args, "num_experts", None):
+        # Expert state is sharded over the expert data-parallel group (EDP = world / (ETP x EP x PP)).
+        world = args.data_parallel_size * args.tensor_model_parallel_size * pp
+        edp = world // ((getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size)
+                        * (getattr(args, "expert_model_parallel_size", 1) or 1) * pp)
+        unsharded = per_param["optimizer"] * args.data_parallel_size
+        optimizer = [(n - e) * per_param["optimizer"] + e * unsharded / max(edp, 1)
+                     for n, e in zip(params, [stage_expert_params(args, s) for s in range(pp)])]
     return MemoryReport(
         precision=_precision(args), data_parallel_size=args.data_parallel_size,
         distributed_optimizer=distributed_optimizer, recompute=recompute, params=params,
         weights=[n * per_param["weights"] for n in params], grads=[n * per_param["grads"] for n in params],
-        optimizer=[n * per_param["optimizer"] for n in params],
+        optimizer=optimizer,
         activations=[activation_bytes(args, s, recompute) for s in range(pp)], bytes_per_param=per_param)

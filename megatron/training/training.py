@@ -313,12 +313,23 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if args.empty_unused_memory_level >= 2:
         device.empty_cache()
 
+    moe_losses = _moe_losses(model, config) if args.num_experts else {}
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         loss_reduced = {}
         for key, (numerator, denominator) in _sum_reported_losses(losses_reduced).items():
             loss_reduced[key] = numerator / denominator
+        # Megatron's MoE metrics (load_balancing_loss, z_loss, ...) are shown like the loss keys.
+        loss_reduced.update({key: torch.tensor(value) for key, value in moe_losses.items()})
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _moe_losses(model, config):
+    """The step's router losses per Megatron's tracker (sum over layers / MoE layers); collective over the world."""
+    from megatron.core.transformer.moe.moe_layer import reduce_moe_losses
+
+    num_moe_layers = sum(config.is_moe_layer(i + 1) for i in range(config.num_layers))
+    return reduce_moe_losses(model, get_num_microbatches(), num_moe_layers)
 
 
 def _sum_reported_losses(loss_dicts):

@@ -25,7 +25,9 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     """Model FLOPs of one training iteration (forward + backward) for ``batch_size`` sequences.
 
     Megatron's formula: ``12 B s L h^2 (1 + (ffn/h) * glu + g/n + s/h + V/(2 L h))`` with ``glu = 3/2`` for
-    swiglu and ``g/n`` the query-group ratio (1 without GQA).
+    swiglu and ``g/n`` the query-group ratio (1 without GQA). With MoE the ``ffn/h`` term counts the active
+    experts as Megatron does: ``topk * moe_ffn + shared`` per MoE layer (``ffn`` per dense layer), averaged over
+    the layers.
     """
     gated = 1.5 if getattr(args, "swiglu", False) else 1.0
     query_group_ratio = 1.0
@@ -34,8 +36,18 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     h, s, num_layers = args.hidden_size, args.seq_length, args.num_layers
     ffn = args.ffn_hidden_size
     vocab = getattr(args, "padded_vocab_size", None) or 0
+    # Mixture of experts: each token runs k routed experts of width moe_ffn (+ the shared experts) in MoE layers,
+    # so the MLP term is the layer-average (ffn per dense layer, k * moe_ffn + shared per MoE layer) / h.
+    mlp = ffn / h
+    if getattr(args, "num_experts", None):
+        freq = getattr(args, "moe_layer_freq", 1)
+        moe_layers = sum(1 for i in range(num_layers) if (i % freq == 0 if isinstance(freq, int) else freq[i]))
+        moe_ffn = getattr(args, "moe_ffn_hidden_size", None) or ffn
+        shared = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
+        routed = args.moe_router_topk * moe_ffn + shared
+        mlp = ((num_layers - moe_layers) * ffn + moe_layers * routed) / (num_layers * h)
     return (12 * batch_size * s * num_layers * h * h
-            * (1 + (ffn / h) * gated + query_group_ratio + s / h + vocab / (2 * num_layers * h)))
+            * (1 + mlp * gated + query_group_ratio + s / h + vocab / (2 * num_layers * h)))
 
 
 def format_tflops(value: float) -> str:

@@ -3,9 +3,11 @@ torch_dist checkpoint with ``megatron.core.dist_checkpointing`` and write the lo
 
 Usage (``PYTHONPATH=<megatron-core install dir>``, cwd outside our repository):
     python mcore_oracle_child.py JOBS.json
-JOBS.json lists jobs ``{"mode": "save"|"load", "style", "tp", "pp", "ckpt", "out"}``, run one after the other on
-2 gloo ranks in one launch (the parallel state is rebuilt per job; ranks beyond TP x PP are data parallel). STYLE is ``gpt2`` (LayerNorm, GeLU, learned positions, biases, tied) or ``llama`` (RMSNorm, SwiGLU, RoPE, GQA,
-untied, no biases). Only this subprocess stubs the few ``torch.cuda`` calls megatron-core makes on CPU.
+JOBS.json lists jobs ``{"mode": "save"|"load", "style", "tp", "pp", "ckpt", "out"[, "ep"]}``, run one after the
+other on 2 gloo ranks in one launch (the parallel state is rebuilt per job; ranks beyond TP x PP are data parallel).
+STYLE is ``gpt2`` (LayerNorm, GeLU, learned positions, biases, tied), ``llama`` (RMSNorm, SwiGLU, RoPE, GQA,
+untied, no biases) or ``mixtral`` (llama with MoE MLPs: 4 experts of width 48, top-2, SequentialMLP, ``ep`` expert
+parallel ranks). Only this subprocess stubs the few ``torch.cuda`` calls megatron-core makes on CPU.
 """
 import os
 import socket
@@ -30,9 +32,13 @@ def _stub_cuda():
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._process_memory = lambda: 0  # needs psutil, which the oracle's environment may lack
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # defined only when Transformer Engine imports
+        moe_utils.te_general_gemm = None
 
 
-def _config(style, tp, pp):
+def _config(style, tp, pp, ep=1):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -42,7 +48,10 @@ def _config(style, tp, pp):
               bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
               persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
               init_method_std=0.05)
-    if style == "llama":
+    if style == "mixtral":
+        kw.update(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, expert_model_parallel_size=ep,
+                  moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0)
+    if style in ("llama", "mixtral"):
         kw.update(num_attention_heads=8, num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True,
                   activation_func=F.silu, add_bias_linear=False, ffn_hidden_size=96, layernorm_epsilon=1e-6)
     else:
@@ -55,11 +64,13 @@ def _model(style, pre, post):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core import parallel_state as ps
 
-    cfg = _config(style, ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-    return GPTModel(cfg, get_gpt_layer_local_spec(normalization=cfg.normalization), VOCAB, SEQ,
+    cfg = _config(style, ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                  ps.get_expert_model_parallel_world_size())
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, normalization=cfg.normalization)
+    return GPTModel(cfg, spec, VOCAB, SEQ,
                     pre_process=pre, post_process=post, parallel_output=False,
                     share_embeddings_and_output_weights=style == "gpt2",
-                    position_embedding_type="rope" if style == "llama" else "learned_absolute")
+                    position_embedding_type="learned_absolute" if style == "gpt2" else "rope")
 
 
 def _batch():
@@ -70,11 +81,11 @@ def _batch():
     return ids, pos, mask
 
 
-def _job(mode, style, tp, pp, ckpt, out):
+def _job(mode, style, tp, pp, ckpt, out, ep=1):
     from megatron.core import dist_checkpointing, parallel_state as ps, tensor_parallel
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, pp)
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     model = _model(style, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
@@ -106,7 +117,7 @@ def _worker(rank, world, port, jobs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     for job in jobs:
-        _job(job["mode"], job["style"], job["tp"], job["pp"], job["ckpt"], job["out"])
+        _job(job["mode"], job["style"], job["tp"], job["pp"], job["ckpt"], job["out"], job.get("ep", 1))
     torch.distributed.destroy_process_group()
 
 

@@ -53,24 +53,27 @@ def _run_oracle(oracle, tmp, jobs):
     assert proc.returncode == 0, f"megatron-core oracle failed:\n{proc.stderr[-4000:]}"
 
 
-def _our_model(style, tp, pp):
+def _our_model(style, tp, pp, ep=1):
     import torch.nn.functional as F
 
     from helpers.models_helpers import tiny_config
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     over = dict(num_layers=LAYERS, hidden_size=HIDDEN, padded_vocab_size=VOCAB, max_position_embeddings=SEQ)
-    if style == "llama":
+    if style in ("llama", "mixtral"):
         over.update(num_query_groups=2, ffn_hidden_size=96)
     else:
         over.update(ffn_hidden_size=4 * HIDDEN, activation_func=F.gelu)
-    config = tiny_config(tp=tp, pp=pp, style=style, **over)
-    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ, pre_process=ps.is_pipeline_first_stage(),
+    if style == "mixtral":  # the oracle's MoE: 4 experts of width 48, top-2, SequentialMLP, allgather dispatcher
+        over.update(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, expert_model_parallel_size=ep)
+    config = tiny_config(tp=tp, pp=pp, style="gpt2" if style == "gpt2" else "llama", **over)
+    spec = get_gpt_decoder_block_spec(config) if style == "mixtral" else get_gpt_layer_local_spec()
+    return GPTModel(config, spec, VOCAB, SEQ, pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage(), parallel_output=False,
                     share_embeddings_and_output_weights=style == "gpt2",
-                    position_embedding_type="rope" if style == "llama" else "learned_absolute")
+                    position_embedding_type="learned_absolute" if style == "gpt2" else "rope")
 
 
 def _logits(model):
@@ -93,12 +96,12 @@ def _logits(model):
     return y.float()
 
 
-def _setup(tp, pp, seed):
+def _setup(tp, pp, seed, ep=1):
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, pp)
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -190,5 +193,61 @@ def test_megatron_core_loads_our_checkpoints(interop, style):
     for tp, pp, load_tp in SAVE_LAYOUTS:
         err = rel_err(torch.load(root / f"mcore_from_{style}_tp{tp}_pp{pp}.pt"), _last(saved, (tp, pp)))
         report.append(f"{style} ours TP={tp} PP={pp} -> megatron-core TP={load_tp}: max rel diff {err:.2e}")
+    print("\n".join(report))
+    assert all(float(r.rsplit(" ", 1)[1]) <= TOL for r in report), "\n".join(report)
+
+
+MOE_LOAD_LAYOUTS = ((1, 1, 2), (1, 1, 1), (1, 2, 1))  # (TP, PP, EP) on 2 ranks
+
+
+def moe_load_body(directory):
+    from megatron.training.checkpointing import torch_dist as dc
+
+    out = {}
+    for tp, pp, ep in MOE_LOAD_LAYOUTS:
+        _setup(tp, pp, 99, ep)
+        model = _our_model("mixtral", tp, pp, ep).eval()
+        request = dc.model_sharded_state([model], for_load=True)
+        dc.load_sharded_checked(request, directory, "raise_all", [k for k in request if "word_embeddings" in k])
+        dc.apply_loaded_model([model], request)
+        out[(tp, pp, ep)] = _logits(model)
+    return out
+
+
+def moe_save_body(root):
+    import json
+
+    from megatron.core.dist_checkpointing import save_sharded
+    from megatron.training.checkpointing import torch_dist as dc
+
+    directory = os.path.join(root, "ours_ep2")
+    _setup(1, 1, 4321, 2)
+    model = _our_model("mixtral", 1, 1, 2).eval()
+    save_sharded(dc.model_sharded_state([model]), directory)
+    if torch.distributed.get_rank() == 0:
+        torch.save({}, os.path.join(directory, "common.pt"))
+        with open(os.path.join(directory, "metadata.json"), "w") as f:
+            json.dump(dc.METADATA, f)
+    torch.distributed.barrier()
+    return _logits(model)
+
+
+@pytest.mark.slow  # two oracle subprocesses + two 2-rank runs: ~2-4 min on 2 cores
+def test_moe_checkpoints_move_both_ways_with_megatron_core(oracle, tmp_path):
+    """MoE (4 experts, top-2, SequentialMLP): megatron-core at EP=2 saves, we load at EP=2, EP=1 and PP=2; we save
+    at EP=2, megatron-core loads at EP=1. Same logits (expert keys [L, E, ...], gate/up halves, _extra_state)."""
+    _run_oracle(oracle, tmp_path, [dict(mode="save", style="mixtral", tp=1, pp=1, ep=2, ckpt=tmp_path / "mcore_ep2",
+                                        out=tmp_path / "ref.pt")])
+    expected = torch.load(tmp_path / "ref.pt")
+    outputs = run_distributed(moe_load_body, 2, str(tmp_path / "mcore_ep2"), timeout=280)
+    report = []
+    for layout in MOE_LOAD_LAYOUTS:
+        err = rel_err(_last(outputs, layout), expected)
+        report.append(f"mixtral megatron-core EP=2 -> ours (TP, PP, EP)={layout}: max rel diff {err:.2e}")
+    ours = next(o for o in run_distributed(moe_save_body, 2, str(tmp_path), timeout=280) if o is not None)
+    _run_oracle(oracle, tmp_path, [dict(mode="load", style="mixtral", tp=1, pp=1, ep=1, ckpt=tmp_path / "ours_ep2",
+                                        out=tmp_path / "mcore_from_ours.pt")])
+    err = rel_err(torch.load(tmp_path / "mcore_from_ours.pt"), ours)
+    report.append(f"mixtral ours EP=2 -> megatron-core EP=1: max rel diff {err:.2e}")
     print("\n".join(report))
     assert all(float(r.rsplit(" ", 1)[1]) <= TOL for r in report), "\n".join(report)

@@ -75,3 +75,19 @@ def test_bert_340m_script_on_cpu(tmp_path, bert_data):
     _check(rc, out, tmp_path / "ckpt")
     assert "> building BertWordPieceLowerCase tokenizer" in out
     assert any("sop loss:" in line for line, _ in iteration_lines(out))
+
+
+def test_mixtral_8x7b_script_on_cpu_with_mock_data(tmp_path):
+    """The Mixtral MoE script (grouped GEMM, all-to-all dispatcher, distributed optimizer, bf16) on 2 gloo ranks:
+    EP shrunk to 2 and PP to 1, 4 experts; the MoE load-balancing loss shows in every iteration line."""
+    extra = (f"{TINY} --pipeline-model-parallel-size 1 --expert-model-parallel-size 2 --num-experts 4 "
+             "--ffn-hidden-size 64 --num-query-groups 2 --vocab-size 500 --no-rope-fusion --micro-batch-size 1 --lr-warmup-iters 1 "
+             f"{ITERS}")
+    env = script_env(tmp_path, CHECKPOINT_PATH=tmp_path / "ckpt", GPUS_PER_NODE=2, MEGATRON_EXTRA_ARGS=extra)
+    rc, out = run_script("mixtral/train_mixtral_8x7b_distributed.sh", env)
+    _check(rc, out, tmp_path / "ckpt")
+    assert all("load_balancing_loss:" in line for line, _ in iteration_lines(out)), out[-4000:]
+    for name, value in (("num_experts", "4"), ("moe_grouped_gemm", "True"), ("moe_token_dispatcher_type", "alltoall"),
+                        ("expert_model_parallel_size", "2"), ("moe_router_topk", "2"), ("swiglu", "True"),
+                        ("use_distributed_optimizer", "True"), ("rotary_base", "1000000")):
+        assert _arg_value(out, name) == value, (name, _arg_value(out, name))

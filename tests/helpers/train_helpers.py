@@ -88,6 +88,8 @@ def deterministic_init(model, num_layers):
     tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if getattr(p, "is_expert", False):
+                continue  # experts: deterministic_expert_init (global expert index, expert-TP slices)
             gname = _global_name(name, offset, tied)
             shape = list(p.shape)
             dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
@@ -100,6 +102,49 @@ def deterministic_init(model, num_layers):
             if dim >= 0:
                 full = full.chunk(tp, dim=dim)[tp_rank]
             p.copy_(full.to(p.dtype))
+    deterministic_expert_init(model, offset)
+
+
+def _expert_full(gname: str, shape):
+    g = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
+    return torch.randn(shape, generator=g) * 0.02
+
+
+def deterministic_expert_init(model, layer_offset: int):
+    """Experts from a generator keyed by (global layer, global expert): fc1 ``[rows, h]``, fc2 ``[h, F]``, this
+    rank's expert-TP slices ([gate_r; up_r] rows for gated units), so every EP/ETP layout and both SequentialMLP
+    and GroupedMLP hold the same model."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+
+    etp, etp_rank = ps.get_expert_tensor_parallel_world_size() or 1, ps.get_expert_tensor_parallel_rank() or 0
+    for name, module in model.named_modules():
+        if not isinstance(module, (SequentialMLP, GroupedMLP)):
+            continue
+        cfg = module.config
+        layer = int(re.search(r"layers\.(\d+)\.", name).group(1)) + layer_offset
+        ffn, h = cfg.moe_ffn_hidden_size, cfg.hidden_size
+        rows = 2 * ffn if cfg.gated_linear_unit else ffn
+        shard = ffn // etp
+        ep_rank, n = ps.get_expert_model_parallel_rank() or 0, module.num_local_experts
+        fc1s, fc2s = [], []
+        for j in range(n):
+            e = ep_rank * n + j
+            fc1 = _expert_full(f"layers.{layer}.experts.{e}.fc1", [rows, h])
+            fc2 = _expert_full(f"layers.{layer}.experts.{e}.fc2", [h, ffn])
+            parts = [fc1[etp_rank * shard:(etp_rank + 1) * shard]]
+            if cfg.gated_linear_unit:
+                parts.append(fc1[ffn + etp_rank * shard:ffn + (etp_rank + 1) * shard])
+            fc1s.append(torch.cat(parts))
+            fc2s.append(fc2[:, etp_rank * shard:(etp_rank + 1) * shard])
+        with torch.no_grad():
+            if isinstance(module, SequentialMLP):
+                for expert, w1, w2 in zip(module.local_experts, fc1s, fc2s):
+                    expert.linear_fc1.weight.copy_(w1)
+                    expert.linear_fc2.weight.copy_(w2)
+            else:
+                module.weight1.copy_(torch.cat([w.t() for w in fc1s], dim=1))
+                module.weight2.copy_(torch.cat([w.t() for w in fc2s], dim=0))
 
 
 def run_pretrain(entry: str, extra_args, record_model=False):
@@ -121,7 +166,8 @@ def run_pretrain(entry: str, extra_args, record_model=False):
             records[-1]["line"] = line
         return line
 
-    num_layers = int(GPT_ARGS[GPT_ARGS.index("--num-layers") + 1])
+    argv_all = GPT_ARGS + list(extra_args)
+    num_layers = int(argv_all[len(argv_all) - 1 - argv_all[::-1].index("--num-layers") + 1])
     original_provider = module.model_provider
 
     def provider(pre_process=True, post_process=True):

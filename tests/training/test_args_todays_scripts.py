@@ -69,7 +69,8 @@ def test_todays_script_parses(clean_env, paths, name):
                            "implemented yet"),
     ("llama3_8b_fp8_data", "--fp8-param-gather: FP8 parameters (Transformer Engine's fp8_model_init) is not "
                            "implemented yet"),
-    ("mixtral_8x7b", "--num-experts 8: mixture of experts (MoE) is not implemented yet"),
+    ("mixtral_8x7b", "world size (1) must be divisible by --expert-tensor-parallel-size (1) x "
+                     "--expert-model-parallel-size (8) x --pipeline-model-parallel-size (1)"),
     ("t5_220m", "--decoder-num-layers 12: the T5 (encoder-decoder) model is not implemented yet"),
 ])
 def test_todays_script_stops_with_one_line(clean_env, paths, name, message):
@@ -101,12 +102,19 @@ def test_llama_without_fp8_validates(clean_env, paths):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2: mixture of experts (MoE) is not implemented"),
+    ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2 needs --num-experts"),
     ("--num-experts 3 --expert-model-parallel-size 2", "--num-experts (3) must be divisible by --expert-model-"),
     ("--num-experts 2 --moe-router-topk 3", "--moe-router-topk (3) must be <= --num-experts (2)"),
     ("--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.1",
      "--moe-router-load-balancing-type has 2 values: pass as many --moe-aux-loss-coeff values"),
     ("--moe-layer-freq [1,0,1]", "--moe-layer-freq lists 3 layers; the model has 4"),
+    ("--num-experts 4 --moe-grouped-gemm --fp16 --disable-bias-linear",
+     "--moe-grouped-gemm with --fp16 is not supported (grouped GEMMs run in bf16 or fp32): use --bf16"),
+    ("--num-experts 4 --moe-grouped-gemm", "--moe-grouped-gemm has no expert biases: pass --disable-bias-linear"),
+    ("--num-experts 4 --use-legacy-models", "--num-experts with --use-legacy-models: mixture of experts in the "
+                                            "legacy model classes is not implemented yet"),
+    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn", "--moe-router-load-balancing-type sinkhorn: "
+                                                                   "sinkhorn load balancing is not implemented yet"),
     ("--context-parallel-size 2", "--context-parallel-size 2: context parallelism is not implemented yet"),
     ("--context-parallel-size 3", "--seq-length (32) must be divisible by 2 x --context-parallel-size (6)"),
     ("--cp-comm-type allgather", "--cp-comm-type allgather is not one of p2p, all_gather, a2a, a2a+p2p"),

@@ -30,6 +30,12 @@ CONFIGS = {
         "--bf16", "--tensor-model-parallel-size", "2", "--swiglu", "--group-query-attention", "--num-query-groups",
         "2", "--untie-embeddings-and-output-weights", "--normalization", "RMSNorm", "--disable-bias-linear"],
     "fp32 PP2": ["--pipeline-model-parallel-size", "2"],
+    # MoE: 4 experts on 2 EP ranks in layers 0 and 2 (dense MLP in 1 and 3), a shared expert; the distributed
+    # optimizer shards the dense state over DP=2 and the expert state over expert DP=1.
+    "fp32 MoE EP2 shared expert distributed optimizer": [
+        "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-layer-freq", "2", "--swiglu",
+        "--disable-bias-linear", "--moe-ffn-hidden-size", "48", "--moe-shared-expert-intermediate-size", "32",
+        "--use-distributed-optimizer"],
 }
 
 

@@ -7,7 +7,8 @@
 
 ``torch_dist`` (Megatron-LM's distributed format, any source TP/PP) can be loader and saver too.
 Loaders: ``legacy`` (aliases ``megatron``, ``core``, ``mcore``: Megatron ``torch``-format checkpoints with any
-TP/PP, legacy or megatron-core model names) and ``hf`` (a Hugging Face GPT-2 or Llama directory). Savers:
+TP/PP, legacy or megatron-core model names) and ``hf`` (a Hugging Face GPT-2, Llama or Mixtral directory; Mixtral
+converts to and from ``torch_dist``, whose expert tensors load under any EP/TP/PP). Savers:
 ``legacy`` (aliases as above; any target TP/PP) and ``hf`` (config.json + model.safetensors). Unlike Megatron
 the loader and saver run in one process and exchange the full state dict directly (no queue). The written
 torch checkpoints hold ``args``, ``checkpoint_version``, ``iteration`` and ``model`` (no optimizer or RNG state):
@@ -60,7 +61,7 @@ def convert(args):
         raise ConversionError(f"--saver {args.saver}: supported savers are legacy (megatron, core, mcore), "
                               "torch_dist and hf")
     if "hf" in (loader, saver) and args.model_type != "GPT":
-        raise ConversionError("Hugging Face import/export supports --model-type GPT (GPT-2 and Llama) only")
+        raise ConversionError("Hugging Face import/export supports --model-type GPT (GPT-2, Llama, Mixtral) only")
     if loader == "hf" and saver == "hf":
         raise ConversionError("--loader hf --saver hf converts nothing; use a legacy saver or loader on one side")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
@@ -85,6 +86,9 @@ def convert(args):
     print(f"loaded {args.load_dir}: {len(full)} tensors, TP={info['tp']} PP={info['pp']}, "
           f"iteration {'release' if info['release'] else info['iteration']}", flush=True)
 
+    if getattr(margs, "num_experts", None) and (saver in _LEGACY_NAMES or loader in _LEGACY_NAMES):
+        raise ConversionError("mixture-of-experts checkpoints convert with --loader/--saver torch_dist or hf (the "
+                              "torch_dist format reshards experts over EP/TP/PP on load); legacy is not supported")
     if saver == "hf":
         from tools.checkpoint.hf_io import save_hf
         if args.target_tensor_parallel_size not in (None, 1) or args.target_pipeline_parallel_size not in (None, 1):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from typing import Dict, Tuple
 
 import torch
@@ -21,6 +22,11 @@ from megatron.training.checkpointing import dist_keys
 from megatron.training.checkpointing.dist_state import CHECKPOINT_VERSION, METADATA, DistCheckpointError, safe_args
 from megatron.training.checkpointing.torch_dist import load_full_checkpoint
 from tools.checkpoint.legacy_io import ConversionError, read_tracker
+
+
+_EXPERT_KEY = re.compile(r"^((?:decoder|encoder)\.layers)\.mlp\.experts\.experts\.(linear_fc[12]\.(?:weight|bias))$")
+_LOCAL_EXPERT_NAME = re.compile(r"^((?:decoder|encoder)\.layers)\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\."
+                                r"(linear_fc[12]\.(?:weight|bias))$")
 
 
 def is_dist_checkpoint(load_dir: str) -> bool:
@@ -49,7 +55,13 @@ def load_dist(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
     args.use_mcore_models = True  # the names below are megatron-core's
     full = {}
     for key, value in ckpt["model"].items():
-        if ".layers." in key:
+        expert = _EXPERT_KEY.match(key)
+        if expert:  # [L, E, ...] -> SequentialMLP names (EP = 1)
+            for layer in range(value.shape[0]):
+                for e in range(value.shape[1]):
+                    full[f"{expert.group(1)}.{layer}.mlp.experts.local_experts.{e}.{expert.group(2)}"] = \
+                        value[layer, e].clone()
+        elif ".layers." in key:
             for layer in range(value.shape[0]):
                 full[dist_keys.module_name(key, layer)] = value[layer].clone()
         else:
@@ -68,8 +80,14 @@ def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: i
     num_layers = args.num_layers
     stacked: Dict[str, Dict[int, torch.Tensor]] = {}
     state = {}
+    experts: Dict[str, Dict[Tuple[int, int], torch.Tensor]] = {}
     for name, value in full.items():
         if name.endswith("_extra_state"):
+            continue
+        m = _LOCAL_EXPERT_NAME.match(name)
+        if m:  # expert e of layer i -> [L, E, ...] under Megatron's expert key
+            experts.setdefault(f"{m.group(1)}.mlp.experts.experts.{m.group(4)}", {})[
+                (int(m.group(2)), int(m.group(3)))] = value
             continue
         key, layer = dist_keys.disk_key(name, 0, tied)
         if layer is None:
@@ -87,6 +105,17 @@ def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: i
             if rest == f"{linear}.weight":
                 for layer in range(num_layers):
                     state[dist_keys.extra_state_key(f"{block}.layers", linear, layer, num_layers)] = [None]
+    for key, pieces in experts.items():
+        num_experts = 1 + max(e for _, e in pieces)
+        if sorted(pieces) != [(i, e) for i in range(num_layers) for e in range(num_experts)]:
+            raise ConversionError(f"{key}: expected {num_experts} experts in each of {num_layers} layers")
+        value = torch.stack([torch.stack([pieces[(i, e)] for e in range(num_experts)]) for i in range(num_layers)])
+        state[key] = LocalShard(value, tuple(value.shape), (0,) * value.dim())
+        block, linear = key.split(".layers.", 1)[0] + ".layers", key.split(".layers.", 1)[1].rsplit(".", 1)[0]
+        if key.endswith(".weight"):
+            for layer in range(num_layers):
+                for e in range(num_experts):
+                    state[dist_keys.expert_extra_state_key(block, linear, layer, e, num_layers, num_experts)] = [None]
     iter_dir = os.path.join(save_dir, "release" if release else "iter_{:07d}".format(iteration))
     os.makedirs(iter_dir, exist_ok=True)
     save_sharded(state, iter_dir)

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 / Llama directories (config.json + model.safetensors) <-> our full legacy state dict.
+"""Hugging Face GPT-2 / Llama / Mixtral directories (config.json + model.safetensors) <-> our full legacy state dict.
 
 The tensor mapping is :mod:`megatron.core.models.conversion.hf`; this module reads and writes the files and maps
 the Hugging Face config to Megatron's args (and back).
@@ -44,7 +44,7 @@ def _read_weights(load_dir: str) -> Dict[str, torch.Tensor]:
 
 def _args_from_config(config, hf_config, family: str, make_divisible_by: int) -> argparse.Namespace:
     """Megatron args describing the model that ``config`` (a TransformerConfig from conversion.hf) builds."""
-    llama = family == "llama"
+    llama = family in ("llama", "mixtral")
     groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
     return argparse.Namespace(
         num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
@@ -62,6 +62,9 @@ def _args_from_config(config, hf_config, family: str, make_divisible_by: int) ->
         fp16=False, bf16=False, tokenizer_type=None, iteration=0, consumed_train_samples=0,
         consumed_valid_samples=0, hf_model_type=family, hf_config=hf_config.to_dict(),
         true_vocab_size=hf_config.vocab_size,
+        num_experts=getattr(config, "num_moe_experts", None),
+        moe_router_topk=getattr(config, "moe_router_topk", 2),
+        moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None) if family == "mixtral" else None,
     )
 
 
@@ -78,10 +81,15 @@ def load_hf(load_dir: str, make_divisible_by: int = 128) -> Tuple[Dict[str, torc
     elif hf_config.model_type == "llama":
         config = hf.llama_config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by)
         full = hf.llama_hf_to_megatron(weights, hf_config, config.padded_vocab_size)
+    elif hf_config.model_type == "mixtral":
+        config = hf.mixtral_config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by)
+        full = hf.mixtral_hf_to_megatron(weights, hf_config, config.padded_vocab_size)
     else:
-        raise ConversionError(f"--loader hf supports GPT-2 and Llama models, {load_dir} holds a "
+        raise ConversionError(f"--loader hf supports GPT-2, Llama and Mixtral models, {load_dir} holds a "
                               f"{hf_config.model_type!r} model")
-    return full, _args_from_config(config, hf_config, hf_config.model_type, make_divisible_by)
+    args = _args_from_config(config, hf_config, hf_config.model_type, make_divisible_by)
+    args.use_mcore_models = hf_config.model_type == "mixtral"  # MoE layers exist only with megatron-core names
+    return full, args
 
 
 def hf_config_from_args(args, true_vocab_size):
@@ -89,7 +97,8 @@ def hf_config_from_args(args, true_vocab_size):
     transformers = _transformers()
     family = getattr(args, "hf_model_type", None)
     if getattr(args, "hf_config", None) is not None:
-        cls = transformers.GPT2Config if family == "gpt2" else transformers.LlamaConfig
+        cls = {"gpt2": transformers.GPT2Config, "mixtral": transformers.MixtralConfig}.get(family,
+                                                                                         transformers.LlamaConfig)
         return cls.from_dict(dict(args.hf_config))
     if true_vocab_size is None:
         raise ConversionError("--saver hf needs --true-vocab-size (the tokenizer's vocabulary size) to drop the "
@@ -100,6 +109,16 @@ def hf_config_from_args(args, true_vocab_size):
         if getattr(args, "add_bias_linear", True):
             raise ConversionError("--saver hf (Llama): the model has linear biases; pass a model trained with "
                                   "--disable-bias-linear")
+        if getattr(args, "num_experts", None):
+            return transformers.MixtralConfig(
+                vocab_size=true_vocab_size, hidden_size=args.hidden_size,
+                intermediate_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
+                num_hidden_layers=args.num_layers, num_attention_heads=heads,
+                num_key_value_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
+                max_position_embeddings=args.max_position_embeddings, rms_norm_eps=args.norm_epsilon,
+                rope_theta=float(getattr(args, "rotary_base", 10000)), num_local_experts=args.num_experts,
+                num_experts_per_tok=args.moe_router_topk,
+                tie_word_embeddings=not args.untie_embeddings_and_output_weights)
         return transformers.LlamaConfig(
             vocab_size=true_vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
             num_hidden_layers=args.num_layers, num_attention_heads=heads,
@@ -124,10 +143,22 @@ def save_hf(full: Dict[str, torch.Tensor], args, save_dir: str, true_vocab_size=
     """Write config.json + model.safetensors (tied output weights are stored once, as transformers does)."""
     from safetensors.torch import save_file
 
+    hf_config = hf_config_from_args(args, true_vocab_size)
+    if hf_config.model_type == "mixtral":
+        if not getattr(args, "use_mcore_models", False):
+            from megatron.core.models.conversion.keys import legacy_to_mcore
+            full = legacy_to_mcore(full, "gpt")
+        sd = hf.mixtral_megatron_to_hf(full, hf_config)
+        sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"][:hf_config.vocab_size]
+        sd["lm_head.weight"] = sd["lm_head.weight"][:hf_config.vocab_size]
+        os.makedirs(save_dir, exist_ok=True)
+        hf_config.save_pretrained(save_dir)
+        save_file({k: v.contiguous().clone() for k, v in sd.items()}, os.path.join(save_dir, "model.safetensors"),
+                  metadata={"format": "pt"})
+        return
     if getattr(args, "use_mcore_models", False):
         from megatron.core.models.conversion.keys import mcore_to_legacy
         full = mcore_to_legacy(full, "gpt")
-    hf_config = hf_config_from_args(args, true_vocab_size)
     if hf_config.model_type == "gpt2":
         sd = hf.gpt2_megatron_to_hf(full, hf_config)
         sd = {("transformer." + k if not k.startswith(("transformer.", "lm_head.")) else k): v for k, v in sd.items()}

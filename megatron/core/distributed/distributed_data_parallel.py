@@ -69,6 +69,10 @@ class DistributedDataParallel(torch.nn.Module):
         # finalize_model_grads; otherwise every rank pre-scales by 1/|DP| before the SUM reduction.
         gradient_scaling_factor = 1.0 if config.calculate_per_token_loss else 1.0 / dp_size
 
+        # Expert parameters (``allreduce = False``: expert parallelism) get their own buffers, reduced over the
+        # expert data-parallel group. Their scaling is the dense one, 1/|DP|: an expert's gradient already holds
+        # the contributions of the tokens that the dispatcher brought from the other EP ranks' batches.
+        self.expert_data_parallel_group = None
         param_to_name: Dict[torch.nn.Parameter, str] = {}
         params_by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
         for name, param in self.module.named_parameters():
@@ -77,13 +81,17 @@ class DistributedDataParallel(torch.nn.Module):
             param_to_name[param] = name
             param.grad_added_to_main_grad = False
             grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-            params_by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+            is_expert = not getattr(param, "allreduce", True)
+            params_by_dtype.setdefault((param.dtype, grad_dtype, is_expert), []).append(param)
+        if any(key[2] for key in params_by_dtype):
+            self.expert_data_parallel_group = parallel_state.get_expert_data_parallel_group()
 
         own_bucket = shared_embedding_params(self.module)
         self.param_and_grad_buffers: List[ParamAndGradBuffer] = []
         self.param_to_buffer: Dict[torch.nn.Parameter, ParamAndGradBuffer] = {}
-        for (param_dtype, grad_dtype), params in params_by_dtype.items():
-            buffer = ParamAndGradBuffer(ddp_config, param_dtype, grad_dtype, params, self.data_parallel_group,
+        for (param_dtype, grad_dtype, is_expert), params in params_by_dtype.items():
+            group = self.expert_data_parallel_group if is_expert else self.data_parallel_group
+            buffer = ParamAndGradBuffer(ddp_config, param_dtype, grad_dtype, params, group,
                                         self.bucket_size, param_to_name, gradient_scaling_factor, own_bucket)
             self.param_and_grad_buffers.append(buffer)
             for p in params:
@@ -178,6 +186,11 @@ class DistributedDataParallel(torch.nn.Module):
         """Copy every parameter of DP rank 0 to the other ranks of its data-parallel group."""
         src = parallel_state.get_data_parallel_src_rank()
         for param in self.module.parameters():
+            if not getattr(param, "allreduce", True):
+                group = self.expert_data_parallel_group
+                expert_src = torch.distributed.get_global_rank(group, 0)
+                torch.distributed.broadcast(param.data, src=expert_src, group=group)
+                continue
             torch.distributed.broadcast(param.data, src=src, group=self.data_parallel_group)
 
     def all_gather_params(self):

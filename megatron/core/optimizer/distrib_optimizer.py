@@ -94,8 +94,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         ranges = {}
         for buffer in self.buffers:
             for bucket in buffer.buckets:
-                shard_size = bucket.grad_data.numel() // self.dp_size
-                shard_lo = bucket.offset + self.dp_rank * shard_size
+                # Expert buffers are sharded over the expert data-parallel group (the bucket's own group).
+                shard_size = bucket.grad_data.numel() // bucket.data_parallel_world_size
+                shard_lo = bucket.offset + bucket.data_parallel_rank * shard_size
                 shard_hi = shard_lo + shard_size
                 for param in bucket.params_list:
                     start, end, _ = buffer.param_index_map[param]
@@ -236,7 +237,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _shard_tensors(self, bucket, key: Optional[str]) -> torch.Tensor:
         """This rank's shard of one bucket as an fp32 CPU tensor: main params (key None) or a state tensor."""
-        shard_size = bucket.grad_data.numel() // self.dp_size
+        shard_size = bucket.grad_data.numel() // bucket.data_parallel_world_size  # DP, or expert DP
         local = torch.zeros(shard_size, dtype=torch.float32)
         for param in bucket.params_list:
             if param not in self.model_param_group_index_map:
@@ -258,19 +259,33 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             target = shard_main if key is None else self.optimizer.state[shard_main][key]
             target.data.view(-1).copy_(local[r.shard_start:r.shard_start + r.numel])
 
+    def _buffer_comm(self, buffer):
+        """(gloo group, its rank 0 as a global rank, whether this rank is it, group size) of a buffer's sharding
+        group: data parallel, or expert data parallel for expert-parallel buffers."""
+        if buffer.data_parallel_group is self.data_parallel_group:
+            return (self.data_parallel_group_gloo, parallel_state.get_data_parallel_src_rank(), self.dp_rank == 0,
+                    self.dp_size)
+        group = parallel_state.get_expert_data_parallel_group_gloo()
+        return (group, torch.distributed.get_global_rank(group, 0), torch.distributed.get_rank(group=group) == 0,
+                torch.distributed.get_world_size(group=group))
+
+    def is_parameter_state_root(self) -> bool:
+        """Whether this rank gathers (and saves / reads) the state of at least one gradient buffer."""
+        return any(self._buffer_comm(b)[2] for b in self.buffers) or (not self.buffers and self.dp_rank == 0)
+
     def get_parameter_state(self) -> Optional[dict]:
-        """Gather the main params and optimizer state of all DP ranks on DP rank 0 (gloo); None elsewhere."""
+        """Gather the main params and optimizer state of every buffer on rank 0 of its sharding group (DP, or
+        expert DP for expert buffers; gloo); the buffers this rank gathered, or None."""
         self._ensure_state()
         keys = ["param"] + _state_keys(self.optimizer)
-        group, src = self.data_parallel_group_gloo, parallel_state.get_data_parallel_src_rank()
-        is_root = self.dp_rank == 0
-        state = {"buckets_coalesced": True} if is_root else None
+        state = {"buckets_coalesced": True} if self.is_parameter_state_root() else None
         for gbuf_idx, buffer in enumerate(self.buffers):
+            group, src, is_root, size = self._buffer_comm(buffer)
             world = {key: [] for key in keys}
             for bucket in buffer.buckets:
                 for key in keys:
                     local = self._shard_tensors(bucket, None if key == "param" else key)
-                    gathered = [torch.empty_like(local) for _ in range(self.dp_size)] if is_root else None
+                    gathered = [torch.empty_like(local) for _ in range(size)] if is_root else None
                     torch.distributed.gather(local, gathered, dst=src, group=group)
                     if is_root:
                         world[key].append(torch.cat(gathered)[:bucket.numel_unpadded])
@@ -281,40 +296,41 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return state
 
     def save_parameter_state(self, filename: str):
-        """Write ``get_parameter_state()`` to ``filename`` (distrib_optim.pt) from DP rank 0. Collective over DP."""
+        """Write ``get_parameter_state()`` to ``filename`` (distrib_optim.pt) from the gathering ranks."""
         state = self.get_parameter_state()
-        if self.dp_rank == 0:
+        if state is not None:
             torch.save(state, filename)
 
     def load_parameter_state(self, state):
-        """Scatter a ``get_parameter_state()`` result back into the shards. Collective over DP.
+        """Scatter a ``get_parameter_state()`` result back into the shards. Collective over the world.
 
-        ``state`` (the dict, or the path of a distrib_optim.pt file) is only read on DP rank 0; other ranks
-        may pass None.
+        ``state`` (the dict, or the path of a distrib_optim.pt file) is only read on the gathering ranks
+        (``is_parameter_state_root``); other ranks may pass None.
         """
-        if self.dp_rank == 0 and isinstance(state, (str, os.PathLike)):
+        root = self.is_parameter_state_root()
+        if root and isinstance(state, (str, os.PathLike)):
             state = torch.load(state, map_location="cpu", weights_only=False)
         self._ensure_state()
         keys = ["param"] + _state_keys(self.optimizer)
-        group, src = self.data_parallel_group_gloo, parallel_state.get_data_parallel_src_rank()
-        is_root = self.dp_rank == 0
-        error = self._check_parameter_state(state, keys) if is_root else ""
-        errors = [error]
-        torch.distributed.broadcast_object_list(errors, src=src, group=group)
-        if errors[0]:
-            raise ValueError(errors[0])
-        for gbuf_idx, buffer in enumerate(self.buffers):
+        roles = [self._buffer_comm(b) for b in self.buffers]
+        error = self._check_parameter_state(state, keys, [r[2] for r in roles]) if root else ""
+        errors = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(errors, error)
+        first = next((e for e in errors if e), "")
+        if first:
+            raise ValueError(first)
+        for gbuf_idx, (buffer, (group, src, is_root, size)) in enumerate(zip(self.buffers, roles)):
             entry = state[gbuf_idx][(buffer.param_dtype, buffer.grad_dtype)] if is_root else None
             offset = 0
             for bucket in buffer.buckets:
-                shard_size = bucket.grad_data.numel() // self.dp_size
+                shard_size = bucket.grad_data.numel() // size
                 for key in keys:
                     local = torch.empty(shard_size, dtype=torch.float32)
                     pieces = None
                     if is_root:
                         padded = torch.zeros(bucket.grad_data.numel(), dtype=torch.float32)
                         padded[:bucket.numel_unpadded].copy_(entry[key][offset:offset + bucket.numel_unpadded])
-                        pieces = list(shard_buffer(padded, self.dp_size))
+                        pieces = list(shard_buffer(padded, size))
                     torch.distributed.scatter(local, pieces, src=src, group=group)
                     self._write_shard(bucket, None if key == "param" else key, local)
                 offset += bucket.numel_unpadded
@@ -322,7 +338,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         with torch.no_grad():
             self._copy_main_params_to_model_params(sync_gather=True)
 
-    def _check_parameter_state(self, state, keys) -> str:
+    def _check_parameter_state(self, state, keys, mine=None) -> str:
         if not isinstance(state, dict):
             return "load_parameter_state: DP rank 0 needs the dict saved by get_parameter_state() (distrib_optim.pt)"
         if not state.get("buckets_coalesced", False):
@@ -330,6 +346,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     "the saving run's DP size and bucket padding; re-save it with this version or load with "
                     "--no-load-optim")
         for gbuf_idx, buffer in enumerate(self.buffers):
+            if mine is not None and not mine[gbuf_idx]:
+                continue  # another rank gathers this (expert) buffer
             dtype_key = (buffer.param_dtype, buffer.grad_dtype)
             entry = state.get(gbuf_idx, {}).get(dtype_key)
             if entry is None:

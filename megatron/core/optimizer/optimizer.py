@@ -21,6 +21,8 @@ import torch
 from megatron.core import device as _device
 from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    get_grad_norm_fp32,
     clip_grad_norm_fp32,
     count_zeros_fp32,
     param_is_not_shared,
@@ -43,6 +45,16 @@ def _zero_grad_group_helper(group: List[torch.Tensor], set_to_none: bool):
             else:
                 param.grad.requires_grad_(False)
             param.grad.zero_()
+
+
+def _expert_groups_separate() -> bool:
+    """Whether expert-parallel groups differ from the dense ones (EP > 1 or expert TP != TP): same on every rank."""
+    try:
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        etp = parallel_state.get_expert_tensor_parallel_world_size()
+    except AssertionError:
+        return False
+    return bool(ep) and (ep > 1 or etp != parallel_state.get_tensor_model_parallel_world_size())
 
 
 def _model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -82,8 +94,26 @@ class MegatronOptimizer(ABC):
         return parallel_state.get_model_parallel_group()
 
     def clip_grad_norm(self, clip_grad: float) -> float:
-        return clip_grad_norm_fp32(self.get_parameters(), self.get_main_grads_for_grad_norm(), clip_grad,
-                                   model_parallel_group=self.get_model_parallel_group())
+        group = self.get_model_parallel_group()
+        if group is None or not _expert_groups_separate():
+            return clip_grad_norm_fp32(self.get_parameters(), self.get_main_grads_for_grad_norm(), clip_grad,
+                                       model_parallel_group=group)
+        # Expert parallelism: dense pieces are unique over TP x PP, expert pieces over expert TP x EP x PP. Each
+        # part's squares are summed over its own group and the single total norm clips every parameter.
+        dense, expert = [], []
+        for param in self.get_parameters():
+            if param.grad is None:
+                continue
+            if not getattr(param, "allreduce", True):
+                expert.append(param.grad.detach())
+            elif param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                dense.append(param.grad.detach())
+        expert_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+        norm_dense = get_grad_norm_fp32(dense, 2, group)
+        norm_expert = get_grad_norm_fp32(expert, 2, expert_group)
+        total = (norm_dense ** 2 + norm_expert ** 2) ** 0.5
+        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, total)
+        return total
 
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), model_parallel_group=self.get_model_parallel_group())
@@ -244,8 +274,9 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             torch._amp_foreach_non_finite_check_and_unscale_(
                 main_grads, self.found_inf, self.grad_scaler.inv_scale.to(self.found_inf.device))
         # Every rank must take the same decision, or the model replicas/shards would diverge.
+        # (Expert grads differ across expert-parallel ranks: then the whole world decides together.)
         torch.distributed.all_reduce(self.found_inf, op=torch.distributed.ReduceOp.MAX,
-                                     group=self.get_model_parallel_group())
+                                     group=None if _expert_groups_separate() else self.get_model_parallel_group())
         return self.found_inf.item() > 0
 
     @torch.no_grad()

@@ -99,6 +99,8 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
         else:
             output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
 
+    if getattr(config, "num_moe_experts", None) is not None:  # on every stage: each holds router losses
+        _set_moe_aux_loss_scale(num_microbatches, config)
     num_tokens = torch.zeros((), dtype=torch.int64)
     if parallel_state.is_pipeline_last_stage():
         if not collect_non_loss_data:
@@ -130,6 +132,19 @@ def _apply_loss_func(loss_func, output_tensor, num_microbatches, config):
         return loss / num_microbatches, torch.zeros((), dtype=torch.int64), loss_reduced
     raise RuntimeError("loss_func must return (loss_sum, num_tokens, reported_dict) or (loss, reported_dict), e.g. "
                        f"(loss, {{'lm loss': averaged_loss}}); got {type(result).__name__}")
+
+
+def _set_moe_aux_loss_scale(num_microbatches, config):
+    """MoE router losses get the main loss's backward scale: loss scale / micro-batches (x CP), or the loss scale
+    alone with ``calculate_per_token_loss`` (the routers pre-multiply by their token count)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    scale = torch.ones(1, device=device.current_device())
+    if config.grad_scale_func is not None:
+        scale = config.grad_scale_func(scale)
+    if not config.calculate_per_token_loss:
+        scale = scale * parallel_state.get_context_parallel_world_size() / num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):

@@ -70,7 +70,9 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor) -> None:
 
 
 def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor) -> None:
-    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+    # ``allreduce`` (False on expert-parallel parameters) travels with them too: the optimizer's grad norm
+    # reduces expert pieces over the expert model-parallel group.
+    for attribute in (*_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS, "allreduce"):
         if hasattr(source_tensor, attribute):
             setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
 

@@ -6,6 +6,8 @@ built from a layer spec. Submodule names (``layers.{i}``, ``final_layernorm``) a
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
+from typing import List
 
 import torch
 
@@ -17,6 +19,14 @@ from megatron.core.transformer.norms import get_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import NoopTransformerLayer, ParallelTransformerLayer, TransformerLayer
 from megatron.core.utils import make_viewless_tensor
+
+
+@dataclass
+class TransformerBlockSubmodules:
+    """megatron-core's block spec: one layer spec per global layer (e.g. dense and MoE layers mixed)."""
+
+    layer_specs: List[ModuleSpec] = field(default_factory=list)
+    layer_norm: object = None
 
 
 def get_num_layers_to_build(config, standalone_embedding_stage: bool = False) -> int:
@@ -94,6 +104,9 @@ class ParallelTransformer(MegatronModule):
         self.drop_path_rates = [rate.item() for rate in torch.linspace(0, drop_path_rate, max(config.num_layers, 1))]
 
         def build_layer(layer_number):
+            if isinstance(layer_spec, TransformerBlockSubmodules):
+                return build_module(layer_spec.layer_specs[layer_number - 1], config=config,
+                                    layer_number=layer_number)
             if layer_spec is not None:
                 return build_module(layer_spec, config=config, layer_number=layer_number)
             return ParallelTransformerLayer(config, layer_number, layer_type=layer_type,

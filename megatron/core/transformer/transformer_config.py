@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +103,38 @@ class TransformerConfig(ModelParallelConfig):
     output_bert_embeddings: bool = False
     add_qkv_bias: bool = False                   # bias on the QKV projection only
 
+    # Mixture of experts (megatron-core's field names; --num-experts sets num_moe_experts). See
+    # megatron/core/transformer/moe/ for the math.
+    num_moe_experts: Optional[int] = None
+    moe_layer_freq: Union[int, List[int]] = 1     # every N-th layer (int) or a 0/1 pattern per layer
+    moe_ffn_hidden_size: Optional[int] = None     # per-expert FFN width (default ffn_hidden_size)
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    moe_shared_expert_overlap: bool = False
+    moe_grouped_gemm: bool = False
+    moe_use_legacy_grouped_gemm: bool = False     # GroupedMLP is the only grouped implementation here
+    moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_score_function: str = "softmax"
+    moe_router_dtype: Optional[str] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_fusion: bool = False
+    moe_aux_loss_coeff: Union[float, List[float]] = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_input_jitter_eps: Optional[float] = None
+    moe_token_dispatcher_type: str = "allgather"
+    moe_per_layer_logging: bool = False
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_layer_recompute: bool = False
+    moe_permute_fusion: bool = False
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_model_settings()
@@ -188,10 +220,51 @@ class TransformerConfig(ModelParallelConfig):
             if self.activation_func is not F.gelu:
                 raise ValueError("When bias_gelu_fusion is True, activation_func must be F.gelu.")
 
+        self._validate_moe()
+
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, max(self.num_layers, 1))
+
+    def _validate_moe(self):
+        """megatron-core's MoE checks (the flags are also checked in validate_args, before any process group)."""
+        if self.num_moe_experts is None:
+            return
+        if self.num_moe_experts <= 0:
+            raise ValueError(f"num_moe_experts must be > 0, got {self.num_moe_experts}")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.num_moe_experts % self.expert_model_parallel_size != 0:
+            raise ValueError(f"num_moe_experts ({self.num_moe_experts}) must be divisible by "
+                             f"expert_model_parallel_size ({self.expert_model_parallel_size})")
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(f"moe_router_topk ({self.moe_router_topk}) must be <= num_moe_experts "
+                             f"({self.num_moe_experts})")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe_router_score_function must be softmax or sigmoid, got "
+                             f"{self.moe_router_score_function!r}")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function='sigmoid'")
+        if self.moe_router_num_groups is not None:
+            if self.num_moe_experts % self.moe_router_num_groups or not self.moe_router_group_topk:
+                raise ValueError("group-limited routing needs num_moe_experts divisible by moe_router_num_groups "
+                                 "and moe_router_group_topk set")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
+        if self.add_bias_linear and (self.expert_tensor_parallel_size or 1) > 1:
+            raise ValueError("expert biases need expert_tensor_parallel_size 1 (pass --disable-bias-linear)")
+        if self.moe_grouped_gemm and self.fp16:
+            raise ValueError("moe_grouped_gemm supports bf16 and fp32 parameters, not fp16")
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether global layer ``layer_number`` (1-based) has an MoE MLP (``moe_layer_freq``)."""
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return (layer_number - 1) % freq == 0
+        return bool(freq[layer_number - 1])
 
     def required_padded_vocab_size(self) -> int:
         """``padded_vocab_size`` for the legacy model classes, with a clear error when it is not set."""

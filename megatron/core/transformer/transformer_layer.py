@@ -101,7 +101,7 @@ class ParallelTransformerLayer(MegatronModule):
                 self.cross_attention = build_module(submodules.cross_attention, config=config,
                                                     layer_number=layer_number)
             self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config, hidden_size=h, eps=eps)
-            self.mlp = build_module(submodules.mlp, config=config)
+            self.mlp = build_module(submodules.mlp, config=config, **_layer_number_kwarg(submodules.mlp, layer_number))
             self._spec_bda = {"self_attention": build_module(submodules.self_attn_bda),
                               "cross_attention": build_module(submodules.cross_attn_bda),
                               "mlp": build_module(submodules.mlp_bda)}
@@ -144,6 +144,14 @@ class ParallelTransformerLayer(MegatronModule):
         output = self._bias_dropout_add(mlp_output, mlp_bias, residual, "mlp")
         # Pipeline schedules free stage outputs by swapping .data, which needs a tensor that is not a view.
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
+
+
+def _layer_number_kwarg(spec, layer_number) -> dict:
+    """MoE layers want their layer number (per-layer loss logging); dense MLP classes take no such argument."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    return {"layer_number": layer_number} if isinstance(module, type) and issubclass(module, MoELayer) else {}
 
 
 class NoopTransformerLayer(MegatronModule):

@@ -55,6 +55,7 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig):
     if args.init_method_xavier_uniform:
         kw_args["init_method"] = torch.nn.init.xavier_uniform_
         kw_args["output_layer_init_method"] = torch.nn.init.xavier_uniform_
+    kw_args["num_moe_experts"] = args.num_experts
     kw_args["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
     # --recompute-num-layers defaults to 1 but means nothing with selective recompute, where the config
     # rejects a layer count.

@@ -61,11 +61,60 @@ def _validate_moe(args) -> None:
                                              f"--expert-model-parallel-size ({ep})")
         _require(args.moe_router_topk <= args.num_experts, f"--moe-router-topk ({args.moe_router_topk}) must be <= "
                                                            f"--num-experts ({args.num_experts})")
-        raise _not_implemented(f"--num-experts {args.num_experts}", "mixture of experts (MoE)",
-                               "drop --num-experts and the --moe-* flags to train the dense model")
-    if ep > 1:
-        raise _not_implemented(f"--expert-model-parallel-size {ep}", "mixture of experts (MoE)",
-                               "drop --expert-model-parallel-size")
+        _validate_moe_implemented(args)
+    else:
+        _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts")
+
+
+def _validate_moe_implemented(args) -> None:
+    """Megatron's remaining MoE checks, and the MoE options this library does not implement."""
+    if getattr(args, "use_legacy_models", False):
+        raise _not_implemented("--num-experts with --use-legacy-models", "mixture of experts in the legacy model "
+                               "classes", "drop --use-legacy-models (megatron-core models are the default)")
+    world = args.world_size
+    # TP and PP larger than the world are clipped to it later (Megatron's rule); EP is not.
+    tp = min(args.tensor_model_parallel_size, world) if world else args.tensor_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp
+    pp = min(args.pipeline_model_parallel_size, world) if world else args.pipeline_model_parallel_size
+    ep = args.expert_model_parallel_size
+    if args.world_size is not None:
+        _require(args.world_size % (etp * ep * pp) == 0,
+                 f"world size ({args.world_size}) must be divisible by --expert-tensor-parallel-size ({etp}) x "
+                 f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp})")
+    _require(tp == 1 or args.sequence_parallel, f"--num-experts with --tensor-model-parallel-size {tp} needs "
+                                                "--sequence-parallel (every TP rank routes its own tokens)")
+    if args.moe_grouped_gemm:
+        _require(not args.fp16, "--moe-grouped-gemm with --fp16 is not supported (grouped GEMMs run in bf16 or "
+                                "fp32): use --bf16, or drop --moe-grouped-gemm")
+        _require(not args.add_bias_linear, "--moe-grouped-gemm has no expert biases: pass --disable-bias-linear")
+    if etp > 1:
+        _require(not args.add_bias_linear, f"--expert-tensor-parallel-size {etp}: expert biases need expert tensor "
+                                           "parallel size 1; pass --disable-bias-linear")
+    types = args.moe_router_load_balancing_type
+    types = types if isinstance(types, list) else [types]
+    for value in types:
+        if value in ("sinkhorn", "global_aux_loss"):
+            raise _not_implemented(f"--moe-router-load-balancing-type {value}", f"{value} load balancing",
+                                   "use aux_loss, seq_aux_loss or none")
+    if args.moe_expert_capacity_factor is not None:
+        _require(all(t in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none") for t in types),
+                 "--moe-expert-capacity-factor needs --moe-router-load-balancing-type aux_loss, seq_aux_loss or none")
+    if args.moe_router_enable_expert_bias:
+        _require(args.moe_router_score_function == "sigmoid",
+                 "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        raise _not_implemented("--moe-router-enable-expert-bias", "aux-loss-free expert-bias updates",
+                               "drop --moe-router-enable-expert-bias")
+    if args.moe_token_dispatcher_type == "flex":
+        raise _not_implemented("--moe-token-dispatcher-type flex", "the DeepEP/HybridEP dispatcher",
+                               "use --moe-token-dispatcher-type alltoall or allgather")
+    if args.moe_router_num_groups is not None:
+        _require(args.num_experts % args.moe_router_num_groups == 0 and args.moe_router_group_topk,
+                 "--moe-router-num-groups must divide --num-experts and needs --moe-router-group-topk")
+    for flag, dest in (("--moe-router-fusion", "moe_router_fusion"), ("--moe-permute-fusion", "moe_permute_fusion")):
+        if getattr(args, dest):
+            raise _not_implemented(flag, "Transformer Engine's fused MoE kernels", f"drop {flag}")
+    if args.moe_layer_recompute:
+        raise _not_implemented("--moe-layer-recompute", "MoE layer recompute", "drop --moe-layer-recompute")
 
 
 def _validate_context_parallel(args) -> None:

@@ -129,6 +129,13 @@ def load_args_from_checkpoint(args, load_arg="load"):
                  "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization"):
         if hasattr(checkpoint_args, name):
             set_arg(name, force=True)
+    # Mixture of experts (Megatron force-copies these; the dispatcher only when unset).
+    set_arg("moe_token_dispatcher_type")
+    for name in ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
+                 "moe_grouped_gemm", "moe_shared_expert_intermediate_size", "moe_router_score_function",
+                 "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor"):
+        if hasattr(checkpoint_args, name):
+            set_arg(name, force=True)
     if version < 3.0:
         set_arg("tensor_model_parallel_size", "model_parallel_size", force=True)
     else:

@@ -17,12 +17,20 @@ chunks, ``gate_r`` at row ``r*F/t`` and ``up_r`` at row ``F + r*F/t`` of the glo
 Non-layer tensors keep their names; a tied output layer on a later pipeline stage is the embedding
 (``embedding.word_embeddings.weight``). Each linear layer also has an ``_extra_state`` object per layer, key
 ``decoder.layers.<linear>._extra_state/shard_{layer}_{L}``, payload ``[None]`` (no FP8 metadata).
+
+Experts (mixture of experts) get a second prepended axis, the *global* expert index: expert ``e`` of layer ``i`` is
+the chunk at ``(i, e)`` of ``decoder.layers.mlp.experts.experts.linear_fc1.weight [L, E, 2F, h]`` (gate/up halves
+split by *expert* TP as above) and ``...linear_fc2.weight [L, E, h, F]`` (expert-TP columns); this holds for the
+``SequentialMLP`` names (``mlp.experts.local_experts.{j}.linear_fc*``, ``e = ep_rank * E/EP + j``) and for the
+``GroupedMLP`` ``weight1 [h, n*2F/ETP]`` / ``weight2 [n*F/ETP, h]`` (each local expert's transposed slice), so
+checkpoints move between EP, ETP, PP and both expert implementations. Their ``_extra_state`` objects are
+``decoder.layers.mlp.experts.experts.linear_fc{1,2}._extra_state/shard_{layer}.{e}_{L}.{E}``.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -37,7 +45,8 @@ _LAYER_RENAMES = {
 }
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
-_GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+_GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.experts.experts.linear_fc1.weight",
+          "mlp.experts.experts.linear_fc1.bias")
 
 
 @dataclasses.dataclass
@@ -51,6 +60,12 @@ class Entry:
     tensor: torch.Tensor
     param: Optional[torch.nn.Parameter]
     tp_dim: Optional[int]
+    # Experts: global expert index, number of experts, (expert TP size, rank), and for grouped weights the view
+    # of the parameter-shaped tensor that is this expert's [out, in] weight.
+    expert: Optional[int] = None
+    num_experts: int = 0
+    etp: Optional[Tuple[int, int]] = None
+    view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 def disk_key(name: str, layer_offset: int, tied_output: bool) -> Tuple[str, Optional[int]]:
@@ -69,6 +84,10 @@ def shards(entry: Entry, num_layers: int, tp_size: int, tp_rank: int, gated: boo
     """This rank's chunk(s) of ``entry`` (or of ``tensor``, a same-shaped companion such as an Adam moment) in the
     global on-disk tensor."""
     data = entry.tensor if tensor is None else tensor
+    if tensor is not None and entry.view is not None:
+        data = entry.view(tensor)
+    if entry.etp is not None:
+        tp_size, tp_rank = entry.etp
     shape, offset = list(data.shape), [0] * data.dim()
     pieces = [(data, offset)]
     if entry.tp_dim is not None and tp_size > 1 or gated and entry.key.endswith(_GATED):
@@ -83,7 +102,10 @@ def shards(entry: Entry, num_layers: int, tp_size: int, tp_rank: int, gated: boo
         shape[dim] *= tp_size
     out = []
     for piece, off in pieces:
-        if entry.layer is not None:
+        if entry.expert is not None:
+            out.append(LocalShard(piece.unsqueeze(0).unsqueeze(0), (num_layers, entry.num_experts, *shape),
+                                  (entry.layer, entry.expert, *off)))
+        elif entry.layer is not None:
             out.append(LocalShard(piece.unsqueeze(0), (num_layers, *shape), (entry.layer, *off)))
         else:
             out.append(LocalShard(piece, tuple(shape), tuple(off)))
@@ -92,8 +114,49 @@ def shards(entry: Entry, num_layers: int, tp_size: int, tp_rank: int, gated: boo
 
 def merge_loaded(entry: Entry, loaded: List[LocalShard]) -> torch.Tensor:
     """The local tensor from the chunk(s) :func:`shards` described, after they were read."""
-    parts = [sh.data.squeeze(0) if entry.layer is not None else sh.data for sh in loaded]
+    lead = 2 if entry.expert is not None else (1 if entry.layer is not None else 0)
+    parts = [sh.data.reshape(sh.data.shape[lead:]) for sh in loaded]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.weight([12])$")
+EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+
+
+def expert_entries(name: str, value: torch.Tensor, param, layer_offset: int, ep_rank: int, num_local: int,
+                   num_experts: int, etp: Tuple[int, int]) -> Optional[List[Entry]]:
+    """The on-disk entries of an expert tensor (None when ``name`` is not one): one per local expert."""
+    m = _LAYER.match(name)
+    if not m:
+        return None
+    block, layer, rest = m.group(1), int(m.group(2)) + layer_offset, m.group(3)
+    local = _LOCAL_EXPERT.match(rest)
+    if local:
+        j, linear, kind = int(local.group(1)), local.group(2), local.group(3)
+        tp_dim = 0 if linear == "linear_fc1" or kind == "bias" else 1
+        return [Entry(name, f"{block}.mlp.experts.experts.{linear}.{kind}", layer, value, param, tp_dim,
+                      ep_rank * num_local + j, num_experts, etp)]
+    grouped = _GROUPED_EXPERT.match(rest)
+    if grouped:
+        which = grouped.group(1)
+        out = []
+        for j in range(num_local):
+            if which == "1":  # weight1 [h, n * X] -> expert j's fc1 [X, h]
+                view = (lambda t, j=j: t.view(t.shape[0], num_local, -1)[:, j, :].t())
+                tp_dim = 0
+            else:             # weight2 [n * X, h] -> expert j's fc2 [h, X]
+                view = (lambda t, j=j: t.view(num_local, -1, t.shape[-1])[j].t())
+                tp_dim = 1
+            out.append(Entry(name, f"{block}.mlp.experts.experts.linear_fc{which}.weight", layer, view(value), param,
+                             tp_dim, ep_rank * num_local + j, num_experts, etp, view))
+        return out
+    return None
+
+
+def expert_extra_state_key(block_key: str, linear: str, layer: int, expert: int, num_layers: int,
+                           num_experts: int) -> str:
+    return f"{block_key}.{linear}._extra_state/shard_{layer}.{expert}_{num_layers}.{num_experts}"
 
 
 def extra_state_key(block_key: str, linear: str, layer: int, num_layers: int) -> str:

@@ -87,14 +87,46 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
             if not torch.is_tensor(value):
                 raise DistCheckpointError(f"model entry {name!r} is a {type(value).__name__}, not a tensor: the "
                                           "torch_dist format stores only tensors in the model state")
-            key, layer = dist_keys.disk_key(name if mcore else legacy_to_mcore_key(name), offset, tied)
             param = params.get(name)
+            experts = _expert_entries(chunk, name, value, param, offset) if mcore else None
+            if experts is not None:
+                entries.extend(experts)
+                continue
+            key, layer = dist_keys.disk_key(name if mcore else legacy_to_mcore_key(name), offset, tied)
             tp_dim = param.partition_dim if param is not None and getattr(param, "tensor_model_parallel", False) \
                 else None
             entries.append(dist_keys.Entry(name, key, layer, value, param, tp_dim))
         out.append(entries)
     if len(model) > 1:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    return out
+
+
+def _expert_entries(chunk, name, value, param, offset):
+    config = getattr(chunk, "config", None)
+    num_experts = getattr(config, "num_moe_experts", None)
+    if not num_experts or ".mlp.experts." not in name:
+        return None
+    ep = parallel_state.get_expert_model_parallel_world_size() or 1
+    etp = (parallel_state.get_expert_tensor_parallel_world_size() or 1,
+           parallel_state.get_expert_tensor_parallel_rank() or 0)
+    return dist_keys.expert_entries(name, value, param, offset, parallel_state.get_expert_model_parallel_rank() or 0,
+                                    num_experts // ep, num_experts, etp)
+
+
+def assemble(entries, fetch) -> Dict[str, torch.Tensor]:
+    """{local name: tensor} from per-entry loaded tensors (``fetch(entry)``); the per-expert entries of a grouped
+    weight are written into their views of one parameter-shaped tensor."""
+    out = {}
+    for e in entries:
+        piece = fetch(e)
+        if piece is None:
+            continue
+        if e.view is None:
+            out[e.local_name] = piece.reshape(e.tensor.shape)
+        else:
+            full = out.setdefault(e.local_name, torch.empty(e.param.shape, dtype=piece.dtype))
+            e.view(full).copy_(piece.reshape(e.tensor.shape))
     return out
 
 
@@ -118,8 +150,15 @@ def model_sharded_state(model, args=None, for_load=False) -> Dict[str, object]:
             if e.layer is not None:
                 layers.add((e.key.split(".layers.")[0] + ".layers", e.layer))
         # Megatron expects one (empty) _extra_state object per linear layer; written by TP/DP rank 0.
+        expert_dp_rank = parallel_state.get_expert_data_parallel_rank() if any(
+            e.expert is not None for e in entries) else 0
+        for e in entries:
+            if e.expert is None or e.key.endswith(".bias") or (not for_load and (e.etp[1] != 0 or expert_dp_rank)):
+                continue
+            block, linear = e.key.split(".layers.")[0] + ".layers", e.key.split(".layers.")[1].rsplit(".", 1)[0]
+            out[dist_keys.expert_extra_state_key(block, linear, e.layer, e.expert, num_layers, e.num_experts)] = [None]
         if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank() == 0):
-            keys = {e.key for e in entries}
+            keys = {e.key for e in entries if e.expert is None}
             for block, layer in sorted(layers):
                 for linear in dist_keys.LINEARS:
                     if f"{block}.{linear}.weight" in keys:
@@ -132,8 +171,8 @@ def apply_loaded_model(model, loaded, args=None, strict=True):
     tp, tp_rank = tp_size_rank()
     for i, (chunk, entries) in enumerate(zip(model, model_entries(model, args))):
         num_layers, gated, _ = model_layout(chunk, args)
-        state = {e.local_name: take_loaded(loaded, e.key, e, num_layers, tp, tp_rank, gated).reshape(e.tensor.shape)
-                 for e in entries if e.key in loaded}
+        state = assemble(entries, lambda e: take_loaded(loaded, e.key, e, num_layers, tp, tp_rank, gated)
+                         if e.key in loaded else None)
         if len(model) > 1:
             parallel_state.set_virtual_pipeline_model_parallel_rank(i)
         chunk.load_state_dict(state, strict=strict)
@@ -268,9 +307,17 @@ def optimizer_tensors(optimizer, entries) -> Dict[str, list]:
                 full[lo:hi] = src.detach().float().view(-1)
             pieces.append(full)
         if sharded and pieces:
-            flat = torch.cat(pieces)
-            torch.distributed.all_reduce(flat, group=parallel_state.get_data_parallel_group())
-            pieces = list(torch.split(flat, [e.param.numel() for e in params]))
+            # Expert parameters are sharded over the expert data-parallel group, the rest over DP.
+            for expert in (False, True):
+                index = [i for i, e in enumerate(params) if (not getattr(e.param, "allreduce", True)) == expert]
+                if not index:
+                    continue
+                group = (parallel_state.get_expert_data_parallel_group() if expert
+                         else parallel_state.get_data_parallel_group())
+                flat = torch.cat([pieces[i] for i in index])
+                torch.distributed.all_reduce(flat, group=group)
+                for i, part in zip(index, torch.split(flat, [params[i].param.numel() for i in index])):
+                    pieces[i] = part
         out[kind] = [(e, full.view(e.param.shape)) for e, full in zip(params, pieces)]
     return out
 
@@ -336,17 +383,22 @@ def load_optimizer_state(optimizer, model, entries, loaded, common, main_kind, a
     own_main = _main_kind(optimizer)
     adam = "Adam" in type(optimizer.optimizer).__name__
     tp, tp_rank = tp_size_rank()
+    by_param = {}  # the entries of each parameter (several for a grouped expert weight), with their layout
+    for chunk, es in zip(model, entries):
+        layout = model_layout(chunk, args)
+        for e in es:
+            if e.param is not None and e.param in mains:
+                by_param.setdefault(e.param, (layout, []))[1].append(e)
     with torch.no_grad():
-        for e, (num_layers, gated, _) in [(e, model_layout(chunk, args)) for chunk, es in zip(model, entries)
-                                          for e in es]:
-            if e.param is None or e.param not in mains:
-                continue
+        for param, ((num_layers, gated, _), es) in by_param.items():
+            e = es[0]
             main, rng = mains[e.param]
             lo, hi = rng if rng is not None else (0, e.param.numel())
             state = optimizer.optimizer.state[main]
 
             def value(kind):
-                full = take_loaded(loaded, f"optimizer.state.{kind}.{e.key}", e, num_layers, tp, tp_rank, gated)
+                full = assemble(es, lambda x: take_loaded(loaded, f"optimizer.state.{kind}.{x.key}", x, num_layers, tp,
+                                                          tp_rank, gated))[e.local_name]
                 return full.reshape(-1)[lo:hi].view(main.shape)
 
             if own_main is not None:

@@ -44,20 +44,41 @@ from megatron.training.utils import is_rank_0, print_rank_0, unwrap_model
 
 CHECKPOINT_VERSION = 3.0
 MODEL_BASENAME = "model_optim_rng.pt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
 # ------------------------------------------------------------------------------------------- names
 
-def _rank_dirname(tensor_rank, pipeline_rank, pipeline_parallel):
-    if pipeline_parallel:
-        return "mp_rank_{:02d}_{:03d}".format(tensor_rank, pipeline_rank)
-    return "mp_rank_{:02d}".format(tensor_rank)
+def _rank_dirname(tensor_rank, pipeline_rank, pipeline_parallel, expert_rank=None):
+    name = "mp_rank_{:02d}_{:03d}".format(tensor_rank, pipeline_rank) if pipeline_parallel \
+        else "mp_rank_{:02d}".format(tensor_rank)
+    if expert_rank is not None:  # Megatron's suffix with expert parallelism (EP > 1)
+        name += "_{:03d}".format(expert_rank)
+    return name
+
+
+def _expert_rank():
+    """This rank's expert-parallel rank when EP > 1 (checkpoint files then differ per EP rank), else None."""
+    try:
+        if (parallel_state.get_expert_model_parallel_world_size() or 1) > 1:
+            return parallel_state.get_expert_model_parallel_rank()
+    except AssertionError:
+        pass
+    return None
+
+
+def _writes_model_files() -> bool:
+    """Data-parallel rank 0 writes its TP x PP files; with EP > 1 every EP rank's copy (expert-DP rank 0)."""
+    if _expert_rank() is not None:
+        return parallel_state.get_expert_data_parallel_rank() == 0
+    return parallel_state.get_data_parallel_rank() == 0
 
 
 def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_parallel=None, tensor_rank=None,
-                        pipeline_rank=None, basename=MODEL_BASENAME):
-    """Path of one rank's checkpoint file."""
+                        pipeline_rank=None, basename=MODEL_BASENAME, expert_rank=None):
+    """Path of one rank's checkpoint file (``expert_rank``: this rank's, when EP > 1 and not given)."""
+    if tensor_rank is None and expert_rank is None:
+        expert_rank = _expert_rank()
     if pipeline_parallel is None:
         pipeline_parallel = parallel_state.get_pipeline_model_parallel_world_size() > 1
     if tensor_rank is None:
@@ -65,7 +86,7 @@ def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_par
     if pipeline_rank is None:
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
     return os.path.join(checkpoints_path, iteration_dirname(iteration, release),
-                        _rank_dirname(tensor_rank, pipeline_rank, pipeline_parallel), basename)
+                        _rank_dirname(tensor_rank, pipeline_rank, pipeline_parallel, expert_rank), basename)
 
 
 def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
@@ -114,7 +135,7 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
         # Collective over the DP group: every DP rank contributes its shard, DP rank 0 writes the file.
         state = optimizer.get_parameter_state()
     error = None
-    if parallel_state.get_data_parallel_rank() == 0:
+    if _writes_model_files():
         error = run_step(lambda: _write_rank_files(args, iteration, model, optimizer, opt_param_scheduler,
                                                    rng_state, num_floating_point_operations_so_far, staged_name,
                                                    state))
@@ -158,13 +179,18 @@ def _write_rank_files(args, iteration, model, optimizer, opt_param_scheduler, rn
 def saved_layout(iter_dir):
     """(tensor, pipeline) model parallel sizes a torch-format checkpoint was saved with, from its rank
     directories; None when the directory holds none."""
+    # With expert parallelism (EP > 1) Megatron appends the EP rank: mp_rank_TT_EEE or mp_rank_TT_PPP_EEE, so a
+    # two-number name is read as (TP, EP) when this run has EP > 1 and no pipeline.
+    expert_suffix = _expert_rank() is not None
+    pipeline = expert_suffix and parallel_state.get_pipeline_model_parallel_world_size() > 1
     tp, pp, found = 0, 0, False
     for name in os.listdir(iter_dir):
         m = _RANK_DIR.match(name)
         if m:
             found = True
             tp = max(tp, int(m.group(1)) + 1)
-            pp = max(pp, int(m.group(2)) + 1 if m.group(2) is not None else 1)
+            second_is_pp = m.group(2) is not None and (m.group(3) is not None or not expert_suffix or pipeline)
+            pp = max(pp, int(m.group(2)) + 1 if second_is_pp else 1)
     return (tp, pp) if found else None
 
 
@@ -272,7 +298,7 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
             if not os.path.isfile(optim_name):
                 raise CheckpointError(f"distributed optimizer state {optim_name} is missing; pass --no-load-optim "
                                       "to start the optimizer from scratch")
-            state = read_checkpoint_file(optim_name) if parallel_state.get_data_parallel_rank() == 0 else None
+            state = read_checkpoint_file(optim_name) if optimizer.is_parameter_state_root() else None
             optimizer.load_parameter_state(state)
         scheduler_state = state_dict.get("opt_param_scheduler", state_dict.get("lr_scheduler"))
         if opt_param_scheduler is not None and scheduler_state is not None:

@@ -1,17 +1,46 @@
-"""Layer specs for megatron-core's GPTModel (``get_gpt_layer_local_spec()``)."""
+"""Layer specs for megatron-core's GPTModel (``get_gpt_layer_local_spec()``, ``get_gpt_decoder_block_spec()``)."""
 from __future__ import annotations
 
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, default_layer_submodules
 
 
+def get_moe_module_spec(num_experts=None, moe_grouped_gemm=False) -> ModuleSpec:
+    """The MoE MLP: TopKRouter + dispatcher + SequentialMLP (or GroupedMLP with grouped GEMM) + shared experts."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        experts=GroupedMLP if moe_grouped_gemm else SequentialMLP,
+        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))))
+
+
 def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False) -> ModuleSpec:
-    """Causal self-attention + MLP built from megatron.core's own layers (no Transformer Engine)."""
-    if num_experts is not None:
-        raise NotImplementedError("mixture-of-experts layers (num_experts) are not implemented")
+    """Causal self-attention + MLP (or, with ``num_experts``, an MoE MLP) built from megatron.core's own layers."""
     # qk_layernorm is read from config.qk_layernorm by the attention (the same local norms either way).
-    return ModuleSpec(module=TransformerLayer, submodules=default_layer_submodules(AttnMaskType.causal))
+    submodules = default_layer_submodules(AttnMaskType.causal)
+    if num_experts is not None:
+        submodules.mlp = get_moe_module_spec(num_experts, moe_grouped_gemm)
+    return ModuleSpec(module=TransformerLayer, submodules=submodules)
+
+
+def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization=None,
+                               qk_l2_norm=False, vp_stage=None) -> TransformerBlockSubmodules:
+    """One layer spec per global layer: MoE where ``config.moe_layer_freq`` says so, dense elsewhere."""
+    if use_transformer_engine:
+        from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
+
+        transformer_engine_layers_unavailable()
+    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm)
+    moe = get_gpt_layer_local_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm)
+    specs = [moe if config.is_moe_layer(i + 1) else dense for i in range(config.num_layers)]
+    return TransformerBlockSubmodules(layer_specs=specs)
 
 
 def get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False):

@@ -1,0 +1,1 @@
+"""Mixture of experts (megatron.core.transformer.moe): router, token dispatchers, experts, MoE layer."""

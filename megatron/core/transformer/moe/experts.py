@@ -1,0 +1,212 @@
+"""The local experts: ``SequentialMLP`` (a loop of MLPs) and ``GroupedMLP`` (grouped GEMMs).
+
+Expert ``e`` is an MLP with ``F = moe_ffn_hidden_size``: ``y = fc2(act(fc1(x)) * p)`` (plus ``b2 * p`` with
+biases), the routing weight ``p`` applied inside the expert as in Megatron. With expert tensor parallelism
+(ETP) rank ``r`` holds rows ``[gate_r; up_r]`` of fc1 (``2F/ETP x h`` for gated units, ``F/ETP x h`` otherwise)
+and columns ``F/ETP`` of fc2; its fc2 output is a partial sum that the dispatcher's reduce-scatter completes.
+
+Initialisation draws the full fp32 weights of *every* expert from the global generator, in expert order
+(fc1 then fc2), and keeps this rank's experts and shards, so EP/ETP layouts and both implementations start
+from the same model (``--use-cpu-initialization`` semantics).
+
+``GroupedMLP`` stores Megatron's legacy grouped layout: ``weight1 [h, n * 2F/ETP]`` (expert j's fc1 transposed
+in columns ``j*2F/ETP ...``) and ``weight2 [n * F/ETP, h]``; it runs ``torch._grouped_mm`` where the
+device/dtype has a working kernel (probed once, forward and backward), else a batched fallback (rows padded to
+the largest expert, one ``bmm``); the choice is logged.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.transformer.module import MegatronModule
+
+
+def expert_tensor_parallel_size_and_rank():
+    size = parallel_state.get_expert_tensor_parallel_world_size()
+    rank = parallel_state.get_expert_tensor_parallel_rank()
+    return (size or 1), (rank or 0)
+
+
+def expert_activation(config):
+    act = config.activation_func
+    if config.gated_linear_unit:
+        def glu(x):
+            gate, up = torch.chunk(x, 2, dim=-1)
+            return act(gate) * up
+        return glu
+    return act
+
+
+def init_expert_weights(config, local_expert_indices: List[int], num_experts: int):
+    """``[(fc1 [2F/ETP or F/ETP, h], fc2 [h, F/ETP])]`` for the local experts (module docstring)."""
+    h, ffn = config.hidden_size, config.moe_ffn_hidden_size
+    rows = 2 * ffn if config.gated_linear_unit else ffn
+    etp, etp_rank = expert_tensor_parallel_size_and_rank()
+    if ffn % etp:
+        raise ValueError(f"moe_ffn_hidden_size ({ffn}) must be divisible by the expert tensor parallel size ({etp})")
+    shard = ffn // etp
+    out = []
+    for e in range(num_experts):
+        fc1 = torch.empty(rows, h, dtype=torch.float32)
+        fc2 = torch.empty(h, ffn, dtype=torch.float32)
+        if config.perform_initialization:
+            config.init_method(fc1)
+            config.output_layer_init_method(fc2)
+        if e not in local_expert_indices:
+            continue
+        if config.gated_linear_unit:
+            local1 = torch.cat([fc1[etp_rank * shard:(etp_rank + 1) * shard],
+                                fc1[ffn + etp_rank * shard:ffn + (etp_rank + 1) * shard]], dim=0)
+        else:
+            local1 = fc1[etp_rank * shard:(etp_rank + 1) * shard]
+        local2 = fc2[:, etp_rank * shard:(etp_rank + 1) * shard]
+        out.append((local1.to(config.params_dtype).contiguous(), local2.to(config.params_dtype).contiguous()))
+    return out
+
+
+def mark_expert_param(param: torch.nn.Parameter, partition_dim: int, config):
+    """Attributes read by DDP, the optimizer and checkpointing: an expert parameter is reduced over the expert
+    data-parallel group (``allreduce = False``) when that differs from the dense DP group, and is never a
+    tensor-parallel duplicate (each rank of the expert model-parallel group holds a different piece)."""
+    param.is_expert = True
+    param.allreduce = not expert_parallel_is_separate(config)
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+
+
+def expert_parallel_is_separate(config) -> bool:
+    """True when expert grads need their own reduction group (EP > 1 or expert TP != TP)."""
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    return config.expert_model_parallel_size > 1 or etp != config.tensor_model_parallel_size
+
+
+class ExpertLinear(torch.nn.Module):
+    """A local linear layer of one expert (no communication: the dispatcher moves the tokens)."""
+
+    def __init__(self, weight: torch.Tensor, bias: bool, partition_dim: int, config):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        mark_expert_param(self.weight, partition_dim, config)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype))
+            mark_expert_param(self.bias, 0, config)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight)
+
+
+class ExpertMLP(torch.nn.Module):
+    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor, config):
+        super().__init__()
+        self.linear_fc1 = ExpertLinear(fc1, config.add_bias_linear, 0, config)
+        self.linear_fc2 = ExpertLinear(fc2, config.add_bias_linear, 1, config)
+        self.activation_func = expert_activation(config)
+
+    def forward(self, x, probs):
+        h = self.linear_fc1(x)
+        if self.linear_fc1.bias is not None:
+            h = h + self.linear_fc1.bias
+        h = self.activation_func(h) * probs.unsqueeze(-1).to(h.dtype)
+        y = self.linear_fc2(h)
+        if self.linear_fc2.bias is not None:
+            y = y + self.linear_fc2.bias * probs.unsqueeze(-1).to(y.dtype)
+        return y
+
+
+class SequentialMLP(MegatronModule):
+    """``SequentialMLP(num_local_experts, config)``; ``forward(tokens, tokens_per_expert, probs) -> (out, None)``."""
+
+    def __init__(self, num_local_experts: int, config, submodules=None, local_expert_indices=None):
+        super().__init__(config=config)
+        indices = local_expert_indices if local_expert_indices is not None else list(range(num_local_experts))
+        weights = init_expert_weights(config, indices, config.num_moe_experts)
+        self.num_local_experts = num_local_experts
+        self.local_experts = torch.nn.ModuleList([ExpertMLP(w1, w2, config) for w1, w2 in weights])
+        log_once("moe_experts_sequential", "MoE experts: SequentialMLP (one MLP per local expert)")
+
+    def forward(self, permuted_tokens, tokens_per_expert, permuted_probs):
+        outputs = []
+        tokens = torch.split(permuted_tokens, list(tokens_per_expert), dim=0)
+        probs = torch.split(permuted_probs, list(tokens_per_expert), dim=0)
+        for expert, x, p in zip(self.local_experts, tokens, probs):
+            outputs.append(expert(x, p))
+        if not outputs:
+            return permuted_tokens, None
+        return torch.cat(outputs, dim=0), None
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward for this device type and dtype."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        dev = torch.device(device_type)
+        a = torch.randn(6, 16, device=dev, dtype=dtype, requires_grad=True)
+        b = torch.randn(2, 16, 8, device=dev, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([2, 6], device=dev, dtype=torch.int32)
+        torch._grouped_mm(a, b, offs=offs).sum().backward()
+        return a.grad is not None and b.grad is not None
+    except Exception:  # noqa: BLE001 - any failure means "use the fallback"
+        return False
+
+
+def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
+    """``cat_j(x_j @ weights[j])`` for row groups ``x_j`` of sizes ``tokens_per_expert``; ``weights [n, K, N]``."""
+    if grouped_mm_works(x.device.type, x.dtype):
+        log_once(f"moe_grouped_gemm_{x.device.type}_{x.dtype}",
+                 f"MoE grouped GEMM: torch._grouped_mm ({x.device.type}, {x.dtype})")
+        offs = torch.tensor(list(tokens_per_expert), device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weights.contiguous(), offs=offs)  # the probe's layout (strided views may fail)
+    log_once(f"moe_grouped_gemm_fallback_{x.device.type}_{x.dtype}",
+             f"MoE grouped GEMM: batched bmm fallback (torch._grouped_mm unavailable for {x.device.type}, {x.dtype})")
+    n = weights.shape[0]
+    counts = torch.tensor(list(tokens_per_expert), device=x.device)
+    largest = int(max(tokens_per_expert)) if n else 0
+    if largest == 0:
+        return x.new_zeros(x.shape[0], weights.shape[-1])
+    expert_of_row = torch.repeat_interleave(torch.arange(n, device=x.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(x.shape[0], device=x.device) - starts[expert_of_row]
+    padded = x.new_zeros(n, largest, x.shape[-1])
+    padded = padded.index_put((expert_of_row, slot), x)
+    out = torch.bmm(padded, weights)
+    return out[expert_of_row, slot]
+
+
+class GroupedMLP(MegatronModule):
+    """``GroupedMLP(num_local_experts, config)`` with Megatron's legacy ``weight1``/``weight2`` layout."""
+
+    def __init__(self, num_local_experts: int, config, submodules=None, local_expert_indices=None):
+        super().__init__(config=config)
+        if config.add_bias_linear:
+            raise ValueError("bias is not supported with --moe-grouped-gemm (pass --disable-bias-linear)")
+        indices = local_expert_indices if local_expert_indices is not None else list(range(num_local_experts))
+        weights = init_expert_weights(config, indices, config.num_moe_experts)
+        self.num_local_experts = num_local_experts
+        h = config.hidden_size
+        self.weight1 = torch.nn.Parameter(torch.cat([w1.t() for w1, _ in weights], dim=1).contiguous())
+        self.weight2 = torch.nn.Parameter(torch.cat([w2.t() for _, w2 in weights], dim=0).contiguous())
+        mark_expert_param(self.weight1, 1, config)
+        mark_expert_param(self.weight2, 0, config)
+        self.hidden_size = h
+        self.activation_func = expert_activation(config)
+
+    def forward(self, permuted_tokens, tokens_per_expert, permuted_probs):
+        n, h = self.num_local_experts, self.hidden_size
+        w1 = self.weight1.view(h, n, -1).transpose(0, 1)  # [n, h, 2F/ETP]
+        w2 = self.weight2.view(n, -1, h)                    # [n, F/ETP, h]
+        if permuted_tokens.shape[0] == 0:
+            # Keep the weights in the graph so every rank's backward produces (zero) expert gradients.
+            return permuted_tokens + 0 * (w1.sum() + w2.sum()), None
+        inter = grouped_gemm(permuted_tokens, w1, tokens_per_expert)
+        inter = self.activation_func(inter) * permuted_probs.unsqueeze(-1).to(inter.dtype)
+        return grouped_gemm(inter, w2, tokens_per_expert), None

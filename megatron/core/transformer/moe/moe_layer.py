@@ -1,0 +1,142 @@
+"""MoELayer: router -> token dispatcher -> local experts -> combine (+ shared experts).
+
+``forward(hidden_states [s, b, h]) -> (output [s, b, h], None)``, a drop-in for the dense MLP of a transformer
+layer. Expert model parallelism gives EP rank ``j`` the experts ``j * E/EP ... (j+1) * E/EP - 1``. With tensor
+parallelism the layer needs sequence parallelism (every TP rank routes its own tokens), as in Megatron.
+
+:func:`reduce_moe_losses` turns the per-layer sums that the routers tracked during a step into the values
+Megatron logs (``load_balancing_loss``, ``seq_load_balancing_loss``, ``z_loss``): per layer the sum over
+micro-batches of ``loss / coeff``, summed over the tensor (x context) parallel group, averaged over data
+parallel ranks, divided by the number of micro-batches; logged value = sum over layers / number of MoE layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Union
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router import TopKRouter, tensor_and_context_parallel_group
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+
+@dataclass
+class MoESubmodules:
+    experts: Union[ModuleSpec, type] = None
+    shared_experts: Union[ModuleSpec, type] = None
+
+
+class BaseMoELayer(MegatronModule):
+    def __init__(self, config, layer_number: Optional[int] = None):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        ep = parallel_state.get_expert_model_parallel_world_size() or 1
+        if config.num_moe_experts % ep != 0:
+            raise ValueError(f"num_moe_experts ({config.num_moe_experts}) must be divisible by the expert model "
+                             f"parallel size ({ep})")
+        self.expert_parallel_size = ep
+        self.num_local_experts = config.num_moe_experts // ep
+        ep_rank = parallel_state.get_expert_model_parallel_rank() or 0
+        offset = ep_rank * self.num_local_experts
+        self.local_expert_indices = [offset + i for i in range(self.num_local_experts)]
+
+
+class MoELayer(BaseMoELayer):
+    """``MoELayer(config, submodules=MoESubmodules(experts=..., shared_experts=...), layer_number=None)``."""
+
+    def __init__(self, config, submodules: MoESubmodules = None, layer_number: Optional[int] = None, **unused):
+        super().__init__(config, layer_number)
+        submodules = submodules or MoESubmodules()
+        self.router = TopKRouter(config, layer_number)
+        experts = submodules.experts
+        if experts is None:
+            from megatron.core.transformer.moe.experts import SequentialMLP
+
+            experts = SequentialMLP
+        self.experts = build_module(experts, self.num_local_experts, config,
+                                    local_expert_indices=self.local_expert_indices)
+        dispatcher = config.moe_token_dispatcher_type
+        if dispatcher == "allgather":
+            cls = MoEAllGatherTokenDispatcher
+        elif dispatcher == "alltoall":
+            cls = MoEAlltoAllTokenDispatcher
+        else:
+            raise ValueError(f"moe_token_dispatcher_type {dispatcher!r} is not implemented (allgather or alltoall)")
+        self.token_dispatcher = cls(self.num_local_experts, self.local_expert_indices, config)
+        self.use_shared_expert = config.moe_shared_expert_intermediate_size is not None
+        if self.use_shared_expert:
+            shared = submodules.shared_experts
+            if shared is None:
+                from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+                shared = SharedExpertMLP
+            self.shared_experts = build_module(shared, config=config, gate=config.moe_shared_expert_gate)
+
+    def forward(self, hidden_states: torch.Tensor):
+        if (self.training and parallel_state.get_tensor_model_parallel_world_size() > 1
+                and not self.config.sequence_parallel):
+            raise ValueError("During training, performance may degrade if MoE and tensor parallelism are enabled "
+                             "without also enabling sequence parallelism.")
+        probs, routing_map = self.router(hidden_states)
+        tokens, tokens_per_expert, permuted_probs = self.token_dispatcher.token_permutation(
+            hidden_states, probs, routing_map)
+        expert_output, mlp_bias = self.experts(tokens, tokens_per_expert, permuted_probs)
+        output = self.token_dispatcher.token_unpermutation(expert_output, mlp_bias)
+        if self.use_shared_expert:
+            output = output + self.shared_experts(hidden_states)
+        return output, None
+
+
+def moe_routers(model) -> List[TopKRouter]:
+    """The routers of a model (or list of model chunks), in layer order."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+
+
+def reduce_moe_losses(model, num_microbatches: int, num_moe_layers: int,
+                      per_layer_logging: bool = False) -> Dict[str, float]:
+    """Megatron's MoE metrics of the last step (module docstring); clears the routers' tracked sums.
+
+    Collective over the world (every rank must call it, with the same ``num_moe_layers``).
+    """
+    routers = moe_routers(model)
+    names = sorted({name for r in routers for name in r.tracked_losses})
+    # Agree on the names: a pipeline stage may hold no MoE layer.
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, names)
+    names = sorted({n for g in gathered for n in g})
+    if not names or num_moe_layers == 0:
+        for r in routers:
+            r.tracked_losses.clear()
+        return {}
+    num_layers = max([r.layer_number or 0 for r in routers] + [0])
+    num_layers = torch.tensor([num_layers], dtype=torch.int64)
+    torch.distributed.all_reduce(num_layers, op=torch.distributed.ReduceOp.MAX)
+    total_layers = int(num_layers.item())
+    values = torch.zeros(len(names), total_layers, dtype=torch.float32)
+    for r in routers:
+        for i, name in enumerate(names):
+            if name in r.tracked_losses:
+                values[i, r.layer_number - 1] += r.tracked_losses[name].cpu()
+        r.tracked_losses.clear()
+    # Each layer lives on one pipeline stage: SUM over PP; SUM over TP(xCP); AVG over DP.
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+    group = tensor_and_context_parallel_group()
+    if group is not None and torch.distributed.get_world_size(group=group) > 1:
+        torch.distributed.all_reduce(values, group=group)
+    dp_group = parallel_state.get_data_parallel_group()
+    torch.distributed.all_reduce(values, group=dp_group)
+    values /= torch.distributed.get_world_size(group=dp_group)
+    values /= num_microbatches
+    out = {}
+    for i, name in enumerate(names):
+        out[name] = float(values[i].sum() / num_moe_layers)
+        if per_layer_logging:
+            for layer in range(total_layers):
+                if values[i, layer] != 0:
+                    out[f"moe/{name}_layer_{layer}"] = float(values[i, layer])
+    return out

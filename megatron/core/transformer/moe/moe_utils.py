@@ -1,0 +1,288 @@
+"""Routing math, permutation and the autograd-aware collectives of the mixture-of-experts layer.
+
+Notation: T local tokens, E experts, k = top-k, ``routing_map [T, E]`` (bool, True where token t goes to
+expert e), ``probs [T, E]`` (routing weight of (t, e), zero off the map).
+
+* Top-k routing (``topk_routing_with_score_function``), Megatron's orderings:
+  softmax (default): top-k on the logits, then ``softmax`` over the k selected logits (= HF Mixtral's
+  softmax over all E, top-k, renormalise); pre-softmax: ``softmax`` over all E, top-k of those scores (not
+  renormalised); sigmoid: ``sigmoid(logits)``, top-k (on ``scores + expert_bias`` when given), then
+  ``scores / (sum of selected + 1e-20)`` when k > 1. Then ``x scaling_factor``. Group-limited routing keeps
+  the ``group_topk`` groups whose top ``k / group_topk`` scores sum highest.
+* Switch load-balancing loss: ``aux = E * coeff / (k * T_tot^2) * sum_e P_e * c_e`` with ``P_e`` the sum over
+  local tokens of the aux-loss scores of expert e and ``c_e`` the tokens routed to e summed over the
+  tensor (x context) parallel group; ``T_tot`` = local T x that group's size.
+* z-loss: ``coeff * mean_t(logsumexp(logits_t)^2)``.
+* Capacity: ``capacity = ceil(T * k / E * factor)``; per expert keep the ``capacity`` routed tokens with the
+  highest probability (``probs`` policy) or the first ones (``position``).
+* ``MoEAuxLossAutoScaler``: forward returns its input unchanged; backward also feeds
+  ``main_loss_backward_scale`` into the aux loss, so the loss trains the router without being added to the
+  reported LM loss.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+# ------------------------------------------------------------------------------------------------ routing
+
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
+    """(values, indices) of the top-k experts within the best ``group_topk`` of ``num_groups`` expert groups."""
+    tokens, num_experts = scores.shape
+    grouped = scores.view(tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    group_idx = group_scores.topk(group_topk, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+    score_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, num_experts)
+    masked = scores.masked_fill(score_mask == 0, float("-inf"))
+    return masked.topk(topk, dim=-1)
+
+
+def topk_routing_with_score_function(logits: torch.Tensor, topk: int, use_pre_softmax: bool = False,
+                                     num_groups: Optional[int] = None, group_topk: Optional[int] = None,
+                                     scaling_factor: Optional[float] = None, score_function: str = "softmax",
+                                     expert_bias: Optional[torch.Tensor] = None):
+    """``(routing_probs [T, E], routing_map [T, E] bool)`` from router logits ``[T, E]`` (module docstring)."""
+    num_tokens, num_experts = logits.shape
+
+    def select(scores):
+        if num_groups:
+            return group_limited_topk(scores, topk, num_groups, group_topk)
+        return torch.topk(scores, k=topk, dim=1)
+
+    if score_function == "softmax":
+        if use_pre_softmax:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+            probs, top_indices = select(scores)
+        else:
+            values, top_indices = select(logits)
+            probs = torch.softmax(values, dim=-1, dtype=torch.float32).type_as(logits)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float()).type_as(logits)
+        if expert_bias is not None:
+            _, top_indices = select(scores + expert_bias)
+            probs = torch.gather(scores, 1, top_indices)
+        else:
+            probs, top_indices = select(scores)
+        if topk > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"invalid moe_router_score_function {score_function!r} (softmax or sigmoid)")
+    if scaling_factor:
+        probs = probs * scaling_factor
+    routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+    return routing_probs, routing_map
+
+
+def compute_routing_scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str):
+    """(routing_map, scores) used only by the load-balancing losses: scores over all E experts (softmax, or sigmoid
+    normalised over E) and their own top-k map, independent of pre-softmax, expert bias and capacity."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits.float())
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    _, top_indices = torch.topk(scores, k=topk, dim=1)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+    return routing_map, scores
+
+
+def switch_load_balancing_loss_func(probs: torch.Tensor, tokens_per_expert: torch.Tensor, total_num_tokens: int,
+                                    topk: int, num_experts: int, moe_aux_loss_coeff: float) -> torch.Tensor:
+    """``E * coeff / (k * T_tot^2) * sum_e (sum_t probs[t, e]) * tokens_per_expert[e]``."""
+    aggregated = probs.sum(dim=0)
+    scale = num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens)
+    return torch.sum(aggregated * tokens_per_expert) * scale
+
+
+def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
+    """``coeff * mean_t(logsumexp(logits_t)^2)`` (ST-MoE's router z-loss)."""
+    return torch.mean(torch.square(torch.logsumexp(logits.float(), dim=-1))) * z_loss_coeff
+
+
+def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: Optional[int] = None):
+    capacity = math.ceil((num_tokens / num_experts) * capacity_factor)
+    if min_capacity is not None and capacity < min_capacity:
+        capacity = min_capacity
+    return capacity
+
+
+def apply_router_token_dropping(routing_probs: torch.Tensor, routing_map: torch.Tensor, router_topk: int,
+                                capacity_factor: float, drop_policy: str = "probs", pad_to_capacity: bool = False):
+    """Keep at most ``ceil(T * k / E * factor)`` tokens per expert; ``(probs, map)`` of the kept ones. With
+    ``pad_to_capacity`` the map is the capacity mask itself (every expert receives exactly ``capacity`` rows)."""
+    num_tokens, num_experts = routing_probs.shape
+    capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
+    if drop_policy == "probs":
+        _, idx = torch.topk(routing_probs, k=min(capacity, num_tokens), dim=0, sorted=False)
+    elif drop_policy == "position":
+        _, idx = torch.topk(routing_map.int(), k=min(capacity, num_tokens), dim=0, sorted=False)
+    else:
+        raise ValueError(f"invalid moe_token_drop_policy {drop_policy!r} (probs or position)")
+    capacity_mask = torch.zeros_like(routing_probs, dtype=torch.bool).scatter(0, idx, True)
+    if pad_to_capacity:
+        final_map = capacity_mask
+        final_probs = routing_probs * final_map
+    else:
+        final_map = routing_map & capacity_mask
+        final_probs = routing_probs * final_map
+    return final_probs, final_map
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Attach an auxiliary loss to an activation: identity forward; backward also sends
+    ``main_loss_backward_scale`` into the aux loss (set by the pipeline schedule per step, Megatron's API)."""
+
+    main_loss_backward_scale: torch.Tensor = None
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor):
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        if scale is None:
+            scale = torch.ones((), device=aux_loss.device)
+        return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device, aux_loss.dtype)
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor):
+        """Scale of the aux-loss gradient relative to the main loss (loss scale / number of micro-batches)."""
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale).detach().reshape(())
+
+
+# ---------------------------------------------------------------------------------------- permutation
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
+            num_out_tokens: Optional[int] = None):
+    """Rows of ``tokens [T, h]`` grouped by expert (expert 0's tokens in token order, then expert 1's, ...).
+
+    Returns ``(permuted_tokens, permuted_probs or None, sorted_indices)``; ``sorted_indices[j]`` is the source
+    token of output row j.
+    """
+    num_tokens = tokens.shape[0]
+    mask = routing_map.bool().T.contiguous()  # [E, T]
+    token_ids = torch.arange(num_tokens, device=tokens.device).unsqueeze(0).expand_as(mask)
+    sorted_indices = token_ids.masked_select(mask)
+    permuted_probs = None
+    if probs is not None:
+        permuted_probs = probs.T.contiguous().masked_select(mask)
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size,
+              probs: Optional[torch.Tensor] = None, routing_map: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Scatter-add the expert output rows back to their tokens (``[T, h]``), weighting by ``probs`` if given."""
+    if probs is not None:
+        weights = probs.T.contiguous().masked_select(routing_map.bool().T.contiguous())
+        permuted_tokens = permuted_tokens * weights.unsqueeze(-1).to(permuted_tokens.dtype)
+    out = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    index = sorted_indices.unsqueeze(1).expand(-1, restore_shape[-1])
+    return out.scatter_add(0, index, permuted_tokens)
+
+
+def sort_chunks_by_idxs(input: torch.Tensor, split_sizes: List[int], sorted_idxs: List[int],
+                        probs: Optional[torch.Tensor] = None):
+    """Split ``input`` along dim 0 into chunks of ``split_sizes`` and concatenate them in ``sorted_idxs`` order."""
+    chunks = torch.split(input, list(split_sizes), dim=0)
+    out = torch.cat([chunks[i] for i in sorted_idxs], dim=0)
+    if probs is None:
+        return out, None
+    p = torch.split(probs, list(split_sizes), dim=0)
+    return out, torch.cat([p[i] for i in sorted_idxs], dim=0)
+
+
+# ------------------------------------------------------------------------- collectives with autograd
+
+def _group_size(group) -> int:
+    if group is None or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group=group)
+
+
+class _AllGatherFirstDim(torch.autograd.Function):
+    """Concatenate the (possibly uneven) first-dim pieces of every rank; backward: sum the gradients over the
+    group and keep this rank's rows (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        rank = torch.distributed.get_rank(group=group)
+        ctx.rank = rank
+        largest = max(sizes)
+        padded = x.new_zeros((largest,) + tuple(x.shape[1:]))
+        padded[: x.shape[0]] = x
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        start = sum(ctx.sizes[: ctx.rank])
+        return grad[start:start + ctx.sizes[ctx.rank]], None, None
+
+
+class _ReduceScatterFirstDim(torch.autograd.Function):
+    """Sum ``x`` over the group and keep this rank's rows (``sizes`` per rank); backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        rank = torch.distributed.get_rank(group=group)
+        out = x.contiguous().clone()
+        torch.distributed.all_reduce(out, group=group)
+        start = sum(sizes[:rank])
+        return out[start:start + sizes[rank]]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllGatherFirstDim.apply(grad.contiguous(), ctx.group, ctx.sizes), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        torch.distributed.all_to_all_single(out, x.contiguous(), output_split_sizes=list(output_splits),
+                                            input_split_sizes=list(input_splits), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad.contiguous(), ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
+
+
+def gather_along_first_dim(x: torch.Tensor, group, sizes: Optional[List[int]] = None) -> torch.Tensor:
+    """Autograd-aware all-gather over ``group`` (``sizes``: rows per rank, default all equal)."""
+    world = _group_size(group)
+    if world == 1:
+        return x
+    sizes = list(sizes) if sizes is not None else [x.shape[0]] * world
+    return _AllGatherFirstDim.apply(x, group, sizes)
+
+
+def reduce_scatter_along_first_dim(x: torch.Tensor, group, sizes: Optional[List[int]] = None) -> torch.Tensor:
+    """Autograd-aware reduce-scatter over ``group`` (``sizes``: rows kept by each rank, default equal)."""
+    world = _group_size(group)
+    if world == 1:
+        return x
+    sizes = list(sizes) if sizes is not None else [x.shape[0] // world] * world
+    return _ReduceScatterFirstDim.apply(x, group, sizes)
+
+
+def all_to_all(group, x: torch.Tensor, output_splits: List[int], input_splits: List[int]) -> torch.Tensor:
+    """Autograd-aware ``all_to_all_single`` with uneven splits (backward swaps the splits)."""
+    if _group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, list(output_splits), list(input_splits))

@@ -1,0 +1,175 @@
+"""TopKRouter: gating logits ``x W^T`` (``W: [E, h]``), top-k routing, capacity, and the router's losses.
+
+Order of operations (Megatron's ``TopKRouter.forward``): optional input jitter ``x * U(1-eps, 1+eps)``
+(``--moe-input-jitter-eps``; applied whenever set) -> logits in ``--moe-router-dtype`` -> z-loss (training) ->
+``topk_routing_with_score_function`` -> capacity/token dropping (``--moe-expert-capacity-factor``) -> the
+load-balancing loss on separate aux scores (training, coefficient > 0). Losses are attached to the probabilities
+(aux) or the logits (z) with :class:`MoEAuxLossAutoScaler`, and ``loss / coeff`` is accumulated per layer in
+``tracked_losses`` for logging (see :func:`megatron.core.transformer.moe.moe_layer.reduce_moe_losses`).
+
+The sums of the load-balancing loss run over the tensor (x context) parallel group, whose ranks hold different
+tokens of the same sequences under sequence parallelism: ``c_e`` is all-reduced there and ``T_tot = T x |group|``,
+so the group's partial losses add up to the loss of the whole micro-batch.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    apply_router_token_dropping,
+    compute_routing_scores_for_aux_loss,
+    switch_load_balancing_loss_func,
+    topk_routing_with_score_function,
+    z_loss_func,
+)
+
+LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+              "global_aux_loss": "global_load_balancing_loss"}
+
+
+def tensor_and_context_parallel_group():
+    """The group whose ranks hold different tokens of the same sequences (TP x CP when context parallelism exists,
+    else TP); None without process groups."""
+    getter = getattr(parallel_state, "get_tensor_and_context_parallel_group", None)
+    try:
+        if getter is not None:
+            return getter()
+        return parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+    except AssertionError:
+        return None
+
+
+def _group_size(group) -> int:
+    if group is None or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group=group)
+
+
+class TopKRouter(MegatronModule):
+    """``TopKRouter(config)``; ``forward(input [s, b, h]) -> (probs [T, E], routing_map [T, E])``."""
+
+    def __init__(self, config, layer_number: int = None):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.score_function = config.moe_router_score_function
+        types = config.moe_router_load_balancing_type
+        coeffs = config.moe_aux_loss_coeff
+        self.lb_types = list(types) if isinstance(types, (list, tuple)) else [types]
+        coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(self.lb_types)
+        self.lb_coeffs = dict(zip(self.lb_types, coeffs))
+        # Created in fp32 from the global generator (identical on every rank), then cast like Megatron.
+        weight = torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32)
+        if config.perform_initialization:
+            config.init_method(weight)
+        self.weight = torch.nn.Parameter(weight.to(config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+        if config.add_bias_linear:
+            self.bias = torch.nn.Parameter(torch.zeros(self.num_experts, dtype=config.params_dtype))
+            self.bias.sequence_parallel = config.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
+                                 persistent=False)
+        else:
+            self.expert_bias = None
+        self.tracked_losses: Dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------------------------- pieces
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+    def apply_input_jitter(self, input: torch.Tensor) -> torch.Tensor:
+        eps = self.config.moe_input_jitter_eps
+        if eps is None:
+            return input
+        noise = torch.empty_like(input).uniform_(1.0 - eps, 1.0 + eps)
+        return input * noise
+
+    def _track(self, name: str, value: torch.Tensor):
+        value = value.detach().float()
+        self.tracked_losses[name] = self.tracked_losses.get(name, 0.0) + value
+
+    def _needs_losses(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+    def _token_count_factor(self, num_tokens: int) -> float:
+        # --calculate-per-token-loss divides all gradients by the global token count later: pre-multiply.
+        return float(num_tokens) if self.config.calculate_per_token_loss else 1.0
+
+    def apply_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        coeff = self.config.moe_z_loss_coeff
+        if coeff is None or not self._needs_losses():
+            return logits
+        group = tensor_and_context_parallel_group()
+        z = z_loss_func(logits, coeff / _group_size(group)) * self._token_count_factor(logits.shape[0])
+        self._track("z_loss", z / coeff)
+        return MoEAuxLossAutoScaler.apply(logits, z)
+
+    def apply_load_balancing_losses(self, logits: torch.Tensor, probs: torch.Tensor, seq_length: int,
+                                    batch: int) -> torch.Tensor:
+        if not self._needs_losses():
+            return probs
+        group = tensor_and_context_parallel_group()
+        group_size = _group_size(group)
+        for lb_type in self.lb_types:
+            coeff = self.lb_coeffs[lb_type]
+            if lb_type not in LOSS_NAMES or not coeff:
+                continue
+            routing_map, scores = compute_routing_scores_for_aux_loss(logits, self.topk, self.score_function)
+            num_tokens = logits.shape[0]
+            if lb_type == "seq_aux_loss":
+                # Tokens are [s, b] flattened (s major): every sample's experts become separate columns.
+                scores = scores.reshape(seq_length, batch * self.num_experts)
+                routing_map = routing_map.reshape(seq_length, batch * self.num_experts)
+                total = seq_length * group_size
+            else:
+                total = num_tokens * group_size
+            counts = routing_map.sum(dim=0).float()
+            if group_size > 1:
+                torch.distributed.all_reduce(counts, group=group)
+            if lb_type == "global_aux_loss":
+                raise NotImplementedError("--moe-router-load-balancing-type global_aux_loss is not implemented yet")
+            aux = switch_load_balancing_loss_func(scores, counts, total, self.topk, self.num_experts, coeff)
+            if lb_type == "seq_aux_loss":
+                aux = aux / batch
+            aux = aux * self._token_count_factor(num_tokens)
+            self._track(LOSS_NAMES[lb_type], aux / coeff)
+            probs = MoEAuxLossAutoScaler.apply(probs, aux)
+        return probs
+
+    def routing(self, logits: torch.Tensor, seq_length: int, batch: int):
+        logits = logits.view(-1, self.num_experts)
+        logits = self.apply_z_loss(logits)
+        cfg = self.config
+        if "sinkhorn" in self.lb_types:
+            raise NotImplementedError("--moe-router-load-balancing-type sinkhorn is not implemented yet")
+        probs, routing_map = topk_routing_with_score_function(
+            logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
+            group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
+            score_function=self.score_function, expert_bias=self.expert_bias)
+        if cfg.moe_expert_capacity_factor is not None:
+            probs, routing_map = apply_router_token_dropping(
+                probs, routing_map, self.topk, cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy,
+                cfg.moe_pad_expert_input_to_capacity)
+        probs = self.apply_load_balancing_losses(logits, probs, seq_length, batch)
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0).float()
+        return probs, routing_map
+
+    def forward(self, input: torch.Tensor):
+        seq_length, batch = input.shape[0], input.shape[1]
+        input = self.apply_input_jitter(input)
+        logits = self.gating(input)
+        return self.routing(logits, seq_length, batch)

@@ -1,0 +1,34 @@
+"""Shared experts: a dense tensor-parallel MLP of width ``moe_shared_expert_intermediate_size`` that every token
+goes through, added to the routed output; with ``--moe-shared-expert-gate`` its output is scaled by
+``sigmoid(x . g)`` (``gate_weight [1, h]``)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron.core.transformer.mlp import MLP
+
+
+class SharedExpertMLP(MLP):
+    def __init__(self, config, submodules=None, gate: bool = False, **unused):
+        shared_config = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size,
+                                            add_bias_linear=False)
+        super().__init__(shared_config, submodules=submodules)
+        self.use_shared_expert_gate = gate
+        if gate:
+            weight = torch.empty(1, config.hidden_size, dtype=torch.float32)
+            if config.perform_initialization:
+                config.init_method(weight)
+            self.gate_weight = torch.nn.Parameter(weight.to(config.params_dtype))
+            self.gate_weight.sequence_parallel = config.sequence_parallel
+        else:
+            self.gate_weight = None
+
+    def forward(self, hidden_states):
+        output, bias = super().forward(hidden_states)
+        if bias is not None:
+            output = output + bias
+        if self.use_shared_expert_gate:
+            output = output * torch.sigmoid(torch.nn.functional.linear(hidden_states, self.gate_weight))
+        return output

@@ -1,0 +1,107 @@
+"""megatron-core GPTModel with MoE layers against Hugging Face ``MixtralForCausalLM`` with the same random weights
+(fp32, CPU, top-2 of 4 experts, dropless): logits and loss within 1e-5 relative for SequentialMLP and GroupedMLP,
+the conversion round trip, and the load-balancing / z losses against hand computations from HF's router logits
+(reference §3.3: ``aux = E * coeff / (k * T^2) * sum_e P_e * c_e`` per layer; ``z = coeff * mean(lse^2)``)."""
+import pytest
+import torch
+
+from helpers.numerics import rel_err
+from helpers.models_helpers import causal_mask, single_rank  # noqa: F401  (fixture)
+
+transformers = pytest.importorskip("transformers")
+
+from megatron.core.models.conversion import hf  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
+from megatron.core.transformer.moe.moe_layer import moe_routers  # noqa: E402
+
+SEQ, BATCH, E, K = 12, 2, 4, 2
+
+
+def _hf_mixtral(vocab_size=96):
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=E,
+                                     num_experts_per_tok=K, max_position_embeddings=32, rms_norm_eps=1e-6,
+                                     tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "gate.weight" in name:
+                p.normal_(0, 0.5)  # spread the router scores so that top-2 choices are far from ties
+            elif "experts" in name:
+                p.normal_(0, 0.05)
+    return cfg, model
+
+
+def _ours(cfg, grouped, **extra):
+    config = hf.mixtral_config_to_megatron(cfg, make_vocab_size_divisible_by=32, use_cpu_initialization=True,
+                                           moe_grouped_gemm=grouped, **extra)
+    model = GPTModel(config, get_gpt_decoder_block_spec(config), config.padded_vocab_size,
+                     config.max_position_embeddings, share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope", rotary_base=config.rotary_base)
+    return config, model
+
+
+def test_mixtral_logits_loss_and_round_trip(single_rank):
+    cfg, hf_model = _hf_mixtral()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    with torch.no_grad():
+        ref = hf_model(ids).logits
+        hf_loss = hf_model(ids, labels=ids).loss
+    errs = {}
+    for grouped in (False, True):
+        config, model = _ours(cfg, grouped)
+        sd = hf.mixtral_hf_to_megatron(hf_model.state_dict(), cfg, config.padded_vocab_size, grouped_gemm=grouped)
+        model.load_state_dict(sd)
+        model.eval()
+        with torch.no_grad():
+            logits = model(ids, pos, causal_mask(SEQ))
+            per_token = model(ids, pos, causal_mask(SEQ), labels=torch.roll(ids, -1, dims=1))
+        name = "GroupedMLP" if grouped else "SequentialMLP"
+        errs[name] = rel_err(logits, ref)
+        loss = per_token[:, :-1].mean()
+        errs[name + " loss"] = abs(loss.item() - hf_loss.item()) / abs(hf_loss.item())
+        back = hf.mixtral_megatron_to_hf(model.state_dict(), cfg)
+        hf_sd = hf_model.state_dict()
+        assert set(back) == set(hf_sd)
+        assert all(torch.equal(back[k], hf_sd[k]) for k in hf_sd), name
+    print(f"Mixtral (top-2 of 4) relative errors vs HF: {errs}")
+    for name, err in errs.items():
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+
+
+def test_mixtral_router_losses_against_hand_computation(single_rank):
+    cfg, hf_model = _hf_mixtral()
+    config, model = _ours(cfg, False, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+    model.load_state_dict(hf.mixtral_hf_to_megatron(hf_model.state_dict(), cfg, config.padded_vocab_size))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    with torch.no_grad():
+        router_logits = hf_model(ids, output_router_logits=True).router_logits  # per layer [B*S, E]
+    model.train()
+    model(ids, pos, causal_mask(SEQ)).sum().backward()
+    routers = moe_routers(model)
+    assert len(routers) == 2
+    for layer, (router, logits) in enumerate(zip(routers, router_logits)):
+        logits = logits.double()
+        T = logits.shape[0]
+        scores = torch.softmax(logits, dim=-1)
+        chosen = torch.zeros_like(scores).scatter(1, scores.topk(K, dim=-1).indices, 1.0)
+        hand_aux = E / (K * T * T) * float((scores.sum(0) * chosen.sum(0)).sum())
+        hand_z = float(torch.logsumexp(logits, dim=-1).pow(2).mean())
+        ours = {k: float(v) for k, v in router.tracked_losses.items()}  # loss / coeff, as Megatron tracks it
+        assert abs(ours["load_balancing_loss"] - hand_aux) <= 1e-5 * hand_aux, (layer, ours, hand_aux)
+        assert abs(ours["z_loss"] - hand_z) <= 1e-5 * hand_z, (layer, ours, hand_z)
+    # The aux loss trained the router: its gradient differs from the gradient without the aux loss.
+    grad_with = routers[0].weight.grad.clone()
+    config2, plain = _ours(cfg, False)
+    plain.load_state_dict(hf.mixtral_hf_to_megatron(hf_model.state_dict(), cfg, config.padded_vocab_size))
+    plain.train()
+    plain(ids, pos, causal_mask(SEQ)).sum().backward()
+    assert not torch.allclose(moe_routers(plain)[0].weight.grad, grad_with)
