@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -20,6 +20,10 @@ class ModelParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
+    # Context parallelism (--context-parallel-size): ranks of one CP group each hold 1/CP of every sequence (see
+    # megatron/core/transformer/context_parallel.py). Hierarchical CP (a2a+p2p) is not implemented.
+    context_parallel_size: int = 1
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None
 
     # Initialization
     perform_initialization: bool = True
@@ -64,6 +68,12 @@ class ModelParallelConfig:
                                  "(sequence_parallel=True needs tensor_model_parallel_size > 1)")
             # Sequence parallelism replaces the async input all-reduce by an all-gather.
             self.async_tensor_model_parallel_allreduce = False
+
+        if self.context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size must be >= 1, got {self.context_parallel_size}")
+        if self.hierarchical_context_parallel_sizes:
+            raise NotImplementedError("hierarchical_context_parallel_sizes (a2a+p2p context parallelism) is not "
+                                      "implemented in this library")
 
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             raise ValueError("When using pipeline parallelism, pipeline_dtype must be specified "

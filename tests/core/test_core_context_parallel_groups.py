@@ -3,6 +3,7 @@
 every getter) runs inside the gloo run of tests/models/test_models_context_parallel.py, which needs those groups
 anyway; here only what needs no process."""
 import pytest
+import torch
 
 from helpers.cp_helpers import CP_LAYOUTS, KIND_TOKENS
 
@@ -35,3 +36,22 @@ def test_cp_getters_and_errors_without_processes():
         ps.initialize_model_parallel(1, 1, context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
     with pytest.raises(NotImplementedError, match="partial data parallelism"):
         ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+
+
+@pytest.mark.parametrize("seq,cp,expected", [
+    (8, 2, [[0, 1, 6, 7], [2, 3, 4, 5]]),
+    (16, 4, [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]),
+    (12, 3, [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]),
+    (6, 1, [[0, 1, 2, 3, 4, 5]]),
+])
+def test_zigzag_split_hand_tables(seq, cp, expected):
+    """Megatron's load-balanced split: 2 x CP chunks, rank r keeps chunk r then chunk 2CP-1-r (written by hand)."""
+    from megatron.core.transformer.rotary import get_pos_emb_on_this_cp_rank
+    from megatron.core.utils import context_parallel_chunk_indices
+
+    for r in range(cp):
+        assert context_parallel_chunk_indices(seq, cp, r).tolist() == expected[r]
+        angles = torch.arange(seq, dtype=torch.float32)[:, None, None, None] * 0.5
+        assert (get_pos_emb_on_this_cp_rank(angles, 0, cp, r)[:, 0, 0, 0] * 2).tolist() == expected[r]
+    with pytest.raises(ValueError, match="not divisible by 2 x context-parallel size"):
+        context_parallel_chunk_indices(seq + 1, cp, 0)

@@ -107,7 +107,10 @@ def test_llama_without_fp8_validates(clean_env, paths):
     ("--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.1",
      "--moe-router-load-balancing-type has 2 values: pass as many --moe-aux-loss-coeff values"),
     ("--moe-layer-freq [1,0,1]", "--moe-layer-freq lists 3 layers; the model has 4"),
-    ("--context-parallel-size 2", "--context-parallel-size 2: context parallelism is not implemented yet"),
+    ("--context-parallel-size 2", "world size (1) must be a multiple of --tensor-model-parallel-size (1) x "
+                                  "--pipeline-model-parallel-size (1) x --context-parallel-size (2)"),
+    ("--context-parallel-size 2 --cp-comm-type a2a", "--cp-comm-type a2a: all-to-all (Ulysses) context parallelism is "
+                                                     "not implemented yet"),
     ("--context-parallel-size 3", "--seq-length (32) must be divisible by 2 x --context-parallel-size (6)"),
     ("--cp-comm-type allgather", "--cp-comm-type allgather is not one of p2p, all_gather, a2a, a2a+p2p"),
     ("--cp-comm-type p2p a2a", "--cp-comm-type takes one value or one per layer (4), got 2"),
