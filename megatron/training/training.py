@@ -193,7 +193,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     if args.DDP_impl == "torch":
         from megatron.core.distributed.torch_ddp import TorchDistributedDataParallel
 
-        return [TorchDistributedDataParallel(chunk, process_group=parallel_state.get_data_parallel_group())
+        return [TorchDistributedDataParallel(chunk, process_group=parallel_state.get_data_parallel_group(
+            with_context_parallel=True))
                 for chunk in model]
 
     ddp_config = DistributedDataParallelConfig(
@@ -333,7 +334,8 @@ def _sum_reported_losses(loss_dicts):
         values = [torch.as_tensor(d[key]).detach().float().reshape(-1) for d in loss_dicts]
         if values[0].numel() == 2:
             total = torch.stack(values).sum(dim=0).to(device.current_device())
-            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(
+                with_context_parallel=True))
             totals[key] = (total[0], total[1])
         elif values[0].numel() == 1:
             totals[key] = (torch.cat(values).sum(), len(values))

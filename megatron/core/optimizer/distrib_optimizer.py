@@ -80,8 +80,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                  "DistributedDataParallel (--DDP-impl local) with "
                                  "DistributedDataParallelConfig(use_distributed_optimizer=True)")
             self.buffers.extend(buffers)
-        self.data_parallel_group = parallel_state.get_data_parallel_group()
-        self.data_parallel_group_gloo = parallel_state.get_data_parallel_group_gloo()
+        # Shards over DP x CP: the group the gradients are reduced over (CP ranks are data-parallel replicas).
+        self.data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.data_parallel_group_gloo = parallel_state.get_data_parallel_group_gloo(with_context_parallel=True)
         self.dp_size = torch.distributed.get_world_size(group=self.data_parallel_group)
         self.dp_rank = torch.distributed.get_rank(group=self.data_parallel_group)
 
@@ -262,7 +263,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Gather the main params and optimizer state of all DP ranks on DP rank 0 (gloo); None elsewhere."""
         self._ensure_state()
         keys = ["param"] + _state_keys(self.optimizer)
-        group, src = self.data_parallel_group_gloo, parallel_state.get_data_parallel_src_rank()
+        group = self.data_parallel_group_gloo
+        src = parallel_state.get_data_parallel_src_rank(with_context_parallel=True)
         is_root = self.dp_rank == 0
         state = {"buckets_coalesced": True} if is_root else None
         for gbuf_idx, buffer in enumerate(self.buffers):
@@ -296,7 +298,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             state = torch.load(state, map_location="cpu", weights_only=False)
         self._ensure_state()
         keys = ["param"] + _state_keys(self.optimizer)
-        group, src = self.data_parallel_group_gloo, parallel_state.get_data_parallel_src_rank()
+        group = self.data_parallel_group_gloo
+        src = parallel_state.get_data_parallel_src_rank(with_context_parallel=True)
         is_root = self.dp_rank == 0
         error = self._check_parameter_state(state, keys) if is_root else ""
         errors = [error]

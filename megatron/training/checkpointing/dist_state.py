@@ -118,7 +118,7 @@ def model_sharded_state(model, args=None, for_load=False) -> Dict[str, object]:
             if e.layer is not None:
                 layers.add((e.key.split(".layers.")[0] + ".layers", e.layer))
         # Megatron expects one (empty) _extra_state object per linear layer; written by TP/DP rank 0.
-        if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank() == 0):
+        if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
             keys = {e.key for e in entries}
             for block, layer in sorted(layers):
                 for linear in dist_keys.LINEARS:
@@ -269,7 +269,7 @@ def optimizer_tensors(optimizer, entries) -> Dict[str, list]:
             pieces.append(full)
         if sharded and pieces:
             flat = torch.cat(pieces)
-            torch.distributed.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+            torch.distributed.all_reduce(flat, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             pieces = list(torch.split(flat, [e.param.numel() for e in params]))
         out[kind] = [(e, full.view(e.param.shape)) for e, full in zip(params, pieces)]
     return out

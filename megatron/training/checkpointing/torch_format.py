@@ -114,7 +114,7 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
         # Collective over the DP group: every DP rank contributes its shard, DP rank 0 writes the file.
         state = optimizer.get_parameter_state()
     error = None
-    if parallel_state.get_data_parallel_rank() == 0:
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         error = run_step(lambda: _write_rank_files(args, iteration, model, optimizer, opt_param_scheduler,
                                                    rng_state, num_floating_point_operations_so_far, staged_name,
                                                    state))
@@ -272,7 +272,8 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
             if not os.path.isfile(optim_name):
                 raise CheckpointError(f"distributed optimizer state {optim_name} is missing; pass --no-load-optim "
                                       "to start the optimizer from scratch")
-            state = read_checkpoint_file(optim_name) if parallel_state.get_data_parallel_rank() == 0 else None
+            state = (read_checkpoint_file(optim_name)
+                     if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0 else None)
             optimizer.load_parameter_state(state)
         scheduler_state = state_dict.get("opt_param_scheduler", state_dict.get("lr_scheduler"))
         if opt_param_scheduler is not None and scheduler_state is not None:
