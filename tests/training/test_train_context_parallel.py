@@ -1,0 +1,61 @@
+"""pretrain_gpt with --context-parallel-size 2 trains like --context-parallel-size 1: the same losses (1e-5
+relative, every iteration) on 2 gloo ranks, for --cp-comm-type p2p and all_gather, a RoPE model. With CP=1 the
+two ranks are data-parallel (2 micro-batches per step each); with CP=2 they split every sequence of the same
+4 samples (DP=1, 4 micro-batches): gradients reduced over DP x CP, reported loss summed over DP x CP.
+
+The mock data's loss mask is all ones, so the default objective (the mean over DP x CP ranks and micro-batches of
+per-rank token means) equals the global token mean in both layouts; the --calculate-per-token-loss run (exact
+for any mask) uses --eod-mask-loss as well.
+"""
+from helpers.dist_harness import run_distributed
+
+BASE = ["--mock-data", "--num-layers", "2", "--train-iters", "5", "--log-interval", "1", "--eval-interval", "1000",
+        "--eval-iters", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+        "--no-create-attention-mask-in-dataloader", "--global-batch-size", "4"]
+
+
+def cp_train_body(runs):
+    from helpers.train_helpers import run_pretrain
+    from megatron.core.transformer import context_parallel
+
+    calls = {}
+    original = context_parallel.context_parallel_attention
+
+    def counting(*args, comm_type="p2p", **kwargs):  # proves the CP runs really ran the CP attention
+        calls[comm_type] = calls.get(comm_type, 0) + 1
+        return original(*args, comm_type=comm_type, **kwargs)
+
+    context_parallel.context_parallel_attention = counting
+    try:
+        out = {}
+        for name, extra in runs:
+            calls.clear()
+            out[name] = [r["loss"].get("lm loss") for r in run_pretrain("pretrain_gpt", BASE + extra)]
+            out[name + "_calls"] = dict(calls)
+        return out
+    finally:
+        context_parallel.context_parallel_attention = original
+
+
+def test_cp2_losses_equal_cp1():
+    per_token = ["--calculate-per-token-loss", "--eod-mask-loss", "--use-distributed-optimizer"]
+    runs = [("cp1", []), ("cp2_p2p", ["--context-parallel-size", "2"]),
+            ("cp2_all_gather", ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
+            ("cp1_per_token", per_token), ("cp2_per_token", per_token + ["--context-parallel-size", "2"])]
+    out = run_distributed(cp_train_body, 2, runs, timeout=400)[-1]
+    worst = {}
+    for ref_name, names in (("cp1", ("cp2_p2p", "cp2_all_gather")), ("cp1_per_token", ("cp2_per_token",))):
+        ref = out[ref_name]
+        assert len(ref) == 5 and all(x == x for x in ref), out
+        for name in names:
+            assert len(out[name]) == 5, out
+            for a, b in zip(out[name], ref):
+                assert abs(a - b) <= 1e-5 * abs(b), (name, out[name], ref)
+            worst[name] = max(abs(a - b) / abs(b) for a, b in zip(out[name], ref))
+    assert out["cp1_calls"] == {} and out["cp1_per_token_calls"] == {}
+    assert set(out["cp2_p2p_calls"]) == {"p2p"} and set(out["cp2_all_gather_calls"]) == {"all_gather"}, out
+    assert set(out["cp2_per_token_calls"]) == {"p2p"}
+    # The runs differ from each other (the test would see a wrong objective): loss falls over the iterations.
+    assert out["cp1"][-1] < out["cp1"][0]
+    print("max relative loss difference vs CP=1:", worst)
