@@ -266,7 +266,7 @@ def initialize_model_parallel(
     if use_fp8:
         _AMAX_REDUCTION_GROUP, _ = build("amax", "tp-dp")
 
-    _build_context_parallel_groups(build)
+    _build_context_parallel_groups(build, cp)
 
     if use_sharp:
         # SHARP is an NCCL/InfiniBand feature; only meaningful with NCCL.
@@ -278,12 +278,27 @@ def initialize_model_parallel(
     _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
 
 
-def _build_context_parallel_groups(build) -> None:
+def _build_context_parallel_groups(build, cp: int) -> None:
     """The combined groups of context parallelism (module docstring); ``build(kind, token, backend)`` creates
-    every group of one kind and returns this rank's (group, ranks)."""
+    every group of one kind and returns this rank's (group, ranks). With CP = 1 the groups "with CP" have the
+    ranks of the groups without it and are the same objects (no extra communicators)."""
     global _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GROUP_WITH_CP_GLOO, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP
     global _TENSOR_AND_CONTEXT_PARALLEL_GROUP, _TENSOR_AND_DATA_PARALLEL_GROUP
     global _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP
+    if _AMAX_REDUCTION_GROUP is not None:  # use_fp8 built TP x DP already
+        _TENSOR_AND_DATA_PARALLEL_GROUP = _AMAX_REDUCTION_GROUP
+        _ALL_GROUP_RANKS["tensor_and_data"] = _ALL_GROUP_RANKS["amax"]
+    else:
+        _TENSOR_AND_DATA_PARALLEL_GROUP, _ = build("tensor_and_data", "tp-dp")
+    if cp == 1:
+        _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GLOBAL_RANKS
+        _DATA_PARALLEL_GROUP_WITH_CP_GLOO = _DATA_PARALLEL_GROUP_GLOO
+        _TENSOR_AND_CONTEXT_PARALLEL_GROUP = _TENSOR_MODEL_PARALLEL_GROUP
+        _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = _TENSOR_AND_DATA_PARALLEL_GROUP
+        for kind, same in (("data_with_cp", "data"), ("data_with_cp_gloo", "data_gloo"),
+                           ("tensor_and_context", "tensor"), ("tensor_and_data_with_cp", "tensor_and_data")):
+            _ALL_GROUP_RANKS[kind] = [list(g) for g in _ALL_GROUP_RANKS[same]]
+        return
     _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = build("data_with_cp", "dp-cp")
     if torch.distributed.get_backend() == "gloo":
         _DATA_PARALLEL_GROUP_WITH_CP_GLOO = _DATA_PARALLEL_GROUP_WITH_CP
@@ -291,7 +306,6 @@ def _build_context_parallel_groups(build) -> None:
     else:
         _DATA_PARALLEL_GROUP_WITH_CP_GLOO, _ = build("data_with_cp_gloo", "dp-cp", backend="gloo")
     _TENSOR_AND_CONTEXT_PARALLEL_GROUP, _ = build("tensor_and_context", "tp-cp")
-    _TENSOR_AND_DATA_PARALLEL_GROUP, _ = build("tensor_and_data", "tp-dp")
     _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP, _ = build("tensor_and_data_with_cp", "tp-dp-cp")
 
 
