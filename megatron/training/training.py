@@ -326,7 +326,8 @@ def _sum_reported_losses(loss_dicts):
     """``{key: (numerator, denominator)}`` over the micro-batch reports of one step (last pipeline stage).
 
     A 2-element value ``[sum, count]`` (today's loss functions) is summed over the micro-batches and over the
-    data-parallel group, so ``numerator / denominator`` is the token mean of the global batch. A 1-element value
+    DP x CP group (context-parallel ranks hold different tokens), so ``numerator / denominator`` is the token mean
+    of the global batch. A 1-element value
     (2023 loss functions, already averaged over data-parallel ranks) gives (sum over micro-batches, their count).
     """
     totals = {}
