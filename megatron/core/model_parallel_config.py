@@ -20,10 +20,6 @@ class ModelParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
-    # Context parallelism (--context-parallel-size): ranks of one CP group each hold 1/CP of every sequence (see
-    # megatron/core/transformer/context_parallel.py). Hierarchical CP (a2a+p2p) is not implemented.
-    context_parallel_size: int = 1
-    hierarchical_context_parallel_sizes: Optional[List[int]] = None
 
     # Initialization
     perform_initialization: bool = True
@@ -60,6 +56,11 @@ class ModelParallelConfig:
     # --calculate-per-token-loss: the loss function's (loss_sum, num_tokens) are not normalised per
     # micro-batch; finalize_model_grads divides the gradients by the step's global token count instead.
     calculate_per_token_loss: bool = False
+
+    # Context parallelism (--context-parallel-size): ranks of one CP group each hold 1/CP of every sequence (see
+    # megatron/core/transformer/context_parallel.py). Hierarchical CP (a2a+p2p) is not implemented.
+    context_parallel_size: int = 1
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None
 
     def __post_init__(self):
         if self.sequence_parallel:

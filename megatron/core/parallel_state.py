@@ -21,6 +21,9 @@ Worked example, W=8, TP=2, PP=2 (so DP=2):
     model      [0,1,4,5] [2,3,6,7]
     embedding  [0,4] [1,5] [2,6] [3,7]   (first and last stage of each pipeline)
 
+The ``set_*`` overrides (``_MPU_*`` globals) take precedence over group queries: tools that build a model
+for one rank of a layout without a process group use them.
+
 Context parallelism (CP) is the second-fastest axis. The ranks of a CP group each hold ``1/CP`` of every
 sequence of the same micro-batch, so for everything that reduces gradients or losses they are data-parallel
 replicas: the *data-parallel group with context parallel* ("dp-cp", ``get_data_parallel_group(
@@ -35,9 +38,6 @@ Worked example, W=8, TP=2, CP=2 (so DP=2, PP=1), rank = tp + 2 cp + 4 dp:
     tensor and context       [0,1,2,3] [4,5,6,7]
     tensor, data and context [0,1,2,3,4,5,6,7]
     model (tp-pp)            [0,1] [2,3] [4,5] [6,7]   (CP is not model parallel: weights are replicated)
-
-The ``set_*`` overrides (``_MPU_*`` globals) take precedence over group queries: tools that build a model
-for one rank of a layout without a process group use them.
 """
 from __future__ import annotations
 
@@ -165,9 +165,9 @@ def initialize_model_parallel(
     use_fp8: bool = False,
     use_sharp: bool = False,
     context_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None,
     order: str = "tp-cp-ep-dp-pp",
     distributed_timeout_minutes: Optional[float] = None,
-    hierarchical_context_parallel_sizes: Optional[List[int]] = None,
 ) -> None:
     """Create the tensor, pipeline, data, context, model, embedding and position-embedding groups, and the
     combined groups of context parallelism (DP x CP with its gloo twin, TP x CP, TP x DP, TP x DP x CP).
@@ -266,8 +266,6 @@ def initialize_model_parallel(
     if use_fp8:
         _AMAX_REDUCTION_GROUP, _ = build("amax", "tp-dp")
 
-    _build_context_parallel_groups(build, cp)
-
     if use_sharp:
         # SHARP is an NCCL/InfiniBand feature; only meaningful with NCCL.
         import os
@@ -275,7 +273,28 @@ def initialize_model_parallel(
         torch.distributed.barrier(group=_DATA_PARALLEL_GROUP)
         os.environ["NCCL_SHARP_DISABLE"] = "1"
 
+    _build_context_parallel_groups(build, cp)
     _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+
+
+def embedding_ranks_of(pipeline_ranks: Sequence[int], split_rank: Optional[int] = None):
+    """(embedding ranks, position-embedding ranks) of one pipeline group.
+
+    The word embedding lives on the first stage and is tied to the output layer on the last stage (and the
+    decoder's first stage at ``split_rank`` for encoder-decoder models); the position embedding lives on
+    the first stage (and the split stage).
+    """
+    ranks = list(pipeline_ranks)
+    if len(ranks) == 1:
+        return ranks, ranks
+    emb = [ranks[0], ranks[-1]]
+    pos = [ranks[0]]
+    if split_rank is not None:
+        if ranks[split_rank] not in emb:
+            emb = [ranks[0], ranks[split_rank], ranks[-1]]
+        if ranks[split_rank] not in pos:
+            pos = [ranks[0], ranks[split_rank]]
+    return emb, pos
 
 
 def _build_context_parallel_groups(build, cp: int) -> None:
@@ -307,26 +326,6 @@ def _build_context_parallel_groups(build, cp: int) -> None:
         _DATA_PARALLEL_GROUP_WITH_CP_GLOO, _ = build("data_with_cp_gloo", "dp-cp", backend="gloo")
     _TENSOR_AND_CONTEXT_PARALLEL_GROUP, _ = build("tensor_and_context", "tp-cp")
     _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP, _ = build("tensor_and_data_with_cp", "tp-dp-cp")
-
-
-def embedding_ranks_of(pipeline_ranks: Sequence[int], split_rank: Optional[int] = None):
-    """(embedding ranks, position-embedding ranks) of one pipeline group.
-
-    The word embedding lives on the first stage and is tied to the output layer on the last stage (and the
-    decoder's first stage at ``split_rank`` for encoder-decoder models); the position embedding lives on
-    the first stage (and the split stage).
-    """
-    ranks = list(pipeline_ranks)
-    if len(ranks) == 1:
-        return ranks, ranks
-    emb = [ranks[0], ranks[-1]]
-    pos = [ranks[0]]
-    if split_rank is not None:
-        if ranks[split_rank] not in emb:
-            emb = [ranks[0], ranks[split_rank], ranks[-1]]
-        if ranks[split_rank] not in pos:
-            pos = [ranks[0], ranks[split_rank]]
-    return emb, pos
 
 
 # ----------------------------------------------------------------------------------------- status
