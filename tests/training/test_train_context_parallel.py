@@ -1,7 +1,8 @@
-"""pretrain_gpt with --context-parallel-size 2 trains like --context-parallel-size 1: the same losses (1e-5
-relative, every iteration) on 2 gloo ranks, for --cp-comm-type p2p and all_gather, a RoPE model. With CP=1 the
-two ranks are data-parallel (2 micro-batches per step each); with CP=2 they split every sequence of the same
-4 samples (DP=1, 4 micro-batches): gradients reduced over DP x CP, reported loss summed over DP x CP.
+"""pretrain_gpt with context parallelism trains like --context-parallel-size 1: the same losses (1e-5 relative,
+every iteration) on 4 gloo ranks, a RoPE model. CP=1 is DP=4 (one micro-batch of the global batch of 4 per rank);
+CP=2 (p2p) is DP=2; CP=4 (all_gather) is DP=1 with 4 micro-batches; PP=2 x CP=2 runs the 1F1B schedule with
+activations of S/CP tokens between stages. Gradients are reduced over DP x CP, the reported loss summed over
+DP x CP; all layouts read the same 4 samples per step.
 
 The mock data's loss mask is all ones, so the default objective (the mean over DP x CP ranks and micro-batches of
 per-rank token means) equals the global token mean in both layouts; the --calculate-per-token-loss run (exact
@@ -41,11 +42,12 @@ def cp_train_body(runs):
 def test_cp2_losses_equal_cp1():
     per_token = ["--calculate-per-token-loss", "--eod-mask-loss", "--use-distributed-optimizer"]
     runs = [("cp1", []), ("cp2_p2p", ["--context-parallel-size", "2"]),
-            ("cp2_all_gather", ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
+            ("cp4_all_gather", ["--context-parallel-size", "4", "--cp-comm-type", "all_gather"]),
+            ("pp2_cp2", ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
             ("cp1_per_token", per_token), ("cp2_per_token", per_token + ["--context-parallel-size", "2"])]
-    out = run_distributed(cp_train_body, 2, runs, timeout=400)[-1]
+    out = run_distributed(cp_train_body, 4, runs, timeout=600)[-1]
     worst = {}
-    for ref_name, names in (("cp1", ("cp2_p2p", "cp2_all_gather")), ("cp1_per_token", ("cp2_per_token",))):
+    for ref_name, names in (("cp1", ("cp2_p2p", "cp4_all_gather", "pp2_cp2")), ("cp1_per_token", ("cp2_per_token",))):
         ref = out[ref_name]
         assert len(ref) == 5 and all(x == x for x in ref), out
         for name in names:
@@ -54,7 +56,8 @@ def test_cp2_losses_equal_cp1():
                 assert abs(a - b) <= 1e-5 * abs(b), (name, out[name], ref)
             worst[name] = max(abs(a - b) / abs(b) for a, b in zip(out[name], ref))
     assert out["cp1_calls"] == {} and out["cp1_per_token_calls"] == {}
-    assert set(out["cp2_p2p_calls"]) == {"p2p"} and set(out["cp2_all_gather_calls"]) == {"all_gather"}, out
+    assert set(out["cp2_p2p_calls"]) == {"p2p"} and set(out["cp4_all_gather_calls"]) == {"all_gather"}, out
+    assert set(out["pp2_cp2_calls"]) == {"p2p"}
     assert set(out["cp2_per_token_calls"]) == {"p2p"}
     # The runs differ from each other (the test would see a wrong objective): loss falls over the iterations.
     assert out["cp1"][-1] < out["cp1"][0]
