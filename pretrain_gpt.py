@@ -5,6 +5,7 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
+from megatron.core.utils import get_batch_on_this_cp_rank
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.datasets_provider import gpt_train_valid_test_datasets_provider
@@ -40,7 +41,8 @@ def model_provider(pre_process=True, post_process=True):
 
 
 def get_batch(data_iterator):
-    """Read a micro-batch on TP rank 0 and broadcast it to the rest of the tensor-parallel group."""
+    """Read a micro-batch on TP rank 0, broadcast it to the rest of the tensor-parallel group, and keep this
+    context-parallel rank's chunks of every sequence (megatron.core.utils.get_batch_on_this_cp_rank)."""
     args = get_args()
     data = next(data_iterator) if data_iterator is not None else None
     ints = tensor_parallel.broadcast_data(["tokens", "labels", "position_ids"], data, torch.int64)
@@ -50,7 +52,10 @@ def get_batch(data_iterator):
         # Document-level masks differ per sample; otherwise the model applies the causal mask itself.
         mask = {"attention_mask": data["attention_mask"].to(torch.int64)} if data is not None else None
         attention_mask = tensor_parallel.broadcast_data(["attention_mask"], mask, torch.int64)["attention_mask"].bool()
-    return ints["tokens"], ints["labels"], floats["loss_mask"], attention_mask, ints["position_ids"]
+    batch = get_batch_on_this_cp_rank({"tokens": ints["tokens"], "labels": ints["labels"],
+                                       "loss_mask": floats["loss_mask"], "attention_mask": attention_mask,
+                                       "position_ids": ints["position_ids"]})
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
 
 
 def loss_func(loss_mask, output_tensor):

@@ -14,6 +14,9 @@
 #   DATA_PATH              dataset prefix, or MOCK (--mock-data)                   [MOCK]
 #   DATA_CACHE_PATH        --data-cache-path                                       [$PWD/benchmark_cache_llama3_8b]
 #   GPUS_PER_NODE          processes per node (NPROC is accepted as an alias)      [8]
+#   TP_SIZE / CP_SIZE      tensor- and context-parallel sizes                      [1 / 1]
+#   CP_COMM_TYPE           --cp-comm-type: p2p (ring) or all_gather                [p2p]
+#   SEQ_LENGTH             --seq-length and --max-position-embeddings              [8192]
 #   NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT  torchrun's rendezvous (from SLURM inside an allocation)
 #   MEGATRON_EXTRA_ARGS    flags appended last; argparse keeps the last value of a repeated flag
 # Extra command-line arguments of this script are passed on too (before MEGATRON_EXTRA_ARGS).
@@ -35,9 +38,10 @@ DATA_PATH=${DATA_PATH:-MOCK}
 DATA_CACHE_PATH=${DATA_CACHE_PATH:-$PWD/benchmark_cache_llama3_8b}
 mkdir -p "$DATA_CACHE_PATH"
 
-TP_SIZE=1
-CP_SIZE=1
-SEQ_LENGTH=8192
+TP_SIZE=${TP_SIZE:-1}
+CP_SIZE=${CP_SIZE:-1}
+CP_COMM_TYPE=${CP_COMM_TYPE:-p2p}
+SEQ_LENGTH=${SEQ_LENGTH:-8192}
 
 DISTRIBUTED_ARGS=(
     --nproc_per_node "$GPUS_PER_NODE"
@@ -101,6 +105,7 @@ TRAINING_ARGS=(
 MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP_SIZE"
     --context-parallel-size "$CP_SIZE"
+    --cp-comm-type "$CP_COMM_TYPE"
     --sequence-parallel
 )
 

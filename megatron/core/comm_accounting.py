@@ -96,10 +96,11 @@ def group_names() -> Dict[int, str]:
                ("dp", "get_data_parallel_group"), ("dp_gloo", "get_data_parallel_group_gloo"),
                ("embedding", "get_embedding_group"), ("position_embedding", "get_position_embedding_group"),
                ("mp", "get_model_parallel_group"), ("cp", "get_context_parallel_group"),
-               ("amax", "get_amax_reduction_group"))
-    for name, getter in getters:
+               ("amax", "get_amax_reduction_group"), ("dp_cp", "get_data_parallel_group", True),
+               ("dp_cp_gloo", "get_data_parallel_group_gloo", True))
+    for name, getter, *with_cp in getters:
         try:
-            group = getattr(ps, getter)()
+            group = getattr(ps, getter)(**({"with_context_parallel": True} if with_cp else {}))
         except (AssertionError, AttributeError, RuntimeError):
             continue
         if group is not None:

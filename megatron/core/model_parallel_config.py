@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -60,6 +60,11 @@ class ModelParallelConfig:
     # micro-batch; finalize_model_grads divides the gradients by the step's global token count instead.
     calculate_per_token_loss: bool = False
 
+    # Context parallelism (--context-parallel-size): ranks of one CP group each hold 1/CP of every sequence (see
+    # megatron/core/transformer/context_parallel.py). Hierarchical CP (a2a+p2p) is not implemented.
+    context_parallel_size: int = 1
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None
+
     def __post_init__(self):
         if self.sequence_parallel:
             if self.tensor_model_parallel_size <= 1:
@@ -67,6 +72,12 @@ class ModelParallelConfig:
                                  "(sequence_parallel=True needs tensor_model_parallel_size > 1)")
             # Sequence parallelism replaces the async input all-reduce by an all-gather.
             self.async_tensor_model_parallel_allreduce = False
+
+        if self.context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size must be >= 1, got {self.context_parallel_size}")
+        if self.hierarchical_context_parallel_sizes:
+            raise NotImplementedError("hierarchical_context_parallel_sizes (a2a+p2p context parallelism) is not "
+                                      "implemented in this library")
 
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             raise ValueError("When using pipeline parallelism, pipeline_dtype must be specified "

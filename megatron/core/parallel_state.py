@@ -46,6 +46,21 @@ and {2,3,6,7} hold experts 2-3. Worked example, W=8, TP=2, ETP=1, EP=4, PP=2 (DP
 
 The ``set_*`` overrides (``_MPU_*`` globals) take precedence over group queries: tools that build a model
 for one rank of a layout without a process group use them.
+
+Context parallelism (CP) is the second-fastest axis. The ranks of a CP group each hold ``1/CP`` of every
+sequence of the same micro-batch, so for everything that reduces gradients or losses they are data-parallel
+replicas: the *data-parallel group with context parallel* ("dp-cp", ``get_data_parallel_group(
+with_context_parallel=True)``) reduces gradients and runs the distributed optimizer, while the pure DP group
+("dp") still decides which samples a rank reads (all CP ranks of a replica read the same micro-batch).
+Worked example, W=8, TP=2, CP=2 (so DP=2, PP=1), rank = tp + 2 cp + 4 dp:
+
+    tensor                   [0,1] [2,3] [4,5] [6,7]
+    context                  [0,2] [1,3] [4,6] [5,7]
+    data                     [0,4] [1,5] [2,6] [3,7]
+    data with CP  (dp-cp)    [0,2,4,6] [1,3,5,7]       dp_cp_rank = cp_rank + CP * dp_rank
+    tensor and context       [0,1,2,3] [4,5,6,7]
+    tensor, data and context [0,1,2,3,4,5,6,7]
+    model (tp-pp)            [0,1] [2,3] [4,5] [6,7]   (CP is not model parallel: weights are replicated)
 """
 from __future__ import annotations
 
@@ -67,6 +82,13 @@ _DATA_PARALLEL_GROUP = None
 _DATA_PARALLEL_GROUP_GLOO = None
 _CONTEXT_PARALLEL_GROUP = None
 _AMAX_REDUCTION_GROUP = None
+# Context-parallel groups (see the module docstring): DP x CP and its gloo twin, TP x CP, TP x DP (x CP).
+_DATA_PARALLEL_GROUP_WITH_CP = None
+_DATA_PARALLEL_GROUP_WITH_CP_GLOO = None
+_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = None
+_TENSOR_AND_CONTEXT_PARALLEL_GROUP = None
+_TENSOR_AND_DATA_PARALLEL_GROUP = None
+_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = None
 
 # Expert (mixture-of-experts) groups of this rank, from the expert grid (see the module docstring).
 _EXPERT_MODEL_PARALLEL_GROUP = None
@@ -179,18 +201,21 @@ def initialize_model_parallel(
     use_fp8: bool = False,
     use_sharp: bool = False,
     context_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None,
     order: str = "tp-cp-ep-dp-pp",
     distributed_timeout_minutes: Optional[float] = None,
     *,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
 ) -> None:
-    """Create the tensor, pipeline, data, model, embedding and position-embedding groups.
+    """Create the tensor, pipeline, data, context, model, embedding and position-embedding groups, and the
+    combined groups of context parallelism (DP x CP with its gloo twin, TP x CP, TP x DP, TP x DP x CP).
 
     Must be called on every rank after ``torch.distributed.init_process_group``. ``context_parallel_size``
-    and ``order`` shape the rank grid as in megatron-core (context-parallel layers are not implemented yet,
-    so only ``context_parallel_size=1`` is accepted). ``expert_model_parallel_size`` (EP) and
-    ``expert_tensor_parallel_size`` (ETP, default TP) shape the expert grid (module docstring).
+    and ``order`` shape the rank grid as in megatron-core. ``hierarchical_context_parallel_sizes`` (the
+    a2a+p2p communication of Transformer Engine) is not implemented and raises ``NotImplementedError``.
+    ``expert_model_parallel_size`` (EP) and ``expert_tensor_parallel_size`` (ETP, default TP) shape the expert grid
+    (module docstring).
     """
     global _TENSOR_MODEL_PARALLEL_GROUP, _PIPELINE_MODEL_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP
     global _EMBEDDING_GROUP, _POSITION_EMBEDDING_GROUP, _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GROUP_GLOO
@@ -200,18 +225,19 @@ def initialize_model_parallel(
     global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     global _PIPELINE_MODEL_PARALLEL_SPLIT_RANK, _GLOBAL_MEMORY_BUFFER, _ALL_GROUP_RANKS
 
+    if hierarchical_context_parallel_sizes:
+        raise NotImplementedError("hierarchical context parallelism (hierarchical_context_parallel_sizes, "
+                                  "--cp-comm-type a2a+p2p) is not implemented in this library")
     if not torch.distributed.is_initialized():
         raise AssertionError("initialize_model_parallel needs torch.distributed.init_process_group to be called first")
     if _DATA_PARALLEL_GROUP is not None or _TENSOR_MODEL_PARALLEL_GROUP is not None:
         raise AssertionError("model parallel groups are already initialized: call destroy_model_parallel() first")
-    if context_parallel_size != 1:
-        raise RuntimeError("context_parallel_size > 1 is not supported yet (context-parallel attention is not implemented)")
 
     world_size = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
-    if tp < 1 or pp < 1:
-        raise RuntimeError(f"tensor ({tp}) and pipeline ({pp}) model parallel sizes must be >= 1")
+    if tp < 1 or pp < 1 or cp < 1:
+        raise RuntimeError(f"tensor ({tp}), pipeline ({pp}) and context ({cp}) parallel sizes must be >= 1")
     if world_size % (tp * pp * cp) != 0:
         raise RuntimeError(
             f"world_size ({world_size}) is not divisible by tensor_model_parallel_size ({tp}) "
@@ -292,6 +318,7 @@ def initialize_model_parallel(
         torch.distributed.barrier(group=_DATA_PARALLEL_GROUP)
         os.environ["NCCL_SHARP_DISABLE"] = "1"
 
+    _build_context_parallel_groups(build, cp)
     _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
 
 
@@ -366,6 +393,37 @@ def embedding_ranks_of(pipeline_ranks: Sequence[int], split_rank: Optional[int] 
     return emb, pos
 
 
+def _build_context_parallel_groups(build, cp: int) -> None:
+    """The combined groups of context parallelism (module docstring); ``build(kind, token, backend)`` creates
+    every group of one kind and returns this rank's (group, ranks). With CP = 1 the groups "with CP" have the
+    ranks of the groups without it and are the same objects (no extra communicators)."""
+    global _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GROUP_WITH_CP_GLOO, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP
+    global _TENSOR_AND_CONTEXT_PARALLEL_GROUP, _TENSOR_AND_DATA_PARALLEL_GROUP
+    global _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP
+    if _AMAX_REDUCTION_GROUP is not None:  # use_fp8 built TP x DP already
+        _TENSOR_AND_DATA_PARALLEL_GROUP = _AMAX_REDUCTION_GROUP
+        _ALL_GROUP_RANKS["tensor_and_data"] = _ALL_GROUP_RANKS["amax"]
+    else:
+        _TENSOR_AND_DATA_PARALLEL_GROUP, _ = build("tensor_and_data", "tp-dp")
+    if cp == 1:
+        _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GLOBAL_RANKS
+        _DATA_PARALLEL_GROUP_WITH_CP_GLOO = _DATA_PARALLEL_GROUP_GLOO
+        _TENSOR_AND_CONTEXT_PARALLEL_GROUP = _TENSOR_MODEL_PARALLEL_GROUP
+        _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = _TENSOR_AND_DATA_PARALLEL_GROUP
+        for kind, same in (("data_with_cp", "data"), ("data_with_cp_gloo", "data_gloo"),
+                           ("tensor_and_context", "tensor"), ("tensor_and_data_with_cp", "tensor_and_data")):
+            _ALL_GROUP_RANKS[kind] = [list(g) for g in _ALL_GROUP_RANKS[same]]
+        return
+    _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = build("data_with_cp", "dp-cp")
+    if torch.distributed.get_backend() == "gloo":
+        _DATA_PARALLEL_GROUP_WITH_CP_GLOO = _DATA_PARALLEL_GROUP_WITH_CP
+        _ALL_GROUP_RANKS["data_with_cp_gloo"] = _ALL_GROUP_RANKS["data_with_cp"]
+    else:
+        _DATA_PARALLEL_GROUP_WITH_CP_GLOO, _ = build("data_with_cp_gloo", "dp-cp", backend="gloo")
+    _TENSOR_AND_CONTEXT_PARALLEL_GROUP, _ = build("tensor_and_context", "tp-cp")
+    _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP, _ = build("tensor_and_data_with_cp", "tp-dp-cp")
+
+
 # ----------------------------------------------------------------------------------------- status
 
 def is_unitialized() -> bool:
@@ -410,16 +468,53 @@ def get_pipeline_model_parallel_group():
     return _checked(_PIPELINE_MODEL_PARALLEL_GROUP, "pipeline_model parallel")
 
 
-def get_data_parallel_group():
+def _no_partial_data_parallel(partial_data_parallel: bool) -> None:
+    if partial_data_parallel:
+        raise NotImplementedError("partial data parallelism (--num-distributed-optimizer-instances > 1) is not "
+                                  "implemented in this library")
+
+
+def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False,
+                            independent_all_gather: bool = False):
+    """The DP group; ``with_context_parallel``: DP x CP (gradient reduction, distributed optimizer, loss)."""
+    _no_partial_data_parallel(partial_data_parallel)
+    if with_context_parallel:
+        return _checked(_DATA_PARALLEL_GROUP_WITH_CP, "data parallel with context parallel")
     return _checked(_DATA_PARALLEL_GROUP, "data parallel")
 
 
-def get_data_parallel_group_gloo():
+def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False):
+    """A gloo group with the ranks of :func:`get_data_parallel_group` (the same group on a gloo world)."""
+    _no_partial_data_parallel(partial_data_parallel)
+    if with_context_parallel:
+        return _checked(_DATA_PARALLEL_GROUP_WITH_CP_GLOO, "data parallel gloo with context parallel")
     return _checked(_DATA_PARALLEL_GROUP_GLOO, "data parallel gloo")
 
 
 def get_context_parallel_group(check_initialized: bool = True):
     return _checked(_CONTEXT_PARALLEL_GROUP, "context parallel", check_initialized)
+
+
+def get_context_parallel_global_ranks(check_initialized: bool = True):
+    """Global ranks of this rank's CP group, in CP-rank order (the ring order of the p2p attention)."""
+    return _checked(_CONTEXT_PARALLEL_GLOBAL_RANKS, "context parallel", check_initialized)
+
+
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True):
+    """Hierarchical CP (a2a+p2p) is not implemented: always raises ``NotImplementedError``."""
+    raise NotImplementedError("hierarchical context parallelism (--hierarchical-context-parallel-sizes, "
+                              "--cp-comm-type a2a+p2p) is not implemented in this library")
+
+
+def get_tensor_and_context_parallel_group(check_initialized: bool = True):
+    return _checked(_TENSOR_AND_CONTEXT_PARALLEL_GROUP, "tensor and context parallel", check_initialized)
+
+
+def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False):
+    if with_context_parallel:
+        return _checked(_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP, "tensor and data parallel with context parallel",
+                        check_initialized)
+    return _checked(_TENSOR_AND_DATA_PARALLEL_GROUP, "tensor and data parallel", check_initialized)
 
 
 def get_embedding_group():
@@ -430,7 +525,14 @@ def get_position_embedding_group():
     return _checked(_POSITION_EMBEDDING_GROUP, "position embedding")
 
 
-def get_amax_reduction_group():
+def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False):
+    """FP8 amax group: TP x DP (the group built with ``use_fp8``); ``with_context_parallel``: TP x DP x CP;
+    ``tp_only_amax_red``: TP (or TP x CP with ``with_context_parallel``)."""
+    if tp_only_amax_red:
+        return (get_tensor_and_context_parallel_group() if with_context_parallel
+                else get_tensor_model_parallel_group())
+    if with_context_parallel:
+        return _checked(_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP, "FP8 amax reduction")
     return _checked(_AMAX_REDUCTION_GROUP, "FP8 amax reduction")
 
 
@@ -501,24 +603,41 @@ def get_context_parallel_rank() -> int:
     return 0
 
 
-def get_data_parallel_world_size() -> int:
-    """Size of this rank's DP group; 0 when torch.distributed is not initialized (as Megatron)."""
+def get_data_parallel_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+    """Size of this rank's DP (or DP x CP) group; 0 when torch.distributed is not initialized (as Megatron)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(group=get_data_parallel_group())
+        return torch.distributed.get_world_size(
+            group=get_data_parallel_group(with_context_parallel, partial_data_parallel))
     return 0
 
 
-def get_data_parallel_rank() -> int:
+def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+    """Rank in the DP (or DP x CP: ``cp_rank + CP * dp_rank``) group; 0 without torch.distributed."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(group=get_data_parallel_group())
+        return torch.distributed.get_rank(group=get_data_parallel_group(with_context_parallel, partial_data_parallel))
     return 0
 
 
-def get_data_parallel_src_rank() -> int:
-    """The global rank of the first member of this rank's DP group."""
-    if _DATA_PARALLEL_GLOBAL_RANKS is None:
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """The global rank of the first member of this rank's DP (or DP x CP) group."""
+    ranks = _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP if with_context_parallel else _DATA_PARALLEL_GLOBAL_RANKS
+    if ranks is None:
         raise AssertionError("data parallel group is not initialized")
-    return _DATA_PARALLEL_GLOBAL_RANKS[0]
+    return ranks[0]
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    """TP x CP: 0 when torch.distributed is not initialized (as Megatron)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(group=get_tensor_and_context_parallel_group())
+    return 0
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    """Rank in the TP x CP group (``tp_rank + TP * cp_rank``); 0 without torch.distributed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(group=get_tensor_and_context_parallel_group())
+    return 0
 
 
 def get_tensor_model_parallel_src_rank() -> int:
@@ -792,6 +911,9 @@ def destroy_model_parallel():
     global _DATA_PARALLEL_GLOBAL_RANKS, _TENSOR_MODEL_PARALLEL_GLOBAL_RANKS, _CONTEXT_PARALLEL_GLOBAL_RANKS
     global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     global _PIPELINE_MODEL_PARALLEL_SPLIT_RANK, _ALL_GROUP_RANKS
+    global _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GROUP_WITH_CP_GLOO, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP
+    global _TENSOR_AND_CONTEXT_PARALLEL_GROUP, _TENSOR_AND_DATA_PARALLEL_GROUP
+    global _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP
     global _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE, _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     global _MPU_TENSOR_MODEL_PARALLEL_RANK, _MPU_PIPELINE_MODEL_PARALLEL_RANK, _GLOBAL_MEMORY_BUFFER
     _TENSOR_MODEL_PARALLEL_GROUP = _PIPELINE_MODEL_PARALLEL_GROUP = _MODEL_PARALLEL_GROUP = None
@@ -803,6 +925,9 @@ def destroy_model_parallel():
     _PIPELINE_MODEL_PARALLEL_SPLIT_RANK = None
     _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
     _MPU_TENSOR_MODEL_PARALLEL_RANK = _MPU_PIPELINE_MODEL_PARALLEL_RANK = None
+    _DATA_PARALLEL_GROUP_WITH_CP = _DATA_PARALLEL_GROUP_WITH_CP_GLOO = _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = None
+    _TENSOR_AND_CONTEXT_PARALLEL_GROUP = _TENSOR_AND_DATA_PARALLEL_GROUP = None
+    _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = None
     _ALL_GROUP_RANKS = {}
     _GLOBAL_MEMORY_BUFFER = None
     _destroy_expert_groups()

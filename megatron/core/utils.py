@@ -42,6 +42,46 @@ def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group=None
     return getattr(torch.distributed, _REDUCE_SCATTER_TENSOR_NAME)(output, input_, group=group, async_op=async_op)
 
 
+def context_parallel_chunk_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Positions (along the sequence) that context-parallel rank ``cp_rank`` of ``cp_size`` holds.
+
+    The sequence is cut into ``2 * cp_size`` equal chunks; rank ``r`` holds chunk ``r`` followed by chunk
+    ``2 * cp_size - 1 - r`` (Megatron's load-balanced "zigzag" split: under a causal mask an early chunk has
+    little work and a late one much, so every rank gets one of each). Example, 8 positions, CP = 2: rank 0 holds
+    ``[0, 1, 6, 7]``, rank 1 holds ``[2, 3, 4, 5]``.
+    """
+    if seq_len % (2 * cp_size) != 0:
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context-parallel size ({2 * cp_size})")
+    chunk = seq_len // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
+    return torch.cat([first, second])
+
+
+def get_batch_on_this_cp_rank(batch: dict) -> dict:
+    """This context-parallel rank's part of every tensor of ``batch`` (megatron-core's function).
+
+    Each tensor's sequence dimension (dim 1; dim 2 for ``attention_mask``, whose key dimension stays whole) keeps
+    the positions of :func:`context_parallel_chunk_indices`: ``S / CP`` of them, chunk ``r`` first, then chunk
+    ``2 CP - 1 - r``. ``None`` values pass through; with CP = 1 the batch is returned unchanged.
+    """
+    from megatron.core import parallel_state
+
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_size <= 1:
+        return batch
+    cp_rank = parallel_state.get_context_parallel_rank()
+    out = {}
+    for key, value in batch.items():
+        if value is None:
+            out[key] = value
+            continue
+        dim = 2 if key == "attention_mask" else 1
+        index = context_parallel_chunk_indices(value.size(dim), cp_size, cp_rank).to(value.device)
+        out[key] = value.index_select(dim, index)
+    return out
+
+
 def print_rank_0(message) -> None:
     """Print on global rank 0 only (or always, without torch.distributed)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()

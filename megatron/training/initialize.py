@@ -123,6 +123,7 @@ def _initialize_distributed():
         args.virtual_pipeline_model_parallel_size,
         args.pipeline_model_parallel_split_rank,
         use_fp8=args.fp8 is not None,
+        context_parallel_size=args.context_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
@@ -132,6 +133,9 @@ def _initialize_distributed():
               f"{parallel_state.get_tensor_model_parallel_world_size()}", flush=True)
         print(f"> initialized pipeline model parallel with size "
               f"{parallel_state.get_pipeline_model_parallel_world_size()}", flush=True)
+        if args.context_parallel_size > 1:
+            print(f"> initialized context parallel with size {parallel_state.get_context_parallel_world_size()}",
+                  flush=True)
 
 
 def _set_random_seed(seed_, data_parallel_random_init=False):

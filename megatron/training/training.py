@@ -193,7 +193,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     if args.DDP_impl == "torch":
         from megatron.core.distributed.torch_ddp import TorchDistributedDataParallel
 
-        return [TorchDistributedDataParallel(chunk, process_group=parallel_state.get_data_parallel_group())
+        return [TorchDistributedDataParallel(chunk, process_group=parallel_state.get_data_parallel_group(
+            with_context_parallel=True))
                 for chunk in model]
 
     ddp_config = DistributedDataParallelConfig(
@@ -336,7 +337,8 @@ def _sum_reported_losses(loss_dicts):
     """``{key: (numerator, denominator)}`` over the micro-batch reports of one step (last pipeline stage).
 
     A 2-element value ``[sum, count]`` (today's loss functions) is summed over the micro-batches and over the
-    data-parallel group, so ``numerator / denominator`` is the token mean of the global batch. A 1-element value
+    DP x CP group (context-parallel ranks hold different tokens), so ``numerator / denominator`` is the token mean
+    of the global batch. A 1-element value
     (2023 loss functions, already averaged over data-parallel ranks) gives (sum over micro-batches, their count).
     """
     totals = {}
@@ -344,7 +346,8 @@ def _sum_reported_losses(loss_dicts):
         values = [torch.as_tensor(d[key]).detach().float().reshape(-1) for d in loss_dicts]
         if values[0].numel() == 2:
             total = torch.stack(values).sum(dim=0).to(device.current_device())
-            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(
+                with_context_parallel=True))
             totals[key] = (total[0], total[1])
         elif values[0].numel() == 1:
             totals[key] = (torch.cat(values).sum(), len(values))

@@ -166,7 +166,7 @@ def run_pretrain(entry: str, extra_args, record_model=False):
             records[-1]["line"] = line
         return line
 
-    argv_all = GPT_ARGS + list(extra_args)
+    argv_all = GPT_ARGS + list(extra_args)  # argparse keeps the last --num-layers: so do the pipeline offsets
     num_layers = int(argv_all[len(argv_all) - 1 - argv_all[::-1].index("--num-layers") + 1])
     original_provider = module.model_provider
 

@@ -115,7 +115,10 @@ def test_llama_without_fp8_validates(clean_env, paths):
                                             "legacy model classes is not implemented yet"),
     ("--num-experts 4 --moe-router-load-balancing-type sinkhorn", "--moe-router-load-balancing-type sinkhorn: "
                                                                    "sinkhorn load balancing is not implemented yet"),
-    ("--context-parallel-size 2", "--context-parallel-size 2: context parallelism is not implemented yet"),
+    ("--context-parallel-size 2", "world size (1) must be a multiple of --tensor-model-parallel-size (1) x "
+                                  "--pipeline-model-parallel-size (1) x --context-parallel-size (2)"),
+    ("--context-parallel-size 2 --cp-comm-type a2a", "--cp-comm-type a2a: all-to-all (Ulysses) context parallelism is "
+                                                     "not implemented yet"),
     ("--context-parallel-size 3", "--seq-length (32) must be divisible by 2 x --context-parallel-size (6)"),
     ("--cp-comm-type allgather", "--cp-comm-type allgather is not one of p2p, all_gather, a2a, a2a+p2p"),
     ("--cp-comm-type p2p a2a", "--cp-comm-type takes one value or one per layer (4), got 2"),

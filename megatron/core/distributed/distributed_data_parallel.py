@@ -63,10 +63,12 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.bucket_size = ddp_config.effective_bucket_size(disable_bucketing)
 
-        self.data_parallel_group = parallel_state.get_data_parallel_group()
-        dp_size = parallel_state.get_data_parallel_world_size()
-        # Per-token loss: gradients are summed over DP here and divided by the global token count in
-        # finalize_model_grads; otherwise every rank pre-scales by 1/|DP| before the SUM reduction.
+        # Gradients are reduced over DP x CP: the ranks of a context-parallel group hold different tokens of the
+        # same samples, so for the weights they are data-parallel replicas.
+        self.data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        # Per-token loss: gradients are summed over DP x CP here and divided by the global token count in
+        # finalize_model_grads; otherwise every rank pre-scales by 1/|DP x CP| before the SUM reduction.
         gradient_scaling_factor = 1.0 if config.calculate_per_token_loss else 1.0 / dp_size
 
         # Expert parameters (``allreduce = False``: expert parallelism) get their own buffers, reduced over the
@@ -183,8 +185,8 @@ class DistributedDataParallel(torch.nn.Module):
                 buffer.is_last_microbatch = True
 
     def broadcast_params(self):
-        """Copy every parameter of DP rank 0 to the other ranks of its data-parallel group."""
-        src = parallel_state.get_data_parallel_src_rank()
+        """Copy every parameter of DP x CP rank 0 to the other ranks of its DP x CP group."""
+        src = parallel_state.get_data_parallel_src_rank(with_context_parallel=True)
         for param in self.module.parameters():
             if not getattr(param, "allreduce", True):
                 group = self.expert_data_parallel_group

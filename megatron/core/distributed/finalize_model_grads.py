@@ -138,7 +138,7 @@ def _scale_by_num_tokens(model: List[torch.nn.Module], num_tokens: torch.Tensor)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         torch.distributed.broadcast(num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                     group=parallel_state.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group())
+    torch.distributed.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     total = int(num_tokens.item())
     if total > 0:
         for chunk in model:

@@ -37,7 +37,7 @@ class TorchDistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             log_once("torch-ddp-no-fusion", "--DDP-impl torch: gradient accumulation fusion turned off (it needs the "
                                             "main_grad buffers of --DDP-impl local)")
         if process_group is None:
-            process_group = parallel_state.get_data_parallel_group()
+            process_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         super().__init__(module, process_group=process_group, **kwargs)
 
     def start_grad_sync(self, *unused):
@@ -55,7 +55,7 @@ class TorchDistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 del param.main_grad
 
     def broadcast_params(self):
-        src = parallel_state.get_data_parallel_src_rank()
+        src = torch.distributed.get_global_rank(self.process_group, 0)
         for param in self.module.parameters():
             torch.distributed.broadcast(param.data, src=src, group=self.process_group)
 

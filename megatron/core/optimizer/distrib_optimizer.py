@@ -80,8 +80,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                  "DistributedDataParallel (--DDP-impl local) with "
                                  "DistributedDataParallelConfig(use_distributed_optimizer=True)")
             self.buffers.extend(buffers)
-        self.data_parallel_group = parallel_state.get_data_parallel_group()
-        self.data_parallel_group_gloo = parallel_state.get_data_parallel_group_gloo()
+        # Shards over DP x CP: the group the gradients are reduced over (CP ranks are data-parallel replicas).
+        self.data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.data_parallel_group_gloo = parallel_state.get_data_parallel_group_gloo(with_context_parallel=True)
         self.dp_size = torch.distributed.get_world_size(group=self.data_parallel_group)
         self.dp_rank = torch.distributed.get_rank(group=self.data_parallel_group)
 
@@ -263,7 +264,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """(gloo group, its rank 0 as a global rank, whether this rank is it, group size) of a buffer's sharding
         group: data parallel, or expert data parallel for expert-parallel buffers."""
         if buffer.data_parallel_group is self.data_parallel_group:
-            return (self.data_parallel_group_gloo, parallel_state.get_data_parallel_src_rank(), self.dp_rank == 0,
+            return (self.data_parallel_group_gloo, parallel_state.get_data_parallel_src_rank(with_context_parallel=True),
+                    self.dp_rank == 0,
                     self.dp_size)
         group = parallel_state.get_expert_data_parallel_group_gloo()
         return (group, torch.distributed.get_global_rank(group, 0), torch.distributed.get_rank(group=group) == 0,

@@ -8,9 +8,10 @@ All three schedules share one keyword-only signature and the ``forward_step_func
   ``config.calculate_per_token_loss`` the schedule backpropagates ``loss_sum / max(num_tokens, 1) / M``
   (``M`` micro-batches: a mean of per-micro-batch token means). With it, ``loss_sum`` is backpropagated
   unchanged and ``num_tokens`` is summed over the step's micro-batches (and model chunks) into
-  ``total_num_tokens``, which ``finalize_model_grads`` sums over DP and divides the gradients by: the
+  ``total_num_tokens``, which ``finalize_model_grads`` sums over DP x CP and divides the gradients by: the
   gradient of the exact token mean over the global batch.
-* ``(loss, reported_dict)`` (the 2023 contract): ``loss / M`` is backpropagated.
+* ``(loss, reported_dict)`` (the 2023 contract): ``loss * CP / M`` is backpropagated (CP: context-parallel size,
+  as Megatron scales it).
 
 ``reported_dict`` is stored per micro-batch; backward multiplies by ``config.grad_scale_func`` (loss scale).
 
@@ -129,6 +130,8 @@ def _apply_loss_func(loss_func, output_tensor, num_microbatches, config):
             raise RuntimeError("--calculate-per-token-loss needs a loss_func that returns (loss_sum, num_tokens, "
                                "reported_dict); this one returns the 2023 (loss, reported_dict)")
         loss, loss_reduced = result
+        # Megatron scales a 2023-style loss by the context-parallel size (the gradients are averaged over DP x CP).
+        loss = loss * parallel_state.get_context_parallel_world_size()
         return loss / num_microbatches, torch.zeros((), dtype=torch.int64), loss_reduced
     raise RuntimeError("loss_func must return (loss_sum, num_tokens, reported_dict) or (loss, reported_dict), e.g. "
                        f"(loss, {{'lm loss': averaged_loss}}); got {type(result).__name__}")
@@ -240,7 +243,8 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
 
 
 def get_tensor_shapes(*, seq_length: int, micro_batch_size: int, config) -> List[tuple]:
-    """Shape of the activation passed between stages: ``(s [/tp with SP], b, h)``."""
+    """Shape of the activation passed between stages: ``(s / cp [/tp with SP], b, h)``."""
+    seq_length = seq_length // parallel_state.get_context_parallel_world_size()
     if config.sequence_parallel:
         seq_length = seq_length // parallel_state.get_tensor_model_parallel_world_size()
     return [(seq_length, micro_batch_size, config.hidden_size)]

@@ -370,6 +370,8 @@ def _fp8_meta_for(config) -> Optional[Fp8Meta]:
         return None
     try:
         group = parallel_state.get_amax_reduction_group()
+        if getattr(config, "context_parallel_size", 1) > 1:  # CP ranks see different tokens: reduce over them too
+            group = parallel_state.get_amax_reduction_group(with_context_parallel=True)
     except AssertionError as e:
         raise RuntimeError("FP8 linear layers reduce their amaxes over the amax reduction group: call "
                            "parallel_state.initialize_model_parallel(..., use_fp8=True) before building the model "

@@ -8,7 +8,9 @@ implementations of the same function, chosen per call and printed once:
   ``flash`` (``--attention-backend``; Megatron's names for Transformer Engine's cuDNN / flash-attn kernels);
 * the explicit path of Megatron (``baddbmm`` into a reused buffer, scale-mask-softmax, dropout, ``bmm``)
   for ``unfused`` and ``local``, or masks that are not boolean;
-* ``flash-attn``'s kernel when ``--use-flash-attn`` is given (see :mod:`megatron.core.transformer.attention`).
+* ``flash-attn``'s kernel when ``--use-flash-attn`` is given (see :mod:`megatron.core.transformer.attention`);
+* with context parallelism (``config.context_parallel_size > 1``) the pure-PyTorch ring / all-gather attention of
+  :mod:`megatron.core.transformer.context_parallel` (``--cp-comm-type p2p`` or ``all_gather``), causal or no mask.
 
 Masks are boolean with True = masked. Rows that are masked entirely (padding queries in BERT) get the
 uniform average of the values in the explicit path (all scores equal -10000); the SDPA path reproduces
@@ -100,6 +102,14 @@ class CoreAttention(MegatronModule):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.attention_dropout = torch.nn.Dropout(dropout)
 
+        self.cp_size = config.context_parallel_size
+        comm = config.cp_comm_type if config.cp_comm_type is not None else "p2p"
+        self.cp_comm_type = comm if isinstance(comm, str) else comm[self.layer_number - 1]
+        if self.cp_size > 1:
+            log_once(f"attention_cp:{self.cp_comm_type}",
+                     f"attention: context parallel over {self.cp_size} ranks, --cp-comm-type {self.cp_comm_type}, "
+                     "pure PyTorch (megatron.core.transformer.context_parallel; Transformer Engine not used)")
+
     # ------------------------------------------------------------------------------------------- dispatch
     def _dropout_rng(self):
         # Attention heads are split across TP ranks, so their dropout must differ per rank: draw from the
@@ -113,7 +123,29 @@ class CoreAttention(MegatronModule):
             return False
         return attention_mask is None or attention_mask.dtype == torch.bool
 
+    def _context_parallel_forward(self, query_layer, key_layer, value_layer, attention_mask):
+        from megatron.core.transformer.context_parallel import context_parallel_attention
+
+        if parallel_state.get_context_parallel_world_size() != self.cp_size:
+            raise RuntimeError(f"config.context_parallel_size is {self.cp_size} but the context-parallel group has "
+                               f"{parallel_state.get_context_parallel_world_size()} ranks: pass the same size to "
+                               "initialize_model_parallel(context_parallel_size=...)")
+        causal = self.attn_mask_type == AttnMaskType.causal
+        if attention_mask is not None and not causal:
+            raise NotImplementedError("context parallelism supports causal attention or no mask, not an explicit "
+                                      "attention mask")
+        # A causal layer ignores a passed mask: with CP the causal structure is per chunk pair (see the module).
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        return context_parallel_attention(
+            query_layer, key_layer, value_layer, group=parallel_state.get_context_parallel_group(),
+            global_ranks=parallel_state.get_context_parallel_global_ranks(), comm_type=self.cp_comm_type,
+            causal=causal, softmax_scale=1.0 / math.sqrt(self.hidden_size_per_attention_head),
+            dropout=self.attention_dropout if dropout_p > 0.0 else None,
+            dropout_rng=self._dropout_rng() if dropout_p > 0.0 else None)
+
     def forward(self, query_layer, key_layer, value_layer, attention_mask):
+        if self.cp_size > 1:
+            return self._context_parallel_forward(query_layer, key_layer, value_layer, attention_mask)
         groups = query_layer.size(2) // key_layer.size(2)
         if groups > 1:
             key_layer = key_layer.repeat_interleave(groups, dim=2)

@@ -8,6 +8,10 @@ Layouts of the ``d`` channels: rotate-half (default, Llama) pairs channel ``j`` 
 vector is ``cat(f, f)``; interleaved (``rotary_interleaved``, RoFormer) pairs ``2j`` with ``2j+1`` and the
 angle vector is ``[f0, f0, f1, f1, ...]``. Either way ``t' = t cos + rotate(t) sin``.
 
+Context parallelism: a rank holds the positions of ``context_parallel_chunk_indices`` (chunks ``r`` and
+``2 CP - 1 - r`` of ``2 CP``), so the angles are built for the full sequence and sliced the same way
+(:func:`get_pos_emb_on_this_cp_rank`); the batch's ``position_ids`` are not used for RoPE, as in megatron-core.
+
 ``rope_scaling`` (Llama-3.x) rescales ``inv_freq`` with ``factor`` (8 by default), low/high frequency factors 1 and
 4 and an original context of 8192 tokens: with wavelength ``w = 2 pi / f``, ``w < 8192/4`` keeps ``f``,
 ``w > 8192/1`` gives ``f / factor``, in between ``s = (8192 / w - 1) / (4 - 1)`` and ``f' = (1 - s) f / factor + s f``.
@@ -20,6 +24,7 @@ from typing import Optional
 import torch
 
 from megatron.core.fusions import fused_kernels
+from megatron.core.utils import context_parallel_chunk_indices
 
 _LLAMA3_LOW_FREQ_FACTOR = 1.0
 _LLAMA3_HIGH_FREQ_FACTOR = 4.0
@@ -71,6 +76,21 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             emb = torch.cat((freqs, freqs), dim=-1)
         return emb[:, None, None, :]
+
+
+def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int = 0, cp_size: Optional[int] = None,
+                                cp_rank: Optional[int] = None) -> torch.Tensor:
+    """The rows of the full-sequence angles ``pos_emb`` that this context-parallel rank's tokens have (see the
+    module docstring); the CP size and rank default to this process's."""
+    if cp_size is None or cp_rank is None:
+        from megatron.core import parallel_state
+
+        cp_size = parallel_state.get_context_parallel_world_size()
+        cp_rank = parallel_state.get_context_parallel_rank()
+    if cp_size <= 1:
+        return pos_emb
+    index = context_parallel_chunk_indices(pos_emb.size(seq_dim), cp_size, cp_rank).to(pos_emb.device)
+    return pos_emb.index_select(seq_dim, index)
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, fused: bool = False,

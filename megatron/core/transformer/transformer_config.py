@@ -80,6 +80,9 @@ class TransformerConfig(ModelParallelConfig):
     # --transformer-impl: "local" (this library's modules) or "transformer_engine" (TE modules, not built here).
     transformer_impl: str = "local"
     use_flash_attn: bool = False                 # --use-flash-attn: the flash-attn package's kernel
+    # --cp-comm-type: how attention communicates across the context-parallel group ("p2p" ring or "all_gather";
+    # a list gives one value per layer). None means "p2p". See megatron/core/transformer/context_parallel.py.
+    cp_comm_type: Optional[Union[str, List[str]]] = None
 
     # Language-model settings read by the legacy model classes (megatron-core's GPTModel/BERTModel take the
     # same values as constructor arguments). Names equal the argparse destinations of Megatron's flags.
@@ -138,6 +141,14 @@ class TransformerConfig(ModelParallelConfig):
     def __post_init__(self):
         super().__post_init__()
         self._validate_model_settings()
+        if self.cp_comm_type is not None:
+            values = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
+            if not isinstance(self.cp_comm_type, str) and len(values) != self.num_layers:
+                raise ValueError(f"cp_comm_type lists {len(values)} values; give one, or one per layer "
+                                 f"({self.num_layers})")
+            bad = [v for v in values if v not in ("p2p", "all_gather", "a2a", "a2a+p2p")]
+            if bad:
+                raise ValueError(f"cp_comm_type {bad[0]!r} is not one of p2p, all_gather, a2a, a2a+p2p")
 
         if self.fp16 and self.bf16:
             raise ValueError(f"Only one of self.fp16: {self.fp16} and self.bf16 {self.bf16} should be True.")

@@ -61,4 +61,7 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig):
     # rejects a layer count.
     if args.recompute_granularity == "selective":
         kw_args["recompute_num_layers"] = None
+    # One --cp-comm-type value applies to every layer (Megatron passes it as a string).
+    if isinstance(getattr(args, "cp_comm_type", None), list) and len(args.cp_comm_type) == 1:
+        kw_args["cp_comm_type"] = args.cp_comm_type[0]
     return config_class(**kw_args)

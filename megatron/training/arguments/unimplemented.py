@@ -1,5 +1,5 @@
-"""Flags of today's Megatron-LM whose features this library does not implement yet: MoE, context parallelism > 1,
-T5 (encoder-decoder) models, and the FP8 variants that need Transformer Engine (block-scaled recipes, FP8
+"""Flags of today's Megatron-LM whose features this library does not implement yet: MoE, the a2a / a2a+p2p and
+hierarchical variants of context parallelism (p2p and all_gather are implemented), T5 (encoder-decoder) models, and the FP8 variants that need Transformer Engine (block-scaled recipes, FP8
 parameters; per-tensor FP8 GEMMs with --fp8-format run, see megatron/core/fp8_utils.py).
 
 The flags parse with Megatron's types and defaults, and their values are checked as Megatron checks them; then a
@@ -137,11 +137,31 @@ def _validate_context_parallel(args) -> None:
                  "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes")
     if cp > 1:
         seq = args.seq_length if args.seq_length is not None else args.encoder_seq_length
+        world = getattr(args, "world_size", None)
+        tp = min(args.tensor_model_parallel_size, world) if world else args.tensor_model_parallel_size
+        sp = args.sequence_parallel and tp > 1
         if seq is not None:
-            _require(seq % (2 * cp) == 0, f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size "
-                                          f"({2 * cp})")
-        raise _not_implemented(f"--context-parallel-size {cp}", "context parallelism",
-                               "use --context-parallel-size 1")
+            # Each sequence is cut into 2 x CP chunks (rank r keeps chunks r and 2CP-1-r); with sequence
+            # parallelism the S/CP local tokens are split again over the TP ranks.
+            _require(seq % (2 * cp) == 0 and (not sp or (seq // cp) % tp == 0),
+                     f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size ({2 * cp})"
+                     + (f" and --seq-length / --context-parallel-size ({seq / cp:g}) by --tensor-model-parallel-size "
+                        f"({tp}) with --sequence-parallel" if sp else "")
+                     + ": change --seq-length or --context-parallel-size")
+        _require(not args.use_legacy_models,
+                 f"--context-parallel-size {cp} needs the megatron-core models: drop --use-legacy-models")
+        _require(not args.use_flash_attn,
+                 f"--context-parallel-size {cp}: the flash-attn kernel (--use-flash-attn) has no context-parallel "
+                 "path; drop --use-flash-attn")
+        _require(not args.reset_attention_mask,
+                 f"--context-parallel-size {cp} supports causal attention only: drop --reset-attention-mask")
+        for value in comm:
+            if value in ("a2a", "a2a+p2p"):
+                raise _not_implemented(f"--cp-comm-type {value}", "all-to-all (Ulysses) context parallelism",
+                                       "use --cp-comm-type p2p or all_gather")
+    if args.hierarchical_context_parallel_sizes is not None:
+        raise _not_implemented(f"--hierarchical-context-parallel-sizes {args.hierarchical_context_parallel_sizes}",
+                               "hierarchical context parallelism", "drop the flag and use --cp-comm-type p2p")
 
 
 def validate_t5_unimplemented(args) -> None:

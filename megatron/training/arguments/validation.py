@@ -103,9 +103,15 @@ def _validate_parallel_sizes(args):
     _require(world % (tp * pp) == 0,
              f"world size ({world}) must be a multiple of --tensor-model-parallel-size ({tp}) x "
              f"--pipeline-model-parallel-size ({pp}): change either size or the number of processes")
-    args.data_parallel_size = world // (tp * pp)
+    cp = args.context_parallel_size
+    _require(world % (tp * pp * cp) == 0,
+             f"world size ({world}) must be a multiple of --tensor-model-parallel-size ({tp}) x "
+             f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}): change a size or the number "
+             "of processes")
+    args.data_parallel_size = world // (tp * pp * cp)
     _log(args, "using world size: {}, data-parallel-size: {}, tensor-model-parallel size: {}, "
-               "pipeline-model-parallel size: {} ".format(world, args.data_parallel_size, tp, pp))
+               "pipeline-model-parallel size: {} ".format(world, args.data_parallel_size, tp, pp)
+         + ("context-parallel size: {} ".format(cp) if cp > 1 else ""))
     if pp > 1 and args.pipeline_model_parallel_split_rank is not None:
         _require(args.pipeline_model_parallel_split_rank < pp,
                  f"--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) must be smaller "

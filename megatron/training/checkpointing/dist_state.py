@@ -157,7 +157,7 @@ def model_sharded_state(model, args=None, for_load=False) -> Dict[str, object]:
                 continue
             block, linear = e.key.split(".layers.")[0] + ".layers", e.key.split(".layers.")[1].rsplit(".", 1)[0]
             out[dist_keys.expert_extra_state_key(block, linear, e.layer, e.expert, num_layers, e.num_experts)] = [None]
-        if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank() == 0):
+        if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
             keys = {e.key for e in entries if e.expert is None}
             for block, layer in sorted(layers):
                 for linear in dist_keys.LINEARS:
@@ -313,7 +313,7 @@ def optimizer_tensors(optimizer, entries) -> Dict[str, list]:
                 if not index:
                     continue
                 group = (parallel_state.get_expert_data_parallel_group() if expert
-                         else parallel_state.get_data_parallel_group())
+                         else parallel_state.get_data_parallel_group(with_context_parallel=True))
                 flat = torch.cat([pieces[i] for i in index])
                 torch.distributed.all_reduce(flat, group=group)
                 for i, part in zip(index, torch.split(flat, [params[i].param.numel() for i in index])):

@@ -145,7 +145,7 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
         if opt_param_scheduler is not None:
             common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     common["content_metadata"] = content
-    if not args.no_save_rng and parallel_state.get_data_parallel_rank() == 0:
+    if not args.no_save_rng and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         sharded[_rng_key()] = [get_rng_state(False)]  # Megatron's object payload: the list of local objects
     buffer = io.BytesIO()
     torch.save(common, buffer)  # pickled now: args (consumed samples ...) keep changing while an async save runs

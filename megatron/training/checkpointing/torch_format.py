@@ -71,7 +71,7 @@ def _writes_model_files() -> bool:
     """Data-parallel rank 0 writes its TP x PP files; with EP > 1 every EP rank's copy (expert-DP rank 0)."""
     if _expert_rank() is not None:
         return parallel_state.get_expert_data_parallel_rank() == 0
-    return parallel_state.get_data_parallel_rank() == 0
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
 def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_parallel=None, tensor_rank=None,

@@ -10,7 +10,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_model import logits_or_loss
 from megatron.core.transformer.module import MegatronModule, sync_tied_weight_across_pipeline
-from megatron.core.transformer.rotary import RotaryEmbedding
+from megatron.core.transformer.rotary import RotaryEmbedding, get_pos_emb_on_this_cp_rank
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -103,13 +103,15 @@ class GPTModel(LanguageModule):
         self.decoder.set_input_tensor(input_tensor[0])
 
     def _rotary_seq_len(self, input_ids, decoder_input, inference_params):
+        """Length of the full sequence: the local length x TP (with SP, for hidden states) x CP."""
         if inference_params is not None:
             return inference_params.max_sequence_length
+        cp = self.config.context_parallel_size
         if input_ids is not None:
-            return input_ids.size(1)
+            return input_ids.size(1) * cp
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        return hidden.size(0) * (tp if self.config.sequence_parallel else 1)
+        return hidden.size(0) * (tp if self.config.sequence_parallel else 1) * cp
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, inference_params=None,
                 packed_seq_params=None, extra_block_kwargs=None):
@@ -118,6 +120,9 @@ class GPTModel(LanguageModule):
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
             rotary_pos_emb = self.rotary_pos_emb(self._rotary_seq_len(input_ids, decoder_input, inference_params))
+            if self.config.context_parallel_size > 1:
+                # Angles of this CP rank's positions (chunks r and 2CP-1-r), as the batch was split.
+                rotary_pos_emb = get_pos_emb_on_this_cp_rank(rotary_pos_emb, seq_dim=0)
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                                      inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
         if not self.post_process:
