@@ -1,6 +1,10 @@
 """The four T5 example scripts (examples/pretrain_t5.sh, pretrain_t5_distributed.sh,
 pretrain_t5_distributed_with_mp.sh, examples/t5/train_t5_220m_distributed.sh) run on CPU as tiny jobs: each
-script's own flags, shrunk with MEGATRON_EXTRA_ARGS to a 2+2-layer model and 3 iterations on sentence-split data."""
+script's own flags, shrunk with MEGATRON_EXTRA_ARGS to a 2+2-layer model and 3 iterations on sentence-split data.
+
+pretrain_t5_distributed.sh runs with 2 processes as a pipeline (--pipeline-model-parallel-split-rank 1: encoder on
+stage 0, decoder on stage 1) and saves torch_dist checkpoints; pretrain_t5.sh (one process, PP=1) resumes from its
+iteration 2 and must reproduce its losses of iterations 3 and 4 (weights, then Adam moments, across layouts)."""
 from __future__ import annotations
 
 import pytest
@@ -41,7 +45,6 @@ def _check(rc, out, ckpt_dir):
 
 @pytest.mark.parametrize("script,procs,extra", [
     ("pretrain_t5.sh", 1, "--num-layers 2 --use-legacy-models --ckpt-format torch"),
-    ("pretrain_t5_distributed.sh", 2, "--num-layers 2"),
     ("pretrain_t5_distributed_with_mp.sh", 2, "--num-layers 2"),
     ("t5/train_t5_220m_distributed.sh", 1, "--encoder-num-layers 2 --decoder-num-layers 2"),
 ])
@@ -58,5 +61,30 @@ def test_t5_scripts_on_cpu(tmp_path, t5_data, script, procs, extra):
         assert _arg_value(out, "tokenizer_type") == "BertWordPieceLowerCase" and _arg_value(out, "fp16") == "True"
     if script.endswith("with_mp.sh"):
         assert _arg_value(out, "tensor_model_parallel_size") == "2"
-    if script == "pretrain_t5_distributed.sh":
-        assert _arg_value(out, "data_parallel_size") == "2"
+
+
+def _losses(out):
+    return {n: float(line.split("lm loss:")[1].split("|")[0]) for line, (n, _, _, _) in iteration_lines(out)}
+
+
+def test_t5_pipeline_split_script_and_resume_at_pp1(tmp_path, t5_data):
+    common = (f"{T5_TINY} --num-layers 2 --global-batch-size 4 --train-iters 4 --lr-decay-iters 4 --save-interval 2 "
+              "--hidden-dropout 0 --attention-dropout 0 --lr 0.001")
+    env = script_env(tmp_path, DATA_PATH=t5_data, CHECKPOINT_PATH=tmp_path / "pp2", GPUS_PER_NODE=2,
+                     MEGATRON_EXTRA_ARGS=f"{common} --pipeline-model-parallel-size 2 "
+                                         "--pipeline-model-parallel-split-rank 1")
+    rc, out = run_script("pretrain_t5_distributed.sh", env)
+    assert rc == 0, out[-6000:]
+    assert _arg_value(out, "pipeline_model_parallel_split_rank") == "1" and _arg_value(out, "ckpt_format") == "torch_dist"
+    pp2 = _losses(out)
+    assert sorted(pp2) == [1, 2, 3, 4], out[-4000:]
+    (tmp_path / "pp2" / "latest_checkpointed_iteration.txt").write_text("2")
+    env = script_env(tmp_path, DATA_PATH=t5_data, CHECKPOINT_PATH=tmp_path / "pp1", GPUS_PER_NODE=1,
+                     MEGATRON_EXTRA_ARGS=f"{common} --load {tmp_path / 'pp2'}")
+    rc, out = run_script("pretrain_t5.sh", env)
+    assert rc == 0, out[-6000:]
+    pp1 = _losses(out)
+    assert sorted(pp1) == [3, 4], out[-4000:]
+    errors = {n: abs(pp1[n] - pp2[n]) / pp2[n] for n in (3, 4)}
+    print(f"T5 losses PP=2 split 1: {pp2}; resumed at PP=1: {pp1}; relative differences {errors}")
+    assert max(errors.values()) <= 1e-5

@@ -15,7 +15,14 @@ as the model holds them: per query group ``[q heads of the group; k; v]``, ranks
 global tensor does not depend on TP. A SwiGLU ``linear_fc1`` of local rows ``[gate_r; up_r]`` is stored as two
 chunks, ``gate_r`` at row ``r*F/t`` and ``up_r`` at row ``F + r*F/t`` of the global ``[gate (F); up (F)]``.
 Non-layer tensors keep their names; a tied output layer on a later pipeline stage is the embedding
-(``embedding.word_embeddings.weight``). Each linear layer also has an ``_extra_state`` object per layer, key
+(``embedding.word_embeddings.weight``).
+
+T5 (megatron-core names; the legacy model's are mapped by ``keys.legacy_to_mcore_key(.., 't5')``): ``encoder.layers``
+and ``decoder.layers`` are two stacks, each with its own layer count ``L`` and global numbering (the decoder's
+restarts at 0 after the split rank); decoder layers add ``pre_cross_attn_layernorm.*`` (stored under that name, as
+megatron-core's local spec does) and ``cross_attention.linear_{q,kv,proj}``; the LM bias is
+``lm_head.output_layer.bias`` and a tied ``lm_head.output_layer.weight`` is the embedding. megatron-core's aliases
+``position_embeddings.*`` and ``output_layer.*`` of the T5 model are not stored twice. Each linear layer also has an ``_extra_state`` object per layer, key
 ``decoder.layers.<linear>._extra_state/shard_{layer}_{L}``, payload ``[None]`` (no FP8 metadata).
 """
 from __future__ import annotations
@@ -35,8 +42,10 @@ _LAYER_RENAMES = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
-LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "cross_attention.linear_q",
+           "cross_attention.linear_kv", "cross_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+T5_ALIASES = ("position_embeddings.", "output_layer.")  # megatron-core T5Model's duplicate module names
 _GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 
 
@@ -51,6 +60,7 @@ class Entry:
     tensor: torch.Tensor
     param: Optional[torch.nn.Parameter]
     tp_dim: Optional[int]
+    num_layers: Optional[int] = None  # the layer count of this entry's stack when it is not the chunk's (T5)
 
 
 def disk_key(name: str, layer_offset: int, tied_output: bool) -> Tuple[str, Optional[int]]:
@@ -59,7 +69,7 @@ def disk_key(name: str, layer_offset: int, tied_output: bool) -> Tuple[str, Opti
     if m:
         rest = m.group(3)
         return f"{m.group(1)}.{_LAYER_RENAMES.get(rest, rest)}", int(m.group(2)) + layer_offset
-    if name == "output_layer.weight" and tied_output:
+    if name in ("output_layer.weight", "lm_head.output_layer.weight") and tied_output:
         return "embedding.word_embeddings.weight", None
     return name, None
 
@@ -69,6 +79,7 @@ def shards(entry: Entry, num_layers: int, tp_size: int, tp_rank: int, gated: boo
     """This rank's chunk(s) of ``entry`` (or of ``tensor``, a same-shaped companion such as an Adam moment) in the
     global on-disk tensor."""
     data = entry.tensor if tensor is None else tensor
+    num_layers = entry.num_layers or num_layers
     shape, offset = list(data.shape), [0] * data.dim()
     pieces = [(data, offset)]
     if entry.tp_dim is not None and tp_size > 1 or gated and entry.key.endswith(_GATED):

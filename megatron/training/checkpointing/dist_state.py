@@ -70,6 +70,20 @@ def model_layout(chunk, args=None):
     return num_layers, gated, tied
 
 
+def _t5_blocks(chunk):
+    """{'encoder'|'decoder': (first global layer, layer count)} of a T5 chunk's stacks (legacy or megatron-core);
+    None for other models."""
+    if type(chunk).__name__ != "T5Model":
+        return None
+    holder = getattr(chunk, "language_model", chunk)
+    blocks = {}
+    for name in ("encoder", "decoder"):
+        block = getattr(holder, name, None)
+        if block is not None:
+            blocks[name] = (block.layers[0].layer_number - 1, block.config.num_layers)
+    return blocks
+
+
 def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
     """Per model chunk, every tensor of its state dict with its Megatron on-disk key."""
     out = []
@@ -78,6 +92,7 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
             parallel_state.set_virtual_pipeline_model_parallel_rank(i)
         num_layers, _, tied = model_layout(chunk, args)
         offset = _layer_offset(num_layers)
+        t5_blocks = _t5_blocks(chunk)
         params = dict(chunk.named_parameters())
         mcore = _is_mcore(chunk)
         entries = []
@@ -87,11 +102,19 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
             if not torch.is_tensor(value):
                 raise DistCheckpointError(f"model entry {name!r} is a {type(value).__name__}, not a tensor: the "
                                           "torch_dist format stores only tensors in the model state")
-            key, layer = dist_keys.disk_key(name if mcore else legacy_to_mcore_key(name), offset, tied)
+            if t5_blocks is None:
+                key, layer = dist_keys.disk_key(name if mcore else legacy_to_mcore_key(name), offset, tied)
+                entry_layers = None
+            else:
+                core_name = name if mcore else legacy_to_mcore_key(name, "t5")
+                if mcore and core_name.startswith(dist_keys.T5_ALIASES):
+                    continue  # megatron-core's second name of embedding.position_embeddings / lm_head.output_layer
+                block_offset, entry_layers = t5_blocks.get(core_name.split(".", 1)[0], (0, None))
+                key, layer = dist_keys.disk_key(core_name, block_offset, tied)
             param = params.get(name)
             tp_dim = param.partition_dim if param is not None and getattr(param, "tensor_model_parallel", False) \
                 else None
-            entries.append(dist_keys.Entry(name, key, layer, value, param, tp_dim))
+            entries.append(dist_keys.Entry(name, key, layer, value, param, tp_dim, entry_layers))
         out.append(entries)
     if len(model) > 1:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
@@ -116,14 +139,14 @@ def model_sharded_state(model, args=None, for_load=False) -> Dict[str, object]:
                 pieces = [LocalShard(torch.zeros_like(p.data), p.global_shape, p.global_offset) for p in pieces]
             out.setdefault(e.key, []).extend(pieces)  # stacked keys collect one chunk per layer
             if e.layer is not None:
-                layers.add((e.key.split(".layers.")[0] + ".layers", e.layer))
+                layers.add((e.key.split(".layers.")[0] + ".layers", e.layer, e.num_layers or num_layers))
         # Megatron expects one (empty) _extra_state object per linear layer; written by TP/DP rank 0.
         if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank() == 0):
             keys = {e.key for e in entries}
-            for block, layer in sorted(layers):
+            for block, layer, block_layers in sorted(layers):
                 for linear in dist_keys.LINEARS:
                     if f"{block}.{linear}.weight" in keys:
-                        out[dist_keys.extra_state_key(block, linear, layer, num_layers)] = [None]
+                        out[dist_keys.extra_state_key(block, linear, layer, block_layers)] = [None]
     return out
 
 
