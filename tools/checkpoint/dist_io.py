@@ -20,7 +20,7 @@ from megatron.core.models.conversion.keys import legacy_to_mcore
 from megatron.training.checkpointing import dist_keys
 from megatron.training.checkpointing.dist_state import CHECKPOINT_VERSION, METADATA, DistCheckpointError, safe_args
 from megatron.training.checkpointing.torch_dist import load_full_checkpoint
-from tools.checkpoint.legacy_io import ConversionError, read_tracker
+from tools.checkpoint.legacy_io import ConversionError, is_t5, read_tracker, stack_layer_counts
 
 
 def is_dist_checkpoint(load_dir: str) -> bool:
@@ -62,14 +62,15 @@ def load_dist(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
 def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: int, iteration: int,
               release: bool = False) -> None:
     """Write ``full`` (legacy or megatron-core names, per ``args.use_mcore_models``) as a torch_dist checkpoint."""
+    t5 = is_t5(full)
     if not getattr(args, "use_mcore_models", False):
-        full = legacy_to_mcore(full, "gpt")
+        full = legacy_to_mcore(full, "t5" if t5 else "gpt")
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-    num_layers = args.num_layers
+    counts = {prefix[:-1]: n for prefix, n in stack_layer_counts(args, full).items()}  # 'decoder.layers' -> L
     stacked: Dict[str, Dict[int, torch.Tensor]] = {}
     state = {}
     for name, value in full.items():
-        if name.endswith("_extra_state"):
+        if name.endswith("_extra_state") or (t5 and name.startswith(dist_keys.T5_ALIASES)):
             continue
         key, layer = dist_keys.disk_key(name, 0, tied)
         if layer is None:
@@ -78,6 +79,7 @@ def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: i
         else:
             stacked.setdefault(key, {})[layer] = value
     for key, layers in stacked.items():
+        num_layers = counts[key.split(".layers.", 1)[0] + ".layers"]
         if sorted(layers) != list(range(num_layers)):
             raise ConversionError(f"{key}: found layers {sorted(layers)}, args.num_layers is {num_layers}")
         value = torch.stack([layers[i] for i in range(num_layers)])
