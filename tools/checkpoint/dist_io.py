@@ -48,7 +48,10 @@ def load_dist(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
     args = copy.deepcopy(args)
     args.use_mcore_models = True  # the names below are megatron-core's
     full = {}
+    t5 = any(".cross_attention." in key for key in ckpt["model"])
     for key, value in ckpt["model"].items():
+        if t5 and key in dist_keys.T5_ALIAS_KEYS:
+            continue  # megatron-core T5's second copy of embedding.position_embeddings / lm_head.output_layer.bias
         if ".layers." in key:
             for layer in range(value.shape[0]):
                 full[dist_keys.module_name(key, layer)] = value[layer].clone()
@@ -78,6 +81,13 @@ def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: i
                 state[key] = LocalShard(value.contiguous(), tuple(value.shape), (0,) * value.dim())
         else:
             stacked.setdefault(key, {})[layer] = value
+    if t5:  # megatron-core's T5Model reads (and writes) its aliases too
+        for alias, target in dist_keys.T5_ALIAS_KEYS.items():
+            if target in state:
+                state[alias] = state[target]
+        if "lm_head.output_layer.bias" in state:
+            for key in dist_keys.t5_head_extra_state_keys():
+                state[key] = [None]
     for key, layers in stacked.items():
         num_layers = counts[key.split(".layers.", 1)[0] + ".layers"]
         if sorted(layers) != list(range(num_layers)):

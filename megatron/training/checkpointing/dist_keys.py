@@ -21,8 +21,9 @@ T5 (megatron-core names; the legacy model's are mapped by ``keys.legacy_to_mcore
 and ``decoder.layers`` are two stacks, each with its own layer count ``L`` and global numbering (the decoder's
 restarts at 0 after the split rank); decoder layers add ``pre_cross_attn_layernorm.*`` (stored under that name, as
 megatron-core's local spec does) and ``cross_attention.linear_{q,kv,proj}``; the LM bias is
-``lm_head.output_layer.bias`` and a tied ``lm_head.output_layer.weight`` is the embedding. megatron-core's aliases
-``position_embeddings.*`` and ``output_layer.*`` of the T5 model are not stored twice. Each linear layer also has an ``_extra_state`` object per layer, key
+``lm_head.output_layer.bias`` and a tied ``lm_head.output_layer.weight`` is the embedding. megatron-core's T5Model
+stores its aliases too (``position_embeddings.weight``, ``output_layer.bias``: the same tensors under a second key;
+checked against megatron-core 0.16.1), so they are written for both T5 classes. Each linear layer also has an ``_extra_state`` object per layer, key
 ``decoder.layers.<linear>._extra_state/shard_{layer}_{L}``, payload ``[None]`` (no FP8 metadata).
 """
 from __future__ import annotations
@@ -46,6 +47,9 @@ LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "cross_att
            "cross_attention.linear_kv", "cross_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
 T5_ALIASES = ("position_embeddings.", "output_layer.")  # megatron-core T5Model's duplicate module names
+# On-disk alias key -> the key of the tensor it repeats (megatron-core's T5Model writes both).
+T5_ALIAS_KEYS = {"position_embeddings.weight": "embedding.position_embeddings.weight",
+                 "output_layer.bias": "lm_head.output_layer.bias"}
 _GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 
 
@@ -110,6 +114,11 @@ def merge_loaded(entry: Entry, loaded: List[LocalShard]) -> torch.Tensor:
 def extra_state_key(block_key: str, linear: str, layer: int, num_layers: int) -> str:
     """DCP key of a linear layer's ``_extra_state`` object (Megatron's ShardedObject ``unique_key``)."""
     return f"{block_key}.{linear}._extra_state/shard_{layer}_{num_layers}"
+
+
+def t5_head_extra_state_keys():
+    """megatron-core T5's ``_extra_state`` objects of its LM head (and the head's alias), outside the layers."""
+    return [f"{name}._extra_state/shard_0_1" for name in ("lm_head.output_layer", "output_layer")]
 
 
 def rng_key(pp_rank: int, tp_rank: int, pp: int, tp: int) -> str:

@@ -18,6 +18,7 @@ groups without their params, ``state.common_step`` and the grad scaler.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pickle
 from typing import Dict, List, Optional
@@ -84,6 +85,21 @@ def _t5_blocks(chunk):
     return blocks
 
 
+def _with_t5_aliases(entries):
+    """One entry per on-disk key, plus megatron-core's alias keys (``position_embeddings.weight``,
+    ``output_layer.bias``: the same tensor, sharding and parameter as the key they repeat)."""
+    seen, out = set(), []
+    for e in entries:
+        if (e.key, e.layer) not in seen:
+            seen.add((e.key, e.layer))
+            out.append(e)
+    by_key = {e.key: e for e in out}
+    for alias, target in dist_keys.T5_ALIAS_KEYS.items():
+        if alias not in by_key and target in by_key:
+            out.append(dataclasses.replace(by_key[target], key=alias))
+    return out
+
+
 def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
     """Per model chunk, every tensor of its state dict with its Megatron on-disk key."""
     out = []
@@ -108,13 +124,15 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
             else:
                 core_name = name if mcore else legacy_to_mcore_key(name, "t5")
                 if mcore and core_name.startswith(dist_keys.T5_ALIASES):
-                    continue  # megatron-core's second name of embedding.position_embeddings / lm_head.output_layer
+                    continue  # megatron-core's second module names; their keys are added by _with_t5_aliases
                 block_offset, entry_layers = t5_blocks.get(core_name.split(".", 1)[0], (0, None))
                 key, layer = dist_keys.disk_key(core_name, block_offset, tied)
             param = params.get(name)
             tp_dim = param.partition_dim if param is not None and getattr(param, "tensor_model_parallel", False) \
                 else None
             entries.append(dist_keys.Entry(name, key, layer, value, param, tp_dim, entry_layers))
+        if t5_blocks is not None:
+            entries = _with_t5_aliases(entries)
         out.append(entries)
     if len(model) > 1:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
@@ -147,6 +165,9 @@ def model_sharded_state(model, args=None, for_load=False) -> Dict[str, object]:
                 for linear in dist_keys.LINEARS:
                     if f"{block}.{linear}.weight" in keys:
                         out[dist_keys.extra_state_key(block, linear, layer, block_layers)] = [None]
+            if "lm_head.output_layer.bias" in keys:  # a T5 LM head (megatron-core writes its _extra_state too)
+                for key in dist_keys.t5_head_extra_state_keys():
+                    out[key] = [None]
     return out
 
 
