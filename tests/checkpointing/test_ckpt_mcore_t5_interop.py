@@ -17,7 +17,8 @@ ORACLE = os.environ.get("MCORE_ORACLE_DIR", os.path.join(REPO, ".venv", "mcore-o
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_t5_oracle_child.py")
 VOCAB, SE, SD, LAYERS = 64, 10, 7, 2
 
-pytestmark = pytest.mark.timeout(600)
+# A megatron-core subprocess (~40 s of imports and setup on 2 busy cores) plus a 2-rank load at three layouts.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ script's own flags, shrunk with MEGATRON_EXTRA_ARGS to a 2+2-layer model and 3 i
 
 pretrain_t5_distributed.sh runs with 2 processes as a pipeline (--pipeline-model-parallel-split-rank 1: encoder on
 stage 0, decoder on stage 1) and saves torch_dist checkpoints; pretrain_t5.sh (one process, PP=1) resumes from its
-iteration 2 and must reproduce its losses of iterations 3 and 4 (weights, then Adam moments, across layouts)."""
+iteration 2 and must reproduce its losses of iterations 3 and 4 (weights, then Adam moments, across layouts).
+pretrain_t5_distributed_with_mp.sh (TP=2) runs the legacy T5Model (--use-legacy-models) and saves torch checkpoints."""
 from __future__ import annotations
 
 import pytest
@@ -44,8 +45,7 @@ def _check(rc, out, ckpt_dir):
 
 
 @pytest.mark.parametrize("script,procs,extra", [
-    ("pretrain_t5.sh", 1, "--num-layers 2 --use-legacy-models --ckpt-format torch"),
-    ("pretrain_t5_distributed_with_mp.sh", 2, "--num-layers 2"),
+    ("pretrain_t5_distributed_with_mp.sh", 2, "--num-layers 2 --use-legacy-models --ckpt-format torch"),
     ("t5/train_t5_220m_distributed.sh", 1, "--encoder-num-layers 2 --decoder-num-layers 2"),
 ])
 def test_t5_scripts_on_cpu(tmp_path, t5_data, script, procs, extra):
@@ -59,8 +59,8 @@ def test_t5_scripts_on_cpu(tmp_path, t5_data, script, procs, extra):
         assert _arg_value(out, "init_method_std") == "0.015" and _arg_value(out, "decoder_num_layers") == "2"
     else:
         assert _arg_value(out, "tokenizer_type") == "BertWordPieceLowerCase" and _arg_value(out, "fp16") == "True"
-    if script.endswith("with_mp.sh"):
-        assert _arg_value(out, "tensor_model_parallel_size") == "2"
+        assert _arg_value(out, "tensor_model_parallel_size") == "2" and _arg_value(out, "use_legacy_models") == "True"
+        assert (tmp_path / "ckpt" / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt").is_file()
 
 
 def _losses(out):
@@ -83,6 +83,7 @@ def test_t5_pipeline_split_script_and_resume_at_pp1(tmp_path, t5_data):
                      MEGATRON_EXTRA_ARGS=f"{common} --load {tmp_path / 'pp2'}")
     rc, out = run_script("pretrain_t5.sh", env)
     assert rc == 0, out[-6000:]
+    assert "validation loss at iteration 4" in out
     pp1 = _losses(out)
     assert sorted(pp1) == [3, 4], out[-4000:]
     errors = {n: abs(pp1[n] - pp2[n]) / pp2[n] for n in (3, 4)}
