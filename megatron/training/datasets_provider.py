@@ -16,6 +16,7 @@ from megatron.core import device, parallel_state
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.utils import print_rank_0
@@ -117,6 +118,40 @@ def core_bert_dataset_config_from_args(args, tokenizer=None) -> BERTMaskedWordPi
     )
 
 
+def core_t5_dataset_config_from_args(args, tokenizer=None) -> T5MaskedWordPieceDatasetConfig:
+    """megatron-core's T5 dataset config: span corruption with whole-word n-grams, n = min(Geometric(0.2), 10)."""
+    from megatron.training.errors import ConfigurationError
+
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    if blend is None and blend_per_split is None:
+        raise ConfigurationError("no training data: pass --data-path (or --train/valid/test-data-path)")
+    if args.decoder_seq_length is None:
+        raise ConfigurationError("T5 needs --decoder-seq-length (the decoder's input length)")
+    tokenizer = _tokenizer(args, tokenizer)
+    if not list(getattr(tokenizer, "additional_special_tokens_ids", None) or []):
+        raise ConfigurationError("T5 needs sentinel tokens <extra_id_N>: the tokenizer has none; pass "
+                                 "--vocab-extra-ids 100")
+    return T5MaskedWordPieceDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.encoder_seq_length,
+        sequence_length_decoder=args.decoder_seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=getattr(args, "split", None),
+        num_dataset_builder_threads=getattr(args, "num_dataset_builder_threads", 1),
+        path_to_cache=getattr(args, "data_cache_path", None),
+        mmap_bin_files=getattr(args, "mmap_bin_files", True),
+        tokenizer=tokenizer,
+        masking_probability=getattr(args, "mask_prob", 0.15),
+        short_sequence_probability=getattr(args, "short_seq_prob", 0.1),
+        masking_max_ngram=10,
+        masking_do_full_word=True,
+        masking_do_permutation=False,
+        masking_use_longer_ngrams=False,
+        masking_use_geometric_distribution=True,
+    )
+
+
 def gpt_train_valid_test_datasets_provider(train_val_test_num_samples: List[Optional[int]], args=None,
                                            tokenizer=None):
     """GPT (or mock GPT with ``--mock-data``) train/valid/test datasets of the requested sizes."""
@@ -141,9 +176,21 @@ def bert_train_valid_test_datasets_provider(train_val_test_num_samples: List[Opt
     return tuple(datasets)
 
 
+def t5_train_valid_test_datasets_provider(train_val_test_num_samples: List[Optional[int]], args=None,
+                                          tokenizer=None):
+    args = _args(args)
+    config = core_t5_dataset_config_from_args(args, tokenizer)
+    print_rank_0("> building train, validation, and test datasets for T5 ...")
+    datasets = BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, train_val_test_num_samples,
+                                             is_dataset_built_on_rank, config).build()
+    print_rank_0("> finished creating T5 datasets ...")
+    return tuple(datasets)
+
+
 # Megatron's providers are marked distributed-aware: they run on every rank and decide themselves.
 gpt_train_valid_test_datasets_provider.is_distributed = True
 bert_train_valid_test_datasets_provider.is_distributed = True
+t5_train_valid_test_datasets_provider.is_distributed = True
 
 
 def get_train_valid_test_num_samples(args=None) -> List[int]:

@@ -147,16 +147,33 @@ def update_train_iters(args):
 
 # ------------------------------------------------------------------------------------------- model
 
+def _build_encoder_decoder_stage(model_provider_func, pp_size):
+    """An encoder-decoder model's stage: stages before ``--pipeline-model-parallel-split-rank`` hold the encoder,
+    the others the decoder; the first stage of each stack embeds (``pre_process``), the last of each stack applies
+    the final norm (``post_process``: the decoder's last also the LM head)."""
+    if pp_size == 1:
+        return model_provider_func(pre_process=True, post_process=True, add_encoder=True, add_decoder=True)
+    if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
+        raise RuntimeError("Interleaving is not supported with an encoder and decoder model.")
+    split = parallel_state.get_pipeline_model_parallel_split_rank()
+    if split is None:
+        raise RuntimeError("Split rank needs to be specified for model with both encoder and decoder "
+                           "(--pipeline-model-parallel-split-rank)")
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    return model_provider_func(pre_process=rank in (0, split), post_process=rank in (split - 1, pp_size - 1),
+                               add_encoder=parallel_state.is_pipeline_stage_before_split(),
+                               add_decoder=parallel_state.is_pipeline_stage_after_split())
+
+
 def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp=True):
     """Build this rank's model chunks (one per virtual stage), move them to the device, wrap for mixed
     precision and data parallelism. Always returns a list."""
     args = get_args()
     args.model_type = model_type
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    if model_type != ModelType.encoder_or_decoder:
-        raise RuntimeError("only decoder-only / encoder-only models (GPT, BERT) are supported")
-
-    if pp_size > 1 and args.virtual_pipeline_model_parallel_size is not None:
+    if model_type == ModelType.encoder_and_decoder:
+        model = [_build_encoder_decoder_stage(model_provider_func, pp_size)]
+    elif pp_size > 1 and args.virtual_pipeline_model_parallel_size is not None:
         model = []
         for i in range(args.virtual_pipeline_model_parallel_size):
             parallel_state.set_virtual_pipeline_model_parallel_rank(i)
@@ -170,6 +187,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
                                     post_process=parallel_state.is_pipeline_last_stage())
         chunk.model_type = model_type
         model = [chunk]
+    for chunk in model:
+        chunk.model_type = model_type
 
     for chunk in model:
         for param in chunk.parameters():

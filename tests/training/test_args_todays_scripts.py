@@ -1,7 +1,7 @@
 """Today's Megatron-LM example scripts (gpt3 175B, llama3 8B FP8, bert 340M, t5 220M, mixtral 8x7B): their argument
 lists, word for word (tests/helpers/todays_example_argv.py names script and commit), parse with our parser; the
 values land with Megatron's types; validation accepts them or stops with the one "not implemented yet" line for
-MoE / context parallelism / T5 / FP8. The 2023 example scripts of examples/ still parse too."""
+MoE / context parallelism / FP8 (T5 validates). The 2023 example scripts of examples/ still parse too."""
 from __future__ import annotations
 
 import os
@@ -71,7 +71,6 @@ def test_todays_script_parses(clean_env, paths, name):
                            "implemented yet"),
     ("mixtral_8x7b", "world size (1) must be divisible by --expert-tensor-parallel-size (1) x "
                      "--expert-model-parallel-size (8) x --pipeline-model-parallel-size (1)"),
-    ("t5_220m", "--decoder-num-layers 12: the T5 (encoder-decoder) model is not implemented yet"),
 ])
 def test_todays_script_stops_with_one_line(clean_env, paths, name, message):
     if name == "llama3_8b_fp8_data":
@@ -80,6 +79,14 @@ def test_todays_script_stops_with_one_line(clean_env, paths, name, message):
     with pytest.raises(ConfigurationError) as error:
         validate_args(args)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_todays_t5_script_validates(clean_env, paths):
+    """T5 220M: 12 + 12 layers, 100 sentinels, cased BERT vocabulary; TE falls back to the local implementation."""
+    args = validate_args(parse_args(argv=argv_of(TODAYS_SCRIPTS["t5_220m"], paths)), {"tokenizer_type":
+                                                                                        "BertWordPieceLowerCase"})
+    assert (args.num_layers, args.decoder_num_layers, args.seq_length, args.decoder_seq_length) == (12, 12, 512, 128)
+    assert args.tokenizer_type == "BertWordPieceCase" and args.vocab_extra_ids == 100 and args.bf16
 
 
 def test_todays_bert_script_validates(clean_env, paths):
@@ -129,12 +136,44 @@ def test_llama_without_fp8_validates(clean_env, paths):
     ("--fp8-format e4m3 --fp8-amax-history-len 0", "--fp8-amax-history-len must be >= 1, got 0"),
     ("--fp8-format e4m3 --fp8-recipe mxfp8", "--fp8-recipe mxfp8: block-scaled FP8 recipes (Transformer Engine) is "
                                              "not implemented yet"),
-    ("--decoder-seq-length 16", "--decoder-seq-length 16: the T5 (encoder-decoder) model is not implemented yet"),
 ])
 def test_unimplemented_feature_flags(clean_env, extra, message):
     with pytest.raises(ConfigurationError, match=None) as error:
         validated(extra)
     assert message in str(error.value)
+
+
+T5 = "--decoder-seq-length 16 --tokenizer-type BertWordPieceLowerCase "
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (T5, 1, "T5 needs sentinel tokens <extra_id_N> in the vocabulary: pass --vocab-extra-ids 100"),
+    (T5 + "--vocab-extra-ids 100 --pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 2", 2,
+     "--pipeline-model-parallel-split-rank (2) is outside the pipeline: the encoder takes stages [0, split) and the "
+     "decoder [split, 2), so it must be in [1, 1]"),
+    (T5 + "--vocab-extra-ids 100 --pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 0", 2,
+     "--pipeline-model-parallel-split-rank (0) is outside the pipeline"),
+    (T5 + "--vocab-extra-ids 100 --pipeline-model-parallel-size 2", 2,
+     "an encoder-decoder model (T5) with --pipeline-model-parallel-size 2 needs --pipeline-model-parallel-split-rank"),
+    (T5 + "--vocab-extra-ids 100 --pipeline-model-parallel-size 4 --pipeline-model-parallel-split-rank 3", 4,
+     "--num-layers (4) must be divisible by the 3 encoder pipeline stages"),
+    (T5 + "--vocab-extra-ids 100 --pipeline-model-parallel-size 4 --pipeline-model-parallel-split-rank 2 "
+          "--num-layers-per-virtual-pipeline-stage 1", 4,
+     "--pipeline-model-parallel-split-rank: interleaving is not supported with an encoder and decoder model"),
+])
+def test_t5_bad_input_one_line(clean_env, extra, world, message):
+    with pytest.raises(ConfigurationError) as error:
+        validated(extra, world_size=world)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_t5_flags_validate(clean_env):
+    args = validated(T5 + "--vocab-extra-ids 100 --pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 1",
+                     world_size=2)
+    assert args.pipeline_model_parallel_split_rank == 1 and args.decoder_seq_length == 16
+    # Without a pipeline Megatron ignores the split rank (e.g. a PP=2 script on one process).
+    args = validated(T5 + "--vocab-extra-ids 100 --pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 1")
+    assert args.pipeline_model_parallel_size == 1 and args.pipeline_model_parallel_split_rank is None
 
 
 def test_moe_and_cp_defaults_change_nothing(clean_env):

@@ -21,7 +21,8 @@ INVALID = [
      "world size (8) must be a multiple of --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (3)"),
     ("--tensor-model-parallel-size 0", 1, "--tensor-model-parallel-size must be >= 1"),
     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 2", 2,
-     "--pipeline-model-parallel-split-rank (2) must be smaller than --pipeline-model-parallel-size (2)"),
+     "--pipeline-model-parallel-split-rank (2) is outside the pipeline: the encoder takes stages [0, split) and the "
+     "decoder [split, 2), so it must be in [1, 1] (--pipeline-model-parallel-size 2)"),
     ("--batch-size 4", 1, "--batch-size is no longer valid: use --micro-batch-size"),
     ("--warmup 10", 1, "--warmup is no longer valid: use --lr-warmup-fraction"),
     ("--model-parallel-size 2", 1, "--model-parallel-size is no longer valid: use --tensor-model-parallel-size"),

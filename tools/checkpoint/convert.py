@@ -6,6 +6,8 @@
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 [--true-vocab-size 50257]
 
 ``torch_dist`` (Megatron-LM's distributed format, any source TP/PP) can be loader and saver too.
+``--model-type T5``: encoder and decoder stacks (legacy or megatron-core names), any source TP/PP/split rank; the
+torch saver writes PP=1 (any TP), the torch_dist saver a checkpoint that loads with any TP/PP/split rank.
 Loaders: ``legacy`` (aliases ``megatron``, ``core``, ``mcore``: Megatron ``torch``-format checkpoints with any
 TP/PP, legacy or megatron-core model names) and ``hf`` (a Hugging Face GPT-2, Llama or Mixtral directory; Mixtral
 converts to and from ``torch_dist``, whose expert tensors load under any EP/TP/PP). Savers:
@@ -31,7 +33,8 @@ _LEGACY_NAMES = ("legacy", "megatron", "core", "mcore")
 def get_args(argv=None):
     parser = argparse.ArgumentParser(description="Megatron checkpoint converter (TP/PP resharding, Hugging Face "
                                                  "import/export)", allow_abbrev=False)
-    parser.add_argument("--model-type", type=str, required=True, choices=["GPT", "BERT"], help="Type of the model")
+    parser.add_argument("--model-type", type=str, required=True, choices=["GPT", "BERT", "T5"],
+                        help="Type of the model")
     parser.add_argument("--loader", type=str, default="legacy",
                         help="legacy (megatron, core, mcore: the torch format), torch_dist or hf")
     parser.add_argument("--saver", type=str, default="legacy",
@@ -79,8 +82,11 @@ def convert(args):
             full, margs, info = load_dist(args.load_dir)
         else:
             full, margs, info = load_legacy(args.load_dir)
-        if (args.model_type == "BERT") != ("binary_head.weight" in full or "lm_head.bias" in full):
-            print(f"WARNING: --model-type {args.model_type} does not look like this checkpoint's model", flush=True)
+        from tools.checkpoint.legacy_io import is_t5
+        looks = "T5" if is_t5(full) else ("BERT" if "binary_head.weight" in full or "lm_head.bias" in full else "GPT")
+        if looks != args.model_type:
+            print(f"WARNING: --model-type {args.model_type} does not look like this checkpoint's model ({looks})",
+                  flush=True)
         divisible = args.make_vocab_size_divisible_by or getattr(margs, "make_vocab_size_divisible_by", 128)
         true_vocab = args.true_vocab_size or getattr(margs, "true_vocab_size", None)
     print(f"loaded {args.load_dir}: {len(full)} tensors, TP={info['tp']} PP={info['pp']}, "

@@ -21,7 +21,7 @@ from megatron.core.models.conversion.keys import legacy_to_mcore
 from megatron.training.checkpointing import dist_keys
 from megatron.training.checkpointing.dist_state import CHECKPOINT_VERSION, METADATA, DistCheckpointError, safe_args
 from megatron.training.checkpointing.torch_dist import load_full_checkpoint
-from tools.checkpoint.legacy_io import ConversionError, read_tracker
+from tools.checkpoint.legacy_io import ConversionError, is_t5, read_tracker, stack_layer_counts
 
 
 _EXPERT_KEY = re.compile(r"^((?:decoder|encoder)\.layers)\.mlp\.experts\.experts\.(linear_fc[12]\.(?:weight|bias))$")
@@ -54,7 +54,10 @@ def load_dist(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
     args = copy.deepcopy(args)
     args.use_mcore_models = True  # the names below are megatron-core's
     full = {}
+    t5 = any(".cross_attention." in key for key in ckpt["model"])
     for key, value in ckpt["model"].items():
+        if t5 and key in dist_keys.T5_ALIAS_KEYS:
+            continue  # megatron-core T5's second copy of embedding.position_embeddings / lm_head.output_layer.bias
         expert = _EXPERT_KEY.match(key)
         if expert:  # [L, E, ...] -> SequentialMLP names (EP = 1)
             for layer in range(value.shape[0]):
@@ -74,15 +77,16 @@ def load_dist(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
 def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: int, iteration: int,
               release: bool = False) -> None:
     """Write ``full`` (legacy or megatron-core names, per ``args.use_mcore_models``) as a torch_dist checkpoint."""
+    t5 = is_t5(full)
     if not getattr(args, "use_mcore_models", False):
-        full = legacy_to_mcore(full, "gpt")
+        full = legacy_to_mcore(full, "t5" if t5 else "gpt")
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-    num_layers = args.num_layers
+    counts = {prefix[:-1]: n for prefix, n in stack_layer_counts(args, full).items()}  # 'decoder.layers' -> L
     stacked: Dict[str, Dict[int, torch.Tensor]] = {}
     state = {}
     experts: Dict[str, Dict[Tuple[int, int], torch.Tensor]] = {}
     for name, value in full.items():
-        if name.endswith("_extra_state"):
+        if name.endswith("_extra_state") or (t5 and name.startswith(dist_keys.T5_ALIASES)):
             continue
         m = _LOCAL_EXPERT_NAME.match(name)
         if m:  # expert e of layer i -> [L, E, ...] under Megatron's expert key
@@ -95,7 +99,15 @@ def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: i
                 state[key] = LocalShard(value.contiguous(), tuple(value.shape), (0,) * value.dim())
         else:
             stacked.setdefault(key, {})[layer] = value
+    if t5:  # megatron-core's T5Model reads (and writes) its aliases too
+        for alias, target in dist_keys.T5_ALIAS_KEYS.items():
+            if target in state:
+                state[alias] = state[target]
+        if "lm_head.output_layer.bias" in state:
+            for key in dist_keys.t5_head_extra_state_keys():
+                state[key] = [None]
     for key, layers in stacked.items():
+        num_layers = counts[key.split(".layers.", 1)[0] + ".layers"]
         if sorted(layers) != list(range(num_layers)):
             raise ConversionError(f"{key}: found layers {sorted(layers)}, args.num_layers is {num_layers}")
         value = torch.stack([layers[i] for i in range(num_layers)])

@@ -24,7 +24,28 @@ LAYER = re.compile(r"^(.*?layers\.)(\d+)(\..*)$")
 _EMBEDDING_PREFIXES = ("language_model.embedding.", "embedding.")
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 VOCAB_KEYS = (WORD_EMBEDDINGS, "language_model.output_layer.weight", "lm_head.bias", "embedding.word_embeddings.weight",
-              "output_layer.weight")
+              "output_layer.weight", "output_layer.bias", "lm_head.output_layer.bias")
+# megatron-core T5Model's second names of embedding.position_embeddings / lm_head.output_layer (not stored twice).
+_T5_ALIASES = ("position_embeddings.", "output_layer.")
+
+
+def is_t5(full) -> bool:
+    """An encoder-decoder (T5) state dict: its decoder layers have cross-attention."""
+    return any(".inter_attention." in k or ".cross_attention." in k for k in full)
+
+
+def stack_layer_counts(args, full) -> Dict[str, int]:
+    """{layer-key prefix: layer count}: T5's encoder has --num-layers layers, its decoder --decoder-num-layers
+    (default --num-layers); other models have one stack of --num-layers."""
+    counts = {}
+    for key in full:
+        m = LAYER.match(key)
+        if m:
+            prefix = m.group(1)
+            decoder = is_t5(full) and ("decoder.layers." in prefix)
+            counts[prefix] = (getattr(args, "decoder_num_layers", None) or args.num_layers) if decoder \
+                else args.num_layers
+    return counts
 
 
 class ConversionError(RuntimeError):
@@ -90,26 +111,38 @@ def load_legacy(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
         raise ConversionError(f"{ranks[(0, 0)]} holds {found or 'no model'}: checkpoints with virtual pipeline stages "
                               "(model0, model1, ...) are not supported by this converter; use --ckpt-format torch_dist")
     gated = bool(getattr(args, "swiglu", False))
-    tied_key = _tied_copy_key(args)
-    full, tied_copy, layers_seen = {}, None, 0
+    tied_keys = {_tied_copy_key(args), "lm_head.output_layer.weight"}
+    # Layers are numbered per stage and per stack (T5: encoder and decoder stacks, the decoder after the split).
+    full, tied_copy, layers_seen = {}, None, {}
     for p in range(pp):
         merged = merge_tensor_parallel([flatten_checkpoint_state_dict(states[(t, p)]["model"]) for t in range(tp)],
                                        gated_linear_unit=gated)
-        stage_layers = sorted({int(m.group(2)) for k in merged if (m := LAYER.match(k))})
-        if stage_layers and stage_layers != list(range(len(stage_layers))):
-            raise ConversionError(f"pipeline stage {p} has layers {stage_layers}; expected 0..{len(stage_layers) - 1}")
+        stage_layers = {}
+        for k in merged:
+            if (m := LAYER.match(k)):
+                stage_layers.setdefault(m.group(1), set()).add(int(m.group(2)))
+        for prefix, numbers in stage_layers.items():
+            if sorted(numbers) != list(range(len(numbers))):
+                raise ConversionError(f"pipeline stage {p} has {prefix[:-1]} {sorted(numbers)}; expected "
+                                      f"0..{len(numbers) - 1}")
         for key, value in merged.items():
-            if pp > 1 and p == pp - 1 and _is_tied(args) and key == tied_key:
+            if pp > 1 and p == pp - 1 and _is_tied(args) and key in tied_keys and not any(
+                    k.startswith(_EMBEDDING_PREFIXES) for k in merged):
                 tied_copy = value
+                continue
+            if key.startswith(_T5_ALIASES) and "lm_head.output_layer.bias" in merged:
                 continue
             m = LAYER.match(key)
             if m:
-                key = f"{m.group(1)}{int(m.group(2)) + layers_seen}{m.group(3)}"
+                key = f"{m.group(1)}{int(m.group(2)) + layers_seen.get(m.group(1), 0)}{m.group(3)}"
             full[key] = value
-        layers_seen += len(stage_layers)
-    if layers_seen != args.num_layers:
-        raise ConversionError(f"found {layers_seen} layers over {pp} pipeline stages, args.num_layers is "
-                              f"{args.num_layers}")
+        for prefix, numbers in stage_layers.items():
+            layers_seen[prefix] = layers_seen.get(prefix, 0) + len(numbers)
+    expected = stack_layer_counts(args, full)
+    for prefix, count in layers_seen.items():
+        if count != expected[prefix]:
+            raise ConversionError(f"found {count} {prefix[:-1]} over {pp} pipeline stages, the checkpoint's args "
+                                  f"say {expected[prefix]} (num_layers / decoder_num_layers)")
     if tied_copy is not None:
         emb = full.get(WORD_EMBEDDINGS, full.get("embedding.word_embeddings.weight"))
         if emb is not None and not torch.equal(emb, tied_copy):
@@ -159,6 +192,10 @@ def _nest(flat: Dict[str, torch.Tensor]) -> dict:
 def save_legacy(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: int, iteration: int,
                 release: bool = False):
     """Write ``full`` as a TP x PP legacy checkpoint (model_optim_rng.pt per rank, tracker file)."""
+    if is_t5(full) and pp > 1:
+        raise ConversionError(f"--target-pipeline-parallel-size {pp}: T5 torch checkpoints are written with PP=1 only "
+                              "(the pipeline split rank is a training choice); save with --saver torch_dist, which "
+                              "loads with any PP and --pipeline-model-parallel-split-rank")
     num_layers = args.num_layers
     if num_layers % pp != 0:
         raise ConversionError(f"--target-pipeline-parallel-size {pp} does not divide num_layers {num_layers}")
@@ -173,6 +210,7 @@ def save_legacy(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp:
     out_args = copy.deepcopy(args)
     out_args.tensor_model_parallel_size, out_args.pipeline_model_parallel_size = tp, pp
     out_args.virtual_pipeline_model_parallel_size = None
+    out_args.pipeline_model_parallel_split_rank = None
     out_args.world_size = tp * pp * getattr(args, "data_parallel_size", 1)
     iter_dir = os.path.join(save_dir, "release" if release else "iter_{:07d}".format(iteration))
     emb_key = "embedding.word_embeddings.weight" if getattr(args, "use_mcore_models", False) else WORD_EMBEDDINGS

@@ -91,8 +91,10 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
     """
     if config.timers is not None:
         config.timers("forward-compute", log_level=2).start()
+    # A list of input tensors (the 1F1B schedule of an encoder-decoder model) gets a list of outputs back.
+    listed = isinstance(input_tensor, list)
     set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
-    set_input_tensor([input_tensor])
+    set_input_tensor(input_tensor if listed else [input_tensor])
 
     with _autocast(config):
         if checkpoint_activations_microbatch is None:
@@ -113,6 +115,12 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
 
     if config.timers is not None:
         config.timers("forward-compute").stop()
+    if listed:
+        # Decoder stages of an encoder-decoder pipeline pass the encoder output on (the skip connection).
+        if (parallel_state.get_pipeline_model_parallel_world_size() > 1
+                and parallel_state.is_pipeline_stage_after_split() and _model_type(model) == ModelType.encoder_and_decoder):
+            return [output_tensor, input_tensor[-1]], num_tokens
+        return [output_tensor], num_tokens
     return output_tensor, num_tokens
 
 
@@ -151,23 +159,37 @@ def _set_moe_aux_loss_scale(num_microbatches, config):
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
-    """Backpropagate one micro-batch; return the gradient of this stage's input (None on the first stage)."""
+    """Backpropagate one micro-batch; return the gradient of this stage's input (None on the first stage).
+
+    Lists (encoder-decoder pipelines): backward runs from ``output_tensor[0]``; the gradient that came back for the
+    passed-on encoder output (``output_tensor_grad[1]``) is added to the gradient of the received one.
+    """
     if config.timers is not None:
         config.timers("backward-compute", log_level=2).start()
-    if input_tensor is not None:
-        input_tensor.retain_grad()
-    if output_tensor_grad is None and config.grad_scale_func is not None:
-        output_tensor = config.grad_scale_func(output_tensor)
+    listed = isinstance(input_tensor, list)
+    inputs = input_tensor if listed else [input_tensor]
+    outputs = output_tensor if isinstance(output_tensor, list) else [output_tensor]
+    output_grads = output_tensor_grad if isinstance(output_tensor_grad, list) else [output_tensor_grad]
+    for x in inputs:
+        if x is not None:
+            x.retain_grad()
+    output, output_grad = outputs[0], output_grads[0]
+    if output_grad is None and config.grad_scale_func is not None:
+        output = config.grad_scale_func(output)
 
-    if config.deallocate_pipeline_outputs and output_tensor_grad is not None:
-        custom_backward(output_tensor, output_tensor_grad)
+    if config.deallocate_pipeline_outputs and output_grad is not None:
+        custom_backward(output, output_grad)
     else:
-        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+        torch.autograd.backward(output, grad_tensors=output_grad)
 
-    input_tensor_grad = input_tensor.grad if input_tensor is not None else None
+    input_grads = [x.grad if x is not None else None for x in inputs]
+    if (parallel_state.get_pipeline_model_parallel_world_size() > 1 and parallel_state.is_pipeline_stage_after_split()
+            and model_type == ModelType.encoder_and_decoder and len(output_grads) > 1
+            and output_grads[1] is not None):
+        input_grads[-1].add_(output_grads[1])
     if config.timers is not None:
         config.timers("backward-compute").stop()
-    return input_tensor_grad
+    return input_grads if listed else input_grads[0]
 
 
 def _single(value, name):
@@ -179,13 +201,17 @@ def _single(value, name):
     return value
 
 
-def _check_model_type(model):
+def _model_type(model):
     try:
-        model_type = get_model_type(model)
+        return get_model_type(model)
     except RuntimeError:
-        model_type = ModelType.encoder_or_decoder
-    if model_type == ModelType.encoder_and_decoder and parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise RuntimeError("encoder-decoder models are not supported by the pipeline schedules of this library")
+        return ModelType.encoder_or_decoder
+
+
+def _check_model_type(model, interleaved: bool = False):
+    model_type = _model_type(model)
+    if interleaved and model_type == ModelType.encoder_and_decoder:
+        raise RuntimeError("Interleaving is not supported with an encoder and decoder model.")
     return model_type
 
 
@@ -242,12 +268,48 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     return forward_data_store
 
 
-def get_tensor_shapes(*, seq_length: int, micro_batch_size: int, config) -> List[tuple]:
-    """Shape of the activation passed between stages: ``(s / cp [/tp with SP], b, h)``."""
+def get_tensor_shapes(*, seq_length: int, micro_batch_size: int, config, rank: Optional[int] = None,
+                      model_type=ModelType.encoder_or_decoder, decoder_seq_length: Optional[int] = None) -> List[tuple]:
+    """Shapes of the activations stage ``rank`` sends: ``[(s / cp [/tp with SP], b, h)]``; for an encoder-decoder
+    model an encoder stage sends ``[(se, b, h)]`` and a decoder stage ``[(sd, b, h), (se, b, h)]`` (its output and
+    the encoder output it passes on)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    if model_type == ModelType.encoder_and_decoder:
+        if decoder_seq_length is None:
+            raise ValueError("an encoder-decoder pipeline needs decoder_seq_length (--decoder-seq-length)")
+        encoder_shape = (seq_length // tp, micro_batch_size, config.hidden_size)
+        if parallel_state.is_pipeline_stage_before_split(rank):
+            return [encoder_shape]
+        return [(decoder_seq_length // tp, micro_batch_size, config.hidden_size), encoder_shape]
     seq_length = seq_length // parallel_state.get_context_parallel_world_size()
-    if config.sequence_parallel:
-        seq_length = seq_length // parallel_state.get_tensor_model_parallel_world_size()
-    return [(seq_length, micro_batch_size, config.hidden_size)]
+    return [(seq_length // tp, micro_batch_size, config.hidden_size)]
+
+
+# Lists of tensors between stages (an encoder-decoder pipeline sends two): one p2p exchange per tensor, in order.
+def _recv_forward(shapes, config):
+    return [p2p_communication.recv_forward(shape, config) for shape in shapes]
+
+
+def _recv_backward(shapes, config):
+    return [p2p_communication.recv_backward(shape, config) for shape in shapes]
+
+
+def _send_forward(tensors, config):
+    for tensor in tensors:
+        p2p_communication.send_forward(tensor, config)
+
+
+def _send_backward(grads, config):
+    for grad in grads:
+        p2p_communication.send_backward(grad, config)
+
+
+def _send_forward_recv_backward(tensors, shapes, config):
+    return [p2p_communication.send_forward_recv_backward(t, shape, config) for t, shape in zip(tensors, shapes)]
+
+
+def _send_backward_recv_forward(grads, shapes, config):
+    return [p2p_communication.send_backward_recv_forward(g, shape, config) for g, shape in zip(grads, shapes)]
 
 
 class _GradSyncToggle:
@@ -285,7 +347,11 @@ def forward_backward_pipelining_without_interleaving(
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     num_warmup = num_microbatches if forward_only else min(pp_size - pp_rank - 1, num_microbatches)
     num_remaining = num_microbatches - num_warmup
-    (shape,) = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, config=config)
+    # Lists of tensors: one per activation exchanged (two after the split of an encoder-decoder model).
+    recv_shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, config=config,
+                                    rank=pp_rank - 1, model_type=model_type, decoder_seq_length=decoder_seq_length)
+    send_shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, config=config,
+                                    rank=pp_rank, model_type=model_type, decoder_seq_length=decoder_seq_length)
 
     total_num_tokens = _zero_tokens()
 
@@ -299,29 +365,29 @@ def forward_backward_pipelining_without_interleaving(
     input_tensors, output_tensors = [], []
 
     for _ in range(num_warmup):
-        input_tensor = p2p_communication.recv_forward(shape, config)
+        input_tensor = _recv_forward(recv_shapes, config)
         output_tensor = fwd(input_tensor)
-        p2p_communication.send_forward(output_tensor, config)
+        _send_forward(output_tensor, config)
         if not forward_only:
             input_tensors.append(input_tensor)
             output_tensors.append(output_tensor)
-            deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
+            deallocate_output_tensor(output_tensor[0], config.deallocate_pipeline_outputs)
 
-    input_tensor = p2p_communication.recv_forward(shape, config) if num_remaining > 0 else None
+    input_tensor = _recv_forward(recv_shapes, config) if num_remaining > 0 else None
 
     for i in range(num_remaining):
         last_iteration = i == num_remaining - 1
         output_tensor = fwd(input_tensor)
         if forward_only:
-            p2p_communication.send_forward(output_tensor, config)
+            _send_forward(output_tensor, config)
             if not last_iteration:
-                input_tensor = p2p_communication.recv_forward(shape, config)
+                input_tensor = _recv_forward(recv_shapes, config)
             continue
 
-        output_tensor_grad = p2p_communication.send_forward_recv_backward(output_tensor, shape, config)
+        output_tensor_grad = _send_forward_recv_backward(output_tensor, send_shapes, config)
         input_tensors.append(input_tensor)
         output_tensors.append(output_tensor)
-        deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
+        deallocate_output_tensor(output_tensor[0], config.deallocate_pipeline_outputs)
 
         input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
         if num_warmup == 0 and last_iteration:
@@ -329,18 +395,18 @@ def forward_backward_pipelining_without_interleaving(
         input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
         if last_iteration:
             input_tensor = None
-            p2p_communication.send_backward(input_tensor_grad, config)
+            _send_backward(input_tensor_grad, config)
         else:
-            input_tensor = p2p_communication.send_backward_recv_forward(input_tensor_grad, shape, config)
+            input_tensor = _send_backward_recv_forward(input_tensor_grad, recv_shapes, config)
 
     if not forward_only:
         for i in range(num_warmup):
             if i == num_warmup - 1:
                 grad_sync.enable()
             input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
-            output_tensor_grad = p2p_communication.recv_backward(shape, config)
+            output_tensor_grad = _recv_backward(send_shapes, config)
             input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
-            p2p_communication.send_backward(input_tensor_grad, config)
+            _send_backward(input_tensor_grad, config)
     grad_sync.enable()
     _finalize(config, [model], forward_only, total_num_tokens)
     return forward_data_store
@@ -356,7 +422,7 @@ def forward_backward_pipelining_with_interleaving(
     if len(model) != len(data_iterator):
         raise RuntimeError(f"{len(model)} model chunks but {len(data_iterator)} data iterators")
     config = get_model_config(model[0])
-    model_type = _check_model_type(model[0])
+    model_type = _check_model_type(model[0], interleaved=True)
     # Gradient reduction stays off until each chunk's own last backward pass (one toggle per chunk), or
     # until the step's last backward pass when the caller gave a single no_sync_func.
     if config.no_sync_func is not None:

@@ -18,8 +18,13 @@ class AttnType(enum.Enum):
 
 
 class AttnMaskType(enum.Enum):
+    """Legacy values 1-2; megatron-core's further names. Every type honours an explicit boolean mask (True =
+    masked); ``causal`` alone builds the triangular mask when none is given."""
     padding = 1
     causal = 2
+    no_mask = 3
+    padding_causal = 4
+    arbitrary = 5
 
 
 class AttnBackend(enum.Enum):

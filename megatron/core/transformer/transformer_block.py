@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional, Union
 
 import torch
 
@@ -23,16 +23,47 @@ from megatron.core.utils import make_viewless_tensor
 
 @dataclass
 class TransformerBlockSubmodules:
-    """megatron-core's block spec: one layer spec per global layer (e.g. dense and MoE layers mixed)."""
+    """megatron-core's block spec: one layer spec per global layer (e.g. dense and MoE layers mixed) and the final
+    norm (``None``: no final norm)."""
 
     layer_specs: List[ModuleSpec] = field(default_factory=list)
-    layer_norm: object = None
+    layer_norm: Optional[Union[ModuleSpec, type]] = None
 
 
-def get_num_layers_to_build(config, standalone_embedding_stage: bool = False) -> int:
-    """Layers held by this pipeline stage (per virtual chunk): ``num_layers / pp [/ vpp]``."""
+def _split_stages(role: Optional[str]):
+    """(first stage, number of stages) of the pipeline stages holding ``role``'s layers: with a split rank the
+    encoder of an encoder-decoder model lives on stages ``[0, split)`` and the decoder on ``[split, pp)``."""
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    split = parallel_state.get_pipeline_model_parallel_split_rank()
+    if role is None or pp == 1 or split is None:
+        return 0, pp
+    if role == "encoder":
+        return 0, split
+    if role == "decoder":
+        return split, pp - split
+    raise ValueError(f"role must be None, 'encoder' or 'decoder', got {role!r}")
+
+
+def get_num_layers_to_build(config, standalone_embedding_stage: bool = False, role: Optional[str] = None) -> int:
+    """Layers held by this pipeline stage (per virtual chunk): ``num_layers / pp [/ vpp]``.
+
+    ``role`` ('encoder' / 'decoder'): the stack of an encoder-decoder model; with
+    ``--pipeline-model-parallel-split-rank`` its layers are divided over its own stages only.
+    """
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     num_layers = config.num_layers
+    first, stages = _split_stages(role)
+    if stages != pp:
+        if standalone_embedding_stage:
+            raise ValueError("--standalone-embedding-stage with --pipeline-model-parallel-split-rank is not supported")
+        if stages <= 0:
+            raise ValueError(f"the {role} has no pipeline stage: --pipeline-model-parallel-split-rank must be in "
+                             f"[1, {pp - 1}] (--pipeline-model-parallel-size {pp})")
+        if num_layers % stages != 0:
+            flag = "--num-layers" if role == "encoder" else "--decoder-num-layers"
+            raise ValueError(f"the {role}'s {num_layers} layers must be divisible by its {stages} pipeline stages; "
+                             f"change {flag} or --pipeline-model-parallel-split-rank")
+        return num_layers // stages
     if pp > 1:
         transformer_pp = pp - 1 if standalone_embedding_stage else pp
         if standalone_embedding_stage and parallel_state.get_pipeline_model_parallel_rank() == 0:
@@ -50,14 +81,18 @@ def get_num_layers_to_build(config, standalone_embedding_stage: bool = False) ->
     return num_layers
 
 
-def get_layer_offset(config, num_layers_here: int, standalone_embedding_stage: bool = False) -> int:
-    """Global index of this chunk's first layer.
+def get_layer_offset(config, num_layers_here: int, standalone_embedding_stage: bool = False,
+                     role: Optional[str] = None) -> int:
+    """Global index of this chunk's first layer (within its stack).
 
     Without virtual stages: ``pp_rank * layers_per_stage``. With ``vpp`` chunks, chunk ``v`` of stage ``p``
     starts at ``v * (L / vpp) + p * layers_per_chunk`` (8 layers, pp 2, vpp 2: stage 0 holds [0,1] and
-    [4,5], stage 1 holds [2,3] and [6,7]).
+    [4,5], stage 1 holds [2,3] and [6,7]). A decoder after the split rank numbers its layers from 0 again.
     """
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    first, stages = _split_stages(role)
+    if stages != parallel_state.get_pipeline_model_parallel_world_size():
+        return (pp_rank - first) * num_layers_here
     if standalone_embedding_stage and parallel_state.get_pipeline_model_parallel_world_size() > 1:
         pp_rank = max(pp_rank - 1, 0)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -79,8 +114,10 @@ class ParallelTransformer(MegatronModule):
                  self_attn_mask_type=AttnMaskType.padding, post_layer_norm=True, pre_process=True,
                  post_process=True, drop_path_rate=0.0, *, layer_spec=None):
         super().__init__(config=config)
-        if model_type == ModelType.encoder_and_decoder and parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            raise NotImplementedError("encoder-decoder models (T5) with pipeline parallelism are not implemented")
+        # The two stacks of an encoder-decoder model divide the pipeline at the split rank.
+        role = None
+        if model_type == ModelType.encoder_and_decoder:
+            role = "decoder" if layer_type == LayerType.decoder else "encoder"
         if config.transformer_impl == "transformer_engine":
             from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
 
@@ -99,8 +136,8 @@ class ParallelTransformer(MegatronModule):
         self.distribute_saved_activations = bool(config.distribute_saved_activations) and not config.sequence_parallel
 
         standalone = config.standalone_embedding_stage
-        self.num_layers = get_num_layers_to_build(config, standalone)
-        offset = get_layer_offset(config, self.num_layers, standalone)
+        self.num_layers = get_num_layers_to_build(config, standalone, role)
+        offset = get_layer_offset(config, self.num_layers, standalone, role)
         self.drop_path_rates = [rate.item() for rate in torch.linspace(0, drop_path_rate, max(config.num_layers, 1))]
 
         def build_layer(layer_number):
@@ -204,16 +241,27 @@ class ParallelTransformer(MegatronModule):
 class TransformerBlock(ParallelTransformer):
     """megatron-core: ``TransformerBlock(config, spec, post_layer_norm=True, pre_process=True, post_process=True)``;
     ``forward(hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
-    inference_params=None)``. ``spec`` is a layer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec()``)."""
+    inference_params=None)``. ``spec`` is a layer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec()``) or a
+    :class:`TransformerBlockSubmodules` (its layers must share one spec; its ``layer_norm`` decides the final
+    norm). ``role`` ('encoder' / 'decoder', keyword): the stack of an encoder-decoder model, whose layers are
+    divided over the stages before / after ``--pipeline-model-parallel-split-rank``."""
 
     def __init__(self, config, spec: ModuleSpec = None, post_layer_norm: bool = True, pre_process: bool = True,
-                 post_process: bool = True, **unused):
+                 post_process: bool = True, *, role: Optional[str] = None, **unused):
         if spec is None:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
             spec = get_gpt_layer_local_spec()
-        super().__init__(config, post_layer_norm=post_layer_norm, pre_process=pre_process,
-                         post_process=post_process, layer_spec=spec)
+        if isinstance(spec, TransformerBlockSubmodules):
+            post_layer_norm = post_layer_norm and spec.layer_norm is not None
+            if all(layer_spec is spec.layer_specs[0] for layer_spec in spec.layer_specs):
+                spec = spec.layer_specs[0]  # one spec for every layer; else each layer builds its own
+        model_type, layer_type = ModelType.encoder_or_decoder, LayerType.encoder
+        if role is not None:
+            model_type = ModelType.encoder_and_decoder
+            layer_type = LayerType.decoder if role == "decoder" else LayerType.encoder
+        super().__init__(config, model_type=model_type, layer_type=layer_type, post_layer_norm=post_layer_norm,
+                         pre_process=pre_process, post_process=post_process, layer_spec=spec)
         # megatron-core's attributes: layers per pipeline rank (of the whole model, not this chunk) and whether
         # selective recompute checkpoints the core attention.
         self.num_layers_per_pipeline_rank = config.num_layers // parallel_state.get_pipeline_model_parallel_world_size()

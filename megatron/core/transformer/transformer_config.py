@@ -105,6 +105,8 @@ class TransformerConfig(ModelParallelConfig):
     standalone_embedding_stage: bool = False
     output_bert_embeddings: bool = False
     add_qkv_bias: bool = False                   # bias on the QKV projection only
+    # Encoder-decoder (T5): --decoder-num-layers, the decoder's layer count (None: num_layers, the encoder's).
+    decoder_num_layers: Optional[int] = None
 
     # Mixture of experts (megatron-core's field names; --num-experts sets num_moe_experts). See
     # megatron/core/transformer/moe/ for the math.

@@ -5,17 +5,16 @@ from megatron.legacy.model.bert_model import BertModel
 from megatron.legacy.model.fused_layer_norm import MixedFusedLayerNorm as LayerNorm
 from megatron.legacy.model.fused_layer_norm import RMSNorm
 from megatron.legacy.model.gpt_model import GPTModel
+from megatron.legacy.model.t5_model import T5Model
 from megatron.legacy.model.language_model import get_language_model
 from megatron.legacy.model.module import Float16Module
 
 # DistributedDataParallel is resolved lazily (below), so it is not part of `import *`.
-__all__ = ["LayerNorm", "RMSNorm", "BertModel", "GPTModel", "get_language_model", "Float16Module"]
+__all__ = ["LayerNorm", "RMSNorm", "BertModel", "GPTModel", "T5Model", "get_language_model", "Float16Module"]
 
 
 def __getattr__(name):
     # The data-parallel wrapper belongs to megatron.core.distributed (another part of the library).
     if name == "DistributedDataParallel":
         return importlib.import_module("megatron.core.distributed").DistributedDataParallel
-    if name == "T5Model":
-        raise ImportError("T5Model is not implemented in this library")
     raise AttributeError(f"module 'megatron.legacy.model' has no attribute {name!r}")

@@ -1,5 +1,6 @@
-"""Flags of today's Megatron-LM whose features this library does not implement yet: MoE, the a2a / a2a+p2p and
-hierarchical variants of context parallelism (p2p and all_gather are implemented), T5 (encoder-decoder) models, and the FP8 variants that need Transformer Engine (block-scaled recipes, FP8
+"""Flags of today's Megatron-LM whose features this library does not implement yet: some MoE variants (sinkhorn and
+global aux-loss balancing, the flex dispatcher, MoE in the legacy models), the a2a / a2a+p2p and hierarchical variants
+of context parallelism (p2p and all_gather are implemented), and the FP8 variants that need Transformer Engine (block-scaled recipes, FP8
 parameters; per-tensor FP8 GEMMs with --fp8-format run, see megatron/core/fp8_utils.py).
 
 The flags parse with Megatron's types and defaults, and their values are checked as Megatron checks them; then a
@@ -162,18 +163,6 @@ def _validate_context_parallel(args) -> None:
     if args.hierarchical_context_parallel_sizes is not None:
         raise _not_implemented(f"--hierarchical-context-parallel-sizes {args.hierarchical_context_parallel_sizes}",
                                "hierarchical context parallelism", "drop the flag and use --cp-comm-type p2p")
-
-
-def validate_t5_unimplemented(args) -> None:
-    """Called after the sequence lengths are checked (Megatron checks --decoder-seq-length against
-    --max-position-embeddings first)."""
-    # An encoder-decoder model is what these values describe; --encoder-num-layers / --encoder-seq-length alone are
-    # Megatron's aliases of --num-layers / --seq-length and stay accepted.
-    for dest, flag in (("decoder_num_layers", "--decoder-num-layers"), ("decoder_seq_length", "--decoder-seq-length")):
-        value = getattr(args, dest)
-        if value is not None:
-            raise _not_implemented(f"{flag} {value}", "the T5 (encoder-decoder) model",
-                                   "train GPT (pretrain_gpt.py) or BERT (pretrain_bert.py)")
 
 
 def _validate_fp8(args) -> None:

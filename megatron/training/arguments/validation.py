@@ -18,7 +18,7 @@ import torch
 from megatron.core import device
 from megatron.tokenizer.vocab_padding import unpadded_vocab_size, vocab_size_with_padding
 from megatron.training.arguments.printing import _print_args
-from megatron.training.arguments.unimplemented import validate_t5_unimplemented, validate_unimplemented_features
+from megatron.training.arguments.unimplemented import validate_unimplemented_features
 from megatron.training.errors import ConfigurationError
 from megatron.training.global_vars import get_retro_args, set_retro_args
 
@@ -64,7 +64,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_schedule_units(args)
     _validate_model_shape(args)
     _validate_lengths_and_misc(args)
-    validate_t5_unimplemented(args)  # T5 values: checked above, then stop with one line
+    _validate_encoder_decoder(args)
     _set_weight_decay(args)
     _validate_recompute(args)
     _validate_sequence_parallel(args)
@@ -112,10 +112,20 @@ def _validate_parallel_sizes(args):
     _log(args, "using world size: {}, data-parallel-size: {}, tensor-model-parallel size: {}, "
                "pipeline-model-parallel size: {} ".format(world, args.data_parallel_size, tp, pp)
          + ("context-parallel size: {} ".format(cp) if cp > 1 else ""))
-    if pp > 1 and args.pipeline_model_parallel_split_rank is not None:
-        _require(args.pipeline_model_parallel_split_rank < pp,
-                 f"--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) must be smaller "
-                 f"than --pipeline-model-parallel-size ({pp})")
+    split = args.pipeline_model_parallel_split_rank
+    if split is not None and pp == 1:
+        # Megatron ignores the split without a pipeline (e.g. a PP=2 script clipped to one process).
+        args.pipeline_model_parallel_split_rank = None
+    elif split is not None:
+        _require(1 <= split < pp,
+                 f"--pipeline-model-parallel-split-rank ({split}) is outside the pipeline: the encoder takes stages "
+                 f"[0, split) and the decoder [split, {pp}), so it must be in [1, {pp - 1}] "
+                 f"(--pipeline-model-parallel-size {pp})")
+        _require(args.num_layers_per_virtual_pipeline_stage is None,
+                 "--pipeline-model-parallel-split-rank: interleaving is not supported with an encoder and decoder "
+                 "model; drop --num-layers-per-virtual-pipeline-stage")
+        _require(not args.standalone_embedding_stage,
+                 "--pipeline-model-parallel-split-rank with --standalone-embedding-stage is not supported")
 
 
 def _apply_deprecations(args):
@@ -331,6 +341,32 @@ def _validate_model_shape(args):
         _require(args.num_layers % stages == 0,
                  f"--num-layers ({args.num_layers}) must be divisible by the number of transformer pipeline "
                  f"stages ({stages}, from --pipeline-model-parallel-size)")
+
+
+def _validate_encoder_decoder(args):
+    """T5 (an encoder-decoder model: --decoder-seq-length given): its layer split over the pipeline and its
+    sentinel tokens."""
+    if args.decoder_seq_length is None:
+        return
+    pp = args.pipeline_model_parallel_size
+    split = args.pipeline_model_parallel_split_rank
+    decoder_layers = args.decoder_num_layers if args.decoder_num_layers is not None else args.num_layers
+    if pp > 1:
+        _require(split is not None, f"an encoder-decoder model (T5) with --pipeline-model-parallel-size {pp} needs "
+                                    f"--pipeline-model-parallel-split-rank (the first decoder stage, 1 to {pp - 1})")
+        _require(args.num_layers % split == 0,
+                 f"--num-layers ({args.num_layers}) must be divisible by the {split} encoder pipeline stages "
+                 f"(--pipeline-model-parallel-split-rank {split})")
+        _require(decoder_layers % (pp - split) == 0,
+                 f"the decoder's {decoder_layers} layers (--decoder-num-layers, default --num-layers) must be "
+                 f"divisible by its {pp - split} pipeline stages (--pipeline-model-parallel-size {pp}, "
+                 f"--pipeline-model-parallel-split-rank {split})")
+    if args.tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer"):
+        _require((args.vocab_extra_ids or 0) > 0,
+                 f"T5 needs sentinel tokens <extra_id_N> in the vocabulary: pass --vocab-extra-ids 100 "
+                 f"(--tokenizer-type {args.tokenizer_type} adds them)")
+    _require(not args.untie_embeddings_and_output_weights,
+             "T5 does not support --untie-embeddings-and-output-weights (its LM head uses the word embedding)")
 
 
 def _validate_lengths_and_misc(args):

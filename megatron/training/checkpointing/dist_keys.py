@@ -15,7 +15,15 @@ as the model holds them: per query group ``[q heads of the group; k; v]``, ranks
 global tensor does not depend on TP. A SwiGLU ``linear_fc1`` of local rows ``[gate_r; up_r]`` is stored as two
 chunks, ``gate_r`` at row ``r*F/t`` and ``up_r`` at row ``F + r*F/t`` of the global ``[gate (F); up (F)]``.
 Non-layer tensors keep their names; a tied output layer on a later pipeline stage is the embedding
-(``embedding.word_embeddings.weight``). Each linear layer also has an ``_extra_state`` object per layer, key
+(``embedding.word_embeddings.weight``).
+
+T5 (megatron-core names; the legacy model's are mapped by ``keys.legacy_to_mcore_key(.., 't5')``): ``encoder.layers``
+and ``decoder.layers`` are two stacks, each with its own layer count ``L`` and global numbering (the decoder's
+restarts at 0 after the split rank); decoder layers add ``pre_cross_attn_layernorm.*`` (stored under that name, as
+megatron-core's local spec does) and ``cross_attention.linear_{q,kv,proj}``; the LM bias is
+``lm_head.output_layer.bias`` and a tied ``lm_head.output_layer.weight`` is the embedding. megatron-core's T5Model
+stores its aliases too (``position_embeddings.weight``, ``output_layer.bias``: the same tensors under a second key;
+checked against megatron-core 0.16.1), so they are written for both T5 classes. Each linear layer also has an ``_extra_state`` object per layer, key
 ``decoder.layers.<linear>._extra_state/shard_{layer}_{L}``, payload ``[None]`` (no FP8 metadata).
 
 Experts (mixture of experts) get a second prepended axis, the *global* expert index: expert ``e`` of layer ``i`` is
@@ -43,8 +51,13 @@ _LAYER_RENAMES = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
-LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "cross_attention.linear_q",
+           "cross_attention.linear_kv", "cross_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+T5_ALIASES = ("position_embeddings.", "output_layer.")  # megatron-core T5Model's duplicate module names
+# On-disk alias key -> the key of the tensor it repeats (megatron-core's T5Model writes both).
+T5_ALIAS_KEYS = {"position_embeddings.weight": "embedding.position_embeddings.weight",
+                 "output_layer.bias": "lm_head.output_layer.bias"}
 _GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.experts.experts.linear_fc1.weight",
           "mlp.experts.experts.linear_fc1.bias")
 
@@ -66,6 +79,7 @@ class Entry:
     num_experts: int = 0
     etp: Optional[Tuple[int, int]] = None
     view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    num_layers: Optional[int] = None  # the layer count of this entry's stack when it is not the chunk's (T5)
 
 
 def disk_key(name: str, layer_offset: int, tied_output: bool) -> Tuple[str, Optional[int]]:
@@ -74,7 +88,7 @@ def disk_key(name: str, layer_offset: int, tied_output: bool) -> Tuple[str, Opti
     if m:
         rest = m.group(3)
         return f"{m.group(1)}.{_LAYER_RENAMES.get(rest, rest)}", int(m.group(2)) + layer_offset
-    if name == "output_layer.weight" and tied_output:
+    if name in ("output_layer.weight", "lm_head.output_layer.weight") and tied_output:
         return "embedding.word_embeddings.weight", None
     return name, None
 
@@ -84,6 +98,7 @@ def shards(entry: Entry, num_layers: int, tp_size: int, tp_rank: int, gated: boo
     """This rank's chunk(s) of ``entry`` (or of ``tensor``, a same-shaped companion such as an Adam moment) in the
     global on-disk tensor."""
     data = entry.tensor if tensor is None else tensor
+    num_layers = entry.num_layers or num_layers
     if tensor is not None and entry.view is not None:
         data = entry.view(tensor)
     if entry.etp is not None:
@@ -162,6 +177,11 @@ def expert_extra_state_key(block_key: str, linear: str, layer: int, expert: int,
 def extra_state_key(block_key: str, linear: str, layer: int, num_layers: int) -> str:
     """DCP key of a linear layer's ``_extra_state`` object (Megatron's ShardedObject ``unique_key``)."""
     return f"{block_key}.{linear}._extra_state/shard_{layer}_{num_layers}"
+
+
+def t5_head_extra_state_keys():
+    """megatron-core T5's ``_extra_state`` objects of its LM head (and the head's alias), outside the layers."""
+    return [f"{name}._extra_state/shard_0_1" for name in ("lm_head.output_layer", "output_layer")]
 
 
 def rng_key(pp_rank: int, tp_rank: int, pp: int, tp: int) -> str:

@@ -18,6 +18,7 @@ groups without their params, ``state.common_step`` and the grad scaler.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pickle
 from typing import Dict, List, Optional
@@ -70,6 +71,35 @@ def model_layout(chunk, args=None):
     return num_layers, gated, tied
 
 
+def _t5_blocks(chunk):
+    """{'encoder'|'decoder': (first global layer, layer count)} of a T5 chunk's stacks (legacy or megatron-core);
+    None for other models."""
+    if type(chunk).__name__ != "T5Model":
+        return None
+    holder = getattr(chunk, "language_model", chunk)
+    blocks = {}
+    for name in ("encoder", "decoder"):
+        block = getattr(holder, name, None)
+        if block is not None:
+            blocks[name] = (block.layers[0].layer_number - 1, block.config.num_layers)
+    return blocks
+
+
+def _with_t5_aliases(entries):
+    """One entry per on-disk key, plus megatron-core's alias keys (``position_embeddings.weight``,
+    ``output_layer.bias``: the same tensor, sharding and parameter as the key they repeat)."""
+    seen, out = set(), []
+    for e in entries:
+        if (e.key, e.layer) not in seen:
+            seen.add((e.key, e.layer))
+            out.append(e)
+    by_key = {e.key: e for e in out}
+    for alias, target in dist_keys.T5_ALIAS_KEYS.items():
+        if alias not in by_key and target in by_key:
+            out.append(dataclasses.replace(by_key[target], key=alias))
+    return out
+
+
 def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
     """Per model chunk, every tensor of its state dict with its Megatron on-disk key."""
     out = []
@@ -78,6 +108,7 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
             parallel_state.set_virtual_pipeline_model_parallel_rank(i)
         num_layers, _, tied = model_layout(chunk, args)
         offset = _layer_offset(num_layers)
+        t5_blocks = _t5_blocks(chunk)
         params = dict(chunk.named_parameters())
         mcore = _is_mcore(chunk)
         entries = []
@@ -87,15 +118,25 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
             if not torch.is_tensor(value):
                 raise DistCheckpointError(f"model entry {name!r} is a {type(value).__name__}, not a tensor: the "
                                           "torch_dist format stores only tensors in the model state")
+            if t5_blocks is None:
+                key, layer = dist_keys.disk_key(name if mcore else legacy_to_mcore_key(name), offset, tied)
+                entry_layers = None
+            else:
+                core_name = name if mcore else legacy_to_mcore_key(name, "t5")
+                if mcore and core_name.startswith(dist_keys.T5_ALIASES):
+                    continue  # megatron-core's second module names; their keys are added by _with_t5_aliases
+                block_offset, entry_layers = t5_blocks.get(core_name.split(".", 1)[0], (0, None))
+                key, layer = dist_keys.disk_key(core_name, block_offset, tied)
             param = params.get(name)
             experts = _expert_entries(chunk, name, value, param, offset) if mcore else None
             if experts is not None:
                 entries.extend(experts)
                 continue
-            key, layer = dist_keys.disk_key(name if mcore else legacy_to_mcore_key(name), offset, tied)
             tp_dim = param.partition_dim if param is not None and getattr(param, "tensor_model_parallel", False) \
                 else None
-            entries.append(dist_keys.Entry(name, key, layer, value, param, tp_dim))
+            entries.append(dist_keys.Entry(name, key, layer, value, param, tp_dim, num_layers=entry_layers))
+        if t5_blocks is not None:
+            entries = _with_t5_aliases(entries)
         out.append(entries)
     if len(model) > 1:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
@@ -148,7 +189,7 @@ def model_sharded_state(model, args=None, for_load=False) -> Dict[str, object]:
                 pieces = [LocalShard(torch.zeros_like(p.data), p.global_shape, p.global_offset) for p in pieces]
             out.setdefault(e.key, []).extend(pieces)  # stacked keys collect one chunk per layer
             if e.layer is not None:
-                layers.add((e.key.split(".layers.")[0] + ".layers", e.layer))
+                layers.add((e.key.split(".layers.")[0] + ".layers", e.layer, e.num_layers or num_layers))
         # Megatron expects one (empty) _extra_state object per linear layer; written by TP/DP rank 0.
         expert_dp_rank = parallel_state.get_expert_data_parallel_rank() if any(
             e.expert is not None for e in entries) else 0
@@ -159,10 +200,13 @@ def model_sharded_state(model, args=None, for_load=False) -> Dict[str, object]:
             out[dist_keys.expert_extra_state_key(block, linear, e.layer, e.expert, num_layers, e.num_experts)] = [None]
         if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
             keys = {e.key for e in entries if e.expert is None}
-            for block, layer in sorted(layers):
+            for block, layer, block_layers in sorted(layers):
                 for linear in dist_keys.LINEARS:
                     if f"{block}.{linear}.weight" in keys:
-                        out[dist_keys.extra_state_key(block, linear, layer, num_layers)] = [None]
+                        out[dist_keys.extra_state_key(block, linear, layer, block_layers)] = [None]
+            if "lm_head.output_layer.bias" in keys:  # a T5 LM head (megatron-core writes its _extra_state too)
+                for key in dist_keys.t5_head_extra_state_keys():
+                    out[key] = [None]
     return out
 
 

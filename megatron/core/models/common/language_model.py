@@ -5,12 +5,14 @@ line (vocabulary size, position-embedding type, untied output layer ...) are typ
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import Embedding
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import param_device
 from megatron.core.transformer.rotary import RotaryEmbedding
@@ -105,11 +107,15 @@ class TransformerLanguageModel(MegatronModule):
     """
 
     def __init__(self, config, encoder_attn_mask_type, num_tokentypes=0, add_encoder=True, add_decoder=False,
-                 decoder_attn_mask_type=AttnMaskType.causal, add_pooler=False, pre_process=True, post_process=True):
+                 decoder_attn_mask_type=AttnMaskType.causal, add_pooler=False, pre_process=True, post_process=True,
+                 *, encoder_decoder: bool = False):
         untie = config.untie_embeddings_and_output_weights
         super().__init__(config=config, share_embeddings_and_output_weights=not untie)
-        if add_decoder:
-            raise NotImplementedError("encoder-decoder language models (T5, add_decoder=True) are not implemented")
+        # encoder_decoder (T5): the stacks of an encoder-decoder model (either may be absent on a pipeline stage).
+        encoder_decoder = encoder_decoder or add_decoder
+        if encoder_decoder and untie:
+            raise ValueError("the encoder-decoder model (T5) does not support --untie-embeddings-and-output-weights")
+        self.encoder_decoder = encoder_decoder
         self.pre_process = pre_process
         self.post_process = post_process
         self.hidden_size = config.hidden_size
@@ -143,14 +149,23 @@ class TransformerLanguageModel(MegatronModule):
                 rotary_base=config.rotary_base, rope_scaling=config.use_rope_scaling,
                 rope_scaling_factor=config.rope_scaling_factor)
 
+        model_type = ModelType.encoder_and_decoder if encoder_decoder else ModelType.encoder_or_decoder
         if self.add_encoder:
-            self.encoder = ParallelTransformer(config, model_type=ModelType.encoder_or_decoder,
+            self.encoder = ParallelTransformer(config, model_type=model_type,
                                                self_attn_mask_type=self.encoder_attn_mask_type,
                                                pre_process=self.pre_process, post_process=self.post_process)
             self._encoder_key = "encoder"
         else:
             self.encoder = None
         self.decoder = None
+        if self.add_decoder:
+            decoder_config = config
+            if config.decoder_num_layers is not None and config.decoder_num_layers != config.num_layers:
+                decoder_config = dataclasses.replace(config, num_layers=config.decoder_num_layers)
+            self.decoder = ParallelTransformer(decoder_config, model_type=model_type, layer_type=LayerType.decoder,
+                                               self_attn_mask_type=self.decoder_attn_mask_type,
+                                               pre_process=self.pre_process, post_process=self.post_process)
+            self._decoder_key = "decoder"
 
         if self.post_process:
             if self.add_pooler:
@@ -165,10 +180,18 @@ class TransformerLanguageModel(MegatronModule):
         """See megatron.core.pipeline_parallel: the schedule hands each stage its received activation."""
         if not isinstance(input_tensor, list):
             input_tensor = [input_tensor]
-        assert len(input_tensor) == 1, "input_tensor should only be length 1 for an encoder-only model"
         if self.add_encoder:
+            assert len(input_tensor) == 1, "input_tensor should only be length 1 for a stage with an encoder"
             self.encoder.set_input_tensor(input_tensor[0])
+        elif self.add_decoder and len(input_tensor) == 2:  # decoder stage after the split: [decoder, encoder]
+            self.decoder.set_input_tensor(input_tensor[0])
+            self.encoder_hidden_state = input_tensor[1]
+        elif self.add_decoder:  # the split stage: its decoder input is its embedding
+            assert len(input_tensor) == 1, "input_tensor must have either length 1 or 2"
+            self.decoder.set_input_tensor(None)
+            self.encoder_hidden_state = input_tensor[0]
         else:
+            assert len(input_tensor) == 1, "input_tensor should only be length 1 for an encoder-only model"
             self.encoder_hidden_state = input_tensor[0]
 
     def _rotary_seq_len(self, enc_input_ids, inference_params):
@@ -187,11 +210,11 @@ class TransformerLanguageModel(MegatronModule):
         if retriever_input_ids is not None:
             raise NotImplementedError("retro (retriever_input_ids) is not implemented")
         encoder_input = None
-        if self.pre_process:
+        if self.pre_process and self.add_encoder and enc_hidden_states is None:
             encoder_input = self.embedding(enc_input_ids, enc_position_ids, tokentype_ids=tokentype_ids)
 
         rotary_pos_emb = None
-        if self.use_rotary_position_embeddings:
+        if self.use_rotary_position_embeddings and self.add_encoder:
             rotary_pos_emb = self.rotary_pos_emb(self._rotary_seq_len(enc_input_ids, inference_params))
 
         if enc_hidden_states is None:
@@ -201,12 +224,24 @@ class TransformerLanguageModel(MegatronModule):
             else:
                 encoder_output = self.encoder_hidden_state
         else:
-            encoder_output = enc_hidden_states.to(encoder_input.dtype)
+            encoder_output = enc_hidden_states
 
-        if self.post_process and self.add_pooler:
-            pooled_output = self.pooler(encoder_output, pooling_sequence_index)
-            return encoder_output, pooled_output
-        return encoder_output
+        if not self.add_decoder or output_enc_hidden:
+            if self.post_process and self.add_pooler:
+                pooled_output = self.pooler(encoder_output, pooling_sequence_index)
+                return encoder_output, pooled_output
+            return encoder_output
+
+        decoder_input = None
+        if self.pre_process:
+            decoder_input = self.embedding(dec_input_ids, dec_position_ids)
+        decoder_rotary = None
+        if self.use_rotary_position_embeddings:
+            decoder_rotary = self.rotary_pos_emb(dec_input_ids.size(1))
+        decoder_output = self.decoder(decoder_input, dec_attn_mask, encoder_output=encoder_output,
+                                      enc_dec_attn_mask=enc_dec_attn_mask, inference_params=inference_params,
+                                      rotary_pos_emb=decoder_rotary)
+        return decoder_output, encoder_output
 
     def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
         """Megatron's nested checkpoint layout: ``{'embedding': ..., 'encoder': ..., 'pooler': ..., 'output_layer': ...}``."""
@@ -216,6 +251,9 @@ class TransformerLanguageModel(MegatronModule):
                                                                                             keep_vars=keep_vars)
         if self.add_encoder:
             state_dict_[self._encoder_key] = self.encoder.state_dict_for_save_checkpoint(prefix=prefix,
+                                                                                        keep_vars=keep_vars)
+        if self.add_decoder:
+            state_dict_[self._decoder_key] = self.decoder.state_dict_for_save_checkpoint(prefix=prefix,
                                                                                         keep_vars=keep_vars)
         if self.post_process:
             if self.add_pooler:
@@ -227,14 +265,15 @@ class TransformerLanguageModel(MegatronModule):
 
 
 def get_language_model(config, num_tokentypes, add_pooler, encoder_attn_mask_type, add_encoder=True, add_decoder=False,
-                       decoder_attn_mask_type=AttnMaskType.causal, pre_process=True, post_process=True):
+                       decoder_attn_mask_type=AttnMaskType.causal, pre_process=True, post_process=True, *,
+                       encoder_decoder: bool = False):
     """Megatron's factory: ``(TransformerLanguageModel, 'language_model')``."""
     if config.init_method is None or config.output_layer_init_method is None:
         raise ValueError("config.init_method and config.output_layer_init_method must be set")
     language_model = TransformerLanguageModel(
         config, encoder_attn_mask_type, num_tokentypes=num_tokentypes, add_encoder=add_encoder,
         add_decoder=add_decoder, decoder_attn_mask_type=decoder_attn_mask_type, add_pooler=add_pooler,
-        pre_process=pre_process, post_process=post_process)
+        pre_process=pre_process, post_process=post_process, encoder_decoder=encoder_decoder)
     return language_model, "language_model"
 
 

@@ -19,6 +19,13 @@ binary_head (BERT)                                              binary_head
 =============================================================  ===========================================
 
 GPT's megatron-core block is ``decoder``, BERT's is ``encoder``. Tensor values and layouts are identical.
+
+T5 (``model='t5'``): ``language_model.{encoder,decoder}`` <-> ``{encoder,decoder}``; decoder layers add
+``post_attention_layernorm`` <-> ``pre_cross_attn_layernorm``, ``inter_attention.{query,key_value,dense}`` <->
+``cross_attention.{linear_q,linear_kv,linear_proj}``, ``post_inter_attention_layernorm`` <-> ``pre_mlp_layernorm``;
+``lm_head.bias`` <-> ``lm_head.output_layer.bias``; the last stage's tied copy ``word_embeddings.weight`` <->
+``lm_head.output_layer.weight``. megatron-core's duplicate aliases (``position_embeddings.*``, ``output_layer.*``)
+are dropped on the way to legacy names.
 """
 from __future__ import annotations
 
@@ -40,6 +47,18 @@ _LAYER_RULES = tuple(
     [(f".self_attention.{old}.", f".self_attention.{new}.")
      for new, old in LEGACY_SUBMODULE_NAMES["attention"].items() if new in ("linear_qkv", "linear_proj")]
     + [(f".{old}.", f".{new}.") for new, old in LEGACY_SUBMODULE_NAMES["encoder_layer"].items()]
+    + [(f".mlp.{old}.", f".mlp.{new}.") for new, old in LEGACY_SUBMODULE_NAMES["mlp"].items()]
+)
+
+
+# (legacy, mcore) substrings of whole keys of T5 decoder layers (self-attention, cross-attention, norms, MLP).
+_DECODER_LAYER_RULES = tuple(
+    [(f".self_attention.{old}.", f".self_attention.{new}.")
+     for new, old in LEGACY_SUBMODULE_NAMES["attention"].items() if new in ("linear_qkv", "linear_proj")]
+    + [(f".{LEGACY_SUBMODULE_NAMES['decoder_layer']['cross_attention']}.{old}.", f".cross_attention.{new}.")
+       for new, old in LEGACY_SUBMODULE_NAMES["attention"].items() if new in ("linear_q", "linear_kv", "linear_proj")]
+    + [(f".{old}.", f".{new}.") for new, old in LEGACY_SUBMODULE_NAMES["decoder_layer"].items()
+       if new != "cross_attention"]
     + [(f".mlp.{old}.", f".mlp.{new}.") for new, old in LEGACY_SUBMODULE_NAMES["mlp"].items()]
 )
 
@@ -75,13 +94,49 @@ def install_legacy_state_dict_names(module, kind: str) -> None:
 
 
 def _block_name(model: str) -> str:
-    if model not in ("gpt", "bert"):
-        raise ValueError(f"model must be 'gpt' or 'bert', got {model!r}")
+    if model not in ("gpt", "bert", "t5"):
+        raise ValueError(f"model must be 'gpt', 'bert' or 't5', got {model!r}")
     return "decoder" if model == "gpt" else "encoder"
+
+
+def _t5_legacy_to_mcore_key(key: str) -> str:
+    if key.startswith("language_model.embedding."):
+        return "embedding." + key[len("language_model.embedding."):]
+    for block, rules in (("encoder", _LAYER_RULES), ("decoder", _DECODER_LAYER_RULES)):
+        if key.startswith(f"language_model.{block}."):
+            key = block + "." + key[len(f"language_model.{block}."):]
+            for old, new in rules:
+                key = key.replace(old, new)
+            return key
+    if key == "lm_head.bias":
+        return "lm_head.output_layer.bias"
+    if key.startswith("word_embeddings."):
+        return "lm_head.output_layer." + key[len("word_embeddings."):]
+    return key
+
+
+def _t5_mcore_to_legacy_key(key: str):
+    if key.startswith("position_embeddings.") or key.startswith("output_layer."):
+        return None  # megatron-core's aliases of embedding.position_embeddings / lm_head.output_layer
+    if key.startswith("embedding."):
+        return "language_model." + key
+    for block, rules in (("encoder", _LAYER_RULES), ("decoder", _DECODER_LAYER_RULES)):
+        if key.startswith(block + "."):
+            key = f"language_model.{block}." + key[len(block) + 1:]
+            for old, new in rules:
+                key = key.replace(new, old)
+            return key
+    if key == "lm_head.output_layer.bias":
+        return "lm_head.bias"
+    if key.startswith("lm_head.output_layer."):
+        return "word_embeddings." + key[len("lm_head.output_layer."):]
+    return key
 
 
 def legacy_to_mcore_key(key: str, model: str = "gpt") -> str:
     block = _block_name(model)
+    if model == "t5":
+        return _t5_legacy_to_mcore_key(key)
     if key.startswith("language_model.embedding."):
         return "embedding." + key[len("language_model.embedding."):]
     if key.startswith("language_model.encoder."):
@@ -102,8 +157,11 @@ def legacy_to_mcore_key(key: str, model: str = "gpt") -> str:
     return key
 
 
-def mcore_to_legacy_key(key: str, model: str = "gpt") -> str:
+def mcore_to_legacy_key(key: str, model: str = "gpt"):
+    """The legacy name of ``key`` (``None`` for megatron-core's duplicate T5 aliases)."""
     block = _block_name(model)
+    if model == "t5":
+        return _t5_mcore_to_legacy_key(key)
     if key.startswith("embedding."):
         return "language_model." + key
     if key.startswith(block + "."):
@@ -128,4 +186,5 @@ def legacy_to_mcore(state_dict: dict, model: str = "gpt") -> dict:
 
 
 def mcore_to_legacy(state_dict: dict, model: str = "gpt") -> dict:
-    return {mcore_to_legacy_key(k, model): v for k, v in state_dict.items()}
+    renamed = ((mcore_to_legacy_key(k, model), v) for k, v in state_dict.items())
+    return {k: v for k, v in renamed if k is not None}

@@ -5,5 +5,6 @@ field of the ``TransformerConfig`` passed in.
 """
 from megatron.core.models.legacy.bert_model import BertLMHead, BertModel
 from megatron.core.models.legacy.gpt_model import GPTModel
+from megatron.core.models.legacy.t5_model import T5LMHead, T5Model
 
-__all__ = ["GPTModel", "BertModel", "BertLMHead"]
+__all__ = ["GPTModel", "BertModel", "BertLMHead", "T5Model", "T5LMHead"]
