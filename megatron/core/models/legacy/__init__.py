@@ -4,6 +4,7 @@
 field of the ``TransformerConfig`` passed in.
 """
 from megatron.core.models.legacy.bert_model import BertLMHead, BertModel
+from megatron.core.models.legacy.classification import Classification, MultipleChoice
 from megatron.core.models.legacy.gpt_model import GPTModel
 
-__all__ = ["GPTModel", "BertModel", "BertLMHead"]
+__all__ = ["GPTModel", "BertModel", "BertLMHead", "Classification", "MultipleChoice"]
