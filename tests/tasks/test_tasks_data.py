@@ -218,7 +218,7 @@ def test_detokenizers():
         " == Early life ==\nHe was born in 1,000 (the year), in a third-floor flat; it cost 3.5 \"dollars\".\n"
     assert wikitext_detokenizer("the dogs ' bone is N m long") == "the dogs' bone is 1 m long"
     assert wikitext_detokenizer("a N b and John 's") == "a 1 b and John's"
-    assert ptb_detokenizer("it does n't cost $ 1 N \n more") == "it doesn't cost $1 1 \nmore"
+    assert ptb_detokenizer("it does n't cost $ 1 N \n more") == "it doesn't cost $1 N\nmore"  # " \\n" goes first, so " N " no longer matches
     assert get_detokenizer("/data/wikitext-103/wiki.test.tokens") is wikitext_detokenizer
     assert get_detokenizer("/data/ptb/wiki.txt") is ptb_detokenizer  # ptb is looked for first
     assert get_detokenizer("/data/held_out.txt") is None
