@@ -12,7 +12,6 @@ legacy models and need ``--ckpt-format torch``.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 

@@ -40,7 +40,8 @@ class MNLIDataset(GLUEAbstractDataset):
             uid = parse_uid(path, line, row[0], 1)
             text_a, text_b = clean_text(row[8].strip()), clean_text(row[9].strip())
             if not text_a or not text_b:
-                raise row_error(path, line, f"empty {'sentence1 (column 9)' if not text_a else 'sentence2 (column 10)'}")
+                which = "sentence1 (column 9)" if not text_a else "sentence2 (column 10)"
+                raise row_error(path, line, f"empty {which}")
             label = TEST_LABEL if is_test else row[-1].strip()
             if label not in LABELS:
                 raise row_error(path, line, f"label {label!r} (last column) is not one of {', '.join(LABELS)}")

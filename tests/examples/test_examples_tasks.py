@@ -1,5 +1,5 @@
 """The three task scripts of examples/ run as a user would, shrunk to tiny CPU jobs (MEGATRON_EXTRA_ARGS) on files
-written here: evaluate_zeroshot_gpt.sh (LAMBADA and WIKITEXT103) on a saved tiny GPT, finetune_mnli_distributed.sh
+written here: evaluate_zeroshot_gpt.sh (LAMBADA) on a saved tiny GPT, finetune_mnli_distributed.sh
 (2 processes) and finetune_race_distributed.sh from a saved tiny BERT."""
 from __future__ import annotations
 
@@ -7,14 +7,12 @@ import json
 import os
 import random
 import re
-import sys
 
 import pytest
 from helpers.dist_harness import run_distributed
 from helpers.examples_helpers import run_script, script_env
+from helpers.tasks_helpers import write_mnli, write_race
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tasks"))
-from test_tasks_finetune import write_mnli, write_race  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
@@ -57,18 +55,15 @@ def test_evaluate_zeroshot_gpt_script(tmp_path, checkpoints):
     with open(lambada, "w") as f:
         for i in range(5):
             f.write(json.dumps({"text": f"After {i + 1} days at sea the sailors finally saw the island"}) + "\n")
-    wiki = tmp_path / "wiki.test.tokens"
-    wiki.write_text(" = Island = \n The island , in the north , has 2 @,@ 000 people . \n" * 3)
-    for task, data, line in (("LAMBADA", lambada, r" validation results on LAMBADA \| number correct: .* \| total "
-                                                  r"examples: 5\.0000E\+00 \| avg accuracy: "),
-                             ("WIKITEXT103", wiki, r" validation results on WIKITEXT103 \| avg loss: .* \| ppl: .* \| "
-                                                   r"adjusted ppl: .* \| token ratio: ")):
-        env = script_env(tmp_path, TASK=task, VALID_DATA=data, CHECKPOINT=checkpoints / "gpt", GPUS_PER_NODE=1,
-                         MEGATRON_EXTRA_ARGS=TINY + " --overlapping-eval 16")
-        rc, out = run_script("evaluate_zeroshot_gpt.sh", env)
-        assert rc == 0, out[-4000:]
-        assert re.search(line, out), out[-3000:]
-        assert "using torch.float16 for parameters" in out and "done :-)" in out
+    # one launch (LAMBADA, --strict-lambada from the script); WIKITEXT103 is the same script with TASK set, and its
+    # numbers are tested in tests/tasks/test_tasks_zeroshot.py
+    env = script_env(tmp_path, VALID_DATA=lambada, CHECKPOINT=checkpoints / "gpt", GPUS_PER_NODE=1,
+                     MEGATRON_EXTRA_ARGS=TINY)
+    rc, out = run_script("evaluate_zeroshot_gpt.sh", env)
+    assert rc == 0, out[-4000:]
+    assert re.search(r" validation results on LAMBADA \| number correct: .* \| total examples: 5\.0000E\+00 \| avg "
+                     r"accuracy: ", out), out[-3000:]
+    assert "using torch.float16 for parameters" in out and "done :-)" in out
 
 
 def test_finetune_mnli_script(tmp_path, checkpoints):

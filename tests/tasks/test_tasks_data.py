@@ -113,7 +113,7 @@ def test_mnli_bad_rows_name_file_and_line(tmp_path, content, message):
                                             "--train-data", str(path), "--valid-data", str(path)])
     with pytest.raises(ConfigurationError) as e:
         validate_task_args(args)
-    assert str(e.value) == f"--train-data: {path} {message}" or str(e.value).startswith(f"--train-data: {path} {message}")
+    assert str(e.value).startswith(f"--train-data: {path} {message}")
     assert "\n" not in str(e.value)
 
 
@@ -218,7 +218,7 @@ def test_detokenizers():
         " == Early life ==\nHe was born in 1,000 (the year), in a third-floor flat; it cost 3.5 \"dollars\".\n"
     assert wikitext_detokenizer("the dogs ' bone is N m long") == "the dogs' bone is 1 m long"
     assert wikitext_detokenizer("a N b and John 's") == "a 1 b and John's"
-    assert ptb_detokenizer("it does n't cost $ 1 N \n more") == "it doesn't cost $1 N\nmore"  # " \\n" goes first, so " N " no longer matches
+    assert ptb_detokenizer("it does n't cost $ 1 N \n more") == "it doesn't cost $1 N\nmore"  # " \\n" first
     assert get_detokenizer("/data/wikitext-103/wiki.test.tokens") is wikitext_detokenizer
     assert get_detokenizer("/data/ptb/wiki.txt") is ptb_detokenizer  # ptb is looked for first
     assert get_detokenizer("/data/held_out.txt") is None

@@ -10,51 +10,24 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import random
 import re
 
 import pytest
 from helpers.dist_harness import run_distributed
+from helpers.tasks_helpers import write_mnli, write_race
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BERT = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", os.path.join(REPO, "data/tokenizers/bert/vocab.txt"),
+BERT = ["--tokenizer-type", "BertWordPieceLowerCase",
+        "--vocab-file", os.path.join(REPO, "data/tokenizers/bert/vocab.txt"),
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "4", "--lr", "5e-3", "--lr-decay-style", "linear",
         "--lr-warmup-fraction", "0.1", "--weight-decay", "0.01", "--seed", "1234", "--log-interval", "1",
         "--eval-interval", "5", "--eval-iters", "1", "--save-interval", "1000", "--num-workers", "0",
         "--distributed-backend", "gloo", "--ckpt-format", "torch"]
-KEYWORDS = {"entailment": "yes", "contradiction": "no", "neutral": "maybe"}
 LOSS = re.compile(r" iteration +(\d+)/ +\d+ \|.*lm loss: ([0-9.E+-]+)")
 ACC = re.compile(r" >> \|epoch: (-?\d+)\| overall: correct / total = (\d+) / (\d+)")
-
-
-def write_mnli(path, n, rng):
-    subjects = ["the cat", "a man", "the river", "my friend", "the city", "a student", "the dog", "our team"]
-    header = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
-              "sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1", "gold_label"]
-    with open(path, "w") as f:
-        f.write("\t".join(header) + "\n")
-        for i in range(n):
-            label = list(KEYWORDS)[i % 3]
-            kw = KEYWORDS[label]
-            s1 = f"{kw} {kw} {rng.choice(subjects)} went to {rng.choice(subjects)} ."
-            s2 = f"{kw} {kw} {kw} {rng.choice(subjects)}"
-            f.write("\t".join([str(i), str(i), f"{i}e", "fiction", "(x)", "(y)", "(X)", "(Y)", s1, s2, label, label])
-                    + "\n")
-
-
-def write_race(directory, n, rng):
-    os.makedirs(directory, exist_ok=True)
-    for part in range(2):
-        with open(os.path.join(directory, f"{part}.txt"), "w") as f:
-            for d in range(n):
-                answers = [rng.choice("ABCD") for _ in range(2)]
-                f.write(json.dumps({"article": "the cat sat on the mat . it was a sunny day .",
-                                    "questions": ["where did the cat sit ?", "the day was _ ."],
-                                    "options": [["mat", "roof", "tree", "car"], ["sunny", "dark", "cold", "wet"]],
-                                    "answers": answers}) + "\n")
 
 
 def _run(argv):
@@ -81,7 +54,6 @@ def _losses(out):
 def _body(tmp):
     from megatron.core import parallel_state
     from megatron.training import global_vars
-    from megatron.training.arguments import parse_args  # noqa: F401
     from megatron.training.checkpointing import save_checkpoint
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import get_model
@@ -128,7 +100,7 @@ def test_finetune_mnli_accuracy_rises_resume_exact_and_race(tmp_path):
     assert " > |epoch: 5| metrics for dev-mismatched: correct / total = " in straight
     assert "validation loss at iteration 5" in straight
     acc = [(int(c), int(t)) for _, c, t in ACC.findall(straight)]
-    print(acc, losses_line := [v for _, v in sorted(_losses(straight).items())])
+    print(acc)
     # 12 rows per dev file, 6 per rank, batches of 4: the last partial batch is dropped with 2 ranks (Megatron)
     assert len(acc) == 6 and all(t == 16 for _, t in acc)
     assert acc[-1][0] > acc[0][0] and acc[-1][0] >= 10, acc  # chance: 16 / 3
