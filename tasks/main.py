@@ -116,6 +116,18 @@ def _validate_zeroshot(args):
                                  f"({args.seq_length})")
 
 
+def _holds_torch_dist(path) -> bool:
+    """Whether the checkpoint the tracker of ``path`` names is a torch_dist one (its directory has metadata.json)."""
+    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    try:
+        with open(tracker) as f:
+            text = f.read().strip()
+        name = "release" if text == "release" else "iter_{:07d}".format(int(text))
+    except (OSError, ValueError):
+        return False
+    return os.path.isfile(os.path.join(path, name, "metadata.json"))
+
+
 def _validate_finetune(args):
     if args.epochs is None or args.epochs < 0:
         raise ConfigurationError(f"--epochs: --task {args.task} finetunes for --epochs N epochs (0: evaluate only); "
@@ -123,6 +135,12 @@ def _validate_finetune(args):
     if args.ckpt_format != "torch":
         raise ConfigurationError(f"--ckpt-format {args.ckpt_format}: the {args.task} classifier is a legacy model "
                                  "(megatron.legacy.model); use --ckpt-format torch")
+    for flag, path in (("--pretrained-checkpoint", args.pretrained_checkpoint), ("--load", args.load)):
+        if path is not None and _holds_torch_dist(path):
+            raise ConfigurationError(
+                f"{flag} {path} is a torch_dist checkpoint; the {args.task} classifier (a legacy model) loads the "
+                f"torch format: convert it with python tools/checkpoint/convert.py --model-type BERT --loader "
+                f"torch_dist --saver legacy --load-dir {path} --save-dir {path.rstrip('/')}_torch")
     if args.rampup_batch_size is not None:
         raise ConfigurationError("--rampup-batch-size: batch size scaling is not supported for finetuning")
     if args.seq_length is None:

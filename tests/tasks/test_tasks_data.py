@@ -193,6 +193,14 @@ def test_task_flag_errors(tmp_path):
                                                                                         "WIKITEXT103 evaluates one"),
         (["--task", "LAMBADA", "--valid-data", str(wiki)], f"--valid-data: {wiki} line 1: not valid JSON"),
     ]
+    dist = tmp_path / "bert_dist"
+    (dist / "iter_0000003").mkdir(parents=True)
+    (dist / "iter_0000003" / "metadata.json").write_text("{}")
+    (dist / "latest_checkpointed_iteration.txt").write_text("3")
+    cases.append((["--task", "QQP", "--epochs", "1", "--seq-length", "8", "--pretrained-checkpoint", str(dist)],
+                  f"--pretrained-checkpoint {dist} is a torch_dist checkpoint; the QQP classifier (a legacy model) "
+                  f"loads the torch format: convert it with python tools/checkpoint/convert.py --model-type BERT "
+                  f"--loader torch_dist --saver legacy --load-dir {dist} --save-dir {dist}_torch"))
     plain = tmp_path / "held_out.txt"
     plain.write_text("x")
     cases.append((["--task", "WIKITEXT103", "--valid-data", str(plain)], "--valid-data " + str(plain) + ": the "
@@ -206,7 +214,7 @@ def test_task_flag_errors(tmp_path):
 def test_unknown_task_one_line_from_the_command_line():
     env = dict(os.environ, PYTHONPATH=child_pythonpath())
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tasks", "main.py"), "--task", "GLUE-X"],
-                          capture_output=True, text=True, env=env, timeout=60)
+                          capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --task GLUE-X: Task GLUE-X is not implemented; choose one of "
                                                 "LAMBADA, WIKITEXT103, MNLI, QQP, RACE"]

@@ -13,6 +13,7 @@ import io
 import os
 import random
 import re
+import sys
 
 import pytest
 from helpers.dist_harness import run_distributed
@@ -111,8 +112,43 @@ def test_finetune_mnli_accuracy_rises_resume_exact_and_race(tmp_path):
     assert sorted(first) == [1, 2, 3, 4, 5] and sorted(second) == list(range(6, 37)), (first, second)
     assert {**first, **second} == losses  # the resumed run continues bit for bit (printed digits)
 
+    _check_converter(tmp_path)
+
     race = out["race"]
     assert "could not find multichoice_head in the checkpoint, initializing to random" in race
     assert " > |epoch: 0| metrics for dev-middle: correct / total = " in race, race[-3000:]
     race_acc = ACC.findall(race)
     assert race_acc and int(race_acc[0][2]) == 8  # 2 files x 2 articles x 2 questions
+
+
+def _check_converter(tmp_path):
+    """tools/checkpoint/convert.py reshards the finetuned classifier (torch format, legacy keys with its
+    classification_head): TP 1 -> 2 -> 1 gives back every tensor; the head is replicated and nested as Megatron's
+    Classification loads it; a torch_dist target is refused with one line."""
+    import torch
+
+    sys.path.insert(0, REPO)
+    from tools.checkpoint.convert import convert, get_args
+    from tools.checkpoint.legacy_io import ConversionError, load_legacy
+
+    src, tp2, back = tmp_path / "straight", tmp_path / "conv_tp2", tmp_path / "conv_tp1"
+    # the BERT tokenizer's 8194 ids (vocab.txt plus [BOS]/[EOS]) are padded to 8320 = 65 x 128; TP 2 needs 256k
+    base = ["--model-type", "BERT", "--loader", "legacy", "--saver", "legacy", "--true-vocab-size", "8194"]
+    convert(get_args(base + ["--load-dir", str(src), "--save-dir", str(tp2), "--target-tensor-parallel-size", "2"]))
+    convert(get_args(base + ["--load-dir", str(tp2), "--save-dir", str(back), "--target-tensor-parallel-size", "1"]))
+    original, _, _ = load_legacy(str(src))
+    again, _, _ = load_legacy(str(back))
+    assert "classification_head.weight" in original and "language_model.pooler.dense.weight" in original
+    assert sorted(original) == sorted(again)
+    for key, value in original.items():
+        if key == "language_model.embedding.word_embeddings.weight":  # re-padded: the 8194 real rows are kept
+            assert again[key].shape == value.shape and torch.equal(value[:8194], again[key][:8194])
+        else:
+            assert torch.equal(value, again[key]), key
+    shards = [torch.load(tp2 / "iter_0000036" / f"mp_rank_0{r}" / "model_optim_rng.pt", weights_only=False)["model"]
+              for r in range(2)]
+    for shard in shards:
+        assert torch.equal(shard["classification_head"]["weight"], original["classification_head.weight"])
+    with pytest.raises(ConversionError, match="finetuned classifier .*classification_head.* --saver legacy"):
+        convert(get_args(["--model-type", "BERT", "--loader", "legacy", "--saver", "torch_dist", "--load-dir",
+                          str(src), "--save-dir", str(tmp_path / "conv_dist")]))
