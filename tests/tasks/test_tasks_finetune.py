@@ -4,7 +4,7 @@ One run: a tiny megatron-core BERT is saved as the pretrained checkpoint (torch 
 finetunes from it (Classification, legacy keys) on a separable toy set -- accuracy on the dev files must rise from
 the first to the last epoch; a run stopped by --exit-interval in the middle of an epoch and resumed from its
 checkpoint logs the same losses, bit for bit, as the straight run (dropout on); RACE finetunes one epoch
-(MultipleChoice) and reports accuracy.
+(MultipleChoice) with tensor parallelism 2 and reports accuracy.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def _losses(out):
 
 
 def _body(tmp):
+    import torch
     from megatron.core import parallel_state
     from megatron.training import global_vars
     from megatron.training.checkpointing import save_checkpoint
@@ -78,9 +79,16 @@ def _body(tmp):
     out["first"] = _run(common + ["--epochs", "6", "--save", resumed, "--exit-interval", "5"])
     out["second"] = _run(common + ["--epochs", "6", "--save", resumed, "--load", resumed])
     race = os.path.join(tmp, "RACE")
+    # RACE with TP 2 starts from the pretrained BERT resharded by the converter (torch checkpoints keep their layout)
+    pre_tp2 = pre + "_tp2"
+    if torch.distributed.get_rank() == 0:
+        from tools.checkpoint.convert import convert, get_args
+        convert(get_args(["--model-type", "BERT", "--load-dir", pre, "--save-dir", pre_tp2, "--true-vocab-size",
+                          "8194", "--target-tensor-parallel-size", "2"]))
+    torch.distributed.barrier()
     out["race"] = _run(BERT + ["--task", "RACE", "--epochs", "1", "--train-data", f"{race}/train/middle",
-                               "--valid-data", f"{race}/dev/middle", "--pretrained-checkpoint", pre,
-                               "--micro-batch-size", "2"])
+                               "--valid-data", f"{race}/dev/middle", "--pretrained-checkpoint", pre_tp2,
+                               "--micro-batch-size", "2", "--tensor-model-parallel-size", "2"])
     return out
 
 
