@@ -2,8 +2,9 @@
 torch_dist checkpoint with ``megatron.core.dist_checkpointing`` and write the logits of a fixed batch.
 
 Usage (``PYTHONPATH=<megatron-core install dir>``, cwd outside our repository):
-    python mcore_oracle_child.py {save|load} STYLE TP PP CKPT_DIR OUT_LOGITS
-STYLE is ``gpt2`` (LayerNorm, GeLU, learned positions, biases, tied) or ``llama`` (RMSNorm, SwiGLU, RoPE, GQA,
+    python mcore_oracle_child.py JOBS.json
+JOBS.json lists jobs ``{"mode": "save"|"load", "style", "tp", "pp", "ckpt", "out"}``, run one after the other on
+2 gloo ranks in one launch (the parallel state is rebuilt per job; ranks beyond TP x PP are data parallel). STYLE is ``gpt2`` (LayerNorm, GeLU, learned positions, biases, tied) or ``llama`` (RMSNorm, SwiGLU, RoPE, GQA,
 untied, no biases). Only this subprocess stubs the few ``torch.cuda`` calls megatron-core makes on CPU.
 """
 import os
@@ -69,12 +70,10 @@ def _batch():
     return ids, pos, mask
 
 
-def _worker(rank, world, port, mode, style, tp, pp, ckpt, out):
-    _stub_cuda()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+def _job(mode, style, tp, pp, ckpt, out):
     from megatron.core import dist_checkpointing, parallel_state as ps, tensor_parallel
 
+    ps.destroy_model_parallel()
     ps.initialize_model_parallel(tp, pp)
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -93,22 +92,33 @@ def _worker(rank, world, port, mode, style, tp, pp, ckpt, out):
         y = model(ids, pos, mask)
         if not ps.is_pipeline_last_stage():
             torch.distributed.send(y.contiguous(), ps.get_pipeline_model_parallel_next_rank())
-    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and out != "-":
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
+            and ps.get_data_parallel_rank() == 0 and out != "-":
         torch.save(y.float(), out)
     if mode == "save":
+        os.makedirs(ckpt, exist_ok=True)
         dist_checkpointing.save(model.sharded_state_dict(), ckpt)
     torch.distributed.barrier()
+
+
+def _worker(rank, world, port, jobs):
+    _stub_cuda()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    for job in jobs:
+        _job(job["mode"], job["style"], job["tp"], job["pp"], job["ckpt"], job["out"])
     torch.distributed.destroy_process_group()
 
 
 def main():
-    mode, style, tp, pp, ckpt, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
-    if mode == "save":
-        os.makedirs(ckpt, exist_ok=True)
+    import json
+
+    with open(sys.argv[1]) as f:
+        jobs = json.load(f)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(tp * pp, port, mode, style, tp, pp, ckpt, out), nprocs=tp * pp, join=True)
+    mp.spawn(_worker, args=(2, port, jobs), nprocs=2, join=True)
 
 
 if __name__ == "__main__":

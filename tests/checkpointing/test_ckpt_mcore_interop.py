@@ -5,6 +5,9 @@ and TP=2, saves it with ``dist_checkpointing.save`` and records its logits; we l
 PP=2 and compare our logits. Direction 2: we save our model (TP=2 and PP=2) in the torch_dist format; megatron-core
 loads it at TP=1 and compares its logits with ours. Tolerance 1e-5 relative (max |a-e| / max |e|).
 
+Every case runs in three launches shared by the module (one fixture): the oracle saves all four checkpoints, our two
+ranks load them all and save ours, the oracle loads ours; the tests then read their part.
+
 The oracle's location comes from $MCORE_ORACLE_DIR (.ci/run installs it in <repo>/.venv/mcore-oracle). Without
 it the tests skip, except under CI (``$CI`` set), where they fail.
 """
@@ -37,9 +40,15 @@ def oracle():
     return ORACLE
 
 
-def _run_oracle(oracle, tmp, *argv):
+def _run_oracle(oracle, tmp, jobs):
+    """Run the oracle's jobs (dicts: mode, style, tp, pp, ckpt, out) in one launch of 2 ranks."""
+    import json
+
+    jobs_file = os.path.join(str(tmp), f"jobs_{jobs[0]['mode']}.json")
+    with open(jobs_file, "w") as f:
+        json.dump([{k: str(v) if k in ("ckpt", "out") else v for k, v in job.items()} for job in jobs], f)
     env = dict(os.environ, PYTHONPATH=oracle, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, CHILD, *map(str, argv)], cwd=str(tmp), env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, CHILD, jobs_file], cwd=str(tmp), env=env, capture_output=True,
                           text=True, timeout=400)
     assert proc.returncode == 0, f"megatron-core oracle failed:\n{proc.stderr[-4000:]}"
 
@@ -95,6 +104,8 @@ def _setup(tp, pp, seed):
 
 
 LOAD_LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (TP, PP) on 2 ranks (TP=1 PP=1 is DP=2)
+SAVE_LAYOUTS = ((2, 1, 1), (1, 2, 2))  # (TP, PP, TP megatron-core loads it with)
+STYLES, SAVED_TPS = ("gpt2", "llama"), (1, 2)
 
 
 def load_body(style, directory):
@@ -112,11 +123,8 @@ def load_body(style, directory):
     return out
 
 
-SAVE_LAYOUTS = ((2, 1, 1), (1, 2, 2))  # (TP, PP, TP megatron-core loads it with)
-
-
 def save_body(style, root):
-    """Our model (seed 4321) saved at each layout of SAVE_LAYOUTS under root/ours_tp{TP}_pp{PP}; its logits."""
+    """Our model (seed 4321) saved at each layout of SAVE_LAYOUTS under root/ours_{style}_tp{TP}_pp{PP}; its logits."""
     import json
 
     from megatron.core.dist_checkpointing import save_sharded
@@ -124,7 +132,7 @@ def save_body(style, root):
 
     out = {}
     for tp, pp, _ in SAVE_LAYOUTS:
-        directory = os.path.join(root, f"ours_tp{tp}_pp{pp}")
+        directory = os.path.join(root, f"ours_{style}_tp{tp}_pp{pp}")
         _setup(tp, pp, 4321)
         model = _our_model(style, tp, pp)
         save_sharded(dc.model_sharded_state([model]), directory)
@@ -137,32 +145,50 @@ def save_body(style, root):
     return out
 
 
+def ours_body(root):
+    """One launch of our 2 ranks: load every oracle checkpoint at every layout, then save ours for both styles."""
+    loaded = {(style, saved_tp): load_body(style, os.path.join(root, f"mcore_{style}_tp{saved_tp}"))
+              for style in STYLES for saved_tp in SAVED_TPS}
+    saved = {style: save_body(style, root) for style in STYLES}
+    return {"loaded": loaded, "saved": saved}
+
+
+@pytest.fixture(scope="module")
+def interop(oracle, tmp_path_factory):
+    root = tmp_path_factory.mktemp("mcore_interop")
+    _run_oracle(oracle, root, [dict(mode="save", style=style, tp=tp, pp=1, ckpt=root / f"mcore_{style}_tp{tp}",
+                                    out=root / f"ref_{style}_tp{tp}.pt") for style in STYLES for tp in SAVED_TPS])
+    outputs = run_distributed(ours_body, 2, str(root), timeout=400)
+    _run_oracle(oracle, root, [dict(mode="load", style=style, tp=load_tp, pp=1, ckpt=root / f"ours_{style}_tp{tp}_pp{pp}",
+                                    out=root / f"mcore_from_{style}_tp{tp}_pp{pp}.pt")
+                               for style in STYLES for tp, pp, load_tp in SAVE_LAYOUTS])
+    return root, outputs
+
+
 def _last(outputs, layout):
     return next(o[layout] for o in outputs if o[layout] is not None)
 
 
 @pytest.mark.parametrize("style,saved_tp", [("gpt2", 1), ("gpt2", 2), ("llama", 1), ("llama", 2)])
-def test_megatron_core_checkpoints_load_here(oracle, style, saved_tp, tmp_path):
-    directory = tmp_path / f"mcore_tp{saved_tp}"
-    _run_oracle(oracle, tmp_path, "save", style, saved_tp, 1, directory, tmp_path / "ref.pt")
-    expected = torch.load(tmp_path / "ref.pt")
-    outputs = run_distributed(load_body, 2, style, str(directory), timeout=280)
+def test_megatron_core_checkpoints_load_here(interop, style, saved_tp):
+    root, outputs = interop
+    expected = torch.load(root / f"ref_{style}_tp{saved_tp}.pt")
+    loaded = [o["loaded"][(style, saved_tp)] for o in outputs]
     report = []
     for tp, pp in LOAD_LAYOUTS:
-        err = rel_err(_last(outputs, (tp, pp)), expected)
+        err = rel_err(_last(loaded, (tp, pp)), expected)
         report.append(f"{style} megatron-core TP={saved_tp} -> ours TP={tp} PP={pp}: max rel diff {err:.2e}")
     print("\n".join(report))
     assert all(float(r.rsplit(" ", 1)[1]) <= TOL for r in report), "\n".join(report)
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
-def test_megatron_core_loads_our_checkpoints(oracle, style, tmp_path):
-    outputs = run_distributed(save_body, 2, style, str(tmp_path), timeout=280)
+@pytest.mark.parametrize("style", STYLES)
+def test_megatron_core_loads_our_checkpoints(interop, style):
+    root, outputs = interop
+    saved = [o["saved"][style] for o in outputs]
     report = []
     for tp, pp, load_tp in SAVE_LAYOUTS:
-        out = tmp_path / f"mcore_from_tp{tp}_pp{pp}.pt"
-        _run_oracle(oracle, tmp_path, "load", style, load_tp, 1, tmp_path / f"ours_tp{tp}_pp{pp}", out)
-        err = rel_err(torch.load(out), _last(outputs, (tp, pp)))
+        err = rel_err(torch.load(root / f"mcore_from_{style}_tp{tp}_pp{pp}.pt"), _last(saved, (tp, pp)))
         report.append(f"{style} ours TP={tp} PP={pp} -> megatron-core TP={load_tp}: max rel diff {err:.2e}")
     print("\n".join(report))
     assert all(float(r.rsplit(" ", 1)[1]) <= TOL for r in report), "\n".join(report)

@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.sharded_io import LocalShard
 from megatron.core.models.conversion.keys import legacy_to_mcore_key
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 from megatron.training.checkpointing import dist_keys
 from megatron.training.errors import FatalRunError
 
@@ -222,7 +222,7 @@ def _main_params(optimizer):
         for group in optimizer.fp32_from_fp32_groups:
             out.update({p: (p, None) for p in group})
         return out
-    if type(optimizer).__name__ == "FP32Optimizer":
+    if isinstance(optimizer, FP32Optimizer):
         return {p: (p, None) for group in optimizer.optimizer.param_groups for p in group["params"]}
     raise DistCheckpointError(f"--ckpt-format torch_dist cannot save a {type(optimizer).__name__}")
 
@@ -276,11 +276,16 @@ def optimizer_tensors(optimizer, entries) -> Dict[str, list]:
 
 
 def optimizer_common(optimizer):
+    """The optimizer's non-tensor state in common.pt, shaped as Megatron's class of the same kind writes it: the
+    plain fp32 optimizer (``FP32Optimizer``) stores the torch optimizer's dict itself, ``{'state': {'common_step'},
+    'param_groups'}``; the mixed-precision and distributed optimizers nest it, ``{'optimizer': {...}, 'grad_scaler'}``
+    (plus ``param_state_sharding_type`` for the distributed one)."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
+    inner = {"param_groups": groups, "state": {"common_step": int(getattr(optimizer, "_inner_steps", 0))}}
+    if isinstance(optimizer, FP32Optimizer):
+        return inner
     scaler = getattr(optimizer, "grad_scaler", None)
-    common = {"optimizer": {"param_groups": groups, "state": {"common_step": int(getattr(optimizer, "_inner_steps",
-                                                                                         0))}},
-              "grad_scaler": scaler.state_dict() if scaler is not None else None}
+    common = {"optimizer": inner, "grad_scaler": scaler.state_dict() if scaler is not None else None}
     if isinstance(optimizer, DistributedOptimizer):
         common["param_state_sharding_type"] = "fully_reshardable"
     return common
@@ -315,13 +320,14 @@ def optimizer_request(optimizer, model, entries, args, stored, directory):
 
 
 def load_optimizer_state(optimizer, model, entries, loaded, common, main_kind, args):
-    saved_groups = common["optimizer"]["param_groups"]
+    inner = common["optimizer"] if "optimizer" in common else common  # nested (mixed precision, DO) or FP32Optimizer's
+    saved_groups = inner["param_groups"]
     if len(saved_groups) != len(optimizer.optimizer.param_groups):
         raise DistCheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one has "
                                   f"{len(optimizer.optimizer.param_groups)}: pass --no-load-optim")
     for group, saved in zip(optimizer.optimizer.param_groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
-    step = int(common["optimizer"].get("state", {}).get("common_step", 0) or 0)
+    step = int(inner.get("state", {}).get("common_step", 0) or 0)
     optimizer._inner_steps = step
     scaler = getattr(optimizer, "grad_scaler", None)
     if scaler is not None and common.get("grad_scaler") is not None:
