@@ -3,7 +3,8 @@
 One run: a tiny megatron-core BERT is saved as the pretrained checkpoint (torch format, megatron-core keys); MNLI
 finetunes from it (Classification, legacy keys) on a separable toy set -- accuracy on the dev files must rise from
 the first to the last epoch; a run stopped by --exit-interval in the middle of an epoch and resumed from its
-checkpoint logs the same losses, bit for bit, as the straight run (dropout on); RACE finetunes one epoch
+checkpoint logs the same losses, bit for bit, as the straight run (dropout on); --epochs 0 on the finetuned
+checkpoint measures the last epoch's accuracy again; the converter reshards the classifier; RACE finetunes one epoch
 (MultipleChoice) with tensor parallelism 2 and reports accuracy.
 """
 from __future__ import annotations
@@ -78,6 +79,7 @@ def _body(tmp):
     resumed = os.path.join(tmp, "resumed")
     out["first"] = _run(common + ["--epochs", "6", "--save", resumed, "--exit-interval", "5"])
     out["second"] = _run(common + ["--epochs", "6", "--save", resumed, "--load", resumed])
+    out["eval_only"] = _run(common + ["--epochs", "0", "--load", os.path.join(tmp, "straight")])
     race = os.path.join(tmp, "RACE")
     # RACE with TP 2 starts from the pretrained BERT resharded by the converter (torch checkpoints keep their layout)
     pre_tp2 = pre + "_tp2"
@@ -119,6 +121,9 @@ def test_finetune_mnli_accuracy_rises_resume_exact_and_race(tmp_path):
     first, second = _losses(out["first"]), _losses(out["second"])
     assert sorted(first) == [1, 2, 3, 4, 5] and sorted(second) == list(range(6, 37)), (first, second)
     assert {**first, **second} == losses  # the resumed run continues bit for bit (printed digits)
+
+    # --epochs 0 loads the finetuned classifier and measures the same accuracy as the last epoch did
+    assert ACC.findall(out["eval_only"]) == [("-1", str(acc[-1][0]), "16")], out["eval_only"][-2000:]
 
     _check_converter(tmp_path)
 
