@@ -111,6 +111,10 @@ def _validate_zeroshot(args):
         if get_detokenizer(args.valid_data[0]) is None:
             raise ConfigurationError(f"--valid-data {args.valid_data[0]}: the WIKITEXT103 detokenizer is chosen by "
                                      "the file name, which must contain 'wiki', 'ptb' or 'lambada'")
+    if args.load is not None and args.ckpt_format == "torch" and not args.auto_detect_ckpt_format \
+            and _holds_torch_dist(args.load):
+        raise ConfigurationError(f"--load {args.load} is a torch_dist checkpoint: pass --ckpt-format torch_dist (or "
+                                 "--auto-detect-ckpt-format); tasks/main.py defaults to the torch format")
     if args.overlapping_eval < 1 or (args.seq_length is not None and args.overlapping_eval > args.seq_length):
         raise ConfigurationError(f"--overlapping-eval {args.overlapping_eval} must be between 1 and --seq-length "
                                  f"({args.seq_length})")

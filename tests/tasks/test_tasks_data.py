@@ -201,6 +201,8 @@ def test_task_flag_errors(tmp_path):
                   f"--pretrained-checkpoint {dist} is a torch_dist checkpoint; the QQP classifier (a legacy model) "
                   f"loads the torch format: convert it with python tools/checkpoint/convert.py --model-type BERT "
                   f"--loader torch_dist --saver legacy --load-dir {dist} --save-dir {dist}_torch"))
+    cases.append((["--task", "WIKITEXT103", "--valid-data", str(wiki), "--load", str(dist)],
+                  f"--load {dist} is a torch_dist checkpoint: pass --ckpt-format torch_dist"))
     plain = tmp_path / "held_out.txt"
     plain.write_text("x")
     cases.append((["--task", "WIKITEXT103", "--valid-data", str(plain)], "--valid-data " + str(plain) + ": the "
