@@ -186,7 +186,7 @@ def run_ours(opts, argv):
     from megatron.training.global_vars import get_num_microbatches
     from megatron.training.initialize import initialize_megatron
     from megatron.training.theoretical_memory import report_theoretical_memory
-    from megatron.training.training import _configure_schedule_hooks, setup_model_and_optimizer, train_step
+    from megatron.training.training import configure_schedule_hooks, setup_model_and_optimizer, train_step
     from megatron.training.utils import unwrap_model
     from pretrain_gpt import forward_step, model_provider
 
@@ -199,7 +199,7 @@ def run_ours(opts, argv):
     config = get_model_config(model[0])
     for chunk in model:
         chunk.train()
-    numerical_guard = _configure_schedule_hooks(config, model, optimizer)
+    numerical_guard = configure_schedule_hooks(config, model, optimizer)
     data = cycle(synthetic_batches(args, 2 * get_num_microbatches()))
     inner = type(optimizer.optimizer).__name__ if hasattr(optimizer, "optimizer") else type(optimizer).__name__
     fused = getattr(getattr(optimizer, "optimizer", None), "defaults", {}).get("fused")

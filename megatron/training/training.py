@@ -296,7 +296,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
                numerical_guard=None):
     """One iteration: forward and backward over every micro-batch, then one optimizer step.
 
-    ``numerical_guard`` (a ``NumericalGuard`` from ``_configure_schedule_hooks``, or None) checks losses and
+    ``numerical_guard`` (a ``NumericalGuard`` from ``configure_schedule_hooks``, or None) checks losses and
     gradients and stops every rank before the optimizer can use a NaN."""
     args, timers = get_args(), get_timers()
 
@@ -376,7 +376,7 @@ def _sum_reported_losses(loss_dicts):
     return totals
 
 
-def _configure_schedule_hooks(config, model, optimizer):
+def configure_schedule_hooks(config, model, optimizer):
     """Let the schedules scale the loss, defer DDP gradient reduction and finalise gradients.
 
     Returns the ``NumericalGuard`` that train_step and the gradient hook share (None when no check is asked)."""
@@ -429,7 +429,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     args, timers = get_args(), get_timers()
     for chunk in model:
         chunk.train()
-    numerical_guard = _configure_schedule_hooks(config, model, optimizer)
+    numerical_guard = configure_schedule_hooks(config, model, optimizer)
     # Progress records for hang and straggler detection (hang_detection.py): local writes only.
     progress = progress or ProgressTracker(args.rank)
     forward_step_func = progress.wrap_forward_step(forward_step_func)

@@ -97,3 +97,33 @@ def print_datetime(string):
         torch.distributed.barrier()
     time_str = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     print_rank_0("[" + string + "] datetime: {} ".format(time_str))
+
+
+def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss):
+    """Left-to-right masks of a batch ``data [b, s]`` (Megatron's ``megatron.training.utils`` function).
+
+    Returns (attention_mask ``[b or 1, 1, s, s]`` bool with True = masked: causal, and with
+    ``reset_attention_mask`` no attention across an EOD; loss_mask ``[b, s]`` float, 0 on EOD tokens with
+    ``eod_mask_loss``; position_ids ``[b, s]``, restarting after every EOD with ``reset_position_ids``).
+    """
+    micro_batch_size, seq_length = data.size()
+    att_mask_batch = micro_batch_size if reset_attention_mask else 1
+    attention_mask = torch.tril(torch.ones((att_mask_batch, seq_length, seq_length), device=data.device))
+    attention_mask = attention_mask.view(att_mask_batch, 1, seq_length, seq_length)
+    loss_mask = torch.ones(data.size(), dtype=torch.float, device=data.device)
+    if eod_mask_loss:
+        loss_mask[data == eod_token] = 0.0
+    position_ids = torch.arange(seq_length, dtype=torch.long, device=data.device).unsqueeze(0).expand_as(data)
+    if reset_position_ids:
+        position_ids = position_ids.clone()
+    if reset_position_ids or reset_attention_mask:
+        for b in range(micro_batch_size):
+            eod_index = position_ids[b, data[b] == eod_token].tolist()
+            prev_index = 0
+            for i in eod_index:
+                if reset_attention_mask:
+                    attention_mask[b, 0, (i + 1):, :(i + 1)] = 0
+                if reset_position_ids:
+                    position_ids[b, (i + 1):] -= i + 1 - prev_index
+                    prev_index = i + 1
+    return attention_mask < 0.5, loss_mask, position_ids

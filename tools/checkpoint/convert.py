@@ -14,7 +14,8 @@ converts to and from ``torch_dist``, whose expert tensors load under any EP/TP/P
 ``legacy`` (aliases as above; any target TP/PP) and ``hf`` (config.json + model.safetensors). Unlike Megatron
 the loader and saver run in one process and exchange the full state dict directly (no queue). The written
 torch checkpoints hold ``args``, ``checkpoint_version``, ``iteration`` and ``model`` (no optimizer or RNG state):
-train from them with ``--finetune`` or ``--no-load-optim --no-load-rng``.
+train from them with ``--finetune`` or ``--no-load-optim --no-load-rng``. BERT classifiers finetuned by tasks/
+(``classification_head`` / ``multichoice_head``, legacy models) convert between torch-format layouts only.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from tools.checkpoint.legacy_io import ConversionError, load_legacy, repad_vocab, save_legacy  # noqa: E402
 
 _LEGACY_NAMES = ("legacy", "megatron", "core", "mcore")
+# The heads tasks/ puts on BERT (megatron.legacy.model Classification and MultipleChoice).
+FINETUNED_HEADS = ("classification_head.", "multichoice_head.")
 
 
 def get_args(argv=None):
@@ -82,11 +85,21 @@ def convert(args):
             full, margs, info = load_dist(args.load_dir)
         else:
             full, margs, info = load_legacy(args.load_dir)
-        from tools.checkpoint.legacy_io import is_t5
-        looks = "T5" if is_t5(full) else ("BERT" if "binary_head.weight" in full or "lm_head.bias" in full else "GPT")
-        if looks != args.model_type:
-            print(f"WARNING: --model-type {args.model_type} does not look like this checkpoint's model ({looks})",
-                  flush=True)
+        heads = sorted({k.split(".")[0] for k in full if k.startswith(FINETUNED_HEADS)})
+        if heads:
+            print(f"the checkpoint is a finetuned BERT classifier (tasks/: {', '.join(heads)}); its head is "
+                  "replicated on every tensor-parallel rank and stored on the last pipeline stage", flush=True)
+            if "torch_dist" in (loader, saver) or args.model_type != "BERT":
+                raise ConversionError(f"{args.load_dir} holds a finetuned classifier ({', '.join(heads)}), a legacy "
+                                      "model of tasks/: convert it with --model-type BERT --loader legacy --saver "
+                                      "legacy (the torch format); torch_dist holds megatron-core models only")
+        else:
+            from tools.checkpoint.legacy_io import is_t5
+            looks = "T5" if is_t5(full) else ("BERT" if "binary_head.weight" in full or "lm_head.bias" in full
+                                              else "GPT")
+            if looks != args.model_type:
+                print(f"WARNING: --model-type {args.model_type} does not look like this checkpoint's model ({looks})",
+                      flush=True)
         divisible = args.make_vocab_size_divisible_by or getattr(margs, "make_vocab_size_divisible_by", 128)
         true_vocab = args.true_vocab_size or getattr(margs, "true_vocab_size", None)
     print(f"loaded {args.load_dir}: {len(full)} tensors, TP={info['tp']} PP={info['pp']}, "

@@ -19,6 +19,8 @@ from megatron.core.transformer.module import flatten_checkpoint_state_dict
 from megatron.tokenizer.vocab_padding import vocab_size_with_padding
 
 CHECKPOINT_VERSION = 3.0
+# Heads of the legacy BERT / classifier models, each saved as its own nested entry (Megatron's layout).
+_LEGACY_HEADS = ("lm_head", "binary_head", "classification_head", "multichoice_head")
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 LAYER = re.compile(r"^(.*?layers\.)(\d+)(\..*)$")
 _EMBEDDING_PREFIXES = ("language_model.embedding.", "embedding.")
@@ -173,9 +175,15 @@ def repad_vocab(full: Dict[str, torch.Tensor], true_vocab_size, make_divisible_b
 
 def _nest(flat: Dict[str, torch.Tensor]) -> dict:
     """Megatron's nested layout: {'language_model': {'embedding': {...}, 'encoder': {...}, 'output_layer': ...},
-    'word_embeddings_for_head': ...}; other (megatron-core) names stay flat."""
+    'word_embeddings_for_head': ..., 'lm_head': {...}, 'classification_head': {...}, ...} (a legacy model loads
+    each head from its own entry); megatron-core names stay flat."""
     out: dict = {}
+    legacy = any(key.startswith("language_model.") for key in flat)
     for key, value in flat.items():
+        head, _, rest = key.partition(".")
+        if legacy and head in _LEGACY_HEADS and rest:
+            out.setdefault(head, {})[rest] = value
+            continue
         if key.startswith("language_model.embedding."):
             sub, rest = key[len("language_model.embedding."):].split(".", 1)
             out.setdefault("language_model", {}).setdefault("embedding", {}).setdefault(sub, {})[rest] = value

@@ -4,7 +4,8 @@
 field of the ``TransformerConfig`` passed in.
 """
 from megatron.core.models.legacy.bert_model import BertLMHead, BertModel
+from megatron.core.models.legacy.classification import Classification, MultipleChoice
 from megatron.core.models.legacy.gpt_model import GPTModel
 from megatron.core.models.legacy.t5_model import T5LMHead, T5Model
 
-__all__ = ["GPTModel", "BertModel", "BertLMHead", "T5Model", "T5LMHead"]
+__all__ = ["GPTModel", "BertModel", "BertLMHead", "T5Model", "T5LMHead", "Classification", "MultipleChoice"]

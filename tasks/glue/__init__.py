@@ -1,0 +1,1 @@
+"""GLUE finetuning (MNLI, QQP) from TSV files."""

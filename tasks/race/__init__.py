@@ -1,0 +1,1 @@
+"""RACE multiple-choice finetuning from directories of JSON-lines files."""

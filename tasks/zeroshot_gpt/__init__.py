@@ -1,0 +1,1 @@
+"""Zero-shot GPT evaluation: WikiText-103 perplexity and LAMBADA accuracy."""
