@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.norms import FusedLayerNorm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, default_layer_submodules
@@ -40,7 +41,7 @@ def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, nor
     dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm)
     moe = get_gpt_layer_local_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm)
     specs = [moe if config.is_moe_layer(i + 1) else dense for i in range(config.num_layers)]
-    return TransformerBlockSubmodules(layer_specs=specs)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=FusedLayerNorm)  # the final norm
 
 
 def get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False):
