@@ -11,22 +11,9 @@ import sys
 
 import torch
 
+from mcore_oracle_child import _stub_cuda  # the script's directory is sys.path[0]
+
 VOCAB, SE, SD, HIDDEN, LAYERS = 64, 10, 7, 32, 2
-
-
-def _stub_cuda():
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.device_count = lambda: 0
-    torch.cuda.is_available = lambda: False
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda *a, **k: None
-    torch.cuda.manual_seed = lambda *a, **k: None
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.random.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.random.set_rng_state = lambda *a, **k: None
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    filesystem_async._process_memory = lambda: 0
 
 
 def _batch():
