@@ -97,7 +97,7 @@ class Partition:
         self.workers = workers
 
     def process_json_file(self, input_file_name: str, output_prefix: str) -> None:
-        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+        from megatron.core.datasets.indexed_format import DType, IndexedDatasetBuilder
 
         args = self.args
         print("Opening", input_file_name)
@@ -268,11 +268,11 @@ def main(argv=None) -> int:
 
 
 def merge_partitions(args, names) -> None:
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, _IndexReader, get_idx_path
+    from megatron.core.datasets.indexed_format import IndexedDatasetBuilder, IndexReader, get_idx_path
 
     for key, prefix in output_prefixes(args, args.output_prefix).items():
         parts = [output_prefixes(args, n["output_prefix"])[key] for n in names]
-        dtype = _IndexReader(get_idx_path(parts[0]), multimodal=False).dtype
+        dtype = IndexReader(get_idx_path(parts[0]), multimodal=False).dtype
         temporary = _temporary_prefix(prefix)
         builder = IndexedDatasetBuilder(temporary + ".bin", dtype=dtype)
         for part in parts:

@@ -142,7 +142,7 @@ class Encoder:
     def initializer(self) -> None:
         from megatron.tokenizer import build_tokenizer
 
-        from megatron.core.datasets.indexed_dataset import DType
+        from megatron.core.datasets.indexed_format import DType
 
         if Encoder.active is not None and Encoder.active.args is self.args:
             return  # a forked worker inherits the parent's tokenizer (and its warm caches)

@@ -123,6 +123,11 @@ class _BertWordPieceTokenizer(DictVocab, MegatronTokenizer):
         return self._eos_token_id
 
     @property
+    def eod(self) -> int:
+        """As in Megatron: the [EOS] id (what ``--append-eod`` appends with a BERT tokenizer)."""
+        return self.eos
+
+    @property
     def bos_token(self) -> str:
         return self._bos_token
 

@@ -9,7 +9,7 @@ import torch
 from helpers.args_test_helpers import clean_env, validated  # noqa: F401  (fixture)
 from helpers.data_support import tokenizer_args, write_indexed
 
-from megatron.core.datasets.indexed_dataset import IndexedDataset, _FileBinReader, _MMapBinReader
+from megatron.core.datasets.indexed_dataset import FileBinReader, IndexedDataset, MMapBinReader
 from megatron.tokenizer import build_tokenizer
 from megatron.training.arguments import parse_args
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
@@ -35,7 +35,7 @@ def _datasets(flags, tokenizer, seq=4):
 
 def test_no_mmap_bin_files_reads_equal_mmap_reads(clean_env, prefix):
     file_reads, mmap_reads = IndexedDataset(prefix, mmap=False), IndexedDataset(prefix, mmap=True)
-    assert isinstance(file_reads.bin_reader, _FileBinReader) and isinstance(mmap_reads.bin_reader, _MMapBinReader)
+    assert isinstance(file_reads.bin_reader, FileBinReader) and isinstance(mmap_reads.bin_reader, MMapBinReader)
     for i in range(len(LENGTHS)):
         assert file_reads[i].tobytes() == mmap_reads[i].tobytes()
         assert file_reads.get(i, offset=1, length=2).tobytes() == mmap_reads.get(i, offset=1, length=2).tobytes()
@@ -97,7 +97,7 @@ def test_mock_data_and_defaults(clean_env):
 
 def test_no_mmap_reads_retry_after_10_20_40_seconds(prefix, monkeypatch):
     reader = IndexedDataset(prefix, mmap=False).bin_reader
-    sleeps, real = [], _FileBinReader._read_once
+    sleeps, real = [], FileBinReader._read_once
     failures = iter([OSError("stale file handle")] * 3)
 
     def flaky(self, *a):
@@ -106,8 +106,8 @@ def test_no_mmap_reads_retry_after_10_20_40_seconds(prefix, monkeypatch):
             raise error
         return real(self, *a)
 
-    monkeypatch.setattr(_FileBinReader, "_read_once", flaky)
-    monkeypatch.setattr("megatron.core.datasets.indexed_dataset.time.sleep", sleeps.append)
+    monkeypatch.setattr(FileBinReader, "_read_once", flaky)
+    monkeypatch.setattr("megatron.core.datasets.indexed_format.time.sleep", sleeps.append)
     assert reader.read(numpy.uint16, 3, 0).tobytes() == IndexedDataset(prefix)[0][:3].tobytes()
     assert sleeps == [10, 20, 40]
     failures = iter([OSError("gone")] * 4)

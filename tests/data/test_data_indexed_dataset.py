@@ -8,7 +8,7 @@ import numpy
 import pytest
 
 from helpers.data_support import read_file, write_indexed
-from megatron.core.datasets import indexed_dataset as idx_mod
+from megatron.core.datasets import indexed_format as idx_mod
 from megatron.core.datasets.indexed_dataset import (
     DType, IndexedDataset, IndexedDatasetBuilder, IndexFormatError, get_bin_path, get_idx_path)
 

@@ -189,6 +189,24 @@ def test_command_line_names_progress_line_and_errors(tmp_path):
     assert odd.returncode == 2 and "--workers (3) must be a multiple of --partitions (2)" in odd.stderr
 
 
+@pytest.mark.parametrize("tokenizer_type", ["GPT2BPETokenizer", "BertWordPieceLowerCase"])
+def test_preprocessing_never_imports_torch(tmp_path, tokenizer_type):
+    """Start-up is most of a small preprocessing run, and importing torch costs about a second: the tool, the
+    tokenizers and the indexed-dataset format stay torch-free (megatron.core loads its top-level names lazily)."""
+    data = str(tmp_path / "docs.jsonl")
+    write_jsonl(data, sample_texts(20))
+    argv = ["--input", data, "--output-prefix", str(tmp_path / "out"), "--workers", "2", "--append-eod",
+            *tokenizer_flags(tokenizer_type)]
+    script = ("import sys\nfrom tools import preprocess_data\nrc = preprocess_data.main(sys.argv[1:])\n"
+              "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+              "print('torch modules:', len(loaded), loaded[:3])\nsys.exit(rc)\n")
+    done = subprocess.run([sys.executable, "-c", script, *argv], env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "torch modules: 0 []" in done.stdout, done.stdout
+    assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 20
+
+
 def test_merge_datasets_equals_one_preprocessing_run(tmp_path):
     texts = sample_texts(40, max_chars=1200)
     shards = tmp_path / "shards"

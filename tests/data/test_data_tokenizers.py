@@ -154,8 +154,8 @@ def test_bert_wordpiece_matches_the_reference_algorithm(tokenizer_type, lower):
     extra = build_tokenizer(tokenizer_args(tokenizer_type, vocab_extra_ids=3))
     assert extra.vocab_size == len(vocab) + 5
     assert extra.additional_special_tokens_ids == [len(vocab) + 2, len(vocab) + 3, len(vocab) + 4]
-    with pytest.raises(NotImplementedError, match="has no attribute 'eod'"):
-        tokenizer.eod
+    # today's Megatron-LM gives the BERT tokenizer an eod: the [EOS] id appended after the vocabulary
+    assert tokenizer.eod == tokenizer.eos == len(vocab) + 1
 
 
 def test_sentencepiece_tokenizers():

@@ -14,7 +14,6 @@ import io
 import os
 import random
 import re
-import sys
 
 import pytest
 from helpers.dist_harness import run_distributed
@@ -140,7 +139,6 @@ def _check_converter(tmp_path):
     Classification loads it; a torch_dist target is refused with one line."""
     import torch
 
-    sys.path.insert(0, REPO)
     from tools.checkpoint.convert import convert, get_args
     from tools.checkpoint.legacy_io import ConversionError, load_legacy
 
