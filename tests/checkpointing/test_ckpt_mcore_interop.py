@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
+from helpers.mcore_oracle import require_oracle
 from helpers.numerics import rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ORACLE = os.environ.get("MCORE_ORACLE_DIR", os.path.join(REPO, ".venv", "mcore-oracle"))
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_oracle_child.py")
 VOCAB, SEQ, HIDDEN, LAYERS = 100, 8, 64, 4
 TOL = 1e-5
@@ -31,13 +31,7 @@ pytestmark = pytest.mark.timeout(600)  # an oracle subprocess per case; ~1 min e
 
 @pytest.fixture(scope="module")
 def oracle():
-    if not os.path.isdir(os.path.join(ORACLE, "megatron", "core")):
-        message = (f"megatron-core 0.16.1 not found in {ORACLE} (set MCORE_ORACLE_DIR, or run .ci/run which installs "
-                   "it with pip install --no-deps --target .venv/mcore-oracle megatron-core==0.16.1)")
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return ORACLE
+    return require_oracle()
 
 
 def _run_oracle(oracle, tmp, jobs):

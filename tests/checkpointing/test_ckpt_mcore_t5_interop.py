@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
+from helpers.mcore_oracle import require_oracle
 from helpers.numerics import rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ORACLE = os.environ.get("MCORE_ORACLE_DIR", os.path.join(REPO, ".venv", "mcore-oracle"))
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_t5_oracle_child.py")
 VOCAB, SE, SD, LAYERS = 64, 10, 7, 2
 
@@ -23,13 +23,9 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def oracle_run(tmp_path_factory):
-    if not os.path.isdir(os.path.join(ORACLE, "megatron", "core")):
-        message = f"megatron-core 0.16.1 not found in {ORACLE} (set MCORE_ORACLE_DIR, or run .ci/run)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    oracle = require_oracle()
     tmp = tmp_path_factory.mktemp("mcore_t5")
-    env = dict(os.environ, PYTHONPATH=ORACLE, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=oracle, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, CHILD, str(tmp / "ckpt"), str(tmp / "out.pt")], cwd=str(tmp), env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"megatron-core oracle failed:\n{proc.stderr[-4000:]}"

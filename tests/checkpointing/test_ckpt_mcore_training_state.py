@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
+from helpers.mcore_oracle import require_oracle
 from helpers.numerics import rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ORACLE = os.environ.get("MCORE_ORACLE_DIR", os.path.join(REPO, ".venv", "mcore-oracle"))
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_oracle_train_child.py")
 SEQ, GBS, ITER = 32, 4, 7
 LR, MIN_LR, WARMUP_ITERS, DECAY_ITERS = 1e-2, 1e-3, 2, 20
@@ -30,12 +30,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def oracle():
-    if not os.path.isdir(os.path.join(ORACLE, "megatron", "core")):
-        message = f"megatron-core 0.16.1 not found in {ORACLE} (set MCORE_ORACLE_DIR, or run .ci/run)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return ORACLE
+    return require_oracle()
 
 
 def resume_body(ckpt):

@@ -10,6 +10,7 @@ import shlex
 import pytest
 from helpers.args_test_helpers import clean_env, validated  # noqa: F401  (fixture)
 from helpers.examples_helpers import REPO, install_fake, run_script, script_env
+from helpers.mcore_oracle import require_oracle
 from helpers.todays_example_argv import TODAYS_SCRIPTS, argv_of
 
 from megatron.training.arguments import parse_args, validate_args
@@ -242,7 +243,6 @@ CONFIG_FIELD_OF = {
     "fp8_amax_compute_algo": "fp8_amax_compute_algo", "fp8_interval": "fp8_interval", "fp8_wgrad": "fp8_wgrad",
     "fp8_param_gather": "fp8_param",
 }
-ORACLE = "/work/mcore_oracle"
 DUMP = """
 import dataclasses, json, sys
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -255,7 +255,6 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(ORACLE, "megatron", "core")), reason="megatron-core 0.16.1 absent")
 def test_defaults_match_megatron_core_0_16_1(clean_env, tmp_path):
     """The MoE / CP / FP8 flag defaults equal the defaults of the real megatron-core 0.16.1 config fields."""
     import json
@@ -263,7 +262,7 @@ def test_defaults_match_megatron_core_0_16_1(clean_env, tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = ORACLE
+    env["PYTHONPATH"] = require_oracle()
     proc = subprocess.run([sys.executable, "-c", DUMP, *CONFIG_FIELD_OF.values()], cwd=str(tmp_path), env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
