@@ -45,15 +45,14 @@ def parse_log(text: str) -> Tuple[List[Tuple[int, float]], List[Tuple[int, float
 
 
 def loss_table(train: List[Tuple[int, float]], valid: List[Tuple[int, float]], rows: int = 12) -> str:
-    """A text table of at most ``rows`` training log points (evenly spaced, the last one always kept), with a
-    bar per row and the validation loss where one was measured at that iteration."""
+    """A text table of about ``rows`` training log points (evenly spaced; the last one and every iteration with
+    a validation loss always kept), with a bar per row and the validation loss where one was measured."""
     if not train:
         return "(no iteration lines with an lm loss found)"
-    step = max(1, math.ceil(len(train) / rows))
-    picked = train[::step]
-    if picked[-1] != train[-1]:
-        picked.append(train[-1])
     valid_at: Dict[int, float] = dict(valid)
+    step = max(1, math.ceil(len(train) / rows))
+    picked = [point for index, point in enumerate(train)
+              if index % step == 0 or point[0] in valid_at or index == len(train) - 1]
     high = max(loss for _, loss in picked)
     low = min(loss for _, loss in picked)
     lines = [" iteration | train loss | valid loss | ", "-----------+------------+------------+-" + "-" * 30]
