@@ -349,7 +349,8 @@ def _moe_losses(model, config):
     from megatron.core.transformer.moe.moe_layer import reduce_moe_losses
 
     num_moe_layers = sum(config.is_moe_layer(i + 1) for i in range(config.num_layers))
-    return reduce_moe_losses(model, get_num_microbatches(), num_moe_layers)
+    return reduce_moe_losses(model, get_num_microbatches(), num_moe_layers,
+                             per_layer_logging=config.moe_per_layer_logging)
 
 
 def _sum_reported_losses(loss_dicts):

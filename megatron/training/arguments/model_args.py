@@ -180,8 +180,9 @@ def _eval_layer_pattern(value: str):
 
 
 def _add_moe_args(parser):
-    """Mixture-of-experts flags (Megatron-LM 0.16.1 names, types and defaults). They parse; a value that needs MoE
-    layers (``--num-experts``, ``--expert-model-parallel-size`` > 1) stops in validate_args (not implemented yet)."""
+    """Mixture-of-experts flags (Megatron-LM 0.16.1 names, types and defaults; megatron/core/transformer/moe/,
+    docs/moe.md). The few settings without an implementation stop in validate_args with one line
+    (megatron/training/arguments/unimplemented.py)."""
     group = parser.add_argument_group(title="moe")
 
     group.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert model parallel size (EP).")

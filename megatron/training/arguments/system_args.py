@@ -22,7 +22,7 @@ def _add_distributed_args(parser):
     group.add_argument("--overlap-p2p-communication", action="store_true", dest="overlap_p2p_comm",
                        help="Overlap pipeline send/receive with computation.")
     group.add_argument("--context-parallel-size", type=int, default=1,
-                       help="Context parallel size: ranks that split each sequence (> 1 is not implemented yet).")
+                       help="Context parallel size: ranks that split each sequence (docs/context_parallel.md).")
     group.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
                        help="Context-parallel communication per layer (one value for all, or one per layer): "
                             "p2p, all_gather, a2a or a2a+p2p.")
