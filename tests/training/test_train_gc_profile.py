@@ -8,6 +8,10 @@ With --no-manual-gc-eval only the 3 full ones (start, 3, 6) remain.
 
 Profiler: --profile-step-start 2 --profile-step-end 4 --profile-ranks 1: only rank 1 writes a trace into
 --tensorboard-dir, and it covers exactly profiler steps 2 and 3 (iterations 3 and 4).
+
+--empty-unused-memory-level (Megatron's levels): 1 empties the allocator cache after every forward-backward and
+after every evaluation iteration, 2 also after every optimizer step; 0 never. Counted by the caller of
+``device.empty_cache`` (a no-op on CPU, so counting the calls is how the behaviour is seen here).
 """
 import glob
 import json
@@ -60,8 +64,29 @@ def _count_gc_calls(extra):
 GC_ARGS = ["--manual-gc", "--manual-gc-interval", "3", "--eval-interval", "4"]
 
 
+def _count_empty_cache_calls(level):
+    import collections
+    import sys
+
+    from megatron.core import device
+
+    real, callers = device.empty_cache, collections.Counter()
+
+    def counting():
+        callers[sys._getframe(1).f_code.co_name] += 1
+        real()
+
+    device.empty_cache = counting
+    try:
+        run_pretrain("pretrain_gpt", BASE + ["--eval-interval", "4", "--empty-unused-memory-level", str(level)])
+    finally:
+        device.empty_cache = real
+    return dict(callers)
+
+
 def gc_and_profile_body(tb_dir):
-    calls = [_count_gc_calls(GC_ARGS), _count_gc_calls(GC_ARGS + ["--no-manual-gc-eval"])]
+    calls = [_count_gc_calls(GC_ARGS), _count_gc_calls(GC_ARGS + ["--no-manual-gc-eval"]),
+             [_count_empty_cache_calls(level) for level in (0, 1, 2)]]
     run_pretrain("pretrain_gpt", BASE + ["--eval-interval", "1000", "--profile", "--use-pytorch-profiler",
                                          "--profile-step-start", "2", "--profile-step-end", "4",
                                          "--profile-ranks", "1", "--tensorboard-dir", tb_dir])
@@ -79,7 +104,7 @@ def test_manual_gc_schedule(gc_and_profile):
     per_rank, _ = gc_and_profile
     # start | it 3 | eval at 4: before, after | it 6 | eval at 8: before, after | end
     expected = ["disable", 2, 2, 2, 0, 2, 2, 0, "enable"]
-    for with_eval, without_eval in per_rank:
+    for with_eval, without_eval, _ in per_rank:
         assert with_eval == expected, with_eval
         assert without_eval == ["disable", 2, 2, 2, "enable"], without_eval
 
@@ -112,3 +137,13 @@ def test_nsys_mode_on_cpu_logs_and_captures_nothing():
     # Ranks outside --profile-ranks do nothing and say nothing.
     args.profile_ranks = [1]
     assert not IterationProfiler(args, rank=0, log=lines.append).active and len(lines) == 1
+
+
+def test_empty_unused_memory_levels(gc_and_profile):
+    per_rank, _ = gc_and_profile
+    for _, _, (level0, level1, level2) in per_rank:
+        assert level0 == {}, level0
+        # 8 training steps; evaluation iterations: 1 each at iterations 4 and 8, then the final validation and
+        # test evaluations (1 iteration each)
+        assert level1 == {"train_step": 8, "evaluate": 4}, level1
+        assert level2 == {"train_step": 16, "evaluate": 4}, level2
