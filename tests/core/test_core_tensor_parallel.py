@@ -335,3 +335,69 @@ def rng_tp2_body():
 def test_rng_tracker_and_distributed_checkpoint_tp2():
     for out in run_distributed(rng_tp2_body, 2):
         assert all(out.values()), out
+
+
+def kept_output_buffer_body():
+    """ColumnParallelLinear(reuse_cpu_output_buffer=True): every output matches F.linear in float64, the storage is
+    reused once nothing references the previous output, and never while a caller or autograd still holds it."""
+    from megatron.core import ModelParallelConfig, parallel_state as ps, tensor_parallel as tpl
+
+    ps.initialize_model_parallel(1)
+    tpl.model_parallel_cuda_manual_seed(3)
+    T = _full_tensors()
+    cfg = ModelParallelConfig(params_dtype=torch.float64)
+    results = {}
+    for bias in (False, True):
+        col = tpl.ColumnParallelLinear(IN, OUT, config=cfg, init_method=torch.nn.init.zeros_, bias=bias,
+                                       reuse_cpu_output_buffer=True)
+        col.output_buffer.min_bytes = 0  # the tiny test output is far below the 32 MiB threshold
+        with torch.no_grad():
+            col.weight.copy_(T["W"])
+            if bias:
+                col.bias.copy_(T["b"])
+        ref = F.linear(T["X"], T["W"], T["b"] if bias else None)
+
+        def step(scale):
+            """Forward, a loss that works in the output in place (as the vocab cross entropy does), backward."""
+            col.zero_grad(set_to_none=True)
+            X = T["X"].clone().requires_grad_(True)
+            Y, _ = col(X)
+            ptr = Y.untyped_storage().data_ptr()
+            value = Y.detach().clone()
+            Y.mul_(scale)
+            (Y * T["G"]).sum().backward()
+            return ptr, value, X.grad, col.weight.grad
+
+        ptr1, y1, gx1, gw1 = step(2.0)
+        ptr2, y2, gx2, gw2 = step(3.0)
+        results[f"bias{bias}_values"] = max(rel_err(y1, ref), rel_err(y2, ref))
+        results[f"bias{bias}_grads"] = max(rel_err(gx1, 2 * T["G"] @ T["W"]), rel_err(gx2, 3 * T["G"] @ T["W"]),
+                                           rel_err(gw2, 3 * T["G"].reshape(-1, OUT).t() @ T["X"].reshape(-1, IN)))
+        results[f"bias{bias}_reused"] = float(ptr1 != ptr2)  # 0.0: the second step wrote into the kept storage
+
+        # A caller holding an output: the next call must allocate, and the held values stay intact.
+        held, _ = col(T["X"])
+        other, _ = col(T["X"])
+        results[f"bias{bias}_held_distinct"] = float(held.untyped_storage().data_ptr()
+                                                     == other.untyped_storage().data_ptr())
+        other.zero_()
+        results[f"bias{bias}_held_values"] = rel_err(held.detach(), ref)
+        del held, other
+
+        # Only autograd holding it (saved by the product for backward): still in use, not overwritten.
+        X = T["X"].clone().requires_grad_(True)
+        Y, _ = col(X)
+        loss = (Y * Y).sum()
+        del Y
+        overwrite, _ = col(T["X"] * 0)
+        loss.backward()
+        results[f"bias{bias}_saved_by_autograd"] = rel_err(X.grad, (2 * ref) @ T["W"])
+        del overwrite
+    return results
+
+
+def test_column_parallel_kept_cpu_output_buffer():
+    (results,) = run_distributed(kept_output_buffer_body, 1)
+    assert len(results) == 12, results
+    bad = {k: v for k, v in results.items() if not v <= TOL}
+    assert not bad, bad

@@ -124,3 +124,43 @@ def test_fused_qkv_layout_is_group_major():
     assert fused == expected
     q2, k2, v2 = hf.split_qkv(hf.fuse_qkv(q, k, v, nh, ng), nh, ng)
     assert torch.equal(q2, q) and torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_gpt2_training_steps_with_kept_cpu_logits_buffer(single_rank, monkeypatch):
+    """The megatron-core head writes its logits into the kept CPU buffer (threshold lowered to 0 so the tiny model
+    takes that path) and three SGD steps follow HF GPT-2's losses and gradients: the loss's in-place work in the
+    buffer and its reuse across steps change nothing."""
+    from megatron.core.tensor_parallel.layers import CpuOutputBuffer
+
+    monkeypatch.setattr(CpuOutputBuffer, "min_bytes", 0)
+    hf_cfg, hf_model = _hf_gpt2(vocab_size=96)
+    hf_model.train()
+    config = hf.gpt2_config_to_megatron(hf_cfg, make_vocab_size_divisible_by=32, use_cpu_initialization=True,
+                                        hidden_dropout=0.0, attention_dropout=0.0)
+    sd = hf.gpt2_hf_to_megatron(hf_model.state_dict(), hf_cfg, config.padded_vocab_size)
+    core = CoreGPTModel(config, get_gpt_layer_local_spec(), config.padded_vocab_size, config.max_position_embeddings,
+                        share_embeddings_and_output_weights=True).train()
+    core.load_state_dict(keys.legacy_to_mcore(sd, "gpt"))
+    hf_model.config.resid_pdrop = hf_model.config.embd_pdrop = hf_model.config.attn_pdrop = 0.0
+    for m in hf_model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    ids, pos, mask = _inputs(96)
+    labels = torch.roll(ids, -1, dims=1)
+    opt_ours = torch.optim.SGD(core.parameters(), lr=0.5)
+    opt_hf = torch.optim.SGD(hf_model.parameters(), lr=0.5)
+    pointers = []
+    for _ in range(3):
+        opt_ours.zero_grad()
+        opt_hf.zero_grad()
+        ours = core(ids, pos, mask, labels=labels)[:, :-1].mean()
+        ours.backward()
+        pointers.append(core.output_layer.output_buffer._storage.data_ptr())
+        theirs = hf_model(ids, labels=ids).loss
+        theirs.backward()
+        assert abs(ours.item() - theirs.item()) <= 1e-5 * abs(theirs.item()), (ours.item(), theirs.item())
+        g_ours = core.embedding.word_embeddings.weight.grad[:96]
+        assert rel_err(g_ours, hf_model.transformer.wte.weight.grad) <= 1e-5
+        opt_ours.step()
+        opt_hf.step()
+    assert len(set(pointers)) == 1, "the head did not keep its logits buffer between steps"

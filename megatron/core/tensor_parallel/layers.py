@@ -27,6 +27,7 @@ from torch.nn.parameter import Parameter
 
 from megatron.core import device, parallel_state
 from megatron.core.fp8_utils import Fp8Meta, fp8_dgrad, fp8_forward, fp8_recipe_from_config, fp8_wgrad
+from megatron.core.fusions.fused_kernels import log_once
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.parallel_state import (
     get_global_memory_buffer,
@@ -185,6 +186,50 @@ class _EmbeddingWithGradAccumulation(torch.autograd.Function):
         return None, None
 
 
+class CpuOutputBuffer:
+    """The output buffer of one CPU linear layer, kept between calls (an extension: the GPT and BERT heads use it).
+
+    glibc's ``malloc`` serves blocks of 32 MiB and more with ``mmap`` and unmaps them on ``free``, so a
+    ``[tokens, vocabulary]`` logits tensor allocated afresh on every step is page-faulted (and zero-filled by the
+    kernel) again on every step: for the ``cpu`` preset of ``benchmarks/train_throughput.py`` (2048 tokens x 50304)
+    that made the forward GEMM of the output layer take 650-780 ms instead of the 555 ms of the same GEMM writing
+    into a live buffer. The layer keeps the storage and writes the next output into it when nothing references the
+    previous output any more: the storage's use count is 1 (this object's own reference) once the loss, its
+    in-place backward and the layer's backward have released it. While it is still referenced (several
+    micro-batches in flight, a caller holding the logits) :meth:`get` returns ``None`` and the caller allocates as
+    before. CUDA's caching allocator already reuses blocks, so only CPU outputs of at least ``min_bytes`` use it.
+    """
+
+    min_bytes = 32 * 1024 * 1024
+
+    def __init__(self):
+        self._storage = None
+
+    @staticmethod
+    def _in_use(storage) -> bool:
+        return torch._C._storage_Use_Count(storage._cdata) > 1
+
+    def get(self, shape, dtype, device_) -> Optional[torch.Tensor]:
+        """An uninitialised tensor of ``shape`` on the kept storage, or ``None`` (GPU, small, or still in use)."""
+        if device_.type != "cpu":
+            return None
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        if nbytes < self.min_bytes:
+            return None
+        storage = self._storage
+        if storage is not None and self._in_use(storage):
+            log_once("cpu_output_buffer_busy", "output layer: its kept CPU buffer is still referenced (several "
+                     "micro-batches in flight?): allocating a new output tensor for this call")
+            return None
+        if storage is None or storage.nbytes() < nbytes:
+            self._storage = storage = torch.UntypedStorage(nbytes, device=device_)
+            log_once("cpu_output_buffer", f"output layer: keeping its {nbytes / 2**20:.0f} MiB CPU output buffer "
+                     "between steps (large blocks are returned to the OS on free and page-faulted again)")
+        return torch.empty(0, dtype=dtype, device=device_).set_(storage, 0, tuple(shape))
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """``X W^T + b`` whose backward overlaps the input-gradient all-reduce with the weight-gradient GEMM.
 
@@ -199,7 +244,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel,
-                fp8_meta=None):
+                fp8_meta=None, output_buffer=None):
         ctx.save_for_backward(input, weight)
         ctx.fp8_meta = fp8_meta
         ctx.use_bias = bias is not None
@@ -220,14 +265,19 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if fp8_meta is not None:
             output, ctx.fp8_saved = fp8_forward(fp8_meta, total_input, weight, bias)
             return output
+        out_shape = (*total_input.shape[:-1], weight.shape[0])
+        kept = output_buffer.get(out_shape, total_input.dtype, total_input.device) if output_buffer is not None else None
         if bias is not None and total_input.dim() >= 2:
             # One GEMM that starts from the bias: no separate pass (and no second buffer) to add it. It writes
             # into a tensor of the final shape, so the output is not a view (a loss may work in it in place).
-            output = torch.empty(*total_input.shape[:-1], weight.shape[0], dtype=total_input.dtype,
-                                 device=total_input.device)
+            output = kept if kept is not None else torch.empty(out_shape, dtype=total_input.dtype,
+                                                               device=total_input.device)
             torch.addmm(bias, total_input.reshape(-1, total_input.shape[-1]), weight.t(),
                         out=output.view(-1, weight.shape[0]))
             return output
+        if kept is not None:
+            torch.mm(total_input.reshape(-1, total_input.shape[-1]), weight.t(), out=kept.view(-1, weight.shape[0]))
+            return kept
         output = torch.matmul(total_input, weight.t())
         if bias is not None:
             output = output + bias
@@ -291,8 +341,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if reduce_handle is not None:
             reduce_handle.wait()
         if ctx.sequence_parallel:
-            return sub_grad_input, grad_weight, grad_bias, None, None, None, None
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+            return sub_grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 _FUSED_WGRAD_MODULE = None
@@ -348,8 +398,10 @@ _WARNED_DEVICE_MAX_CONNECTIONS = False
 
 
 def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion,
-                                                      async_grad_allreduce, sequence_parallel, fp8_meta=None):
-    """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`."""
+                                                      async_grad_allreduce, sequence_parallel, fp8_meta=None,
+                                                      output_buffer: Optional[CpuOutputBuffer] = None):
+    """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication` (``output_buffer``: an
+    extension, see :class:`CpuOutputBuffer`)."""
     global _WARNED_DEVICE_MAX_CONNECTIONS
     if (async_grad_allreduce or sequence_parallel) and device.on_gpu() and not _WARNED_DEVICE_MAX_CONNECTIONS:
         if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
@@ -359,7 +411,8 @@ def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradi
             )
             _WARNED_DEVICE_MAX_CONNECTIONS = True
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
-        input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, fp8_meta
+        input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, fp8_meta,
+        output_buffer
     )
 
 
@@ -385,9 +438,11 @@ class ColumnParallelLinear(torch.nn.Module):
     def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: Callable,
                  bias: bool = True, gather_output: bool = False, stride: int = 1,
                  keep_master_weight_for_test: bool = False, skip_bias_add: bool = False,
-                 skip_weight_param_allocation: bool = False):
+                 skip_weight_param_allocation: bool = False, reuse_cpu_output_buffer: bool = False):
         super().__init__()
         self.input_size = input_size
+        # An extension (see CpuOutputBuffer): the model heads keep their vocabulary-sized logits buffer on CPU.
+        self.output_buffer = CpuOutputBuffer() if reuse_cpu_output_buffer else None
         self.output_size = output_size
         self.gather_output = gather_output
         world_size = get_tensor_model_parallel_world_size()
@@ -461,7 +516,7 @@ class ColumnParallelLinear(torch.nn.Module):
             input=input_parallel, weight=weight, bias=bias,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             async_grad_allreduce=self.async_tensor_model_parallel_allreduce,
-            sequence_parallel=self.sequence_parallel, fp8_meta=self.fp8_meta,
+            sequence_parallel=self.sequence_parallel, fp8_meta=self.fp8_meta, output_buffer=self.output_buffer,
         )
         if self.gather_output:
             if self.sequence_parallel:

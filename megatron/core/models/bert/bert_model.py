@@ -77,7 +77,8 @@ class BertModel(LanguageModule):
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=True,
                 skip_bias_add=False, gather_output=not self.parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights)
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                reuse_cpu_output_buffer=True)
             self.binary_head = None
             if self.add_binary_head:
                 self.binary_head = get_linear_layer(config.hidden_size, 2, config.init_method, config=config)

@@ -92,7 +92,8 @@ class GPTModel(LanguageModule):
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
                 skip_bias_add=False, gather_output=not self.parallel_output,
-                skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights)
+                skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
+                reuse_cpu_output_buffer=True)
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
 
