@@ -1,0 +1,177 @@
+"""MoE routing features against the real megatron-core 0.16.1 (the oracle, run in a subprocess).
+
+Same logits on both sides; compared: the routing map (exactly), the routing probabilities and their gradient with
+respect to the logits, for every routing option Megatron has (softmax / pre-softmax / sigmoid scores, top-k
+scaling, expert bias, group-limited routing), capacity and token dropping (both drop policies, padding to
+capacity, several capacity factors), the scores and map the load-balancing loss uses, and the router's losses
+(aux_loss, seq_aux_loss, z-loss) as our ``TopKRouter`` computes and logs them. Input jitter is checked directly.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers.mcore_oracle import require_oracle
+from helpers.models_helpers import single_rank  # noqa: F401  (fixture)
+from helpers.numerics import rel_err
+
+T, E, SEQ, BATCH = 24, 8, 6, 4  # T = SEQ * BATCH tokens
+TOL = 1e-6
+
+ROUTING = {
+    "softmax_top2": dict(topk=2),
+    "softmax_top1": dict(topk=1),
+    "pre_softmax_top2": dict(topk=2, use_pre_softmax=True),
+    "sigmoid_top2": dict(topk=2, score_function="sigmoid"),
+    "sigmoid_top1": dict(topk=1, score_function="sigmoid"),
+    "sigmoid_expert_bias": dict(topk=2, score_function="sigmoid", expert_bias="bias"),
+    "scaling_factor": dict(topk=2, scaling_factor=2.5),
+    "group_limited_softmax": dict(topk=2, num_groups=4, group_topk=2),
+    "group_limited_sigmoid": dict(topk=4, num_groups=4, group_topk=2, score_function="sigmoid", scaling_factor=2.0),
+}
+DROPPING = {
+    "probs_cf1": ("softmax_top2", 1.0, "probs", False),
+    "position_cf1": ("softmax_top2", 1.0, "position", False),
+    "probs_cf05": ("softmax_top2", 0.5, "probs", False),
+    "probs_pad": ("softmax_top2", 1.0, "probs", True),
+    "position_pad_cf15": ("sigmoid_top2", 1.5, "position", True),
+}
+
+ORACLE = r"""
+import sys, torch
+from megatron.core.transformer.moe import moe_utils as m
+cases = torch.load(sys.argv[1])
+out = {}
+for name, kw in cases["routing"].items():
+    logits = cases["logits"].clone().requires_grad_(True)
+    kw = dict(kw)
+    if kw.get("expert_bias") == "bias":
+        kw["expert_bias"] = cases["expert_bias"]
+    probs, rmap = m.topk_routing_with_score_function(logits, **kw)
+    (probs * cases["weights"]).sum().backward()
+    out[name] = (probs.detach(), rmap, logits.grad)
+for name, (base, cf, policy, pad) in cases["dropping"].items():
+    probs, rmap = out[base][0], out[base][1]
+    topk = cases["routing"][base]["topk"]
+    out["drop_" + name] = m.apply_router_token_dropping(probs, rmap, topk, cf, policy, pad)
+for fn in ("softmax", "sigmoid"):
+    rmap, scores = m.compute_routing_scores_for_aux_loss(cases["logits"], 2, fn)
+    out["aux_scores_" + fn] = (rmap, scores)
+# The losses of TopKRouter (router.py of 0.16.1), one rank: aux_loss, seq_aux_loss (tokens are [s, b] flattened,
+# the batch folded into the expert columns, divided by the batch) and z-loss, each with its coefficient.
+logits = cases["logits"]
+rmap, scores = m.compute_routing_scores_for_aux_loss(logits, 2, "softmax")
+aux = m.switch_load_balancing_loss_func(scores, rmap.sum(0), logits.shape[0], 2, logits.shape[1], 0.01)
+s, b = cases["seq_batch"]
+seq_scores, seq_map = scores.reshape(s, -1), rmap.reshape(s, -1)
+seq = m.switch_load_balancing_loss_func(seq_scores, seq_map.sum(0), s, 2, logits.shape[1], 0.02) / b
+z = m.z_loss_func(logits, 0.001)
+out["losses"] = {"load_balancing_loss": aux / 0.01, "seq_load_balancing_loss": seq / 0.02, "z_loss": z / 0.001}
+torch.save(out, sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def oracle_results(tmp_path_factory):
+    oracle = require_oracle()
+    tmp = tmp_path_factory.mktemp("moe_router_oracle")
+    g = torch.Generator().manual_seed(7)
+    cases = {"logits": torch.randn(T, E, generator=g) * 2, "weights": torch.randn(T, E, generator=g),
+             "expert_bias": torch.randn(E, generator=g) * 0.5, "routing": ROUTING, "dropping": DROPPING,
+             "seq_batch": (SEQ, BATCH)}
+    torch.save(cases, tmp / "cases.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = oracle
+    proc = subprocess.run([sys.executable, "-c", ORACLE, str(tmp / "cases.pt"), str(tmp / "out.pt")], cwd=str(tmp),
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return cases, torch.load(tmp / "out.pt")
+
+
+def _ours_routing(cases, name):
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    kw = dict(ROUTING[name])
+    if kw.get("expert_bias") == "bias":
+        kw["expert_bias"] = cases["expert_bias"]
+    logits = cases["logits"].clone().requires_grad_(True)
+    probs, rmap = topk_routing_with_score_function(logits, **kw)
+    (probs * cases["weights"]).sum().backward()
+    return probs.detach(), rmap, logits.grad
+
+
+@pytest.mark.parametrize("name", sorted(ROUTING))
+def test_routing_matches_megatron_core(oracle_results, name):
+    cases, ref = oracle_results
+    probs, rmap, grad = _ours_routing(cases, name)
+    ref_probs, ref_map, ref_grad = ref[name]
+    assert torch.equal(rmap, ref_map), f"{name}: routing map differs"
+    assert int(rmap.sum()) == T * ROUTING[name]["topk"]
+    assert rel_err(probs, ref_probs) <= TOL, (name, rel_err(probs, ref_probs))
+    assert rel_err(grad, ref_grad) <= TOL, (name, rel_err(grad, ref_grad))
+
+
+@pytest.mark.parametrize("name", sorted(DROPPING))
+def test_capacity_and_token_dropping_match_megatron_core(oracle_results, name):
+    from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, get_capacity
+
+    cases, ref = oracle_results
+    base, cf, policy, pad = DROPPING[name]
+    probs, rmap, _ = _ours_routing(cases, base)
+    topk = ROUTING[base]["topk"]
+    ours_probs, ours_map = apply_router_token_dropping(probs, rmap, topk, cf, policy, pad)
+    ref_probs, ref_map = ref["drop_" + name]
+    assert torch.equal(ours_map, ref_map), f"{name}: kept tokens differ"
+    assert rel_err(ours_probs, ref_probs) <= TOL
+    capacity = get_capacity(T * topk, E, cf)
+    per_expert = ours_map.sum(0)
+    if pad:
+        assert torch.all(per_expert == capacity), per_expert
+    else:
+        assert int(per_expert.max()) <= capacity and int(ours_map.sum()) < T * topk  # something was dropped
+
+
+@pytest.mark.parametrize("fn", ["softmax", "sigmoid"])
+def test_aux_loss_scores_match_megatron_core(oracle_results, fn):
+    from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+
+    cases, ref = oracle_results
+    rmap, scores = compute_routing_scores_for_aux_loss(cases["logits"], 2, fn)
+    assert torch.equal(rmap, ref["aux_scores_" + fn][0])
+    assert rel_err(scores, ref["aux_scores_" + fn][1]) <= TOL
+
+
+def _router(**extra):
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=E,
+                               moe_router_topk=2, add_bias_linear=False, **extra)
+    return TopKRouter(config).train()
+
+
+def test_router_losses_match_megatron_core(oracle_results, single_rank):
+    """aux_loss + seq_aux_loss + z-loss together through our TopKRouter: the logged per-layer values (loss / coeff)
+    equal megatron-core's formulas on the same logits."""
+    cases, ref = oracle_results
+    router = _router(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.01, 0.02],
+                     moe_z_loss_coeff=0.001)
+    logits = cases["logits"].clone().requires_grad_(True)
+    probs, rmap = router.routing(logits, SEQ, BATCH)
+    assert set(router.tracked_losses) == set(ref["losses"])
+    for name, value in ref["losses"].items():
+        assert rel_err(router.tracked_losses[name], value) <= TOL, (name, router.tracked_losses[name], value)
+
+
+def test_input_jitter_multiplies_by_uniform_noise(single_rank):
+    """--moe-input-jitter-eps: the gating input is x * U(1 - eps, 1 + eps), in training and in evaluation."""
+    router = _router(moe_input_jitter_eps=0.1)
+    x = torch.randn(SEQ, BATCH, 16).abs() + 0.5
+    for mode in (router.train, router.eval):
+        mode()
+        ratio = router.apply_input_jitter(x) / x
+        assert float(ratio.min()) >= 0.9 - 1e-6 and float(ratio.max()) <= 1.1 + 1e-6
+        assert float(ratio.std()) > 0.02  # noise, not a constant
+    assert _router().apply_input_jitter(x) is x  # no eps: untouched
