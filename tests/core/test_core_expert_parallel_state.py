@@ -163,3 +163,74 @@ def test_expert_getters_before_initialization():
     assert ps.get_expert_data_parallel_world_size() == 0
     with pytest.raises(AssertionError, match="not initialized"):
         ps.get_expert_model_parallel_group()
+
+
+# Expert and context parallelism together: (world, tp, cp, pp, ep) -> dense and expert tables. The dense grid
+# orders tp-cp-ep-dp-pp with ep = 1; the expert grid has cp = 1, so CP ranks become expert-parallel or
+# expert-data-parallel ranks. By hand: W=8, TP=1, CP=2, EP=2: cp = r % 2, dp = r // 2; ep = r % 2, edp = r // 2.
+EP_CP_LAYOUTS = {
+    (8, 1, 2, 1, 2): {
+        "context": [[0, 1], [2, 3], [4, 5], [6, 7]], "data": [[0, 2, 4, 6], [1, 3, 5, 7]],
+        "data_with_cp": [list(range(8))], "tensor_and_context": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expert_model": [[0, 1], [2, 3], [4, 5], [6, 7]], "expert_data": [[0, 2, 4, 6], [1, 3, 5, 7]],
+    },
+    # W=8, TP=2, CP=2, EP=4 (expert TP = TP = 2): dense tp = r % 2, cp = (r // 2) % 2, dp = r // 4;
+    # expert etp = r % 2, ep = (r // 2) % 4: no expert DP.
+    (8, 2, 2, 1, 4): {
+        "context": [[0, 2], [1, 3], [4, 6], [5, 7]], "data": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "data_with_cp": [[0, 2, 4, 6], [1, 3, 5, 7]], "tensor_and_context": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "expert_model": [[0, 2, 4, 6], [1, 3, 5, 7]], "expert_data": S,
+    },
+    # W=4, TP=1, CP=2, PP=1, EP=2 (the gloo run below): cp = r % 2, dp = r // 2; ep = r % 2, edp = r // 2.
+    (4, 1, 2, 1, 2): {
+        "context": [[0, 1], [2, 3]], "data": [[0, 2], [1, 3]], "data_with_cp": [[0, 1, 2, 3]],
+        "tensor_and_context": [[0, 1], [2, 3]], "expert_model": [[0, 1], [2, 3]], "expert_data": [[0, 2], [1, 3]],
+    },
+    # W=8, TP=1, CP=2, PP=2, EP=2: cp = r % 2, dp = (r // 2) % 2, pp = r // 4; ep = r % 2, edp = (r // 2) % 2.
+    (8, 1, 2, 2, 2): {
+        "context": [[0, 1], [2, 3], [4, 5], [6, 7]], "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "data_with_cp": [[0, 1, 2, 3], [4, 5, 6, 7]], "tensor_and_context": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expert_model": [[0, 1], [2, 3], [4, 5], [6, 7]], "expert_data": [[0, 2], [1, 3], [4, 6], [5, 7]],
+    },
+}
+DENSE_TOKENS = {"context": "cp", "data": "dp", "data_with_cp": "dp-cp", "tensor_and_context": "tp-cp"}
+
+
+@pytest.mark.parametrize("layout", list(EP_CP_LAYOUTS), ids=lambda k: "w{}-tp{}-cp{}-pp{}-ep{}".format(*k))
+def test_expert_and_context_parallel_tables(layout):
+    from megatron.core.parallel_state import RankGenerator, expert_rank_generator
+
+    world, tp, cp, pp, ep = layout
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    expert = expert_rank_generator(world, tp, pp, ep)
+    for kind, expected in EP_CP_LAYOUTS[layout].items():
+        gen, token = (dense, DENSE_TOKENS[kind]) if kind in DENSE_TOKENS else (expert, TOKENS[kind])
+        assert gen.get_ranks(token) == expected, kind
+
+
+def expert_and_cp_body():
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(1, 1, context_parallel_size=2, expert_model_parallel_size=2)
+    try:
+        reported = ps.get_all_group_ranks()
+        tables = EP_CP_LAYOUTS[(4, 1, 2, 1, 2)]
+        rank = torch.distributed.get_rank()
+        for kind, expected in tables.items():
+            assert reported[kind] == expected, (kind, reported[kind])
+        groups = {"context": ps.get_context_parallel_group(), "data": ps.get_data_parallel_group(),
+                  "data_with_cp": ps.get_data_parallel_group(with_context_parallel=True),
+                  "expert_model": ps.get_expert_model_parallel_group(),
+                  "expert_data": ps.get_expert_data_parallel_group()}
+        for kind, group in groups.items():
+            t = torch.tensor([float(rank + 1)])
+            torch.distributed.all_reduce(t, group=group)
+            assert t.item() == sum(r + 1 for r in _mine(tables[kind], rank)), (kind, rank)
+        return (ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                ps.get_expert_data_parallel_world_size())
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_expert_and_context_parallel_groups_world_4():
+    assert run_distributed(expert_and_cp_body, 4, timeout=120) == [(2, 2, 2)] * 4
