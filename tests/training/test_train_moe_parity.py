@@ -1,8 +1,8 @@
-"""MoE GPT training runs: the per-iteration losses (LM loss and Megatron's logged load_balancing_loss / z_loss) and
-grad norms (1e-4) are layout-independent (losses 1e-5 relative) across EP=1, EP=2 (both dispatchers), EP=2 x TP=2 (+SP, expert
-TP 2), grouped GEMM on and off, PP=2, and the distributed optimizer. Every run starts from the same model
-(train_helpers.deterministic_init: experts keyed by global layer and global expert index). Dropless routing,
-fp32; one 4-rank gloo spawn runs every layout in process."""
+"""MoE GPT training runs: the per-iteration losses (LM loss and Megatron's logged load_balancing_loss / z_loss)
+and grad norms (1e-4) are layout-independent (losses 1e-5 relative) across EP=1, EP=2 (both dispatchers), EP=2 x
+TP=2 (+SP, expert TP 2), grouped GEMM on and off, PP=2, the distributed optimizer, and context parallelism (CP=2,
+EP=2 x CP=2). Every run starts from the same model (train_helpers.deterministic_init: experts keyed by global layer
+and global expert index). Dropless routing, fp32; one 4-rank gloo spawn runs every layout in process."""
 import pytest
 
 from helpers.dist_harness import run_distributed
@@ -25,14 +25,33 @@ LAYOUTS = {
     "ep2_pp2": ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                 "--moe-token-dispatcher-type", "alltoall"],
     "ep2_distopt": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+    # Context parallelism: each CP rank routes its half of every sequence; the load-balancing counts are summed
+    # over TP x CP and the partial losses add up to the sequence batch's.
+    "cp2_alltoall": ["--context-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+    "ep2_cp2_allgather": ["--expert-model-parallel-size", "2", "--context-parallel-size", "2"],
 }
 
 
 def moe_layouts_body(data, names):
+    from megatron.core.transformer import context_parallel
+
+    calls = []
+    original = context_parallel.context_parallel_attention
+
+    def counting(*args, **kwargs):  # proves the CP layouts really split the sequence
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    context_parallel.context_parallel_attention = counting
     out = {}
-    for name in names:
-        records = run_pretrain("pretrain_gpt", ["--data-path", data] + MOE + LAYOUTS[name])
-        out[name] = [(r["iteration"], r["loss"], r["grad_norm"]) for r in records]
+    try:
+        for name in names:
+            calls.clear()
+            records = run_pretrain("pretrain_gpt", ["--data-path", data] + MOE + LAYOUTS[name])
+            out[name] = [(r["iteration"], r["loss"], r["grad_norm"]) for r in records]
+            out[name + "_cp_calls"] = len(calls)
+    finally:
+        context_parallel.context_parallel_attention = original
     return out
 
 
@@ -46,6 +65,8 @@ def test_moe_training_losses_equal_across_layouts(data):
     results = run_distributed(moe_layouts_body, 4, data, list(LAYOUTS), timeout=380)
     # The last rank is on the last pipeline stage in every layout: it logs the losses.
     runs = results[-1]
+    cp_calls = {name: runs.pop(name + "_cp_calls") for name in LAYOUTS}
+    assert all((cp_calls[name] > 0) == ("cp2" in name) for name in LAYOUTS), cp_calls
     ref = runs["ep1"]
     assert len(ref) == 3
     for iteration, losses, _ in ref:
