@@ -33,3 +33,16 @@ def write_race(directory, n, rng):
                                     "questions": ["where did the cat sit ?", "the day was _ ."],
                                     "options": [["mat", "roof", "tree", "car"], ["sunny", "dark", "cold", "wet"]],
                                     "answers": answers}) + "\n")
+
+
+def write_qqp(path, n, rng):
+    """A separable QQP toy set: duplicates share a keyword repeated in both questions ('same'), others do not."""
+    subjects = ["the cat", "a man", "the river", "my friend", "the city", "a student", "the dog", "our team"]
+    with open(path, "w") as f:
+        f.write("id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n")
+        for i in range(n):
+            duplicate = i % 2
+            kw = "same" if duplicate else "other"
+            q1 = f"{kw} {kw} where is {rng.choice(subjects)} ?"
+            q2 = f"{kw} {kw} {kw} {rng.choice(subjects)} ?"
+            f.write("\t".join([str(i), str(2 * i), str(2 * i + 1), q1, q2, str(duplicate)]) + "\n")

@@ -1,11 +1,12 @@
-"""BERT finetuning tasks (tasks/main.py --task MNLI / RACE) on tiny files written here, on 2 data-parallel ranks.
+"""BERT finetuning tasks (tasks/main.py --task MNLI / RACE / QQP) on tiny files written here, on 2 data-parallel ranks.
 
 One run: a tiny megatron-core BERT is saved as the pretrained checkpoint (torch format, megatron-core keys); MNLI
 finetunes from it (Classification, legacy keys) on a separable toy set -- accuracy on the dev files must rise from
 the first to the last epoch; a run stopped by --exit-interval in the middle of an epoch and resumed from its
 checkpoint logs the same losses, bit for bit, as the straight run (dropout on); --epochs 0 on the finetuned
 checkpoint measures the last epoch's accuracy again; the converter reshards the classifier; RACE finetunes one epoch
-(MultipleChoice) with tensor parallelism 2 and reports accuracy.
+(MultipleChoice) with tensor parallelism 2 and reports accuracy; QQP finetunes 3 epochs on a separable toy set and
+reaches at least 13 / 16 on its dev file (chance 8).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import re
 
 import pytest
 from helpers.dist_harness import run_distributed
-from helpers.tasks_helpers import write_mnli, write_race
+from helpers.tasks_helpers import write_mnli, write_qqp, write_race
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BERT = ["--tokenizer-type", "BertWordPieceLowerCase",
@@ -90,6 +91,9 @@ def _body(tmp):
     out["race"] = _run(BERT + ["--task", "RACE", "--epochs", "1", "--train-data", f"{race}/train/middle",
                                "--valid-data", f"{race}/dev/middle", "--pretrained-checkpoint", pre_tp2,
                                "--micro-batch-size", "2", "--tensor-model-parallel-size", "2"])
+    qqp = os.path.join(tmp, "QQP")
+    out["qqp"] = _run(BERT + ["--task", "QQP", "--epochs", "3", "--train-data", f"{qqp}/train.tsv",
+                              "--valid-data", f"{qqp}/dev.tsv", "--pretrained-checkpoint", pre])
     return out
 
 
@@ -102,6 +106,9 @@ def test_finetune_mnli_accuracy_rises_resume_exact_and_race(tmp_path):
     write_mnli(tmp_path / "MNLI" / "dev_mismatched.tsv", 12, rng)
     write_race(tmp_path / "RACE" / "train" / "middle", 4, rng)
     write_race(tmp_path / "RACE" / "dev" / "middle", 2, rng)
+    (tmp_path / "QQP").mkdir()
+    write_qqp(tmp_path / "QQP" / "train.tsv", 48, rng)
+    write_qqp(tmp_path / "QQP" / "dev.tsv", 16, rng)
     out = run_distributed(_body, 2, str(tmp_path), timeout=280)[1]  # the last rank logs
 
     straight = out["straight"]
@@ -131,6 +138,14 @@ def test_finetune_mnli_accuracy_rises_resume_exact_and_race(tmp_path):
     assert " > |epoch: 0| metrics for dev-middle: correct / total = " in race, race[-3000:]
     race_acc = ACC.findall(race)
     assert race_acc and int(race_acc[0][2]) == 8  # 2 files x 2 articles x 2 questions
+
+    qqp = out["qqp"]
+    assert "could not find classification_head in the checkpoint, initializing to random" in qqp
+    assert " > |epoch: 2| metrics for de: correct / total = " in qqp, qqp[-3000:]  # Megatron's name for dev.tsv
+    qqp_acc = [(int(c), int(t)) for _, c, t in ACC.findall(qqp)]
+    print("QQP dev accuracy per epoch:", qqp_acc)
+    assert len(qqp_acc) == 3 and all(t == 16 for _, t in qqp_acc), qqp_acc
+    assert qqp_acc[-1][0] >= 13, qqp_acc  # chance: 8 / 16
 
 
 def _check_converter(tmp_path):
