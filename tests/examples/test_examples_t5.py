@@ -5,7 +5,9 @@ script's own flags, shrunk with MEGATRON_EXTRA_ARGS to a 2+2-layer model and 3 i
 pretrain_t5_distributed.sh runs with 2 processes as a pipeline (--pipeline-model-parallel-split-rank 1: encoder on
 stage 0, decoder on stage 1) and saves torch_dist checkpoints; pretrain_t5.sh (one process, PP=1) resumes from its
 iteration 2 and must reproduce its losses of iterations 3 and 4 (weights, then Adam moments, across layouts).
-pretrain_t5_distributed_with_mp.sh (TP=2) runs the legacy T5Model (--use-legacy-models) and saves torch checkpoints."""
+pretrain_t5_distributed_with_mp.sh (TP=2) runs the legacy T5Model (--use-legacy-models) and saves torch checkpoints.
+pretrain_t5.py under torchrun in fp32 trains the megatron-core T5 4 iterations with TP=1, TP=2 and TP=2 + SP: the
+same losses per iteration (1e-5) and grad norms (1e-4)."""
 from __future__ import annotations
 
 import pytest
@@ -89,3 +91,53 @@ def test_t5_pipeline_split_script_and_resume_at_pp1(tmp_path, t5_data):
     errors = {n: abs(pp1[n] - pp2[n]) / pp2[n] for n in (3, 4)}
     print(f"T5 losses PP=2 split 1: {pp2}; resumed at PP=1: {pp1}; relative differences {errors}")
     assert max(errors.values()) <= 1e-5
+
+
+def _torchrun_t5(tmp_path, data, procs, extra):
+    """pretrain_t5.py under torchrun in fp32 (the scripts pass --fp16; TP changes the order of 16-bit sums)."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers.examples_helpers import REPO
+
+    env = script_env(tmp_path)
+    argv = (f"{T5_TINY} --num-layers 2 --global-batch-size 4 --train-iters 4 --lr-decay-iters 4 --lr 0.001 "
+            "--lr-decay-style linear --min-lr 0.0001 --clip-grad 1.0 --weight-decay 0.01 --hidden-dropout 0 "
+            "--attention-dropout 0 --vocab-extra-ids 100 --use-cpu-initialization --tokenizer-type "
+            f"BertWordPieceLowerCase --vocab-file {os.path.join(REPO, 'data/tokenizers/bert/vocab.txt')} "
+            f"--data-path {data} {extra}").split()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs),
+                           "--master_port", env["MASTER_PORT"], os.path.join(REPO, "pretrain_t5.py"), *argv],
+                          env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return proc.stdout
+
+
+def test_t5_training_losses_tp2_and_sequence_parallel_equal_tp1(tmp_path, t5_data):
+    """megatron-core T5 trained 4 iterations with TP=2 and TP=2 + SP logs TP=1's losses (1e-5 relative) and grad
+    norms (1e-4): same weights (--use-cpu-initialization gives every TP size the same full weights when the padded
+    vocabulary is the same), same batches."""
+    # The vocabulary is padded to a multiple of --make-vocab-size-divisible-by x TP (8194 + 100 sentinels = 8294 -> 8448 in
+    # all three runs); a different padded size would draw different random embedding rows and shift every weight.
+    outs = {name: _torchrun_t5(tmp_path, t5_data, procs, extra) for name, procs, extra in (
+        ("tp1", 1, "--make-vocab-size-divisible-by 256"),
+        ("tp2", 2, "--tensor-model-parallel-size 2 --make-vocab-size-divisible-by 128"),
+        ("tp2_sp", 2, "--tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 128"))}
+    assert all("(new size: 8448)" in out for out in outs.values())  # Megatron's "> padded vocab" line
+    assert _arg_value(outs["tp2_sp"], "sequence_parallel") == "True"
+    assert _arg_value(outs["tp2"], "tensor_model_parallel_size") == "2"
+    losses = {name: _losses(out) for name, out in outs.items()}
+    norms = {name: {n: float(line.split("grad norm:")[1].split("|")[0]) for line, (n, _, _, _) in iteration_lines(out)}
+             for name, out in outs.items()}
+    ref = losses["tp1"]
+    assert sorted(ref) == [1, 2, 3, 4] and ref[4] < ref[1], ref
+    worst = {}
+    for name in ("tp2", "tp2_sp"):
+        assert sorted(losses[name]) == [1, 2, 3, 4], outs[name][-4000:]
+        worst[name] = max(abs(losses[name][n] - ref[n]) / ref[n] for n in ref)
+        worst[name + " grad norm"] = max(abs(norms[name][n] - norms["tp1"][n]) / norms["tp1"][n] for n in ref)
+    print(f"T5 losses TP=1 {ref}; TP=2 {losses['tp2']}; TP=2 + SP {losses['tp2_sp']}; max relative differences {worst}")
+    assert worst["tp2"] <= 1e-5 and worst["tp2_sp"] <= 1e-5, worst
+    assert worst["tp2 grad norm"] <= 1e-4 and worst["tp2_sp grad norm"] <= 1e-4, worst
