@@ -105,3 +105,64 @@ def test_mixtral_router_losses_against_hand_computation(single_rank):
     plain.train()
     plain(ids, pos, causal_mask(SEQ)).sum().backward()
     assert not torch.allclose(moe_routers(plain)[0].weight.grad, grad_with)
+
+
+def _qwen2_moe_block(norm_topk_prob):
+    torch.manual_seed(3)
+    cfg = transformers.Qwen2MoeConfig(hidden_size=32, moe_intermediate_size=48, shared_expert_intermediate_size=40,
+                                      num_experts=E, num_experts_per_tok=K, norm_topk_prob=norm_topk_prob,
+                                      hidden_act="silu", num_attention_heads=4, num_key_value_heads=2)
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    block = Qwen2MoeSparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.normal_(0, 0.5 if name == "gate.weight" else 0.1)
+    return block
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+@pytest.mark.parametrize("norm_topk_prob", [False, True], ids=["pre_softmax", "renormalised"])
+def test_moe_layer_with_gated_shared_expert_equals_qwen2_moe_block(single_rank, norm_topk_prob, grouped):
+    """MoELayer with --moe-shared-expert-intermediate-size and --moe-shared-expert-gate against Hugging Face's
+    Qwen2MoeSparseMoeBlock (routed SwiGLU experts + shared SwiGLU expert scaled by sigmoid(x . g)), same weights.
+    HF's router is softmax over all experts then top-k: without norm_topk_prob that is --moe-router-pre-softmax, with
+    it Megatron's default (softmax over the top-k logits). Output and input gradient within 1e-5."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    block = _qwen2_moe_block(norm_topk_prob)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                               num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=48,
+                               moe_shared_expert_intermediate_size=40, moe_shared_expert_gate=True,
+                               moe_router_pre_softmax=not norm_topk_prob, moe_grouped_gemm=grouped,
+                               gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                               add_bias_linear=False, bias_activation_fusion=False, use_cpu_initialization=True)
+    layer = GPTModel(config, get_gpt_decoder_block_spec(config), 64, 16).decoder.layers[0].mlp
+    hf_sd = block.state_dict()
+    ours = {"router.weight": hf_sd["gate.weight"],
+            "shared_experts.linear_fc1.weight": torch.cat([hf_sd["shared_expert.gate_proj.weight"],
+                                                           hf_sd["shared_expert.up_proj.weight"]]),
+            "shared_experts.linear_fc2.weight": hf_sd["shared_expert.down_proj.weight"],
+            "shared_experts.gate_weight": hf_sd["shared_expert_gate.weight"]}
+    fc1, fc2 = hf_sd["experts.gate_up_proj"], hf_sd["experts.down_proj"]  # [E, 2F, h] ([gate; up]), [E, h, F]
+    if grouped:
+        ours["experts.weight1"] = torch.cat([w.t() for w in fc1], dim=1)
+        ours["experts.weight2"] = torch.cat([w.t() for w in fc2], dim=0)
+    else:
+        for e in range(E):
+            ours[f"experts.local_experts.{e}.linear_fc1.weight"] = fc1[e]
+            ours[f"experts.local_experts.{e}.linear_fc2.weight"] = fc2[e]
+    missing, unexpected = layer.load_state_dict(ours, strict=False)
+    assert not unexpected and not [k for k in missing if "_extra_state" not in k], (missing, unexpected)
+
+    x = torch.randn(SEQ, BATCH, 32, generator=torch.Generator().manual_seed(4))
+    x_ours, x_hf = x.clone().requires_grad_(True), x.transpose(0, 1).contiguous().requires_grad_(True)
+    g = torch.randn(SEQ, BATCH, 32, generator=torch.Generator().manual_seed(5))
+    out, _ = layer(x_ours)
+    ref = block(x_hf).transpose(0, 1)
+    (out * g).sum().backward()
+    (ref * g).sum().backward()
+    assert rel_err(out.detach(), ref.detach()) <= 1e-5, rel_err(out.detach(), ref.detach())
+    assert rel_err(x_ours.grad, x_hf.grad.transpose(0, 1)) <= 1e-5
+    # The shared expert and its gate really contribute: without them the output differs.
+    assert rel_err((out - layer.shared_experts(x)).detach(), ref.detach()) > 1e-2
