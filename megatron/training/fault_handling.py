@@ -310,7 +310,9 @@ class FaultMonitor:
             return  # our own failure: the main thread is reporting it and exiting
         if not self.reporting.acquire(blocking=False):
             return  # the main thread is already reporting
-        if re.search(rf"(^|; )rank {self.rank} hung: no progress", failure):
+        if re.search(rf"(^|; )rank {self.rank} hung: ", failure):
+            # Stuck, or frozen and now running again (SIGCONT): the main thread's stack read from Python, which
+            # stays readable when the faulthandler dump of a process that resumed mid-dump comes out garbled.
             print(hang_detection.main_thread_stack(self.rank), file=sys.stderr, flush=True)
         print(f"[rank {self.rank}] exiting: {failure}", file=sys.stderr, flush=True)
         self.leave(1)

@@ -19,7 +19,9 @@ Protocol (``--hang-timeout-minutes T``, 0 turns it off; multi-rank runs under fa
   while the process is still there means the whole process stopped (SIGSTOP, a freeze holding the GIL): the
   watcher records ``rank R hung: not responding ...`` under the job's failure key. On the same host it then
   sends the rank ``STACK_SIGNAL`` (SIGUSR2; ``faulthandler`` is registered for it on every rank, so the stack is
-  written even while the GIL is held) and SIGCONT, so that the stack is printed and the rank ends itself.
+  written even while the GIL is held) and SIGCONT, so that the stack is printed and the rank ends itself (its
+  watchdog then prints the main thread's stack read from Python too: the faulthandler dump of a process that
+  resumes while it is written can come out garbled).
 * Stuck ranks: rank 0's watchdog (the judge) reads every record each poll (O(world size) store reads, one
   client). A rank is *stuck* when its record has not changed for ``T`` (judged on the judge's clock). With no
   rank in ``setup``: the stuck ranks that are not waiting are the suspects; when some other rank still advances
