@@ -226,7 +226,6 @@ def moe_save_body(root):
     return _logits(model)
 
 
-@pytest.mark.slow  # two oracle subprocesses + two 2-rank runs: ~2-4 min on 2 cores
 def test_moe_checkpoints_move_both_ways_with_megatron_core(oracle, tmp_path):
     """MoE (4 experts, top-2, SequentialMLP): megatron-core at EP=2 saves, we load at EP=2, EP=1 and PP=2; we save
     at EP=2, megatron-core loads at EP=1. Same logits (expert keys [L, E, ...], gate/up halves, _extra_state)."""

@@ -18,7 +18,7 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_t5_oracl
 VOCAB, SE, SD, LAYERS = 64, 10, 7, 2
 
 # A megatron-core subprocess (~40 s of imports and setup on 2 busy cores) plus a 2-rank load at three layouts.
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,6 @@ def test_moe_checkpoint_reshards_across_ep_tp_pp(legs):
         assert float(line.rsplit(" ", 1)[1]) <= REL_TOL, "\n".join(report)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_moe_torch_format_saves_per_ep_rank_and_resumes(data, tmp_path):
     out = run_distributed(moe_torch_format_body, 4, data, str(tmp_path), timeout=280)[-1]
