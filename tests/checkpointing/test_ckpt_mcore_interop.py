@@ -12,14 +12,12 @@ The oracle's location comes from $MCORE_ORACLE_DIR (.ci/run installs it in <repo
 it the tests skip, except under CI (``$CI`` set), where they fail.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
-from helpers.mcore_oracle import require_oracle
+from helpers.mcore_oracle import require_oracle, run_oracle
 from helpers.numerics import rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,10 +39,7 @@ def _run_oracle(oracle, tmp, jobs):
     jobs_file = os.path.join(str(tmp), f"jobs_{jobs[0]['mode']}.json")
     with open(jobs_file, "w") as f:
         json.dump([{k: str(v) if k in ("ckpt", "out") else v for k, v in job.items()} for job in jobs], f)
-    env = dict(os.environ, PYTHONPATH=oracle, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, CHILD, jobs_file], cwd=str(tmp), env=env, capture_output=True,
-                          text=True, timeout=400)
-    assert proc.returncode == 0, f"megatron-core oracle failed:\n{proc.stderr[-4000:]}"
+    run_oracle([CHILD, jobs_file], cwd=tmp)
 
 
 def _our_model(style, tp, pp, ep=1):

@@ -3,14 +3,12 @@ T5Model (local specs + final norms) saves a checkpoint and the logits of a fixed
 loads that checkpoint (at TP=1 and, on 2 ranks, at TP=2 and at PP=2 with split rank 1) and gives its logits; the
 keys and shapes our T5 writes are exactly the ones megatron-core wrote (so it reads ours)."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
-from helpers.mcore_oracle import require_oracle
+from helpers.mcore_oracle import run_oracle
 from helpers.numerics import rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,12 +21,8 @@ pytestmark = [pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def oracle_run(tmp_path_factory):
-    oracle = require_oracle()
     tmp = tmp_path_factory.mktemp("mcore_t5")
-    env = dict(os.environ, PYTHONPATH=oracle, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, CHILD, str(tmp / "ckpt"), str(tmp / "out.pt")], cwd=str(tmp), env=env,
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, f"megatron-core oracle failed:\n{proc.stderr[-4000:]}"
+    run_oracle([CHILD, tmp / "ckpt", tmp / "out.pt"], cwd=tmp)
     return str(tmp / "ckpt"), torch.load(tmp / "out.pt")
 
 

@@ -11,14 +11,12 @@ computed here by hand.
 """
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
-from helpers.mcore_oracle import require_oracle
+from helpers.mcore_oracle import require_oracle, run_oracle
 from helpers.numerics import rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,10 +79,7 @@ def resume_body(ckpt):
 
 def test_pretrain_gpt_resumes_megatron_training_checkpoint(oracle, tmp_path):
     ckpt, ref_path = tmp_path / "megatron_run", tmp_path / "oracle.pt"
-    env = dict(os.environ, PYTHONPATH=oracle, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, CHILD, "2", "2", str(ckpt), str(ref_path)], cwd=str(tmp_path), env=env,
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, f"megatron-core oracle failed:\n{proc.stderr[-4000:]}"
+    run_oracle([CHILD, "2", "2", ckpt, ref_path], cwd=tmp_path)
     ref = torch.load(ref_path, weights_only=False)
 
     out = run_distributed(resume_body, 2, str(ckpt), timeout=300)[0]

@@ -6,14 +6,11 @@ scaling, expert bias, group-limited routing), capacity and token dropping (both 
 capacity, several capacity factors), the scores and map the load-balancing loss uses, and the router's losses
 (aux_loss, seq_aux_loss, z-loss) as our ``TopKRouter`` computes and logs them. Input jitter is checked directly.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers.mcore_oracle import require_oracle
+from helpers.mcore_oracle import run_oracle
 from helpers.models_helpers import single_rank  # noqa: F401  (fixture)
 from helpers.numerics import rel_err
 
@@ -75,18 +72,13 @@ torch.save(out, sys.argv[2])
 
 @pytest.fixture(scope="module")
 def oracle_results(tmp_path_factory):
-    oracle = require_oracle()
     tmp = tmp_path_factory.mktemp("moe_router_oracle")
     g = torch.Generator().manual_seed(7)
     cases = {"logits": torch.randn(T, E, generator=g) * 2, "weights": torch.randn(T, E, generator=g),
              "expert_bias": torch.randn(E, generator=g) * 0.5, "routing": ROUTING, "dropping": DROPPING,
              "seq_batch": (SEQ, BATCH)}
     torch.save(cases, tmp / "cases.pt")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = oracle
-    proc = subprocess.run([sys.executable, "-c", ORACLE, str(tmp / "cases.pt"), str(tmp / "out.pt")], cwd=str(tmp),
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_oracle(["-c", ORACLE, tmp / "cases.pt", tmp / "out.pt"], cwd=tmp, timeout=240)
     return cases, torch.load(tmp / "out.pt")
 
 

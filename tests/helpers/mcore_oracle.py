@@ -22,3 +22,17 @@ def require_oracle() -> str:
             pytest.fail(message)
         pytest.skip(message)
     return oracle
+
+
+def run_oracle(argv, cwd, timeout: float = 400) -> str:
+    """Run ``python <argv>`` with the oracle as the only PYTHONPATH entry, in ``cwd`` (outside our repository, so
+    that its ``megatron`` package is the one imported); fail with its stderr unless it exits 0; return its stdout."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=require_oracle(), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *[str(a) for a in argv]], cwd=str(cwd), env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"megatron-core oracle failed:\n{proc.stderr[-4000:]}"
+    return proc.stdout

@@ -10,7 +10,7 @@ import shlex
 import pytest
 from helpers.args_test_helpers import clean_env, validated  # noqa: F401  (fixture)
 from helpers.examples_helpers import REPO, install_fake, run_script, script_env
-from helpers.mcore_oracle import require_oracle
+from helpers.mcore_oracle import run_oracle
 from helpers.todays_example_argv import TODAYS_SCRIPTS, argv_of
 
 from megatron.training.arguments import parse_args, validate_args
@@ -259,15 +259,9 @@ print(json.dumps(out))
 def test_defaults_match_megatron_core_0_16_1(clean_env, tmp_path):
     """The MoE / CP / FP8 flag defaults equal the defaults of the real megatron-core 0.16.1 config fields."""
     import json
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = require_oracle()
-    proc = subprocess.run([sys.executable, "-c", DUMP, *CONFIG_FIELD_OF.values()], cwd=str(tmp_path), env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    oracle = json.loads(proc.stdout.strip().splitlines()[-1])
+    stdout = run_oracle(["-c", DUMP, *CONFIG_FIELD_OF.values()], cwd=tmp_path, timeout=240)
+    oracle = json.loads(stdout.strip().splitlines()[-1])
     ours = vars(parse_args(argv=[]))
     assert {dest: ours[dest] for dest in CONFIG_FIELD_OF} == {dest: oracle[f] for dest, f in CONFIG_FIELD_OF.items()}
 

@@ -17,6 +17,7 @@ looks up the ids it owns, zeroes the rest, and an all-reduce sums the partial em
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Callable, Optional
@@ -213,9 +214,7 @@ class CpuOutputBuffer:
         """An uninitialised tensor of ``shape`` on the kept storage, or ``None`` (GPU, small, or still in use)."""
         if device_.type != "cpu":
             return None
-        nbytes = dtype.itemsize
-        for n in shape:
-            nbytes *= n
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.min_bytes:
             return None
         storage = self._storage
@@ -267,17 +266,17 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             return output
         out_shape = (*total_input.shape[:-1], weight.shape[0])
         kept = output_buffer.get(out_shape, total_input.dtype, total_input.device) if output_buffer is not None else None
-        if bias is not None and total_input.dim() >= 2:
-            # One GEMM that starts from the bias: no separate pass (and no second buffer) to add it. It writes
-            # into a tensor of the final shape, so the output is not a view (a loss may work in it in place).
+        if total_input.dim() >= 2 and (bias is not None or kept is not None):
+            # One GEMM into a tensor of the final shape (the kept buffer, or a new one), starting from the bias when
+            # there is one: no separate pass to add it, and the output is not a view (a loss may work in it in place).
             output = kept if kept is not None else torch.empty(out_shape, dtype=total_input.dtype,
                                                                device=total_input.device)
-            torch.addmm(bias, total_input.reshape(-1, total_input.shape[-1]), weight.t(),
-                        out=output.view(-1, weight.shape[0]))
+            input_2d, output_2d = total_input.reshape(-1, total_input.shape[-1]), output.view(-1, weight.shape[0])
+            if bias is not None:
+                torch.addmm(bias, input_2d, weight.t(), out=output_2d)
+            else:
+                torch.mm(input_2d, weight.t(), out=output_2d)
             return output
-        if kept is not None:
-            torch.mm(total_input.reshape(-1, total_input.shape[-1]), weight.t(), out=kept.view(-1, weight.shape[0]))
-            return kept
         output = torch.matmul(total_input, weight.t())
         if bias is not None:
             output = output + bias
