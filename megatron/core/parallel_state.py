@@ -1,75 +1,21 @@
 """Model and data parallel process groups (megatron.core.parallel_state).
 
-The rank grid
--------------
-Every rank of a world of size ``W = tp * cp * ep * dp * pp`` has one coordinate per named dimension.
-With Megatron's default order ``"tp-cp-ep-dp-pp"`` the first dimension varies fastest::
-
-    rank = tp_rank + tp * (cp_rank + cp * (ep_rank + ep * (dp_rank + dp * pp_rank)))
-
-so tensor-parallel groups are contiguous blocks of ranks (they share the fastest links of a node) and
-pipeline groups are strided by ``W / pp``. A *group kind* is a set of dimensions, e.g. ``"tp-pp"`` for the
-model-parallel group: ranks that agree on every *other* coordinate form one group. ``RankGenerator``
-enumerates them; all groups of every kind are created on every rank (``new_group`` is collective) and each
-rank keeps the one it belongs to.
-
-Worked example, W=8, TP=2, PP=2 (so DP=2):
-
-    tensor     [0,1] [2,3] [4,5] [6,7]
-    data       [0,2] [1,3] [4,6] [5,7]
-    pipeline   [0,4] [1,5] [2,6] [3,7]
-    model      [0,1,4,5] [2,3,6,7]
-    embedding  [0,4] [1,5] [2,6] [3,7]   (first and last stage of each pipeline)
-
-Expert layout (mixture of experts)
-----------------------------------
-Expert layers use a *second* grid over the same world and the same order string, with the context dimension
-folded away: ``(tp=ETP, cp=1, ep=EP, dp=EDP, pp=PP)`` where ``ETP = expert_tensor_parallel_size`` (default
-TP) and ``EDP = W / (ETP * EP * PP)``. The pipeline groups of both grids must coincide. Groups of the
-expert grid: ``ep`` (expert model parallel: ranks holding different experts), expert ``tp`` (one expert's
-weights split across ranks), ``tp-ep`` (the token dispatcher's group), ``tp-ep-pp`` (the experts' model
-parallel group: optimizer and grad norm) and expert ``dp`` (replicas of the same expert shard: expert grads
-are reduced here).
-
-Worked example, W=8, TP=2, EP=2, PP=1 (so DP=4, ETP=2, EDP=2)::
-
-    dense tensor    [0,1] [2,3] [4,5] [6,7]        dense data  [0,2,4,6] [1,3,5,7]
-    expert tensor   [0,1] [2,3] [4,5] [6,7]        expert model (ep)  [0,2] [1,3] [4,6] [5,7]
-    tp-ep           [0,1,2,3] [4,5,6,7]            expert data  [0,4] [1,5] [2,6] [3,7]
-
-so rank r has etp = r % 2, ep = (r // 2) % 2, edp = r // 4; with 4 experts ranks {0,1,4,5} hold experts 0-1
-and {2,3,6,7} hold experts 2-3. Worked example, W=8, TP=2, ETP=1, EP=4, PP=2 (DP=2, EDP=1)::
-
-    expert tensor   [0] [1] ... [7]                expert model (ep)  [0,1,2,3] [4,5,6,7]
-    tp-ep-pp        [0,1,2,3,4,5,6,7]              expert data  [0] [1] ... [7]
-    pipeline        [0,4] [1,5] [2,6] [3,7]        (the same in both grids)
+``initialize_model_parallel`` creates every group of the dense grid (tensor, context, expert-free data,
+pipeline, and their combinations) and of the expert grid on every rank and keeps this rank's own; the
+getters below return them. Which ranks form each group (the rank grid, with worked examples for TP/PP,
+experts and context parallelism) is :mod:`megatron.core.rank_grid`, re-exported here.
 
 The ``set_*`` overrides (``_MPU_*`` globals) take precedence over group queries: tools that build a model
 for one rank of a layout without a process group use them.
-
-Context parallelism (CP) is the second-fastest axis. The ranks of a CP group each hold ``1/CP`` of every
-sequence of the same micro-batch, so for everything that reduces gradients or losses they are data-parallel
-replicas: the *data-parallel group with context parallel* ("dp-cp", ``get_data_parallel_group(
-with_context_parallel=True)``) reduces gradients and runs the distributed optimizer, while the pure DP group
-("dp") still decides which samples a rank reads (all CP ranks of a replica read the same micro-batch).
-Worked example, W=8, TP=2, CP=2 (so DP=2, PP=1), rank = tp + 2 cp + 4 dp:
-
-    tensor                   [0,1] [2,3] [4,5] [6,7]
-    context                  [0,2] [1,3] [4,6] [5,7]
-    data                     [0,4] [1,5] [2,6] [3,7]
-    data with CP  (dp-cp)    [0,2,4,6] [1,3,5,7]       dp_cp_rank = cp_rank + CP * dp_rank
-    tensor and context       [0,1,2,3] [4,5,6,7]
-    tensor, data and context [0,1,2,3,4,5,6,7]
-    model (tp-pp)            [0,1] [2,3] [4,5] [6,7]   (CP is not model parallel: weights are replicated)
 """
 from __future__ import annotations
 
-import itertools
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megatron.core.rank_grid import RankGenerator, embedding_ranks_of, expert_rank_generator
 from megatron.core.utils import GlobalMemoryBuffer
 
 # Process groups of this rank.
@@ -123,65 +69,6 @@ _MPU_TENSOR_MODEL_PARALLEL_RANK = None
 _MPU_PIPELINE_MODEL_PARALLEL_RANK = None
 
 _GLOBAL_MEMORY_BUFFER = None
-
-
-class RankGenerator:
-    """Enumerates the rank groups of a grid of named parallel dimensions.
-
-    ``order`` lists the dimensions from fastest- to slowest-varying, e.g. ``"tp-cp-ep-dp-pp"``. Dimensions of
-    size 1 may be present in the order and are simply trivial.
-    """
-
-    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str = "tp-cp-ep-dp-pp"):
-        self.sizes = {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "cp": cp}
-        self.order = [d.strip() for d in order.lower().split("-")]
-        unknown = [d for d in self.order if d not in self.sizes]
-        if unknown or len(set(self.order)) != len(self.order):
-            raise RuntimeError(f"invalid parallel order {order!r}: use each of {sorted(self.sizes)} at most once")
-        for name, size in self.sizes.items():
-            if size > 1 and name not in self.order:
-                raise RuntimeError(f"the order {order!r} must name '{name}' because its size is {size}")
-            if size < 1:
-                raise RuntimeError(f"parallel size of '{name}' must be >= 1, got {size}")
-        self.world_size = 1
-        for d in self.order:
-            self.world_size *= self.sizes[d]
-
-    def rank_of(self, coords: Dict[str, int]) -> int:
-        rank, stride = 0, 1
-        for d in self.order:
-            rank += coords.get(d, 0) * stride
-            stride *= self.sizes[d]
-        return rank
-
-    def coords_of(self, rank: int) -> Dict[str, int]:
-        coords = {}
-        for d in self.order:
-            coords[d] = rank % self.sizes[d]
-            rank //= self.sizes[d]
-        return coords
-
-    def get_ranks(self, token: str) -> List[List[int]]:
-        """All groups of the kind named by ``token`` (e.g. ``"dp"``, ``"tp-pp"``).
-
-        Within a group ranks are ordered with the first dimension of ``order`` varying fastest; groups are
-        ordered the same way over the remaining dimensions.
-        """
-        inside = set(d.strip() for d in token.lower().split("-"))
-        if not inside <= set(self.order):
-            raise RuntimeError(f"unknown dimension in group token {token!r}")
-        in_dims = [d for d in self.order if d in inside]
-        out_dims = [d for d in self.order if d not in inside]
-
-        def product(dims):
-            # itertools.product varies the *last* element fastest; reverse so the first dim is fastest.
-            for combo in itertools.product(*[range(self.sizes[d]) for d in reversed(dims)]):
-                yield dict(zip(reversed(dims), combo))
-
-        groups = []
-        for outer in product(out_dims):
-            groups.append([self.rank_of({**outer, **inner}) for inner in product(in_dims)])
-        return groups
 
 
 def _new_group(ranks: Sequence[int], timeout: Optional[timedelta], backend: Optional[str] = None):
@@ -322,20 +209,6 @@ def initialize_model_parallel(
     _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
 
 
-def expert_rank_generator(world_size: int, tp: int, pp: int, expert_model_parallel_size: int = 1,
-                          expert_tensor_parallel_size: Optional[int] = None,
-                          order: str = "tp-cp-ep-dp-pp") -> RankGenerator:
-    """The expert grid ``(tp=ETP, cp=1, ep=EP, dp=EDP, pp=PP)`` with ``EDP = W / (ETP * EP * PP)``."""
-    ep = expert_model_parallel_size
-    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
-    if ep < 1 or etp < 1:
-        raise RuntimeError(f"expert model ({ep}) and expert tensor ({etp}) parallel sizes must be >= 1")
-    if world_size % (etp * ep * pp) != 0:
-        raise RuntimeError(f"world_size ({world_size}) is not divisible by expert_tensor_parallel_size ({etp}) x "
-                           f"expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp})")
-    return RankGenerator(tp=etp, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, cp=1, order=order)
-
-
 def _initialize_expert_groups(dense_gen: RankGenerator, tp: int, pp: int, order: str, ep: int,
                               etp: Optional[int], timeout) -> None:
     global _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS, _EXPERT_TENSOR_PARALLEL_GROUP
@@ -371,26 +244,6 @@ def _initialize_expert_groups(dense_gen: RankGenerator, tp: int, pp: int, order:
         _ALL_GROUP_RANKS["expert_data_gloo"] = _ALL_GROUP_RANKS["expert_data"]
     else:
         _EXPERT_DATA_PARALLEL_GROUP_GLOO, _ = build("expert_data_gloo", "dp", backend="gloo")
-
-
-def embedding_ranks_of(pipeline_ranks: Sequence[int], split_rank: Optional[int] = None):
-    """(embedding ranks, position-embedding ranks) of one pipeline group.
-
-    The word embedding lives on the first stage and is tied to the output layer on the last stage (and the
-    decoder's first stage at ``split_rank`` for encoder-decoder models); the position embedding lives on
-    the first stage (and the split stage).
-    """
-    ranks = list(pipeline_ranks)
-    if len(ranks) == 1:
-        return ranks, ranks
-    emb = [ranks[0], ranks[-1]]
-    pos = [ranks[0]]
-    if split_rank is not None:
-        if ranks[split_rank] not in emb:
-            emb = [ranks[0], ranks[split_rank], ranks[-1]]
-        if ranks[split_rank] not in pos:
-            pos = [ranks[0], ranks[split_rank]]
-    return emb, pos
 
 
 def _build_context_parallel_groups(build, cp: int) -> None:
