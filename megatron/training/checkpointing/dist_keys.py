@@ -58,8 +58,11 @@ T5_ALIASES = ("position_embeddings.", "output_layer.")  # megatron-core T5Model'
 # On-disk alias key -> the key of the tensor it repeats (megatron-core's T5Model writes both).
 T5_ALIAS_KEYS = {"position_embeddings.weight": "embedding.position_embeddings.weight",
                  "output_layer.bias": "lm_head.output_layer.bias"}
+# fc1 of a gated MLP is stored [gate (all TP ranks); up (all TP ranks)], megatron-core's swiglu split; shared
+# experts are an MLP there too, so theirs is split the same way.
 _GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.experts.experts.linear_fc1.weight",
-          "mlp.experts.experts.linear_fc1.bias")
+          "mlp.experts.experts.linear_fc1.bias", "mlp.shared_experts.linear_fc1.weight",
+          "mlp.shared_experts.linear_fc1.bias")
 
 
 @dataclasses.dataclass
