@@ -10,7 +10,7 @@ from helpers.models_helpers import causal_mask, single_rank  # noqa: F401  (fixt
 
 transformers = pytest.importorskip("transformers")
 
-from megatron.core.models.conversion import hf  # noqa: E402
+from megatron.core.models.conversion import hf_moe  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron.core.transformer.moe.moe_layer import moe_routers  # noqa: E402
@@ -37,7 +37,7 @@ def _hf_mixtral(vocab_size=96):
 
 
 def _ours(cfg, grouped, **extra):
-    config = hf.mixtral_config_to_megatron(cfg, make_vocab_size_divisible_by=32, use_cpu_initialization=True,
+    config = hf_moe.moe_config_to_megatron(cfg, make_vocab_size_divisible_by=32, use_cpu_initialization=True,
                                            moe_grouped_gemm=grouped, **extra)
     model = GPTModel(config, get_gpt_decoder_block_spec(config), config.padded_vocab_size,
                      config.max_position_embeddings, share_embeddings_and_output_weights=False,
@@ -56,7 +56,7 @@ def test_mixtral_logits_loss_and_round_trip(single_rank):
     errs = {}
     for grouped in (False, True):
         config, model = _ours(cfg, grouped)
-        sd = hf.mixtral_hf_to_megatron(hf_model.state_dict(), cfg, config.padded_vocab_size, grouped_gemm=grouped)
+        sd = hf_moe.moe_hf_to_megatron(hf_model.state_dict(), cfg, config.padded_vocab_size, grouped_gemm=grouped)
         model.load_state_dict(sd)
         model.eval()
         with torch.no_grad():
@@ -66,7 +66,7 @@ def test_mixtral_logits_loss_and_round_trip(single_rank):
         errs[name] = rel_err(logits, ref)
         loss = per_token[:, :-1].mean()
         errs[name + " loss"] = abs(loss.item() - hf_loss.item()) / abs(hf_loss.item())
-        back = hf.mixtral_megatron_to_hf(model.state_dict(), cfg)
+        back = hf_moe.moe_megatron_to_hf(model.state_dict(), cfg)
         hf_sd = hf_model.state_dict()
         assert set(back) == set(hf_sd)
         assert all(torch.equal(back[k], hf_sd[k]) for k in hf_sd), name
@@ -78,7 +78,7 @@ def test_mixtral_logits_loss_and_round_trip(single_rank):
 def test_mixtral_router_losses_against_hand_computation(single_rank):
     cfg, hf_model = _hf_mixtral()
     config, model = _ours(cfg, False, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
-    model.load_state_dict(hf.mixtral_hf_to_megatron(hf_model.state_dict(), cfg, config.padded_vocab_size))
+    model.load_state_dict(hf_moe.moe_hf_to_megatron(hf_model.state_dict(), cfg, config.padded_vocab_size))
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
     pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
@@ -101,7 +101,7 @@ def test_mixtral_router_losses_against_hand_computation(single_rank):
     # The aux loss trained the router: its gradient differs from the gradient without the aux loss.
     grad_with = routers[0].weight.grad.clone()
     config2, plain = _ours(cfg, False)
-    plain.load_state_dict(hf.mixtral_hf_to_megatron(hf_model.state_dict(), cfg, config.padded_vocab_size))
+    plain.load_state_dict(hf_moe.moe_hf_to_megatron(hf_model.state_dict(), cfg, config.padded_vocab_size))
     plain.train()
     plain(ids, pos, causal_mask(SEQ)).sum().backward()
     assert not torch.allclose(moe_routers(plain)[0].weight.grad, grad_with)

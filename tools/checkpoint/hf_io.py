@@ -1,7 +1,8 @@
-"""Hugging Face GPT-2 / Llama / Mixtral directories (config.json + model.safetensors) <-> our full legacy state dict.
+"""Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE directories (config.json + model.safetensors) <-> our full
+state dict (legacy names; megatron-core names for the MoE models).
 
-The tensor mapping is :mod:`megatron.core.models.conversion.hf`; this module reads and writes the files and maps
-the Hugging Face config to Megatron's args (and back).
+The tensor mapping is :mod:`megatron.core.models.conversion.hf` (and ``.hf_moe``); this module reads and writes the
+files and maps the Hugging Face config to Megatron's args (and back).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron.core.models.conversion import hf
+from megatron.core.models.conversion import hf, hf_moe
 from tools.checkpoint.legacy_io import ConversionError
 
 
@@ -44,7 +45,8 @@ def _read_weights(load_dir: str) -> Dict[str, torch.Tensor]:
 
 def _args_from_config(config, hf_config, family: str, make_divisible_by: int) -> argparse.Namespace:
     """Megatron args describing the model that ``config`` (a TransformerConfig from conversion.hf) builds."""
-    llama = family in ("llama", "mixtral")
+    llama = family in ("llama",) + hf_moe.MOE_MODEL_TYPES
+    moe = family in hf_moe.MOE_MODEL_TYPES
     groups = getattr(config, "num_query_groups", None) or config.num_attention_heads
     return argparse.Namespace(
         num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
@@ -53,7 +55,7 @@ def _args_from_config(config, hf_config, family: str, make_divisible_by: int) ->
         max_position_embeddings=config.max_position_embeddings, seq_length=config.max_position_embeddings,
         padded_vocab_size=config.padded_vocab_size, make_vocab_size_divisible_by=make_divisible_by,
         normalization="RMSNorm" if llama else "LayerNorm", norm_epsilon=config.layernorm_epsilon,
-        swiglu=llama, add_bias_linear=config.add_bias_linear,
+        swiglu=llama, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
         position_embedding_type="rope" if llama else "learned_absolute",
         rotary_base=getattr(config, "rotary_base", 10000), openai_gelu=getattr(config, "openai_gelu", False),
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
@@ -64,7 +66,9 @@ def _args_from_config(config, hf_config, family: str, make_divisible_by: int) ->
         true_vocab_size=hf_config.vocab_size,
         num_experts=getattr(config, "num_moe_experts", None),
         moe_router_topk=getattr(config, "moe_router_topk", 2),
-        moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None) if family == "mixtral" else None,
+        moe_ffn_hidden_size=config.moe_ffn_hidden_size if moe else None,
+        moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=config.moe_shared_expert_gate, moe_router_pre_softmax=config.moe_router_pre_softmax,
     )
 
 
@@ -81,14 +85,18 @@ def load_hf(load_dir: str, make_divisible_by: int = 128) -> Tuple[Dict[str, torc
     elif hf_config.model_type == "llama":
         config = hf.llama_config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by)
         full = hf.llama_hf_to_megatron(weights, hf_config, config.padded_vocab_size)
-    elif hf_config.model_type == "mixtral":
-        config = hf.mixtral_config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by)
-        full = hf.mixtral_hf_to_megatron(weights, hf_config, config.padded_vocab_size)
+    elif hf_config.model_type in hf_moe.MOE_MODEL_TYPES:
+        try:
+            config = hf_moe.moe_config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by)
+        except ValueError as e:
+            raise ConversionError(f"{load_dir}: {e}") from e
+        full = hf_moe.moe_hf_to_megatron(weights, hf_config, config.padded_vocab_size)
     else:
-        raise ConversionError(f"--loader hf supports GPT-2, Llama and Mixtral models, {load_dir} holds a "
+        raise ConversionError(f"--loader hf supports GPT-2, Llama, Mixtral and Qwen2-MoE models, {load_dir} holds a "
                               f"{hf_config.model_type!r} model")
     args = _args_from_config(config, hf_config, hf_config.model_type, make_divisible_by)
-    args.use_mcore_models = hf_config.model_type == "mixtral"  # MoE layers exist only with megatron-core names
+    # MoE layers exist only with megatron-core names
+    args.use_mcore_models = hf_config.model_type in hf_moe.MOE_MODEL_TYPES
     return full, args
 
 
@@ -97,8 +105,8 @@ def hf_config_from_args(args, true_vocab_size):
     transformers = _transformers()
     family = getattr(args, "hf_model_type", None)
     if getattr(args, "hf_config", None) is not None:
-        cls = {"gpt2": transformers.GPT2Config, "mixtral": transformers.MixtralConfig}.get(family,
-                                                                                         transformers.LlamaConfig)
+        cls = {"gpt2": transformers.GPT2Config, "mixtral": transformers.MixtralConfig,
+               "qwen2_moe": transformers.Qwen2MoeConfig}.get(family, transformers.LlamaConfig)
         return cls.from_dict(dict(args.hf_config))
     if true_vocab_size is None:
         raise ConversionError("--saver hf needs --true-vocab-size (the tokenizer's vocabulary size) to drop the "
@@ -109,6 +117,24 @@ def hf_config_from_args(args, true_vocab_size):
         if getattr(args, "add_bias_linear", True):
             raise ConversionError("--saver hf (Llama): the model has linear biases; pass a model trained with "
                                   "--disable-bias-linear")
+        shared = getattr(args, "moe_shared_expert_intermediate_size", None)
+        qwen = bool(shared or getattr(args, "add_qkv_bias", False) or getattr(args, "moe_router_pre_softmax", False))
+        if getattr(args, "num_experts", None) and qwen:
+            if not (shared and getattr(args, "moe_shared_expert_gate", False)):
+                raise ConversionError("--saver hf: a MoE model with --add-qkv-bias or --moe-router-pre-softmax "
+                                      "exports as Qwen2-MoE, which needs a gated shared expert "
+                                      "(--moe-shared-expert-intermediate-size N --moe-shared-expert-gate)")
+            return transformers.Qwen2MoeConfig(
+                vocab_size=true_vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
+                moe_intermediate_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
+                shared_expert_intermediate_size=shared, num_hidden_layers=args.num_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
+                max_position_embeddings=args.max_position_embeddings, rms_norm_eps=args.norm_epsilon,
+                rope_theta=float(getattr(args, "rotary_base", 10000)), num_experts=args.num_experts,
+                num_experts_per_tok=args.moe_router_topk, norm_topk_prob=not args.moe_router_pre_softmax,
+                qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
+                tie_word_embeddings=not args.untie_embeddings_and_output_weights)
         if getattr(args, "num_experts", None):
             return transformers.MixtralConfig(
                 vocab_size=true_vocab_size, hidden_size=args.hidden_size,
@@ -143,27 +169,17 @@ def save_hf(full: Dict[str, torch.Tensor], args, save_dir: str, true_vocab_size=
     """Write config.json + model.safetensors (tied output weights are stored once, as transformers does)."""
     from safetensors.torch import save_file
 
+    from megatron.core.models.conversion.keys import legacy_to_mcore, mcore_to_legacy
+
     hf_config = hf_config_from_args(args, true_vocab_size)
-    if hf_config.model_type == "mixtral":
-        if not getattr(args, "use_mcore_models", False):
-            from megatron.core.models.conversion.keys import legacy_to_mcore
-            full = legacy_to_mcore(full, "gpt")
-        sd = hf.mixtral_megatron_to_hf(full, hf_config)
-        sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"][:hf_config.vocab_size]
-        sd["lm_head.weight"] = sd["lm_head.weight"][:hf_config.vocab_size]
-        os.makedirs(save_dir, exist_ok=True)
-        hf_config.save_pretrained(save_dir)
-        save_file({k: v.contiguous().clone() for k, v in sd.items()}, os.path.join(save_dir, "model.safetensors"),
-                  metadata={"format": "pt"})
-        return
-    if getattr(args, "use_mcore_models", False):
-        from megatron.core.models.conversion.keys import mcore_to_legacy
-        full = mcore_to_legacy(full, "gpt")
-    if hf_config.model_type == "gpt2":
-        sd = hf.gpt2_megatron_to_hf(full, hf_config)
+    mcore = getattr(args, "use_mcore_models", False)
+    if hf_config.model_type in hf_moe.MOE_MODEL_TYPES:  # MoE layers have megatron-core names only
+        sd = hf_moe.moe_megatron_to_hf(full if mcore else legacy_to_mcore(full, "gpt"), hf_config)
+    elif hf_config.model_type == "gpt2":
+        sd = hf.gpt2_megatron_to_hf(mcore_to_legacy(full, "gpt") if mcore else full, hf_config)
         sd = {("transformer." + k if not k.startswith(("transformer.", "lm_head.")) else k): v for k, v in sd.items()}
     else:
-        sd = hf.llama_megatron_to_hf(full, hf_config)
+        sd = hf.llama_megatron_to_hf(mcore_to_legacy(full, "gpt") if mcore else full, hf_config)
     if getattr(hf_config, "tie_word_embeddings", True):
         sd.pop("lm_head.weight", None)
     os.makedirs(save_dir, exist_ok=True)

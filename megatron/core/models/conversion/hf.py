@@ -1,4 +1,5 @@
-"""Conversion between our model state dicts and Hugging Face ``transformers`` checkpoints (GPT-2 and Llama).
+"""Conversion between our model state dicts and Hugging Face ``transformers`` checkpoints (GPT-2 and Llama; the
+mixture-of-experts models Mixtral and Qwen2-MoE, whose attention is Llama's, are in :mod:`.hf_moe`).
 
 Our side is the full (TP=1, PP=1) state dict of the legacy ``GPTModel`` (Megatron checkpoint key names) or,
 with ``key_format='mcore'``, of megatron-core's ``GPTModel``; use :mod:`megatron.core.models.conversion.tp` to
@@ -276,85 +277,4 @@ def llama_megatron_to_hf(state_dict: Dict[str, torch.Tensor], hf_config, key_for
         out["lm_head.weight"] = sd["language_model.output_layer.weight"][:V].clone()
     else:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
-
-
-# -------------------------------------------------------------------------------------------- Mixtral
-
-def mixtral_config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128,
-                               tensor_model_parallel_size: int = 1, **config_kwargs) -> TransformerConfig:
-    """TransformerConfig computing what ``MixtralForCausalLM`` computes: Llama attention, top-k softmax MoE MLPs
-    (``--num-experts E --moe-router-topk k``; HF's softmax-then-top-k-then-renormalise equals Megatron's default
-    top-k-then-softmax), dropless."""
-    kwargs = dict(num_moe_experts=hf_config.num_local_experts, moe_router_topk=hf_config.num_experts_per_tok,
-                  moe_ffn_hidden_size=hf_config.intermediate_size)
-    kwargs.update(config_kwargs)
-    return llama_config_to_megatron(hf_config, make_vocab_size_divisible_by, tensor_model_parallel_size, **kwargs)
-
-
-def _mixtral_experts(sd, prefix, num_experts):
-    """(fc1 [E, 2F, h] = [w1; w3] per expert, fc2 [E, h, F]) from transformers 5's fused or the Hub's per-expert
-    names."""
-    if prefix + "mlp.experts.gate_up_proj" in sd:
-        return sd[prefix + "mlp.experts.gate_up_proj"], sd[prefix + "mlp.experts.down_proj"]
-    moe = prefix + "block_sparse_moe.experts."
-    fc1 = torch.stack([torch.cat([sd[f"{moe}{e}.w1.weight"], sd[f"{moe}{e}.w3.weight"]], 0) for e in range(num_experts)])
-    fc2 = torch.stack([sd[f"{moe}{e}.w2.weight"] for e in range(num_experts)])
-    return fc1, fc2
-
-
-def mixtral_hf_to_megatron(hf_state_dict: Dict[str, torch.Tensor], hf_config, padded_vocab_size: int,
-                           grouped_gemm: bool = False) -> Dict[str, torch.Tensor]:
-    """``MixtralForCausalLM`` state dict -> megatron-core GPTModel state dict (MoE layers, EP = ETP = 1):
-    SequentialMLP keys ``mlp.experts.local_experts.{e}.linear_fc{1,2}.weight`` or GroupedMLP
-    ``mlp.experts.weight1 [h, E*2F]`` / ``weight2 [E*F, h]``."""
-    E, L = hf_config.num_local_experts, hf_config.num_hidden_layers
-    dense_sd = {k: v for k, v in hf_state_dict.items() if ".mlp." not in k and ".block_sparse_moe." not in k}
-    F_, h = hf_config.intermediate_size, hf_config.hidden_size
-    for i in range(L):  # placeholders so that the Llama mapping handles attention, norms and embeddings
-        for name in ("gate_proj", "up_proj"):
-            dense_sd[f"model.layers.{i}.mlp.{name}.weight"] = torch.zeros(F_, h)
-        dense_sd[f"model.layers.{i}.mlp.down_proj.weight"] = torch.zeros(h, F_)
-    out = llama_hf_to_megatron(dense_sd, hf_config, padded_vocab_size, key_format="mcore")
-    for i in range(L):
-        dst = f"decoder.layers.{i}.mlp."
-        for key in [k for k in out if k.startswith(dst)]:
-            del out[key]
-        src = f"model.layers.{i}."
-        gate = hf_state_dict.get(src + "mlp.gate.weight", hf_state_dict.get(src + "block_sparse_moe.gate.weight"))
-        out[dst + "router.weight"] = gate.clone()
-        fc1, fc2 = _mixtral_experts(hf_state_dict, src, E)
-        if grouped_gemm:
-            out[dst + "experts.weight1"] = torch.cat([fc1[e].t() for e in range(E)], dim=1).contiguous()
-            out[dst + "experts.weight2"] = torch.cat([fc2[e].t() for e in range(E)], dim=0).contiguous()
-        else:
-            for e in range(E):
-                out[f"{dst}experts.local_experts.{e}.linear_fc1.weight"] = fc1[e].clone()
-                out[f"{dst}experts.local_experts.{e}.linear_fc2.weight"] = fc2[e].clone()
-    return out
-
-
-def mixtral_megatron_to_hf(state_dict: Dict[str, torch.Tensor], hf_config) -> Dict[str, torch.Tensor]:
-    """megatron-core GPTModel state dict (Mixtral configuration, SequentialMLP or GroupedMLP) -> transformers 5
-    ``MixtralForCausalLM`` names (fused ``mlp.experts.gate_up_proj`` / ``down_proj``)."""
-    E, L = hf_config.num_local_experts, hf_config.num_hidden_layers
-    F_, h = hf_config.intermediate_size, hf_config.hidden_size
-    dense = {k: v for k, v in state_dict.items() if ".mlp." not in k}
-    for i in range(L):
-        dense[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = torch.zeros(2 * F_, h)
-        dense[f"decoder.layers.{i}.mlp.linear_fc2.weight"] = torch.zeros(h, F_)
-    out = llama_megatron_to_hf(dense, hf_config, key_format="mcore")
-    for i in range(L):
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            del out[f"model.layers.{i}.mlp.{name}.weight"]
-        src, dst = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
-        out[dst + "gate.weight"] = state_dict[src + "router.weight"].clone()
-        if src + "experts.weight1" in state_dict:
-            w1, w2 = state_dict[src + "experts.weight1"], state_dict[src + "experts.weight2"]
-            fc1 = torch.stack([c.t() for c in torch.chunk(w1, E, dim=1)])
-            fc2 = torch.stack([c.t() for c in torch.chunk(w2, E, dim=0)])
-        else:
-            fc1 = torch.stack([state_dict[f"{src}experts.local_experts.{e}.linear_fc1.weight"] for e in range(E)])
-            fc2 = torch.stack([state_dict[f"{src}experts.local_experts.{e}.linear_fc2.weight"] for e in range(E)])
-        out[dst + "experts.gate_up_proj"], out[dst + "experts.down_proj"] = fc1.contiguous(), fc2.contiguous()
     return out
