@@ -2,7 +2,8 @@
 (``decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight [L, E, ...]``) load under another EP / expert TP / TP / PP
 and expert implementation, and the loss curve continues; the torch format saves one file per (TP, PP, EP) rank.
 
-Leg A trains 4 iterations at (TP, EP, PP) = (2, 2, 1) (+SP, expert TP 2, distributed optimizer), saving at 2 and 4.
+Leg A trains 4 iterations at (TP, EP, PP) = (2, 2, 1) (+SP, expert TP 2, distributed optimizer, a gated shared
+expert, sigmoid routing with the aux-loss-free expert bias), saving at 2 and 4.
 Leg B loads iteration 2 at (1, 1, 2); leg C at (1, 4, 1) with grouped GEMM (GroupedMLP reads SequentialMLP's
 experts). Iteration 3's loss checks the weights (a gate/up row order that depended on expert TP would show here),
 iteration 4's the optimizer state. The slow test saves the torch format (distributed optimizer) at (2, 2, 1) and resumes it in that layout.
@@ -19,6 +20,9 @@ from helpers.train_helpers import preprocess_corpus_slice, run_pretrain
 REL_TOL = 1e-5
 MOE = ["--num-layers", "2", "--seq-length", "16", "--max-position-embeddings", "16", "--swiglu",
        "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-shared-expert-intermediate-size", "48", "--moe-shared-expert-gate",
+       "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+       "--moe-router-bias-update-rate", "0.05",
        "--train-iters", "4", "--save-interval", "2", "--log-interval", "1"]
 
 
@@ -112,6 +116,12 @@ def test_moe_torch_dist_keys_are_megatrons(legs):
     fc2 = shapes["decoder.layers.mlp.experts.experts.linear_fc2.weight"]
     assert fc1[:2] == (2, 4) and fc1[3] == 32 and fc2[:3] == (2, 4, 32) and fc1[2] == 2 * fc2[3], (fc1, fc2)
     assert shapes["decoder.layers.mlp.router.weight"] == (2, 4, 32)
+    # The gated shared expert (Qwen-MoE style): an MLP whose fc1 holds [gate; up] for the whole width 48, whatever the
+    # TP size that saved it (a TP-ordered [gate_0; up_0; gate_1; up_1] would change leg B's losses), and its gate.
+    assert shapes["decoder.layers.mlp.shared_experts.linear_fc1.weight"] == (2, 96, 32)
+    assert shapes["decoder.layers.mlp.shared_experts.linear_fc2.weight"] == (2, 32, 48)
+    assert shapes["decoder.layers.mlp.shared_experts.gate_weight"] == (2, 1, 32)
+    assert shapes["decoder.layers.mlp.router.expert_bias"] == (2, 4)  # aux-loss-free routing's state
     assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in shapes
     assert "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight" in shapes
     objects = [k for k in meta.state_dict_metadata if k.startswith("decoder.layers.mlp.experts.experts.linear_fc1."

@@ -4,7 +4,8 @@ Same logits on both sides; compared: the routing map (exactly), the routing prob
 respect to the logits, for every routing option Megatron has (softmax / pre-softmax / sigmoid scores, top-k
 scaling, expert bias, group-limited routing), capacity and token dropping (both drop policies, padding to
 capacity, several capacity factors), the scores and map the load-balancing loss uses, and the router's losses
-(aux_loss, seq_aux_loss, z-loss) as our ``TopKRouter`` computes and logs them. Input jitter is checked directly.
+(aux_loss, seq_aux_loss, z-loss) as our ``TopKRouter`` computes and logs them, and the aux-loss-free expert-bias
+update. Input jitter is checked directly.
 """
 
 import pytest
@@ -66,6 +67,10 @@ seq_scores, seq_map = scores.reshape(s, -1), rmap.reshape(s, -1)
 seq = m.switch_load_balancing_loss_func(seq_scores, seq_map.sum(0), s, 2, logits.shape[1], 0.02) / b
 z = m.z_loss_func(logits, 0.001)
 out["losses"] = {"load_balancing_loss": aux / 0.01, "seq_load_balancing_loss": seq / 0.02, "z_loss": z / 0.001}
+# The aux-loss-free bias update, one process: its all-reduce over the TP x DP x CP group is the identity.
+torch.distributed.all_reduce = lambda tensor, group=None, **kw: None
+m.parallel_state.get_tensor_and_data_parallel_group = lambda **kw: None
+out["expert_bias_update"] = m.get_updated_expert_bias(cases["counts"].clone(), cases["bias_before"], 0.01)
 torch.save(out, sys.argv[2])
 """
 
@@ -76,7 +81,10 @@ def oracle_results(tmp_path_factory):
     g = torch.Generator().manual_seed(7)
     cases = {"logits": torch.randn(T, E, generator=g) * 2, "weights": torch.randn(T, E, generator=g),
              "expert_bias": torch.randn(E, generator=g) * 0.5, "routing": ROUTING, "dropping": DROPPING,
-             "seq_batch": (SEQ, BATCH)}
+             "seq_batch": (SEQ, BATCH),
+             # Token counts of 3 routers (one at its mean, where the sign is 0) and their biases before the update.
+             "counts": torch.tensor([[5., 9., 2., 8.], [6., 6., 6., 6.], [0., 12., 3., 9.]]),
+             "bias_before": torch.randn(3, 4, generator=g)}
     torch.save(cases, tmp / "cases.pt")
     run_oracle(["-c", ORACLE, tmp / "cases.pt", tmp / "out.pt"], cwd=tmp, timeout=240)
     return cases, torch.load(tmp / "out.pt")
@@ -167,3 +175,13 @@ def test_input_jitter_multiplies_by_uniform_noise(single_rank):
         assert float(ratio.min()) >= 0.9 - 1e-6 and float(ratio.max()) <= 1.1 + 1e-6
         assert float(ratio.std()) > 0.02  # noise, not a constant
     assert _router().apply_input_jitter(x) is x  # no eps: untouched
+
+
+def test_expert_bias_update_matches_megatron_core(oracle_results):
+    """--moe-router-enable-expert-bias: bias + rate * sign(mean count - count), per router (a row of the stack)."""
+    from megatron.core.transformer.moe.moe_utils import updated_expert_bias
+
+    cases, ref = oracle_results
+    ours = updated_expert_bias(cases["counts"], cases["bias_before"], 0.01)
+    assert torch.equal(ours, ref["expert_bias_update"]), (ours, ref["expert_bias_update"])
+    assert torch.equal(ours[1], cases["bias_before"][1])  # a balanced router keeps its bias

@@ -14,10 +14,16 @@ def oracle_dir() -> str:
 
 def require_oracle() -> str:
     """The oracle directory; without it the test fails under CI (``$CI`` set) and is skipped elsewhere."""
+    import glob
+
     oracle = oracle_dir()
-    if not os.path.isdir(os.path.join(oracle, "megatron", "core")):
-        message = (f"megatron-core 0.16.1 not found in {oracle} (set MCORE_ORACLE_DIR, or run .ci/run which installs "
-                   "it with pip install --no-deps --target .venv/mcore-oracle megatron-core==0.16.1)")
+    # The installed distribution's metadata, not just a megatron/core folder: our own repository has one too, and
+    # an oracle that is secretly our code would compare the code against itself.
+    if not (os.path.isdir(os.path.join(oracle, "megatron", "core"))
+            and glob.glob(os.path.join(oracle, "megatron_core-*.dist-info"))):
+        message = (f"megatron-core 0.16.1 not found in {oracle} (set MCORE_ORACLE_DIR to the --target directory that "
+                   "holds megatron/ and megatron_core-*.dist-info, or run .ci/run which installs it with pip install "
+                   "--no-deps --target .venv/mcore-oracle megatron-core==0.16.1)")
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)

@@ -2,8 +2,11 @@
 and grad norms (1e-4) are layout-independent (losses 1e-5 relative) across EP=1, EP=2 (both dispatchers), EP=2 x
 TP=2 (+SP, expert TP 2), grouped GEMM on and off, PP=2, the distributed optimizer, and context parallelism (CP=2,
 EP=2 x CP=2). Every run starts from the same model (train_helpers.deterministic_init: experts keyed by global layer
-and global expert index). Dropless routing, fp32; one 4-rank gloo spawn runs every layout in process."""
+and global expert index). Dropless routing, fp32; one 4-rank gloo spawn runs every layout in process. Aux-loss-free
+balancing (sigmoid routing, --moe-router-enable-expert-bias): losses and the updated biases equal for EP=1, EP=2 x
+TP=2 and EP=2 x PP=2, and the update changes later losses."""
 import pytest
+import torch
 
 from helpers.dist_harness import run_distributed
 from helpers.train_helpers import preprocess_corpus_slice, run_pretrain
@@ -85,3 +88,69 @@ def test_moe_training_losses_equal_across_layouts(data):
             worst[(name, "grad norm")] = max(worst.get((name, "grad norm"), 0.0), err)
             assert err <= 1e-4, f"{name} iteration {it} grad norm {norm} vs {ref_norm}"
     print("max relative difference to EP=1:", {f"{n}/{k}": f"{v:.1e}" for (n, k), v in worst.items()})
+
+
+# Aux-loss-free balancing: sigmoid routing with an expert bias that each step moves by the global token counts. The
+# counts are summed over TP x DP (x CP), so the bias (and the losses) must not depend on the layout. The tiny model's
+# scores are close together, so the bias dominates the choice and swings the loads: by iteration 4 some expert gets
+# no token at all, which the grouped-GEMM layout must survive (its empty-expert path once skipped a collective).
+BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.05", "--train-iters", "4"]
+BIAS_LAYOUTS = {
+    "ep1": [],
+    "ep2_tp2_alltoall": ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                         "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall"],
+    "ep2_pp2": ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    "ep4_grouped_alltoall": ["--expert-model-parallel-size", "4", "--moe-grouped-gemm",
+                             "--moe-token-dispatcher-type", "alltoall"],
+    "ep1_rate0": ["--moe-router-bias-update-rate", "0"],
+}
+
+
+def expert_bias_body(data):
+    import importlib
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    original = finalize._update_router_expert_bias
+    out = {}
+    for name, extra in BIAS_LAYOUTS.items():
+        steps = []  # per step: this rank's routers' biases after the update
+
+        def update_and_record(model, config):
+            original(model, config)
+            steps.append([m.expert_bias.clone() for chunk in model for m in chunk.modules()
+                          if isinstance(m, TopKRouter)])
+
+        finalize._update_router_expert_bias = update_and_record
+        try:
+            records = run_pretrain("pretrain_gpt", ["--data-path", data] + MOE + BIAS + extra)
+        finally:
+            finalize._update_router_expert_bias = original
+        out[name] = ([(r["iteration"], r["loss"].get("lm loss")) for r in records], steps)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_expert_bias_training_is_layout_independent(data):
+    results = run_distributed(expert_bias_body, 4, data, timeout=280)
+    ref, ref_steps = results[-1]["ep1"]
+    assert [it for it, _ in ref] == [1, 2, 3, 4] and len(ref_steps) == 4
+    for name in ("ep2_tp2_alltoall", "ep2_pp2", "ep4_grouped_alltoall"):
+        losses = results[-1][name][0]
+        for (it, loss), (_, ref_loss) in zip(losses, ref):
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), f"{name} iteration {it}: {loss} vs EP=1 {ref_loss}"
+    # Each step's biases: sums of steps of +-0.05 or 0 (fp32), the same on every rank and in every layout (with PP=2
+    # layer 1's router is on the first stage, layer 2's on the last).
+    ref_bias = torch.stack([torch.stack(step) for step in ref_steps])  # [step, layer, expert]
+    units = ref_bias / 0.05
+    assert torch.allclose(units, units.round(), atol=1e-4) and float(units.abs().max()) > 0, units
+    for rank_out in results:
+        for name in ("ep1", "ep2_tp2_alltoall", "ep4_grouped_alltoall"):
+            assert torch.equal(torch.stack([torch.stack(s) for s in rank_out[name][1]]), ref_bias), name
+    pp = [torch.stack(a + b) for a, b in zip(results[0]["ep2_pp2"][1], results[-1]["ep2_pp2"][1])]
+    assert torch.equal(torch.stack(pp), ref_bias)
+    # The update changes the routing of later steps: with rate 0 the first loss is the same, a later one is not.
+    frozen = results[-1]["ep1_rate0"][0]
+    assert frozen[0][1] == ref[0][1] and any(abs(a[1] - b[1]) > 1e-5 * abs(b[1]) for a, b in zip(frozen, ref))

@@ -13,7 +13,10 @@ with ``--overlap-grad-reduce`` it is already running when backward ends):
 4. with ``--calculate-per-token-loss`` (``num_tokens`` given): the step's token count ``n`` of the last
    pipeline stage is broadcast over the pipeline group and summed over the data-parallel group, and every
    gradient is multiplied by ``1/n`` (DDP then reduces with a plain SUM, no ``1/|DP|`` pre-scaling), so the
-   gradient is that of the token mean over the whole global batch.
+   gradient is that of the token mean over the whole global batch;
+5. with ``--moe-router-enable-expert-bias``: the aux-loss-free update of every router's expert bias from the
+   step's token counts summed over the tensor x data (x context) parallel group (moe_utils.py states it), then
+   the counts restart from zero.
 
 Gradients are read from ``param.main_grad`` (our DDP buffers; ``.grad`` when there is none).
 """
@@ -173,3 +176,22 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
         _allreduce_embedding_grads(model, config)
     if num_tokens is not None:
         _scale_by_num_tokens(model, num_tokens)
+    if config is not None and getattr(config, "moe_router_enable_expert_bias", False):
+        _update_router_expert_bias(model, config)
+
+
+def _update_router_expert_bias(model: List[torch.nn.Module], config):
+    """Step 5: one all-reduce of every local router's counts ``[routers, E]``, then each bias moves by the rate."""
+    from megatron.core.transformer.moe.moe_utils import updated_expert_bias
+
+    routers = [m for chunk in model for m in chunk.modules() if getattr(m, "expert_bias", None) is not None]
+    if not routers:
+        return  # this pipeline stage has no MoE layer
+    counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
+    torch.distributed.all_reduce(counts, group=parallel_state.get_tensor_and_data_parallel_group(
+        with_context_parallel=True))
+    biases = updated_expert_bias(counts, torch.stack([r.expert_bias.float() for r in routers]),
+                                 config.moe_router_bias_update_rate)
+    for router, bias in zip(routers, biases):
+        router.expert_bias.copy_(bias)
+        router.local_tokens_per_expert.zero_()

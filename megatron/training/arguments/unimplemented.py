@@ -103,8 +103,6 @@ def _validate_moe_implemented(args) -> None:
     if args.moe_router_enable_expert_bias:
         _require(args.moe_router_score_function == "sigmoid",
                  "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
-        raise _not_implemented("--moe-router-enable-expert-bias", "aux-loss-free expert-bias updates",
-                               "drop --moe-router-enable-expert-bias")
     if args.moe_token_dispatcher_type == "flex":
         raise _not_implemented("--moe-token-dispatcher-type flex", "the DeepEP/HybridEP dispatcher",
                                "use --moe-token-dispatcher-type alltoall or allgather")

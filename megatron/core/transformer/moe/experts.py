@@ -205,8 +205,10 @@ class GroupedMLP(MegatronModule):
         w1 = self.weight1.view(h, n, -1).transpose(0, 1)  # [n, h, 2F/ETP]
         w2 = self.weight2.view(n, -1, h)                    # [n, F/ETP, h]
         if permuted_tokens.shape[0] == 0:
-            # Keep the weights in the graph so every rank's backward produces (zero) expert gradients.
-            return permuted_tokens + 0 * (w1.sum() + w2.sum()), None
+            # Keep the weights in the graph so every rank's backward produces (zero) expert gradients, and the
+            # routing weights too: their all-to-all's backward is a collective that every EP rank must run (without
+            # it, a rank whose experts got no token skipped it and the EP group deadlocked or mismatched).
+            return permuted_tokens + 0 * (w1.sum() + w2.sum() + permuted_probs.sum()), None
         inter = grouped_gemm(permuted_tokens, w1, tokens_per_expert)
         inter = self.activation_func(inter) * permuted_probs.unsqueeze(-1).to(inter.dtype)
         return grouped_gemm(inter, w2, tokens_per_expert), None

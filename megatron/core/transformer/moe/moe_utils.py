@@ -15,6 +15,11 @@ expert e), ``probs [T, E]`` (routing weight of (t, e), zero off the map).
 * z-loss: ``coeff * mean_t(logsumexp(logits_t)^2)``.
 * Capacity: ``capacity = ceil(T * k / E * factor)``; per expert keep the ``capacity`` routed tokens with the
   highest probability (``probs`` policy) or the first ones (``position``).
+* Aux-loss-free balancing (``--moe-router-enable-expert-bias``, sigmoid routing): the bias only chooses the
+  top-k, it never scales the weights. Each training forward counts ``c_e``, the tokens routed to e; once per
+  step, after the gradients are reduced, ``c`` is summed over the tensor x data (x context) parallel group and
+  ``expert_bias_e += rate * sign(mean_e' c_e' - c_e)`` (``--moe-router-bias-update-rate``): an overloaded
+  expert becomes less attractive, an idle one more. The counts then restart from zero.
 * ``MoEAuxLossAutoScaler``: forward returns its input unchanged; backward also feeds
   ``main_loss_backward_scale`` into the aux loss, so the loss trains the router without being added to the
   reported LM loss.
@@ -25,7 +30,6 @@ import math
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 
 
 # ------------------------------------------------------------------------------------------------ routing
@@ -103,6 +107,13 @@ def switch_load_balancing_loss_func(probs: torch.Tensor, tokens_per_expert: torc
 def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
     """``coeff * mean_t(logsumexp(logits_t)^2)`` (ST-MoE's router z-loss)."""
     return torch.mean(torch.square(torch.logsumexp(logits.float(), dim=-1))) * z_loss_coeff
+
+
+def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:
+    """``expert_bias + rate * sign(mean(tokens_per_expert) - tokens_per_expert)`` along the last (expert) dim; the
+    counts must already be summed over the ranks that saw the step's tokens."""
+    average = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
+    return expert_bias + torch.sign(average - tokens_per_expert) * rate
 
 
 def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: Optional[int] = None):

@@ -168,7 +168,19 @@ class TopKRouter(MegatronModule):
                 self.local_tokens_per_expert += routing_map.sum(dim=0).float()
         return probs, routing_map
 
+    def _keep_expert_bias_fp32(self):
+        """Float16Module casts every floating buffer to fp16/bf16: the bias and the counts stay fp32, as in
+        Megatron (a bf16 bias would lose the small steps of its update; bf16 counts are exact only up to 256)."""
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias.data = self.expert_bias.data.float()
+            self.local_tokens_per_expert.data = self.local_tokens_per_expert.data.float()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._keep_expert_bias_fp32()
+        return super()._load_from_state_dict(*args, **kwargs)
+
     def forward(self, input: torch.Tensor):
+        self._keep_expert_bias_fp32()
         seq_length, batch = input.shape[0], input.shape[1]
         input = self.apply_input_jitter(input)
         logits = self.gating(input)
