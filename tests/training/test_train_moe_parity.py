@@ -1,7 +1,7 @@
 """MoE GPT training runs: the per-iteration losses (LM loss and Megatron's logged load_balancing_loss / z_loss)
 and grad norms (1e-4) are layout-independent (losses 1e-5 relative) across EP=1, EP=2 (both dispatchers), EP=2 x
-TP=2 (+SP, expert TP 2), grouped GEMM on and off, PP=2, the distributed optimizer, and context parallelism (CP=2,
-EP=2 x CP=2). Every run starts from the same model (train_helpers.deterministic_init: experts keyed by global layer
+TP=2 (+SP, expert TP 2), grouped GEMM on and off, PP=2, the distributed optimizer, context parallelism (CP=2,
+EP=2 x CP=2), and selective recompute of the MoE layer (--moe-layer-recompute; --recompute-modules moe moe_act). Every run starts from the same model (train_helpers.deterministic_init: experts keyed by global layer
 and global expert index). Dropless routing, fp32; one 4-rank gloo spawn runs every layout in process. Aux-loss-free
 balancing (sigmoid routing, --moe-router-enable-expert-bias): losses and the updated biases equal for EP=1, EP=2 x
 TP=2 and EP=2 x PP=2, and the update changes later losses."""
@@ -32,6 +32,14 @@ LAYOUTS = {
     # over TP x CP and the partial losses add up to the sequence batch's.
     "cp2_alltoall": ["--context-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
     "ep2_cp2_allgather": ["--expert-model-parallel-size", "2", "--context-parallel-size", "2"],
+    # Activation recompute of the MoE layer (dispatch and combine collectives run again in backward): the logged
+    # router losses must count one forward, not two.
+    "ep2_alltoall_moe_layer_recompute": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                         "alltoall", "--moe-layer-recompute"],
+    "ep2_tp2_grouped_recompute_modules": ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                          "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall",
+                                          "--moe-grouped-gemm", "--recompute-granularity", "selective",
+                                          "--recompute-modules", "core_attn", "moe", "moe_act"],
 }
 
 

@@ -13,6 +13,24 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+def check_recompute_modules(modules, moe_grouped_gemm: bool) -> None:
+    """ValueError unless every name of ``modules`` (selective recompute) is one this library recomputes."""
+    invalid = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if invalid:
+        raise ValueError(f"--recompute-modules: invalid choices {invalid}; allowed: {', '.join(RECOMPUTE_MODULES)}")
+    if "moe_act" in modules and not moe_grouped_gemm:
+        raise ValueError("--recompute-modules moe_act is only supported with --moe-grouped-gemm")
+    if "mla_up_proj" in modules:
+        raise ValueError("--recompute-modules mla_up_proj needs multi-latent attention, which this library does not "
+                         "implement: drop it")
+    if "layernorm" in modules:
+        raise ValueError("--recompute-modules layernorm (Megatron's output-discarding norm recompute) is not "
+                         "implemented: drop it")
+
+
 @dataclass
 class TransformerConfig(ModelParallelConfig):
     """Transformer settings; derived sizes are filled and contradictions rejected in ``__post_init__``."""
@@ -59,6 +77,9 @@ class TransformerConfig(ModelParallelConfig):
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     distribute_saved_activations: Optional[bool] = None
+    # Selective recompute (recompute_granularity="selective"): what each layer recomputes in backward instead of
+    # keeping its activations. None means ["core_attn"]; see _validate_recompute_modules.
+    recompute_modules: Optional[List[str]] = None
 
     # FP8 (--fp8-format e4m3|hybrid): GEMMs of the linear layers in FP8, see megatron/core/fp8_utils.py
     fp8: Optional[str] = None
@@ -192,6 +213,7 @@ class TransformerConfig(ModelParallelConfig):
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
 
+        self._validate_recompute_modules()
         if self.recompute_granularity is not None:
             if self.recompute_granularity not in ("full", "selective"):
                 raise ValueError(
@@ -285,6 +307,24 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError("the model needs padded_vocab_size: pass --vocab-size/--vocab-file (training scripts), "
                              "or TransformerConfig(padded_vocab_size=...) when building the model directly")
         return self.padded_vocab_size
+
+    def _validate_recompute_modules(self):
+        """Selective recompute as megatron-core names it: ``recompute_modules`` (default ``["core_attn"]``) lists
+        what each layer recomputes in backward: ``core_attn`` (softmax(QK^T)V), ``mlp`` (a dense MLP), ``moe`` (the
+        whole MoE layer, dispatch and combine included), ``shared_experts``, ``moe_act`` (the grouped experts'
+        activation). The deprecated ``moe_layer_recompute`` means selective recompute with ``moe`` added."""
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]
+        self.recompute_modules = list(self.recompute_modules)
+        if self.moe_layer_recompute:
+            if self.recompute_granularity == "full":
+                raise ValueError("moe_layer_recompute (--moe-layer-recompute) cannot be combined with full recompute "
+                                 "granularity: drop one of them")
+            self.recompute_granularity = "selective"
+            if "moe" not in self.recompute_modules:
+                self.recompute_modules.append("moe")
+        if self.recompute_granularity == "selective":
+            check_recompute_modules(self.recompute_modules, self.moe_grouped_gemm)
 
     def _validate_model_settings(self):
         """Normalise ``attention_backend`` to :class:`AttnBackend` and reject contradictory model settings."""

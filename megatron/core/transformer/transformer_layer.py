@@ -106,6 +106,22 @@ class ParallelTransformerLayer(MegatronModule):
                               "cross_attention": build_module(submodules.cross_attn_bda),
                               "mlp": build_module(submodules.mlp_bda)}
         self.has_cross_attention = has_cross
+        self.recompute_mlp = _mlp_is_recomputed(config, self.mlp)
+
+    def _mlp_forward(self, layernorm_output):
+        """The MLP (dense or MoE); under selective recompute with ``mlp`` / ``moe`` listed, only its input is kept
+        and the forward runs again in backward (the MoE dispatch and combine collectives too, on every rank)."""
+        if not (self.recompute_mlp and self.training and torch.is_grad_enabled()):
+            return self.mlp(layernorm_output)
+        from megatron.core import tensor_parallel
+
+        def run(x):
+            out, bias = self.mlp(x)
+            # A bias returned as-is would be the parameter itself: return a copy, which recompute differentiates.
+            return out if bias is None else (out, bias.clone())
+
+        result = tensor_parallel.checkpoint(run, False, layernorm_output)
+        return (result, None) if torch.is_tensor(result) else result
 
     def _bias_dropout_add(self, x, bias, residual, branch: str):
         if self._spec_bda is not None and self.drop_path is None:
@@ -139,11 +155,19 @@ class ParallelTransformerLayer(MegatronModule):
             layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "cross_attention")
             layernorm_output = self.pre_mlp_layernorm(layernorm_input)
 
-        mlp_output, mlp_bias = self.mlp(layernorm_output)
+        mlp_output, mlp_bias = self._mlp_forward(layernorm_output)
         residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input
         output = self._bias_dropout_add(mlp_output, mlp_bias, residual, "mlp")
         # Pipeline schedules free stage outputs by swapping .data, which needs a tensor that is not a view.
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
+
+
+def _mlp_is_recomputed(config, mlp) -> bool:
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    if getattr(config, "recompute_granularity", None) != "selective":
+        return False
+    return ("moe" if isinstance(mlp, BaseMoELayer) else "mlp") in (config.recompute_modules or [])
 
 
 def _layer_number_kwarg(spec, layer_number) -> dict:

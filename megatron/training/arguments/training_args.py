@@ -33,7 +33,12 @@ def _add_training_args(parser):
     group.add_argument("--recompute-activations", action="store_true",
                        help="Recompute activations (selective granularity).")
     group.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
-                       help="Recompute whole transformer layers (full) or only the attention core (selective).")
+                       help="Recompute whole transformer layers (full) or the parts --recompute-modules names "
+                            "(selective).")
+    group.add_argument("--recompute-modules", nargs="*", type=str, default=None,
+                       help="With --recompute-granularity selective: what each layer recomputes in backward, any of "
+                            "core_attn (default), mlp, moe, shared_experts, moe_act (with --moe-grouped-gemm); "
+                            "layernorm and mla_up_proj are refused.")
     group.add_argument("--distribute-saved-activations", action="store_true",
                        help="Split recomputed activations across the tensor-parallel group.")
     group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],

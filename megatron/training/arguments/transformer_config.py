@@ -59,8 +59,8 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig):
     kw_args["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
     # --recompute-num-layers defaults to 1 but means nothing with selective recompute, where the config
     # rejects a layer count.
-    if args.recompute_granularity == "selective":
-        kw_args["recompute_num_layers"] = None
+    if args.recompute_granularity == "selective" or getattr(args, "moe_layer_recompute", False):
+        kw_args["recompute_num_layers"] = None  # (--moe-layer-recompute turns selective recompute on)
     # One --cp-comm-type value applies to every layer (Megatron passes it as a string).
     if isinstance(getattr(args, "cp_comm_type", None), list) and len(args.cp_comm_type) == 1:
         kw_args["cp_comm_type"] = args.cp_comm_type[0]

@@ -112,8 +112,6 @@ def _validate_moe_implemented(args) -> None:
     for flag, dest in (("--moe-router-fusion", "moe_router_fusion"), ("--moe-permute-fusion", "moe_permute_fusion")):
         if getattr(args, dest):
             raise _not_implemented(flag, "Transformer Engine's fused MoE kernels", f"drop {flag}")
-    if args.moe_layer_recompute:
-        raise _not_implemented("--moe-layer-recompute", "MoE layer recompute", "drop --moe-layer-recompute")
 
 
 def _validate_context_parallel(args) -> None:

@@ -419,6 +419,18 @@ def _validate_recompute(args):
                  "--distribute-saved-activations needs --recompute-granularity full")
         _require(args.recompute_method is not None,
                  "--distribute-saved-activations needs --recompute-method uniform or block")
+    if args.moe_layer_recompute:  # megatron-core: deprecated spelling of selective recompute of "moe"
+        _require(args.recompute_granularity != "full",
+                 "--moe-layer-recompute cannot be combined with --recompute-granularity full: drop one of them")
+    if args.recompute_granularity == "selective" or args.moe_layer_recompute:
+        from megatron.core.transformer.transformer_config import check_recompute_modules
+        try:
+            check_recompute_modules(args.recompute_modules or ["core_attn"], args.moe_grouped_gemm)
+        except ValueError as e:
+            raise ConfigurationError(str(e)) from None
+    elif args.recompute_modules:
+        _log(args, f"note: --recompute-modules {' '.join(args.recompute_modules)} has no effect without "
+                   "--recompute-granularity selective")
     if args.recompute_granularity == "selective":
         _require(args.recompute_method is None,
                  "--recompute-method is not supported with --recompute-granularity selective (or "

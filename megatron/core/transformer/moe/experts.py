@@ -21,7 +21,7 @@ from typing import List
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.fusions.fused_kernels import log_once
 from megatron.core.transformer.module import MegatronModule
 
@@ -149,11 +149,15 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
+        # Fixed inputs, not random ones: the probe runs inside the first forward and must not move the RNG stream
+        # (dropout masks would then depend on whether it had run before, e.g. after resuming). Gradients enabled:
+        # the first call may come under no_grad (evaluation, the first pass of an activation recompute).
         dev = torch.device(device_type)
-        a = torch.randn(6, 16, device=dev, dtype=dtype, requires_grad=True)
-        b = torch.randn(2, 16, 8, device=dev, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([2, 6], device=dev, dtype=torch.int32)
-        torch._grouped_mm(a, b, offs=offs).sum().backward()
+        with torch.enable_grad():
+            a = torch.linspace(-1, 1, 6 * 16, device=dev, dtype=dtype).view(6, 16).requires_grad_(True)
+            b = torch.linspace(-1, 1, 2 * 16 * 8, device=dev, dtype=dtype).view(2, 16, 8).requires_grad_(True)
+            offs = torch.tensor([2, 6], device=dev, dtype=torch.int32)
+            torch._grouped_mm(a, b, offs=offs).sum().backward()
         return a.grad is not None and b.grad is not None
     except Exception:  # noqa: BLE001 - any failure means "use the fallback"
         return False
@@ -199,6 +203,12 @@ class GroupedMLP(MegatronModule):
         mark_expert_param(self.weight2, 0, config)
         self.hidden_size = h
         self.activation_func = expert_activation(config)
+        # --recompute-modules moe_act: keep only the fc1 output; the activation (x routing weight) runs again.
+        self.recompute_activation = (config.recompute_granularity == "selective"
+                                     and "moe_act" in (config.recompute_modules or []))
+
+    def _activate(self, inter, permuted_probs):
+        return self.activation_func(inter) * permuted_probs.unsqueeze(-1).to(inter.dtype)
 
     def forward(self, permuted_tokens, tokens_per_expert, permuted_probs):
         n, h = self.num_local_experts, self.hidden_size
@@ -210,5 +220,8 @@ class GroupedMLP(MegatronModule):
             # it, a rank whose experts got no token skipped it and the EP group deadlocked or mismatched).
             return permuted_tokens + 0 * (w1.sum() + w2.sum() + permuted_probs.sum()), None
         inter = grouped_gemm(permuted_tokens, w1, tokens_per_expert)
-        inter = self.activation_func(inter) * permuted_probs.unsqueeze(-1).to(inter.dtype)
+        if self.recompute_activation and self.training and torch.is_grad_enabled():
+            inter = tensor_parallel.checkpoint(self._activate, False, inter, permuted_probs)
+        else:
+            inter = self._activate(inter, permuted_probs)
         return grouped_gemm(inter, w2, tokens_per_expert), None

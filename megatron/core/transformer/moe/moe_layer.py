@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.router import TopKRouter, tensor_and_context_parallel_group
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
@@ -74,6 +74,8 @@ class MoELayer(BaseMoELayer):
 
                 shared = SharedExpertMLP
             self.shared_experts = build_module(shared, config=config, gate=config.moe_shared_expert_gate)
+        self.recompute_shared_experts = (config.recompute_granularity == "selective"
+                                         and "shared_experts" in (config.recompute_modules or []))
 
     def forward(self, hidden_states: torch.Tensor):
         if (self.training and parallel_state.get_tensor_model_parallel_world_size() > 1
@@ -86,7 +88,10 @@ class MoELayer(BaseMoELayer):
         expert_output, mlp_bias = self.experts(tokens, tokens_per_expert, permuted_probs)
         output = self.token_dispatcher.token_unpermutation(expert_output, mlp_bias)
         if self.use_shared_expert:
-            output = output + self.shared_experts(hidden_states)
+            if self.recompute_shared_experts and self.training and torch.is_grad_enabled():
+                output = output + tensor_parallel.checkpoint(self.shared_experts, False, hidden_states)
+            else:
+                output = output + self.shared_experts(hidden_states)
         return output, None
 
 
