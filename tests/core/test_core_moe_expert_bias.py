@@ -3,7 +3,7 @@
 A training forward counts each router's tokens per expert (recomputed here by hand from the router's input: sigmoid
 scores plus the bias, top-k); ``finalize_model_grads`` then moves every bias by ``rate * sign(mean - count)`` and
 clears the counts. Evaluation does not count; the bias picks the experts but does not scale their weights; bf16
-leaves the bias and the counts in fp32.
+leaves the bias and the counts in fp32. finalize_model_grads also restarts global_aux_loss's running counts.
 """
 import pytest
 import torch
@@ -115,3 +115,19 @@ def test_bias_and_counts_stay_fp32_under_float16_module(single_rank, wrap):
     state = model.state_dict()
     assert state["decoder.layers.0.mlp.router.expert_bias"].dtype == torch.float32
     assert "decoder.layers.0.mlp.router.local_tokens_per_expert" not in state  # not persistent, as in Megatron
+
+
+def test_finalize_model_grads_restarts_global_aux_loss_counts(single_rank):
+    """The other per-step router state: global_aux_loss's running counts restart after every step."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    config, model, routers = _model(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-2)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    model.train()
+    for _ in range(2):  # two micro-batches accumulate
+        ddp(*_batch()).sum().backward()
+    assert all(float(r.ga_steps) == 2 and float(r.global_tokens_per_expert.sum()) == 2 * SEQ * BATCH * K
+               for r in routers)
+    finalize_model_grads([ddp])
+    assert all(float(r.ga_steps) == 0 and float(r.global_tokens_per_expert.abs().sum()) == 0 for r in routers)

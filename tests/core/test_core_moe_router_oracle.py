@@ -67,6 +67,15 @@ seq_scores, seq_map = scores.reshape(s, -1), rmap.reshape(s, -1)
 seq = m.switch_load_balancing_loss_func(seq_scores, seq_map.sum(0), s, 2, logits.shape[1], 0.02) / b
 z = m.z_loss_func(logits, 0.001)
 out["losses"] = {"load_balancing_loss": aux / 0.01, "seq_load_balancing_loss": seq / 0.02, "z_loss": z / 0.001}
+# global_aux_loss as the 0.16.1 router accumulates it over a step's micro-batches (here the logits' two halves):
+# global += counts; ga_steps += 1; loss with global / ga_steps and T_tot = the micro-batch's tokens (one rank).
+total, steps, per_mb = torch.zeros(logits.shape[1]), 0, []
+for half in logits.chunk(2):
+    rmap, scores = m.compute_routing_scores_for_aux_loss(half, 2, "softmax")
+    total, steps = total + rmap.sum(0), steps + 1
+    per_mb.append(m.switch_load_balancing_loss_func(scores, total / steps, half.shape[0], 2, logits.shape[1], 0.03)
+                  / 0.03)
+out["global_aux_loss"] = per_mb
 # The aux-loss-free bias update, one process: its all-reduce over the TP x DP x CP group is the identity.
 torch.distributed.all_reduce = lambda tensor, group=None, **kw: None
 m.parallel_state.get_tensor_and_data_parallel_group = lambda **kw: None
@@ -185,3 +194,20 @@ def test_expert_bias_update_matches_megatron_core(oracle_results):
     ours = updated_expert_bias(cases["counts"], cases["bias_before"], 0.01)
     assert torch.equal(ours, ref["expert_bias_update"]), (ours, ref["expert_bias_update"])
     assert torch.equal(ours[1], cases["bias_before"][1])  # a balanced router keeps its bias
+
+
+def test_global_aux_loss_matches_megatron_core(oracle_results, single_rank):
+    """--moe-router-load-balancing-type global_aux_loss over two micro-batches: the running mean of the counts,
+    per micro-batch values as megatron-core's router computes them; the step's reset clears the running counts."""
+    cases, ref = oracle_results
+    router = _router(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.03)
+    values = []
+    for half in cases["logits"].chunk(2):
+        before = float(router.tracked_losses.get("global_load_balancing_loss", 0.0))
+        router.routing(half.clone().requires_grad_(True), half.shape[0] // BATCH, BATCH)
+        values.append(float(router.tracked_losses["global_load_balancing_loss"]) - before)
+    for ours, theirs in zip(values, ref["global_aux_loss"]):
+        assert abs(ours - float(theirs)) <= 1e-6 * abs(float(theirs)), (values, ref["global_aux_loss"])
+    assert float(router.ga_steps) == 2 and abs(values[0] - values[1]) > 1e-6  # the second uses both halves' counts
+    router.reset_global_aux_loss_tracker()
+    assert float(router.ga_steps) == 0 and float(router.global_tokens_per_expert.abs().sum()) == 0

@@ -162,3 +162,37 @@ def test_expert_bias_training_is_layout_independent(data):
     # The update changes the routing of later steps: with rate 0 the first loss is the same, a later one is not.
     frozen = results[-1]["ep1_rate0"][0]
     assert frozen[0][1] == ref[0][1] and any(abs(a[1] - b[1]) > 1e-5 * abs(b[1]) for a, b in zip(frozen, ref))
+
+
+# Global-batch load balancing: the counts are summed over TP x DP (x CP) and averaged over the micro-batches of the
+# step so far, so the losses depend on the number of micro-batches per rank (as in Megatron): the layouts compared
+# keep DP = 4 (expert parallelism is carved out of DP) with two micro-batches each.
+GLOBAL = ["--moe-router-load-balancing-type", "global_aux_loss", "--global-batch-size", "8"]
+GLOBAL_LAYOUTS = {
+    "ep1": [],
+    "ep2_alltoall": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+    "ep4_grouped_alltoall": ["--expert-model-parallel-size", "4", "--moe-grouped-gemm",
+                             "--moe-token-dispatcher-type", "alltoall"],
+}
+
+
+def global_aux_loss_body(data):
+    return {name: [(r["iteration"], r["loss"]) for r in
+                   run_pretrain("pretrain_gpt", ["--data-path", data] + MOE + GLOBAL + extra)]
+            for name, extra in GLOBAL_LAYOUTS.items()}
+
+
+@pytest.mark.timeout(300)
+def test_global_aux_loss_training_is_layout_independent(data):
+    runs = run_distributed(global_aux_loss_body, 4, data, timeout=280)[-1]
+    ref = runs["ep1"]
+    assert [it for it, _ in ref] == [1, 2, 3]
+    for _, losses in ref:
+        assert set(losses) == {"lm loss", "global_load_balancing_loss", "z_loss"}, losses
+        # Each rank's term is its tokens' share of the global loss (T_tot counts every rank's tokens): summed over
+        # TP x DP it is the loss of the whole batch, about 1 for near-balanced routing, like load_balancing_loss.
+        assert 0.9 < losses["global_load_balancing_loss"] < 2, losses
+    for name in ("ep2_alltoall", "ep4_grouped_alltoall"):
+        for (it, losses), (_, ref_losses) in zip(runs[name], ref):
+            for key, value in ref_losses.items():
+                assert abs(losses[key] - value) <= 1e-5 * abs(value), f"{name} iteration {it} {key}: {losses[key]}"

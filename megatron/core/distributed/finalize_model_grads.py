@@ -16,7 +16,8 @@ with ``--overlap-grad-reduce`` it is already running when backward ends):
    gradient is that of the token mean over the whole global batch;
 5. with ``--moe-router-enable-expert-bias``: the aux-loss-free update of every router's expert bias from the
    step's token counts summed over the tensor x data (x context) parallel group (moe_utils.py states it), then
-   the counts restart from zero.
+   the counts restart from zero;
+6. with ``--moe-router-load-balancing-type global_aux_loss``: the routers' running global-batch counts restart.
 
 Gradients are read from ``param.main_grad`` (our DDP buffers; ``.grad`` when there is none).
 """
@@ -178,6 +179,12 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
         _scale_by_num_tokens(model, num_tokens)
     if config is not None and getattr(config, "moe_router_enable_expert_bias", False):
         _update_router_expert_bias(model, config)
+    types = getattr(config, "moe_router_load_balancing_type", None)
+    if "global_aux_loss" in (types if isinstance(types, (list, tuple)) else [types]):
+        for chunk in model:
+            for module in chunk.modules():
+                if getattr(module, "global_tokens_per_expert", None) is not None:
+                    module.reset_global_aux_loss_tracker()
 
 
 def _update_router_expert_bias(model: List[torch.nn.Module], config):

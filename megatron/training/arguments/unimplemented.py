@@ -1,5 +1,5 @@
-"""Flags of today's Megatron-LM whose features this library does not implement yet: some MoE variants (sinkhorn and
-global aux-loss balancing, the flex dispatcher, MoE in the legacy models), the a2a / a2a+p2p and hierarchical variants
+"""Flags of today's Megatron-LM whose features this library does not implement yet: some MoE variants (sinkhorn load
+balancing, the flex dispatcher, MoE in the legacy models), the a2a / a2a+p2p and hierarchical variants
 of context parallelism (p2p and all_gather are implemented), and the FP8 variants that need Transformer Engine (block-scaled recipes, FP8
 parameters; per-tensor FP8 GEMMs with --fp8-format run, see megatron/core/fp8_utils.py).
 
@@ -94,9 +94,9 @@ def _validate_moe_implemented(args) -> None:
     types = args.moe_router_load_balancing_type
     types = types if isinstance(types, list) else [types]
     for value in types:
-        if value in ("sinkhorn", "global_aux_loss"):
+        if value == "sinkhorn":
             raise _not_implemented(f"--moe-router-load-balancing-type {value}", f"{value} load balancing",
-                                   "use aux_loss, seq_aux_loss or none")
+                                   "use aux_loss, seq_aux_loss, global_aux_loss or none")
     if args.moe_expert_capacity_factor is not None:
         _require(all(t in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none") for t in types),
                  "--moe-expert-capacity-factor needs --moe-router-load-balancing-type aux_loss, seq_aux_loss or none")

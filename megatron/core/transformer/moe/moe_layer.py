@@ -7,7 +7,8 @@ parallelism the layer needs sequence parallelism (every TP rank routes its own t
 :func:`reduce_moe_losses` turns the per-layer sums that the routers tracked during a step into the values
 Megatron logs (``load_balancing_loss``, ``seq_load_balancing_loss``, ``z_loss``): per layer the sum over
 micro-batches of ``loss / coeff``, summed over the tensor (x context) parallel group, averaged over data
-parallel ranks, divided by the number of micro-batches; logged value = sum over layers / number of MoE layers.
+parallel ranks (``global_load_balancing_loss``: summed over them too), divided by the number of micro-batches;
+logged value = sum over layers / number of MoE layers.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.router import TopKRouter, tensor_and_context_parallel_group
+from megatron.core.transformer.moe.router import LOSS_NAMES, TopKRouter, tensor_and_context_parallel_group
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
@@ -135,7 +136,10 @@ def reduce_moe_losses(model, num_microbatches: int, num_moe_layers: int,
         torch.distributed.all_reduce(values, group=group)
     dp_group = parallel_state.get_data_parallel_group()
     torch.distributed.all_reduce(values, group=dp_group)
-    values /= torch.distributed.get_world_size(group=dp_group)
+    # global_load_balancing_loss is summed over TP x DP (x CP) (Megatron's reduce_group_has_dp); the others AVG.
+    for i, name in enumerate(names):
+        if name != LOSS_NAMES["global_aux_loss"]:
+            values[i] /= torch.distributed.get_world_size(group=dp_group)
     values /= num_microbatches
     out = {}
     for i, name in enumerate(names):

@@ -10,6 +10,11 @@ load-balancing loss on separate aux scores (training, coefficient > 0). Losses a
 The sums of the load-balancing loss run over the tensor (x context) parallel group, whose ranks hold different
 tokens of the same sequences under sequence parallelism: ``c_e`` is all-reduced there and ``T_tot = T x |group|``,
 so the group's partial losses add up to the loss of the whole micro-batch.
+
+``global_aux_loss`` (global-batch load balancing) takes ``c_e`` over the tensor x data (x context) parallel group
+instead, and averaged over the micro-batches of the step so far: micro-batch m uses ``(c^1 + ... + c^m) / m``
+(``T_tot = T x |TP x DP x CP|``); the running sums restart each step in ``finalize_model_grads``. Its logged value
+is summed over that group (no average over DP), as Megatron logs it.
 """
 from __future__ import annotations
 
@@ -30,6 +35,15 @@ from megatron.core.transformer.moe.moe_utils import (
 
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
               "global_aux_loss": "global_load_balancing_loss"}
+
+
+def global_load_balancing_group():
+    """global_aux_loss's group: tensor x data (x context) parallel, every rank of one pipeline stage's replicas; None
+    without process groups."""
+    try:
+        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    except AssertionError:
+        return None
 
 
 def tensor_and_context_parallel_group():
@@ -81,6 +95,12 @@ class TopKRouter(MegatronModule):
                                  persistent=False)
         else:
             self.expert_bias = None
+        if self.lb_coeffs.get("global_aux_loss"):
+            self.register_buffer("global_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
+                                 persistent=False)
+            self.register_buffer("ga_steps", torch.zeros((), dtype=torch.float32), persistent=False)
+        else:
+            self.global_tokens_per_expert = self.ga_steps = None
         self.tracked_losses: Dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------- pieces
@@ -102,6 +122,24 @@ class TopKRouter(MegatronModule):
 
     def _needs_losses(self) -> bool:
         return self.training and torch.is_grad_enabled()
+
+    def _global_counts(self, counts: torch.Tensor, num_tokens: int):
+        """global_aux_loss: (running mean over this step's micro-batches of the counts summed over TP x DP (x CP),
+        T_tot)."""
+        group = global_load_balancing_group()
+        size = _group_size(group)
+        if size > 1:
+            torch.distributed.all_reduce(counts, group=group)
+        with torch.no_grad():
+            self.global_tokens_per_expert.add_(counts)
+            self.ga_steps.add_(1)
+        return self.global_tokens_per_expert / self.ga_steps, num_tokens * size
+
+    def reset_global_aux_loss_tracker(self):
+        """Start the next step's global-batch counts (finalize_model_grads calls it once per step)."""
+        if self.global_tokens_per_expert is not None:
+            self.global_tokens_per_expert.zero_()
+            self.ga_steps.zero_()
 
     def _token_count_factor(self, num_tokens: int) -> float:
         # --calculate-per-token-loss divides all gradients by the global token count later: pre-multiply.
@@ -136,10 +174,10 @@ class TopKRouter(MegatronModule):
             else:
                 total = num_tokens * group_size
             counts = routing_map.sum(dim=0).float()
-            if group_size > 1:
-                torch.distributed.all_reduce(counts, group=group)
             if lb_type == "global_aux_loss":
-                raise NotImplementedError("--moe-router-load-balancing-type global_aux_loss is not implemented yet")
+                counts, total = self._global_counts(counts, num_tokens)
+            elif group_size > 1:
+                torch.distributed.all_reduce(counts, group=group)
             aux = switch_load_balancing_loss_func(scores, counts, total, self.topk, self.num_experts, coeff)
             if lb_type == "seq_aux_loss":
                 aux = aux / batch
