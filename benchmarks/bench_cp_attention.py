@@ -124,7 +124,7 @@ def main():
     parser.add_argument("--groups", type=int, default=8, help="key/value heads (grouped-query attention)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--comm", nargs="+", default=["p2p", "all_gather"])
+    parser.add_argument("--comm", nargs="+", default=["p2p", "all_gather", "a2a"])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

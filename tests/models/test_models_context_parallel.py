@@ -1,6 +1,7 @@
 """Context parallelism equals no context parallelism: the attention itself against softmax attention written from
 the math, and GPT models with CP = 2 and 4 (and TP = 2 + SP) against the CP = 1 model: logits, per-token loss,
-total loss and every parameter gradient within 1e-5 relative, for --cp-comm-type p2p and all_gather.
+total loss and every parameter gradient within 1e-5 relative, for --cp-comm-type p2p, all_gather and a2a (a2a where
+the heads divide by CP: the attention test's 2 key/value heads at CP = 2, the models at CP = 2 and 4).
 
 One gloo run of 4 ranks does it all (process spawns cost seconds): it also checks the CP process groups of each
 layout against the hand-written tables of tests/helpers/cp_helpers.py. Each rank first computes the TP=1, CP=1
@@ -55,7 +56,7 @@ def attention_errors(cp):
         fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
         ref = reference_attention(fq, fk, fv, causal)
         (ref * weight).sum().backward()
-        for comm in ("p2p", "all_gather"):
+        for comm in ("p2p", "all_gather") + (("a2a",) if k.size(2) % cp == 0 else ()):
             lq, lk, lv = (t[idx].float().requires_grad_() for t in (q, k, v))
             out = context_parallel_attention(lq, lk, lv, group=ps.get_context_parallel_group(),
                                              global_ranks=ps.get_context_parallel_global_ranks(), comm_type=comm,
@@ -155,13 +156,16 @@ LAYOUTS = [  # (style, TP, CP, SP, --cp-comm-type): llama = RoPE, GQA, swiglu, R
     ("llama", 1, 2, False, "p2p"),
     ("gpt2", 1, 2, False, "all_gather"),
     ("gpt2", 2, 2, True, "p2p"),
+    ("llama", 1, 4, False, "a2a"),
+    ("llama", 2, 2, True, "a2a"),
+    ("gpt2", 1, 2, False, "a2a"),
 ]
 
 
 def test_context_parallel_equals_cp1():
     outs = run_distributed(cp_body, 4, LAYOUTS, timeout=240)
     for rank, out in enumerate(outs):
-        assert len(out) == 8 + len(LAYOUTS)
+        assert len(out) == 10 + len(LAYOUTS)  # attention: CP 4 x (p2p, all_gather), CP 2 x (+ a2a), x 2 masks
         for name, err in out.items():
             worst = max(err.values()) if isinstance(err, dict) else err
             assert worst < TOL, (rank, name, err)

@@ -125,8 +125,9 @@ def test_llama_without_fp8_validates(clean_env, paths):
                                                                    "sinkhorn load balancing is not implemented yet"),
     ("--context-parallel-size 2", "world size (1) must be a multiple of --tensor-model-parallel-size (1) x "
                                   "--pipeline-model-parallel-size (1) x --context-parallel-size (2)"),
-    ("--context-parallel-size 2 --cp-comm-type a2a", "--cp-comm-type a2a: all-to-all (Ulysses) context parallelism is "
-                                                     "not implemented yet"),
+    ("--context-parallel-size 8 --cp-comm-type a2a", "--cp-comm-type a2a splits the attention heads over the 8 "
+                                                     "context-parallel ranks: the heads (4) and query groups (4) per "
+                                                     "tensor-parallel rank must be divisible by --context-parallel-size"),
     ("--context-parallel-size 3", "--seq-length (32) must be divisible by 2 x --context-parallel-size (6)"),
     ("--cp-comm-type allgather", "--cp-comm-type allgather is not one of p2p, all_gather, a2a, a2a+p2p"),
     ("--cp-comm-type p2p a2a", "--cp-comm-type takes one value or one per layer (4), got 2"),

@@ -1,6 +1,7 @@
 """pretrain_gpt with context parallelism trains like --context-parallel-size 1: the same losses (1e-5 relative,
 every iteration) on 4 gloo ranks, a RoPE model. CP=1 is DP=4 (one micro-batch of the global batch of 4 per rank);
-CP=2 (p2p) is DP=2; CP=4 (all_gather) is DP=1 with 4 micro-batches; PP=2 x CP=2 runs the 1F1B schedule with
+CP=2 (p2p) is DP=2; CP=4 (all_gather, and a2a with 8 heads against its own 8-head CP=1 run) is DP=1 with 4
+micro-batches; PP=2 x CP=2 runs the 1F1B schedule with
 activations of S/CP tokens between stages. Gradients are reduced over DP x CP, the reported loss summed over
 DP x CP; all layouts read the same 4 samples per step. The per-token runs save torch_dist checkpoints: CP=1
 resumed from the CP=2 one gives the losses of CP=1 resumed from its own.
@@ -47,12 +48,15 @@ def test_cp2_losses_equal_cp1(tmp_path):
     resume = per_token + ["--train-iters", "7", "--no-load-rng", "--use-checkpoint-opt_param-scheduler"]
     runs = [("cp1", []), ("cp2_p2p", ["--context-parallel-size", "2"]),
             ("cp4_all_gather", ["--context-parallel-size", "4", "--cp-comm-type", "all_gather"]),
+            ("cp4_a2a", ["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "8",
+                         "--kv-channels", "8"]),
             ("pp2_cp2", ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
             ("cp1_per_token", per_token + ["--save", ckpt[1]]),
             ("cp2_per_token", per_token + ["--context-parallel-size", "2", "--save", ckpt[2]]),
             # torch_dist checkpoints (distributed optimizer sharded over DP x CP = 4 in both) are CP-independent:
             # CP=1 resumed from the CP=2 checkpoint trains on like CP=1 resumed from its own.
             ("cp1_from_cp1", resume + ["--load", ckpt[1]]), ("cp1_from_cp2", resume + ["--load", ckpt[2]])]
+    runs.insert(3, ("cp4_a2a_vs_cp1", ["--num-attention-heads", "8", "--kv-channels", "8"]))  # a2a's reference
     out = run_distributed(cp_train_body, 4, runs, timeout=600)[-1]
     worst = {}
     for ref_name, names in (("cp1", ("cp2_p2p", "cp4_all_gather", "pp2_cp2")), ("cp1_per_token", ("cp2_per_token",))):
@@ -65,7 +69,9 @@ def test_cp2_losses_equal_cp1(tmp_path):
             worst[name] = max(abs(a - b) / abs(b) for a, b in zip(out[name], ref))
     assert out["cp1_calls"] == {} and out["cp1_per_token_calls"] == {}
     assert set(out["cp2_p2p_calls"]) == {"p2p"} and set(out["cp4_all_gather_calls"]) == {"all_gather"}, out
-    assert set(out["pp2_cp2_calls"]) == {"p2p"}
+    assert set(out["pp2_cp2_calls"]) == {"p2p"} and set(out["cp4_a2a_calls"]) == {"a2a"}
+    for a, b in zip(out["cp4_a2a"], out["cp4_a2a_vs_cp1"]):  # a2a splits 8 heads over 4 ranks: its own CP=1 run
+        assert abs(a - b) <= 1e-5 * abs(b), (out["cp4_a2a"], out["cp4_a2a_vs_cp1"])
     assert set(out["cp2_per_token_calls"]) == {"p2p"}
     assert len(out["cp1_from_cp1"]) == 2 and len(out["cp1_from_cp2"]) == 2, out
     for a, b in zip(out["cp1_from_cp2"], out["cp1_from_cp1"]):

@@ -45,6 +45,15 @@ K and V are all-gathered over the CP group (backward: reduce-scatter of dK/dV, :
 in natural order, and query chunk ``x`` attends to the keys ``[0, (x + 1) c)`` with the causal triangle on its
 own chunk (key position ``<=`` query position).
 
+``a2a`` (all-to-all, DeepSpeed-Ulysses)
+--------------------------------------
+The heads are cut into ``CP`` equal groups (query heads and key/value groups alike: both must divide by ``CP``) and
+one all-to-all gives rank ``r`` head group ``r`` for every token of the sequence (:class:`_AllToAllCP`; it is its
+own transpose, so its backward is the same exchange). Put back in natural order, that is ordinary (causal)
+attention over the whole sequence for ``1/CP`` of the heads; the reverse all-to-all returns every rank's tokens
+with all heads. Grouped-query attention keeps working because query head group ``r`` uses exactly key/value group
+``r``. Two all-to-alls of Q, K, V and one of the output replace the ring; the scores are ``S x S`` per head.
+
 Scores and softmax statistics are computed in fp32 whatever the input dtype; the output has the queries' dtype.
 """
 from __future__ import annotations
@@ -57,7 +66,7 @@ import torch
 
 from megatron.core.utils import all_gather_into_tensor, context_parallel_chunk_indices, reduce_scatter_tensor
 
-CP_COMM_TYPES_IMPLEMENTED = ("p2p", "all_gather")
+CP_COMM_TYPES_IMPLEMENTED = ("p2p", "all_gather", "a2a")
 
 
 # ------------------------------------------------------------------------------------------------ communication
@@ -109,6 +118,27 @@ class _AllGatherCP(torch.autograd.Function):
         out = torch.empty((grad.size(0) // n,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
         reduce_scatter_tensor(out, grad, group=ctx.group)
         return out, None
+
+
+class _AllToAllCP(torch.autograd.Function):
+    """``x [n, ...]``: slot ``j`` goes to CP rank ``j``; slot ``i`` of the result came from rank ``i``. The exchange
+    is its own transpose, so the gradient goes back by the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_to_all_slots(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all_slots(grad, ctx.group), None
+
+
+def _all_to_all_slots(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    torch.distributed.all_to_all_single(out, x, group=group)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------- math
@@ -176,9 +206,7 @@ def _all_gather_attention(q, kv, scale, causal, group, dropout, repeat):
     gathered = _AllGatherCP.apply(kv, group)                      # [cp, 2, s_local, b, g, d]
     s_local = kv.size(1)
     seq = cp * s_local
-    held = torch.cat([context_parallel_chunk_indices(seq, cp, j) for j in range(cp)]).to(kv.device)
-    natural = torch.empty_like(held)
-    natural[held] = torch.arange(seq, device=kv.device)
+    _, natural = _natural_order(seq, cp, kv.device)
     full = gathered.permute(1, 0, 2, 3, 4, 5).reshape((2, seq) + tuple(kv.shape[2:])).index_select(1, natural)
     k, v = _heads_first(full[0], repeat), _heads_first(full[1], repeat)
     if not causal:
@@ -190,6 +218,37 @@ def _all_gather_attention(q, kv, scale, causal, group, dropout, repeat):
         qc = q[:, :, half * c:(half + 1) * c]
         outs.append(block_attention(qc, k[:, :, :end], v[:, :, :end], scale, end - c, dropout)[0])
     return torch.cat(outs, dim=2)
+
+
+def _natural_order(seq: int, cp: int, device) -> "tuple[torch.Tensor, torch.Tensor]":
+    """(held, natural): ``held[p]`` is the sequence position of row ``p`` of the rank-major gathered order;
+    ``gathered.index_select(0, natural)`` is the natural order, ``natural_rows.index_select(0, held)`` goes back."""
+    held = torch.cat([context_parallel_chunk_indices(seq, cp, j) for j in range(cp)]).to(device)
+    natural = torch.empty_like(held)
+    natural[held] = torch.arange(seq, device=device)
+    return held, natural
+
+
+def _a2a_attention(query, key, value, scale, causal, group, dropout):
+    """Ulysses attention (module docstring); ``query [s, b, np, hn]`` etc. -> ``[s, b, np, hn]`` in fp32."""
+    cp = torch.distributed.get_world_size(group=group)
+    s, b, np_, hn = query.shape
+    ng = key.size(2)
+    if np_ % cp or ng % cp:
+        raise ValueError(f"--cp-comm-type a2a splits the heads over the {cp} context-parallel ranks: the attention "
+                         f"heads ({np_}) and query groups ({ng}) of a tensor-parallel rank must be divisible by {cp}")
+    held, natural = _natural_order(cp * s, cp, query.device)
+
+    def heads_to_sequence(x):  # [s, b, h, d] -> [S, b, h / cp, d] in natural order
+        h = x.size(2)
+        slots = x.reshape(s, b, cp, h // cp, hn).permute(2, 0, 1, 3, 4)
+        return _AllToAllCP.apply(slots, group).reshape(cp * s, b, h // cp, hn).index_select(0, natural)
+
+    q = heads_to_sequence(query).permute(1, 2, 0, 3).float()
+    k, v = (_heads_first(heads_to_sequence(x), np_ // ng) for x in (key, value))
+    out = block_attention(q, k, v, scale, 0 if causal else None, dropout)[0]      # [b, np / cp, S, hn]
+    rows = out.permute(2, 0, 1, 3).index_select(0, held).reshape(cp, s, b, np_ // cp, hn)
+    return _AllToAllCP.apply(rows, group).permute(1, 2, 0, 3, 4).reshape(s, b, np_, hn)
 
 
 def context_parallel_attention(query, key, value, *, group, global_ranks: List[int], comm_type: str = "p2p",
@@ -212,9 +271,12 @@ def context_parallel_attention(query, key, value, *, group, global_ranks: List[i
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit query {tuple(query.shape)}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
     repeat = np_ // key.size(2)
-    q = query.permute(1, 2, 0, 3).float()
-    kv = torch.stack([key, value])
     with dropout_rng if dropout_rng is not None else contextlib.nullcontext():
+        if comm_type == "a2a":
+            out = _a2a_attention(query, key, value, scale, causal, group, dropout)
+            return out.to(query.dtype).reshape(s, b, np_ * hn)
+        q = query.permute(1, 2, 0, 3).float()
+        kv = torch.stack([key, value])
         if comm_type == "p2p":
             out = _p2p_attention(q, kv, scale, causal, group, global_ranks, dropout, repeat)
         else:

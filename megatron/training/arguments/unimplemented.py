@@ -1,6 +1,6 @@
 """Flags of today's Megatron-LM whose features this library does not implement yet: some MoE variants (sinkhorn load
-balancing, the flex dispatcher, MoE in the legacy models), the a2a / a2a+p2p and hierarchical variants
-of context parallelism (p2p and all_gather are implemented), and the FP8 variants that need Transformer Engine (block-scaled recipes, FP8
+balancing, the flex dispatcher, MoE in the legacy models), the hierarchical a2a+p2p variant of context parallelism
+(p2p, all_gather and a2a are implemented), and the FP8 variants that need Transformer Engine (block-scaled recipes, FP8
 parameters; per-tensor FP8 GEMMs with --fp8-format run, see megatron/core/fp8_utils.py).
 
 The flags parse with Megatron's types and defaults, and their values are checked as Megatron checks them; then a
@@ -152,10 +152,16 @@ def _validate_context_parallel(args) -> None:
                  "path; drop --use-flash-attn")
         _require(not args.reset_attention_mask,
                  f"--context-parallel-size {cp} supports causal attention only: drop --reset-attention-mask")
-        for value in comm:
-            if value in ("a2a", "a2a+p2p"):
-                raise _not_implemented(f"--cp-comm-type {value}", "all-to-all (Ulysses) context parallelism",
-                                       "use --cp-comm-type p2p or all_gather")
+        if "a2a+p2p" in comm:
+            raise _not_implemented("--cp-comm-type a2a+p2p", "hierarchical (all-to-all inside, ring across) context "
+                                   "parallelism", "use --cp-comm-type p2p, all_gather or a2a")
+        if "a2a" in comm and args.num_attention_heads:
+            heads = args.num_attention_heads // tp
+            groups = (args.num_query_groups if args.group_query_attention else args.num_attention_heads) // tp
+            _require(heads % cp == 0 and groups % cp == 0,
+                     f"--cp-comm-type a2a splits the attention heads over the {cp} context-parallel ranks: the heads "
+                     f"({heads}) and query groups ({groups}) per tensor-parallel rank must be divisible by "
+                     f"--context-parallel-size ({cp})")
     if args.hierarchical_context_parallel_sizes is not None:
         raise _not_implemented(f"--hierarchical-context-parallel-sizes {args.hierarchical_context_parallel_sizes}",
                                "hierarchical context parallelism", "drop the flag and use --cp-comm-type p2p")
