@@ -6,25 +6,11 @@ import os
 import pytest
 import torch
 
-from helpers.models_helpers import causal_mask, single_rank  # noqa: F401  (fixture)
+from helpers.models_helpers import causal_mask, single_rank, tiny_hf_mixtral  # noqa: F401  (fixture)
 from helpers.numerics import rel_err
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
-
-
-def _mixtral():
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=32, rms_norm_eps=1e-6,
-                                     tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None)
-    model = transformers.MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "gate.weight" in name:
-                p.normal_(0, 0.5)
-    return model
 
 
 def _convert(*argv):
@@ -40,7 +26,7 @@ def test_mixtral_hf_torch_dist_round_trip(tmp_path, single_rank):
     from tools.checkpoint.dist_io import load_dist
 
     src, dist, back = (str(tmp_path / n) for n in ("hf", "dist", "back"))
-    model = _mixtral()
+    _, model = tiny_hf_mixtral(vocab_size=100)
     model.save_pretrained(src, safe_serialization=True)
     _convert("--loader", "hf", "--saver", "torch_dist", "--load-dir", src, "--save-dir", dist)
     ckpt = load_full_checkpoint(os.path.join(dist, "release"))

@@ -74,3 +74,26 @@ def bert_inputs(batch: int = 2, seq: int = 8, vocab: int = 60, seed: int = 0):
     padding[1, seq - 3:] = 0  # the second sample is padded: exercises fully masked attention rows
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
     return ids, padding, types, labels
+
+
+def tiny_hf_mixtral(vocab_size: int = 96, num_experts: int = 4, topk: int = 2):
+    """(config, model): a 2-layer Hugging Face ``MixtralForCausalLM`` (hidden 32, GQA 4 heads / 2 groups), eval mode,
+    seed 0; norms U(0.5, 1.5), experts N(0, 0.05) and router weights N(0, 0.5), which spreads the router scores so
+    that top-k choices are far from ties."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=num_experts,
+                                     num_experts_per_tok=topk, max_position_embeddings=32, rms_norm_eps=1e-6,
+                                     tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "gate.weight" in name:
+                p.normal_(0, 0.5)
+            elif "experts" in name:
+                p.normal_(0, 0.05)
+    return cfg, model

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers.numerics import rel_err
-from helpers.models_helpers import causal_mask, single_rank  # noqa: F401  (fixture)
+from helpers.models_helpers import causal_mask, single_rank, tiny_hf_mixtral  # noqa: F401  (fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,24 +16,6 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec 
 from megatron.core.transformer.moe.moe_layer import moe_routers  # noqa: E402
 
 SEQ, BATCH, E, K = 12, 2, 4, 2
-
-
-def _hf_mixtral(vocab_size=96):
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=E,
-                                     num_experts_per_tok=K, max_position_embeddings=32, rms_norm_eps=1e-6,
-                                     tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None)
-    model = transformers.MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "gate.weight" in name:
-                p.normal_(0, 0.5)  # spread the router scores so that top-2 choices are far from ties
-            elif "experts" in name:
-                p.normal_(0, 0.05)
-    return cfg, model
 
 
 def _ours(cfg, grouped, **extra):
@@ -46,7 +28,7 @@ def _ours(cfg, grouped, **extra):
 
 
 def test_mixtral_logits_loss_and_round_trip(single_rank):
-    cfg, hf_model = _hf_mixtral()
+    cfg, hf_model = tiny_hf_mixtral(96, E, K)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
     pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
@@ -76,7 +58,7 @@ def test_mixtral_logits_loss_and_round_trip(single_rank):
 
 
 def test_mixtral_router_losses_against_hand_computation(single_rank):
-    cfg, hf_model = _hf_mixtral()
+    cfg, hf_model = tiny_hf_mixtral(96, E, K)
     config, model = _ours(cfg, False, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
     model.load_state_dict(hf_moe.moe_hf_to_megatron(hf_model.state_dict(), cfg, config.padded_vocab_size))
     g = torch.Generator().manual_seed(2)
