@@ -76,6 +76,17 @@ for half in logits.chunk(2):
     per_mb.append(m.switch_load_balancing_loss_func(scores, total / steps, half.shape[0], 2, logits.shape[1], 0.03)
                   / 0.03)
 out["global_aux_loss"] = per_mb
+# Sinkhorn routing: megatron-core's sinkhorn(), and TopKRouter.sinkhorn_load_balancing of 0.16.1 written out (the
+# class allocates CUDA buffers): top-k of sinkhorn(logits) in training, of the scores in evaluation; sigmoid scores
+# for k = 1, softmax for k > 1; weights = scores * map.
+out["sinkhorn"] = m.sinkhorn(logits.float())
+for k in (1, 2):
+    for training in (True, False):
+        scores = torch.sigmoid(logits) if k == 1 else torch.softmax(logits, dim=-1, dtype=torch.float32)
+        chosen = m.sinkhorn(logits.float()) if training else scores
+        _, idx = torch.topk(chosen, k=k, dim=1)
+        rmap = torch.zeros_like(logits).int().scatter(1, idx, 1).bool()
+        out[f"sinkhorn_routing_{k}_{training}"] = (scores * rmap, rmap)
 # The aux-loss-free bias update, one process: its all-reduce over the TP x DP x CP group is the identity.
 torch.distributed.all_reduce = lambda tensor, group=None, **kw: None
 m.parallel_state.get_tensor_and_data_parallel_group = lambda **kw: None
@@ -211,3 +222,19 @@ def test_global_aux_loss_matches_megatron_core(oracle_results, single_rank):
     assert float(router.ga_steps) == 2 and abs(values[0] - values[1]) > 1e-6  # the second uses both halves' counts
     router.reset_global_aux_loss_tracker()
     assert float(router.ga_steps) == 0 and float(router.global_tokens_per_expert.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_sinkhorn_routing_matches_megatron_core(oracle_results, topk, training):
+    """--moe-router-load-balancing-type sinkhorn: the balanced matrix, the chosen experts and their weights."""
+    from megatron.core.transformer.moe.moe_utils import sinkhorn, sinkhorn_routing
+
+    cases, ref = oracle_results
+    assert rel_err(sinkhorn(cases["logits"].float()), ref["sinkhorn"]) <= TOL
+    probs, rmap = sinkhorn_routing(cases["logits"], topk, training)
+    ref_probs, ref_map = ref[f"sinkhorn_routing_{topk}_{training}"]
+    assert torch.equal(rmap, ref_map) and int(rmap.sum()) == T * topk
+    assert rel_err(probs, ref_probs) <= TOL
+    if training:  # the balanced choice differs from plain top-k of the scores on these logits
+        assert not torch.equal(rmap, ref[f"sinkhorn_routing_{topk}_False"][1])

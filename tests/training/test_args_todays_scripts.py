@@ -121,8 +121,10 @@ def test_llama_without_fp8_validates(clean_env, paths):
     ("--num-experts 4 --moe-grouped-gemm", "--moe-grouped-gemm has no expert biases: pass --disable-bias-linear"),
     ("--num-experts 4 --use-legacy-models", "--num-experts with --use-legacy-models: mixture of experts in the "
                                             "legacy model classes is not implemented yet"),
-    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn", "--moe-router-load-balancing-type sinkhorn: "
-                                                                   "sinkhorn load balancing is not implemented yet"),
+    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0.01",
+     "--moe-router-load-balancing-type sinkhorn balances without an aux loss: use it alone, with --moe-aux-loss-coeff 0"),
+    ("--num-experts 4 --moe-router-topk 1", "--moe-router-topk 1 with softmax scores takes the softmax over one logit, "
+                                            "whose gradient is zero: pass --moe-router-pre-softmax"),
     ("--context-parallel-size 2", "world size (1) must be a multiple of --tensor-model-parallel-size (1) x "
                                   "--pipeline-model-parallel-size (1) x --context-parallel-size (2)"),
     ("--context-parallel-size 8 --cp-comm-type a2a", "--cp-comm-type a2a splits the attention heads over the 8 "

@@ -4,7 +4,8 @@ TP=2 (+SP, expert TP 2), grouped GEMM on and off, PP=2, the distributed optimize
 EP=2 x CP=2), and selective recompute of the MoE layer (--moe-layer-recompute; --recompute-modules moe moe_act). Every run starts from the same model (train_helpers.deterministic_init: experts keyed by global layer
 and global expert index). Dropless routing, fp32; one 4-rank gloo spawn runs every layout in process. Aux-loss-free
 balancing (sigmoid routing, --moe-router-enable-expert-bias): losses and the updated biases equal for EP=1, EP=2 x
-TP=2 and EP=2 x PP=2, and the update changes later losses."""
+TP=2 and EP=2 x PP=2, and the update changes later losses. global_aux_loss (EP 1/2/4 at DP 4) and sinkhorn routing
+(EP 1/2): losses equal."""
 import pytest
 import torch
 
@@ -176,16 +177,27 @@ GLOBAL_LAYOUTS = {
 }
 
 
-def global_aux_loss_body(data):
+# Sinkhorn routing (no aux loss): the balanced choice is per micro-batch of local tokens, so EP does not change it.
+SINKHORN = ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"]
+
+
+def losses_body(data, layouts):
     return {name: [(r["iteration"], r["loss"]) for r in
-                   run_pretrain("pretrain_gpt", ["--data-path", data] + MOE + GLOBAL + extra)]
-            for name, extra in GLOBAL_LAYOUTS.items()}
+                   run_pretrain("pretrain_gpt", ["--data-path", data] + MOE + extra)] for name, extra in layouts}
 
 
 @pytest.mark.timeout(300)
-def test_global_aux_loss_training_is_layout_independent(data):
-    runs = run_distributed(global_aux_loss_body, 4, data, timeout=280)[-1]
+def test_global_aux_loss_and_sinkhorn_training_are_layout_independent(data):
+    layouts = [(name, GLOBAL + extra) for name, extra in GLOBAL_LAYOUTS.items()]
+    layouts += [("sinkhorn_ep1", SINKHORN), ("sinkhorn_ep2_alltoall", SINKHORN + GLOBAL_LAYOUTS["ep2_alltoall"])]
+    runs = run_distributed(losses_body, 4, data, layouts, timeout=280)[-1]
+    sinkhorn, sinkhorn_ref = runs.pop("sinkhorn_ep2_alltoall"), runs.pop("sinkhorn_ep1")
+    assert [set(losses) for _, losses in sinkhorn_ref] == [{"lm loss", "z_loss"}] * 3, sinkhorn_ref
+    for (it, losses), (_, ref_losses) in zip(sinkhorn, sinkhorn_ref):
+        for key, value in ref_losses.items():
+            assert abs(losses[key] - value) <= 1e-5 * abs(value), f"sinkhorn EP=2 iteration {it} {key}: {losses[key]}"
     ref = runs["ep1"]
+    assert sinkhorn_ref[0][1]["lm loss"] != ref[0][1]["lm loss"]  # another routing, another model output
     assert [it for it, _ in ref] == [1, 2, 3]
     for _, losses in ref:
         assert set(losses) == {"lm loss", "global_load_balancing_loss", "z_loss"}, losses

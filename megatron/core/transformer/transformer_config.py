@@ -279,6 +279,18 @@ class TransformerConfig(ModelParallelConfig):
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"moe_router_score_function must be softmax or sigmoid, got "
                              f"{self.moe_router_score_function!r}")
+        types = self.moe_router_load_balancing_type
+        types = list(types) if isinstance(types, (list, tuple)) else [types]
+        if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
+                and not self.moe_router_pre_softmax and "sinkhorn" not in types):
+            raise ValueError("moe_router_topk 1 with softmax scores takes the softmax over one logit, whose gradient "
+                             "is zero: pass --moe-router-pre-softmax (as megatron-core requires)")
+        if "sinkhorn" in types:
+            coeffs = self.moe_aux_loss_coeff
+            coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs]
+            if types != ["sinkhorn"] or any(coeffs):
+                raise ValueError("moe_router_load_balancing_type sinkhorn balances without an aux loss: use it alone, "
+                                 "with moe_aux_loss_coeff 0")
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function='sigmoid'")
         if self.moe_router_num_groups is not None:

@@ -1,5 +1,5 @@
-"""Flags of today's Megatron-LM whose features this library does not implement yet: some MoE variants (sinkhorn load
-balancing, the flex dispatcher, MoE in the legacy models), the hierarchical a2a+p2p variant of context parallelism
+"""Flags of today's Megatron-LM whose features this library does not implement yet: some MoE variants (the flex
+dispatcher, MoE in the legacy models), the hierarchical a2a+p2p variant of context parallelism
 (p2p, all_gather and a2a are implemented), and the FP8 variants that need Transformer Engine (block-scaled recipes, FP8
 parameters; per-tensor FP8 GEMMs with --fp8-format run, see megatron/core/fp8_utils.py).
 
@@ -93,10 +93,15 @@ def _validate_moe_implemented(args) -> None:
                                            "parallel size 1; pass --disable-bias-linear")
     types = args.moe_router_load_balancing_type
     types = types if isinstance(types, list) else [types]
-    for value in types:
-        if value == "sinkhorn":
-            raise _not_implemented(f"--moe-router-load-balancing-type {value}", f"{value} load balancing",
-                                   "use aux_loss, seq_aux_loss, global_aux_loss or none")
+    if "sinkhorn" in types:
+        coeffs = args.moe_aux_loss_coeff if isinstance(args.moe_aux_loss_coeff, list) else [args.moe_aux_loss_coeff]
+        _require(types == ["sinkhorn"] and not any(coeffs),
+                 "--moe-router-load-balancing-type sinkhorn balances without an aux loss: use it alone, with "
+                 "--moe-aux-loss-coeff 0")
+    if args.moe_router_topk == 1 and args.moe_router_score_function == "softmax" \
+            and not args.moe_router_pre_softmax and "sinkhorn" not in types:
+        raise ConfigurationError("--moe-router-topk 1 with softmax scores takes the softmax over one logit, whose "
+                                 "gradient is zero: pass --moe-router-pre-softmax (as Megatron requires)")
     if args.moe_expert_capacity_factor is not None:
         _require(all(t in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none") for t in types),
                  "--moe-expert-capacity-factor needs --moe-router-load-balancing-type aux_loss, seq_aux_loss or none")

@@ -15,6 +15,9 @@ expert e), ``probs [T, E]`` (routing weight of (t, e), zero off the map).
 * z-loss: ``coeff * mean_t(logsumexp(logits_t)^2)``.
 * Capacity: ``capacity = ceil(T * k / E * factor)``; per expert keep the ``capacity`` routed tokens with the
   highest probability (``probs`` policy) or the first ones (``position``).
+* Sinkhorn (S-BASE) routing: the experts are the top-k of ``sinkhorn(logits)`` (rows and columns of
+  ``exp(logits)`` rescaled in turn until every expert gets an equal share) in training, of the scores otherwise;
+  the weights are ``sigmoid`` (k = 1) or ``softmax`` scores of the chosen experts; no aux loss.
 * Aux-loss-free balancing (``--moe-router-enable-expert-bias``, sigmoid routing): the bias only chooses the
   top-k, it never scales the weights. Each training forward counts ``c_e``, the tokens routed to e; once per
   step, after the gradients are reduced, ``c`` is summed over the tensor x data (x context) parallel group and
@@ -107,6 +110,38 @@ def switch_load_balancing_loss_func(probs: torch.Tensor, tokens_per_expert: torc
 def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
     """``coeff * mean_t(logsumexp(logits_t)^2)`` (ST-MoE's router z-loss)."""
     return torch.mean(torch.square(torch.logsumexp(logits.float(), dim=-1))) * z_loss_coeff
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Sinkhorn-Knopp balancing of ``exp(cost) [T, E]``: scale rows by ``d0`` and columns by ``d1`` alternately
+    (``d0 = 1 / (T * (exp(cost) d1 + eps))``, ``d1 = 1 / (E * (d0^T exp(cost) + eps))``) until the mean change
+    of ``d1`` is at most ``tol``; returns ``d1 * exp(cost) * d0`` (rows summing to ~1/T, columns to ~1/E)."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    eps = 1e-8
+    change = float("inf")
+    while change > tol:
+        d0 = 1.0 / (d0.size(0) * (torch.sum(d1 * cost, 1) + eps))
+        new_d1 = 1.0 / (d1.size(0) * (torch.sum(d0.unsqueeze(1) * cost, 0) + eps))
+        change = torch.mean(torch.abs(d1 - new_d1))
+        d1 = new_d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def sinkhorn_routing(logits: torch.Tensor, topk: int, training: bool):
+    """S-BASE routing (``--moe-router-load-balancing-type sinkhorn``): in training the experts are the top-k of the
+    Sinkhorn-balanced ``logits`` (fp32, no gradient), otherwise of the scores; the weights are the scores
+    (``sigmoid`` for k = 1, else ``softmax`` over all experts) of the chosen experts, not renormalised."""
+    def scores_of(x):
+        return torch.sigmoid(x) if topk == 1 else torch.softmax(x, dim=-1, dtype=torch.float32).type_as(x)
+
+    scores = scores_of(logits)
+    with torch.no_grad():
+        chosen = sinkhorn(logits.float()) if training else scores
+        indices = torch.topk(chosen, k=topk, dim=1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+    return scores * routing_map, routing_map
 
 
 def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:

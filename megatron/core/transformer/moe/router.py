@@ -28,6 +28,7 @@ from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     apply_router_token_dropping,
     compute_routing_scores_for_aux_loss,
+    sinkhorn_routing,
     switch_load_balancing_loss_func,
     topk_routing_with_score_function,
     z_loss_func,
@@ -191,11 +192,12 @@ class TopKRouter(MegatronModule):
         logits = self.apply_z_loss(logits)
         cfg = self.config
         if "sinkhorn" in self.lb_types:
-            raise NotImplementedError("--moe-router-load-balancing-type sinkhorn is not implemented yet")
-        probs, routing_map = topk_routing_with_score_function(
-            logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
-            group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
-            score_function=self.score_function, expert_bias=self.expert_bias)
+            probs, routing_map = sinkhorn_routing(logits, self.topk, self.training)
+        else:
+            probs, routing_map = topk_routing_with_score_function(
+                logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
+                group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
+                score_function=self.score_function, expert_bias=self.expert_bias)
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_router_token_dropping(
                 probs, routing_map, self.topk, cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy,
