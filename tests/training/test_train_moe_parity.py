@@ -122,7 +122,7 @@ def expert_bias_body(data):
     from megatron.core.transformer.moe.router import TopKRouter
 
     finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-    original = finalize._update_router_expert_bias
+    original = finalize._finish_router_step
     out = {}
     for name, extra in BIAS_LAYOUTS.items():
         steps = []  # per step: this rank's routers' biases after the update
@@ -132,11 +132,11 @@ def expert_bias_body(data):
             steps.append([m.expert_bias.clone() for chunk in model for m in chunk.modules()
                           if isinstance(m, TopKRouter)])
 
-        finalize._update_router_expert_bias = update_and_record
+        finalize._finish_router_step = update_and_record
         try:
             records = run_pretrain("pretrain_gpt", ["--data-path", data] + MOE + BIAS + extra)
         finally:
-            finalize._update_router_expert_bias = original
+            finalize._finish_router_step = original
         out[name] = ([(r["iteration"], r["loss"].get("lm loss")) for r in records], steps)
     return out
 

@@ -117,41 +117,32 @@ def hf_config_from_args(args, true_vocab_size):
         if getattr(args, "add_bias_linear", True):
             raise ConversionError("--saver hf (Llama): the model has linear biases; pass a model trained with "
                                   "--disable-bias-linear")
+        # Attention, norms, positions and embeddings: the same fields for Llama, Mixtral and Qwen2-MoE.
+        common = dict(
+            vocab_size=true_vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
+            max_position_embeddings=args.max_position_embeddings, rms_norm_eps=args.norm_epsilon,
+            rope_theta=float(getattr(args, "rotary_base", 10000)),
+            tie_word_embeddings=not args.untie_embeddings_and_output_weights)
+        experts = getattr(args, "num_experts", None)
+        expert_width = getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size
         shared = getattr(args, "moe_shared_expert_intermediate_size", None)
         qwen = bool(shared or getattr(args, "add_qkv_bias", False) or getattr(args, "moe_router_pre_softmax", False))
-        if getattr(args, "num_experts", None) and qwen:
+        if experts and qwen:
             if not (shared and getattr(args, "moe_shared_expert_gate", False)):
                 raise ConversionError("--saver hf: a MoE model with --add-qkv-bias or --moe-router-pre-softmax "
                                       "exports as Qwen2-MoE, which needs a gated shared expert "
                                       "(--moe-shared-expert-intermediate-size N --moe-shared-expert-gate)")
             return transformers.Qwen2MoeConfig(
-                vocab_size=true_vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
-                moe_intermediate_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
-                shared_expert_intermediate_size=shared, num_hidden_layers=args.num_layers,
-                num_attention_heads=heads,
-                num_key_value_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
-                max_position_embeddings=args.max_position_embeddings, rms_norm_eps=args.norm_epsilon,
-                rope_theta=float(getattr(args, "rotary_base", 10000)), num_experts=args.num_experts,
-                num_experts_per_tok=args.moe_router_topk, norm_topk_prob=not args.moe_router_pre_softmax,
-                qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
-                tie_word_embeddings=not args.untie_embeddings_and_output_weights)
-        if getattr(args, "num_experts", None):
-            return transformers.MixtralConfig(
-                vocab_size=true_vocab_size, hidden_size=args.hidden_size,
-                intermediate_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
-                num_hidden_layers=args.num_layers, num_attention_heads=heads,
-                num_key_value_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
-                max_position_embeddings=args.max_position_embeddings, rms_norm_eps=args.norm_epsilon,
-                rope_theta=float(getattr(args, "rotary_base", 10000)), num_local_experts=args.num_experts,
-                num_experts_per_tok=args.moe_router_topk,
-                tie_word_embeddings=not args.untie_embeddings_and_output_weights)
-        return transformers.LlamaConfig(
-            vocab_size=true_vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
-            num_hidden_layers=args.num_layers, num_attention_heads=heads,
-            num_key_value_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
-            max_position_embeddings=args.max_position_embeddings, rms_norm_eps=args.norm_epsilon,
-            rope_theta=float(getattr(args, "rotary_base", 10000)),
-            tie_word_embeddings=not args.untie_embeddings_and_output_weights)
+                intermediate_size=args.ffn_hidden_size, moe_intermediate_size=expert_width,
+                shared_expert_intermediate_size=shared, num_experts=experts, num_experts_per_tok=args.moe_router_topk,
+                norm_topk_prob=not args.moe_router_pre_softmax, qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
+                **common)
+        if experts:
+            return transformers.MixtralConfig(intermediate_size=expert_width, num_local_experts=experts,
+                                              num_experts_per_tok=args.moe_router_topk, **common)
+        return transformers.LlamaConfig(intermediate_size=args.ffn_hidden_size, **common)
     if not getattr(args, "swiglu", False) and getattr(args, "normalization", "LayerNorm") == "LayerNorm" \
             and getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute" \
             and getattr(args, "add_bias_linear", True) and not args.untie_embeddings_and_output_weights:

@@ -177,23 +177,21 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
         _allreduce_embedding_grads(model, config)
     if num_tokens is not None:
         _scale_by_num_tokens(model, num_tokens)
-    if config is not None and getattr(config, "moe_router_enable_expert_bias", False):
-        _update_router_expert_bias(model, config)
-    types = getattr(config, "moe_router_load_balancing_type", None)
-    if "global_aux_loss" in (types if isinstance(types, (list, tuple)) else [types]):
-        for chunk in model:
-            for module in chunk.modules():
-                if getattr(module, "global_tokens_per_expert", None) is not None:
-                    module.reset_global_aux_loss_tracker()
+    if config is not None and getattr(config, "num_moe_experts", None):
+        _finish_router_step(model, config)
 
 
-def _update_router_expert_bias(model: List[torch.nn.Module], config):
-    """Step 5: one all-reduce of every local router's counts ``[routers, E]``, then each bias moves by the rate."""
+def _finish_router_step(model: List[torch.nn.Module], config):
+    """Steps 5 and 6: every local router's global_aux_loss counts restart (a no-op without that loss); with expert
+    biases, one all-reduce of the routers' token counts ``[routers, E]``, then each bias moves by the rate."""
     from megatron.core.transformer.moe.moe_utils import updated_expert_bias
 
-    routers = [m for chunk in model for m in chunk.modules() if getattr(m, "expert_bias", None) is not None]
+    routers = [m for chunk in model for m in chunk.modules() if hasattr(m, "reset_global_aux_loss_tracker")]
+    for router in routers:
+        router.reset_global_aux_loss_tracker()
+    routers = [r for r in routers if r.expert_bias is not None]
     if not routers:
-        return  # this pipeline stage has no MoE layer
+        return  # no expert bias, or this pipeline stage has no MoE layer
     counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
     torch.distributed.all_reduce(counts, group=parallel_state.get_tensor_and_data_parallel_group(
         with_context_parallel=True))

@@ -95,8 +95,7 @@ class ParallelAttention(MegatronModule):
         self.sequence_parallel = config.sequence_parallel
         if naming == "legacy":  # Megatron's legacy checkpoint names, at the state-dict boundary only
             install_legacy_state_dict_names(self, "attention")
-        self.recompute_core_attention = (config.recompute_granularity == "selective"
-                                         and "core_attn" in (config.recompute_modules or ["core_attn"]))
+        self.recompute_core_attention = config.recomputes("core_attn")
 
         query_projection_size = config.kv_channels * config.num_attention_heads
         kv_projection_size = config.kv_channels * config.num_query_groups

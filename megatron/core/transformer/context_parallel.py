@@ -48,7 +48,7 @@ own chunk (key position ``<=`` query position).
 ``a2a`` (all-to-all, DeepSpeed-Ulysses)
 --------------------------------------
 The heads are cut into ``CP`` equal groups (query heads and key/value groups alike: both must divide by ``CP``) and
-one all-to-all gives rank ``r`` head group ``r`` for every token of the sequence (:class:`_AllToAllCP`; it is its
+one all-to-all gives rank ``r`` head group ``r`` for every token of the sequence (:func:`_exchange_slots`; it is its
 own transpose, so its backward is the same exchange). Put back in natural order, that is ordinary (causal)
 attention over the whole sequence for ``1/CP`` of the heads; the reverse all-to-all returns every rank's tokens
 with all heads. Grouped-query attention keeps working because query head group ``r`` uses exactly key/value group
@@ -64,6 +64,7 @@ from typing import List, Optional
 
 import torch
 
+from megatron.core.transformer.moe.moe_utils import all_to_all
 from megatron.core.utils import all_gather_into_tensor, context_parallel_chunk_indices, reduce_scatter_tensor
 
 CP_COMM_TYPES_IMPLEMENTED = ("p2p", "all_gather", "a2a")
@@ -120,25 +121,11 @@ class _AllGatherCP(torch.autograd.Function):
         return out, None
 
 
-class _AllToAllCP(torch.autograd.Function):
-    """``x [n, ...]``: slot ``j`` goes to CP rank ``j``; slot ``i`` of the result came from rank ``i``. The exchange
-    is its own transpose, so the gradient goes back by the same exchange."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all_slots(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all_slots(grad, ctx.group), None
-
-
-def _all_to_all_slots(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    torch.distributed.all_to_all_single(out, x, group=group)
-    return out
+def _exchange_slots(x: torch.Tensor, group) -> torch.Tensor:
+    """``x [n, rows, ...]``: slot ``j`` goes to CP rank ``j``; slot ``i`` of the result came from rank ``i``. The
+    MoE layer's autograd-aware all-to-all with equal splits (its backward is the same exchange)."""
+    n, rows = x.size(0), x.size(1)
+    return all_to_all(group, x.reshape((n * rows,) + tuple(x.shape[2:])), [rows] * n, [rows] * n).view(x.shape)
 
 
 # ------------------------------------------------------------------------------------------------------- math
@@ -242,13 +229,13 @@ def _a2a_attention(query, key, value, scale, causal, group, dropout):
     def heads_to_sequence(x):  # [s, b, h, d] -> [S, b, h / cp, d] in natural order
         h = x.size(2)
         slots = x.reshape(s, b, cp, h // cp, hn).permute(2, 0, 1, 3, 4)
-        return _AllToAllCP.apply(slots, group).reshape(cp * s, b, h // cp, hn).index_select(0, natural)
+        return _exchange_slots(slots, group).reshape(cp * s, b, h // cp, hn).index_select(0, natural)
 
     q = heads_to_sequence(query).permute(1, 2, 0, 3).float()
     k, v = (_heads_first(heads_to_sequence(x), np_ // ng) for x in (key, value))
     out = block_attention(q, k, v, scale, 0 if causal else None, dropout)[0]      # [b, np / cp, S, hn]
     rows = out.permute(2, 0, 1, 3).index_select(0, held).reshape(cp, s, b, np_ // cp, hn)
-    return _AllToAllCP.apply(rows, group).permute(1, 2, 0, 3, 4).reshape(s, b, np_, hn)
+    return _exchange_slots(rows, group).permute(1, 2, 0, 3, 4).reshape(s, b, np_, hn)
 
 
 def context_parallel_attention(query, key, value, *, group, global_ranks: List[int], comm_type: str = "p2p",

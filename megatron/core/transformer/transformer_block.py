@@ -265,8 +265,7 @@ class TransformerBlock(ParallelTransformer):
         # megatron-core's attributes: layers per pipeline rank (of the whole model, not this chunk) and whether
         # selective recompute checkpoints the core attention.
         self.num_layers_per_pipeline_rank = config.num_layers // parallel_state.get_pipeline_model_parallel_world_size()
-        self.checkpoint_core_attention = (config.recompute_granularity == "selective"
-                                          and "core_attn" in (config.recompute_modules or ["core_attn"]))
+        self.checkpoint_core_attention = config.recomputes("core_attn")
 
     def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
                 inference_params=None, packed_seq_params=None):

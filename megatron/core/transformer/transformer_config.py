@@ -31,6 +31,22 @@ def check_recompute_modules(modules, moe_grouped_gemm: bool) -> None:
                          "implemented: drop it")
 
 
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check_moe_routing(load_balancing_type, aux_loss_coeff, topk: int, score_function: str, pre_softmax: bool) -> None:
+    """ValueError for routing settings megatron-core refuses: sinkhorn with another balancing type or an aux loss,
+    and top-1 softmax routing without pre-softmax (the softmax over one logit has a zero gradient)."""
+    types = _as_list(load_balancing_type)
+    if "sinkhorn" in types and (types != ["sinkhorn"] or any(_as_list(aux_loss_coeff))):
+        raise ValueError("--moe-router-load-balancing-type sinkhorn balances without an aux loss: use it alone, with "
+                         "--moe-aux-loss-coeff 0")
+    if topk == 1 and score_function == "softmax" and not pre_softmax and "sinkhorn" not in types:
+        raise ValueError("--moe-router-topk 1 with softmax scores takes the softmax over one logit, whose gradient is "
+                         "zero: pass --moe-router-pre-softmax (as Megatron requires)")
+
+
 @dataclass
 class TransformerConfig(ModelParallelConfig):
     """Transformer settings; derived sizes are filled and contradictions rejected in ``__post_init__``."""
@@ -279,18 +295,8 @@ class TransformerConfig(ModelParallelConfig):
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"moe_router_score_function must be softmax or sigmoid, got "
                              f"{self.moe_router_score_function!r}")
-        types = self.moe_router_load_balancing_type
-        types = list(types) if isinstance(types, (list, tuple)) else [types]
-        if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
-                and not self.moe_router_pre_softmax and "sinkhorn" not in types):
-            raise ValueError("moe_router_topk 1 with softmax scores takes the softmax over one logit, whose gradient "
-                             "is zero: pass --moe-router-pre-softmax (as megatron-core requires)")
-        if "sinkhorn" in types:
-            coeffs = self.moe_aux_loss_coeff
-            coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs]
-            if types != ["sinkhorn"] or any(coeffs):
-                raise ValueError("moe_router_load_balancing_type sinkhorn balances without an aux loss: use it alone, "
-                                 "with moe_aux_loss_coeff 0")
+        check_moe_routing(self.moe_router_load_balancing_type, self.moe_aux_loss_coeff, self.moe_router_topk,
+                          self.moe_router_score_function, self.moe_router_pre_softmax)
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function='sigmoid'")
         if self.moe_router_num_groups is not None:
@@ -319,6 +325,10 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError("the model needs padded_vocab_size: pass --vocab-size/--vocab-file (training scripts), "
                              "or TransformerConfig(padded_vocab_size=...) when building the model directly")
         return self.padded_vocab_size
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute covers ``module`` (one of ``RECOMPUTE_MODULES``) in each layer."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
 
     def _validate_recompute_modules(self):
         """Selective recompute as megatron-core names it: ``recompute_modules`` (default ``["core_attn"]``) lists

@@ -12,6 +12,7 @@ from typing import Union
 
 import torch
 
+from megatron.core import tensor_parallel
 from megatron.core.models.conversion.keys import install_legacy_state_dict_names
 from megatron.core.transformer.attention import ParallelAttention, SelfAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType, LayerType
@@ -106,14 +107,15 @@ class ParallelTransformerLayer(MegatronModule):
                               "cross_attention": build_module(submodules.cross_attn_bda),
                               "mlp": build_module(submodules.mlp_bda)}
         self.has_cross_attention = has_cross
-        self.recompute_mlp = _mlp_is_recomputed(config, self.mlp)
+        from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+        self.recompute_mlp = config.recomputes("moe" if isinstance(self.mlp, BaseMoELayer) else "mlp")
 
     def _mlp_forward(self, layernorm_output):
         """The MLP (dense or MoE); under selective recompute with ``mlp`` / ``moe`` listed, only its input is kept
         and the forward runs again in backward (the MoE dispatch and combine collectives too, on every rank)."""
         if not (self.recompute_mlp and self.training and torch.is_grad_enabled()):
             return self.mlp(layernorm_output)
-        from megatron.core import tensor_parallel
 
         def run(x):
             out, bias = self.mlp(x)
@@ -160,14 +162,6 @@ class ParallelTransformerLayer(MegatronModule):
         output = self._bias_dropout_add(mlp_output, mlp_bias, residual, "mlp")
         # Pipeline schedules free stage outputs by swapping .data, which needs a tensor that is not a view.
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
-
-
-def _mlp_is_recomputed(config, mlp) -> bool:
-    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
-
-    if getattr(config, "recompute_granularity", None) != "selective":
-        return False
-    return ("moe" if isinstance(mlp, BaseMoELayer) else "mlp") in (config.recompute_modules or [])
 
 
 def _layer_number_kwarg(spec, layer_number) -> dict:

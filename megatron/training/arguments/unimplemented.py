@@ -93,15 +93,12 @@ def _validate_moe_implemented(args) -> None:
                                            "parallel size 1; pass --disable-bias-linear")
     types = args.moe_router_load_balancing_type
     types = types if isinstance(types, list) else [types]
-    if "sinkhorn" in types:
-        coeffs = args.moe_aux_loss_coeff if isinstance(args.moe_aux_loss_coeff, list) else [args.moe_aux_loss_coeff]
-        _require(types == ["sinkhorn"] and not any(coeffs),
-                 "--moe-router-load-balancing-type sinkhorn balances without an aux loss: use it alone, with "
-                 "--moe-aux-loss-coeff 0")
-    if args.moe_router_topk == 1 and args.moe_router_score_function == "softmax" \
-            and not args.moe_router_pre_softmax and "sinkhorn" not in types:
-        raise ConfigurationError("--moe-router-topk 1 with softmax scores takes the softmax over one logit, whose "
-                                 "gradient is zero: pass --moe-router-pre-softmax (as Megatron requires)")
+    from megatron.core.transformer.transformer_config import check_moe_routing
+    try:
+        check_moe_routing(types, args.moe_aux_loss_coeff, args.moe_router_topk, args.moe_router_score_function,
+                          args.moe_router_pre_softmax)
+    except ValueError as e:
+        raise ConfigurationError(str(e)) from None
     if args.moe_expert_capacity_factor is not None:
         _require(all(t in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none") for t in types),
                  "--moe-expert-capacity-factor needs --moe-router-load-balancing-type aux_loss, seq_aux_loss or none")

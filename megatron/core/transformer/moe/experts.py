@@ -204,8 +204,7 @@ class GroupedMLP(MegatronModule):
         self.hidden_size = h
         self.activation_func = expert_activation(config)
         # --recompute-modules moe_act: keep only the fc1 output; the activation (x routing weight) runs again.
-        self.recompute_activation = (config.recompute_granularity == "selective"
-                                     and "moe_act" in (config.recompute_modules or []))
+        self.recompute_activation = config.recomputes("moe_act")
 
     def _activate(self, inter, permuted_probs):
         return self.activation_func(inter) * permuted_probs.unsqueeze(-1).to(inter.dtype)

@@ -75,8 +75,7 @@ class MoELayer(BaseMoELayer):
 
                 shared = SharedExpertMLP
             self.shared_experts = build_module(shared, config=config, gate=config.moe_shared_expert_gate)
-        self.recompute_shared_experts = (config.recompute_granularity == "selective"
-                                         and "shared_experts" in (config.recompute_modules or []))
+        self.recompute_shared_experts = config.recomputes("shared_experts")
 
     def forward(self, hidden_states: torch.Tensor):
         if (self.training and parallel_state.get_tensor_model_parallel_world_size() > 1
