@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from operator import itemgetter
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer  # noqa: F401  (megatron-core's path)
 
 
@@ -190,3 +192,142 @@ def get_model_type(model):
 
 def get_model_config(model):
     return get_attr_wrapped_model(model, "config", allow_none=False)
+
+
+# ------------------------------------------------------------------------------------ process groups and sharding
+def get_pg_rank(group=None) -> int:
+    """This rank's index in ``group`` (0 without a group or without torch.distributed)."""
+    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    return torch.distributed.get_rank(group=group)
+
+
+def get_pg_size(group=None) -> int:
+    """The size of ``group`` (1 without a group or without torch.distributed)."""
+    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1
+    return torch.distributed.get_world_size(group=group)
+
+
+def _tp_dp_ranks(tp_group, dp_cp_group):
+    """(tp rank, tp size, dp rank, dp size), each pair from its group when given, else from parallel_state (whose
+    getters also honour the rank overrides offline tools set)."""
+    from megatron.core import parallel_state
+
+    if tp_group is not None:
+        tp_rank, tp_size = get_pg_rank(tp_group), get_pg_size(tp_group)
+    else:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if dp_cp_group is not None:
+        dp_rank, dp_size = get_pg_rank(dp_cp_group), get_pg_size(dp_cp_group)
+    elif parallel_state.is_initialized():
+        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    else:
+        dp_rank, dp_size = 0, 1
+    return tp_rank, tp_size, dp_rank, dp_size
+
+
+def _is_dtensor(tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=None, prepend_offsets=(), **kwargs):
+    """A ShardedTensor of ``tensor`` split along ``tp_axis`` over the TP group (``tp_group=``, default
+    parallel_state's): ``(tp_axis + len(prepend_offsets), tp_rank, tp_size)`` after the prepended ``(axis, offset,
+    fragments)`` entries; replica id ``(0, 0, dp rank)`` over ``dp_cp_group`` by default. A DTensor (FSDP2) is its
+    local shard, further split along axis 0 by the DP rank (combined with TP when ``tp_axis`` is 0)."""
+    tp_group = kwargs.pop("tp_group", None)
+    dp_cp_group = kwargs.pop("dp_cp_group", None)
+    tp_rank, tp_size, dp_rank, dp_size = _tp_dp_ranks(tp_group, dp_cp_group)
+    prepend = len(prepend_offsets)
+    offsets = [(tp_axis + prepend, tp_rank, tp_size)]
+    dp_replica = dp_rank
+    if _is_dtensor(tensor):
+        tensor, dp_replica = tensor._local_tensor, 0
+        if tp_axis == 0:
+            offsets = [(prepend, tp_rank * dp_size + dp_rank, tp_size * dp_size)]
+        else:
+            offsets.append((prepend, dp_rank, dp_size))
+    if replica_id is None:
+        replica_id = (0, 0, dp_replica)
+    return ShardedTensor.from_rank_offsets(key, tensor, *prepend_offsets, *offsets, replica_id=replica_id,
+                                           prepend_axis_num=prepend, **kwargs)
+
+
+def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_id=None, **kwargs):
+    """A ShardedTensor of a tensor replicated over TP and DP: replica id ``(0, tp rank, dp rank)`` by default
+    (``tp_group=`` / ``dp_cp_group=``, default parallel_state's). A DTensor (FSDP2) is split along axis 0 by the DP
+    rank (the full tensor is gathered first when some rank would hold an empty shard)."""
+    tp_group = kwargs.pop("tp_group", None)
+    dp_cp_group = kwargs.pop("dp_cp_group", None)
+    tp_rank, _, dp_rank, dp_size = _tp_dp_ranks(tp_group, dp_cp_group)
+    prepend = len(prepend_offsets)
+    offsets = []
+    dp_replica = dp_rank
+    if _is_dtensor(tensor):
+        dp_replica = 0
+        if tensor.shape[0] < dp_size or tensor.shape[0] % dp_size:
+            tensor = tensor.full_tensor()
+            offsets = []
+            dp_replica = dp_rank
+        else:
+            tensor = tensor._local_tensor
+            offsets = [(prepend, dp_rank, dp_size)]
+    if replica_id is None:
+        replica_id = (0, tp_rank, dp_replica)
+    return ShardedTensor.from_rank_offsets(key, tensor, *prepend_offsets, *offsets, replica_id=replica_id,
+                                           prepend_axis_num=prepend, **kwargs)
+
+
+def _extra_state_offsets(sharded_offsets) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """(global shape, global offset) in pieces of a ShardedObject beside tensors with ``sharded_offsets``."""
+    if not sharded_offsets:
+        return (1,), (0,)
+    ordered = sorted(sharded_offsets, key=itemgetter(0))
+    axes = [axis for axis, _, _ in ordered]
+    if axes != list(range(len(axes))):
+        raise ValueError(f"sharded offsets must cover axes 0..n-1 for an object, got {sharded_offsets}")
+    return tuple(f for _, _, f in ordered), tuple(o for _, o, _ in ordered)
+
+
+def make_sharded_object_for_checkpoint(obj: Any, key: str, sharded_offsets: Iterable[Tuple[int, int, int]] = (),
+                                       replica_id=None, **kwargs) -> ShardedObject:
+    """A ShardedObject placed like tensors with ``sharded_offsets`` (one piece per layer / expert), replicated over
+    TP and DP (replica id ``(0, tp rank, dp rank)`` by default)."""
+    if replica_id is None:
+        tp_rank, _, dp_rank, _ = _tp_dp_ranks(None, None)
+        replica_id = (0, tp_rank, dp_rank)
+    shape, offset = _extra_state_offsets(tuple(sharded_offsets))
+    return ShardedObject(key, obj, shape, offset, replica_id, **kwargs)
+
+
+def make_sharded_tensors_for_checkpoint(state_dict: StateDict, prefix: str,
+                                        tensor_parallel_layers_axis_map: Optional[Dict[str, int]] = None,
+                                        sharded_offsets: Iterable[Tuple[int, int, int]] = (),
+                                        extra_state_suffix: str = "_extra_state", tp_group=None,
+                                        dp_cp_group=None) -> ShardedStateDict:
+    """``{prefix + name: ShardedTensor | ShardedObject}`` for a module's own ``state_dict``: the names in
+    ``tensor_parallel_layers_axis_map`` split over TP along their axis, ``*_extra_state`` as objects, the rest
+    replicated."""
+    axis_map = tensor_parallel_layers_axis_map or {}
+    sharded_offsets = tuple(sharded_offsets)
+    groups = dict(tp_group=tp_group, dp_cp_group=dp_cp_group)
+    out = {}
+    for name, value in state_dict.items():
+        key = f"{prefix}{name}"
+        if name.endswith(extra_state_suffix):
+            tp_rank, _, dp_rank, _ = _tp_dp_ranks(tp_group, dp_cp_group)
+            replica = (0, tp_rank, dp_rank)
+            out[key] = make_sharded_object_for_checkpoint(value, key, sharded_offsets, replica)
+        elif name in axis_map:
+            out[key] = make_tp_sharded_tensor_for_checkpoint(value, key, axis_map[name],
+                                                             prepend_offsets=sharded_offsets, **groups)
+        else:
+            out[key] = make_sharded_tensor_for_checkpoint(value, key, prepend_offsets=sharded_offsets, **groups)
+    return out

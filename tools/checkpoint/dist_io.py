@@ -1,7 +1,7 @@
 """Offline reader and writer of Megatron-LM ``torch_dist`` checkpoints for tools/checkpoint/convert.py.
 
 The reader returns the full (unsharded) megatron-core state dict: stacked layer tensors ``[L, ...]`` are split back
-into ``decoder.layers.{i}.…`` with the module names of megatron.training.checkpointing.dist_keys. The writer does
+into ``decoder.layers.{i}.…`` with the module names of tools.checkpoint.dist_keys. The writer does
 the reverse in one process: every tensor is one chunk covering its whole global shape (the format is
 TP/PP-independent), plus an empty ``_extra_state`` object per linear layer, ``common.pt`` (args, checkpoint_version
 3.0, iteration, content_metadata), ``metadata.json`` and the tracker file. No optimizer or RNG state is written.
@@ -18,7 +18,7 @@ import torch
 
 from megatron.core.dist_checkpointing.sharded_io import LocalShard, save_sharded
 from megatron.core.models.conversion.keys import legacy_to_mcore
-from megatron.training.checkpointing import dist_keys
+from tools.checkpoint import dist_keys
 from megatron.training.checkpointing.dist_state import CHECKPOINT_VERSION, METADATA, DistCheckpointError, safe_args
 from megatron.training.checkpointing.torch_dist import load_full_checkpoint
 from tools.checkpoint.legacy_io import ConversionError, is_t5, read_tracker, stack_layer_counts

@@ -230,5 +230,10 @@ class DistributedDataParallel(torch.nn.Module):
             return inner.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
         return inner.state_dict(prefix=prefix, keep_vars=keep_vars)
 
+    def sharded_state_dict(self, prefix: str = "", *args, **kwargs):
+        """The wrapped module's sharded state (megatron-core's ``_BaseDataParallel``); whole parameters."""
+        self._sync_pending_params()
+        return self.module.sharded_state_dict(prefix, *args, **kwargs)
+
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)

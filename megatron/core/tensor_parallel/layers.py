@@ -45,7 +45,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.utils import VocabUtility
-from megatron.core.utils import all_gather_into_tensor, divide, reduce_scatter_tensor
+from megatron.core.utils import (all_gather_into_tensor, divide, make_tp_sharded_tensor_for_checkpoint,
+                                 make_sharded_tensors_for_checkpoint, reduce_scatter_tensor)
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
@@ -77,6 +78,17 @@ def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor) -> 
     for attribute in (*_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS, "allreduce"):
         if hasattr(source_tensor, attribute):
             setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
+
+
+def _linear_sharded_state_dict(module, prefix, sharded_offsets, metadata, axis_map):
+    """A tensor-parallel layer's sharded state: its state dict with ``axis_map``'s tensors split over TP (the rest,
+    e.g. a row-parallel bias or FP8 scaling state, replicated) plus megatron-core's empty ``_extra_state`` object."""
+    dp_cp_group = (metadata or {}).get("dp_cp_group")
+    tp_group = getattr(module, "tp_group", None)
+    state = module.state_dict(prefix="", keep_vars=True)
+    state["_extra_state"] = None  # megatron-core's linear layers always carry one (no FP8 metadata here)
+    return make_sharded_tensors_for_checkpoint(state, prefix, {k: v for k, v in axis_map.items() if k in state},
+                                               sharded_offsets, tp_group=tp_group, dp_cp_group=dp_cp_group)
 
 
 def _initialize_affine_weight_gpu(weight, init_method, partition_dim, stride=1):
@@ -144,6 +156,14 @@ class VocabParallelEmbedding(torch.nn.Module):
                 _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=1)
             else:
                 set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The table split along the vocabulary (TP axis 0); its global shape may differ on load (vocabulary
+        padding depends on TP), the overlap is read."""
+        weight_key = f"{prefix}weight"
+        return {weight_key: make_tp_sharded_tensor_for_checkpoint(
+            self.weight, weight_key, 0, prepend_offsets=sharded_offsets, allow_shape_mismatch=True,
+            tp_group=getattr(self, "tp_group", None), dp_cp_group=(metadata or {}).get("dp_cp_group"))}
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.tensor_model_parallel_size > 1:
@@ -490,6 +510,10 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.fp8_meta = _fp8_meta_for(config)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Weight and bias split along the output features (TP axis 0)."""
+        return _linear_sharded_state_dict(self, prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0})
+
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None):
         if weight is None:
             if self.weight is None:
@@ -571,6 +595,10 @@ class RowParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
         self.fp8_meta = _fp8_meta_for(config)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Weight split along the input features (TP axis 1); the bias is replicated."""
+        return _linear_sharded_state_dict(self, prefix, sharded_offsets, metadata, {"weight": 1})
 
     def forward(self, input_: torch.Tensor):
         if self.input_is_parallel:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.fusions import fused_kernels
 from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
 from megatron.core.activations import erf_gelu, openai_gelu, squared_relu
@@ -91,6 +92,18 @@ class ParallelMLP(MegatronModule):
                               init_method=config.output_layer_init_method, bias=self.add_bias,
                               input_is_parallel=True, skip_bias_add=True)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The linear layers' sharded state; with a gated unit, fc1's weight and bias are saved as megatron-core
+        does (:func:`apply_swiglu_sharded_factory`)."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.gated:
+            singleton = bool((metadata or {}).get("singleton_local_shards", False))
+            for name in ("weight", "bias"):
+                key = f"{prefix}linear_fc1.{name}"
+                if key in out:
+                    out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, singleton)
+        return out
+
     def forward(self, hidden_states):
         intermediate_parallel, bias_parallel = self.linear_fc1(hidden_states)
         if self.bias_gelu_fusion:
@@ -111,3 +124,31 @@ class MLP(ParallelMLP):
 
     def __init__(self, config, submodules: Optional[MLPSubmodules] = None, is_expert: bool = False, **unused):
         super().__init__(config, is_expert, naming="mcore", submodules=submodules)
+
+
+def apply_swiglu_sharded_factory(original_sh_ten, sharded_offsets, singleton_local_shards: bool = False):
+    """A gated fc1 tensor (local rows ``[gate_r; up_r]`` on TP rank ``r`` of ``t``) saved as the global
+    ``[gate (all ranks); up (all ranks)]``: two blocks, ``gate_r`` at block ``r`` and ``up_r`` at block ``t + r`` of
+    ``2t`` along axis 0 — so the tensor reads back at any TP. ``singleton_local_shards`` stores them under
+    ``{key}_w`` / ``{key}_v`` instead (block ``r`` of ``t`` each). Loading concatenates the two halves."""
+    axis = len(sharded_offsets)
+    local_rows = original_sh_ten.local_shape[0]
+    rank = original_sh_ten.global_offset[axis] // local_rows
+    fragments = original_sh_ten.axis_fragmentations[axis]
+
+    @torch.no_grad()
+    def build(key, tensor, replica_id, flattened_range):
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        if singleton_local_shards:
+            placed = ((f"{key}_w", gate, rank, fragments), (f"{key}_v", up, rank, fragments))
+        else:
+            placed = ((key, gate, rank, 2 * fragments), (key, up, fragments + rank, 2 * fragments))
+        return [ShardedTensor.from_rank_offsets(k, t, *sharded_offsets, (axis, offset, frags), replica_id=replica_id,
+                                                prepend_axis_num=axis) for k, t, offset, frags in placed]
+
+    def merge(halves):
+        with torch.no_grad():
+            return torch.cat(halves)
+
+    return ShardedTensorFactory(original_sh_ten.key, original_sh_ten.data, build, merge, original_sh_ten.replica_id,
+                                flattened_range=original_sh_ten.flattened_range)

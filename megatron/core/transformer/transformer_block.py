@@ -12,11 +12,13 @@ from typing import List, Optional, Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.enums import ModelType
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import get_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.transformer.transformer_layer import (NoopTransformerLayer, ParallelTransformerLayer, TransformerLayer,
                                                          default_layer_submodules)
 from megatron.core.utils import make_viewless_tensor
@@ -160,6 +162,49 @@ class ParallelTransformer(MegatronModule):
 
         if self.post_process and self.post_layer_norm:
             self.final_layernorm = get_norm(config)
+
+    def _non_homogeneous_layers(self, metadata) -> bool:
+        """Whether the layers are saved one key per layer (``layers.{i}.``) instead of stacked: megatron-core's rule
+        (metadata ``non_homogeneous_layers`` / ``singleton_local_shards``, or a layer pattern in the config)."""
+        metadata = metadata or {}
+        if metadata.get("non_homogeneous_layers") or metadata.get("singleton_local_shards"):
+            return True
+        config = self.config
+        for name in ("moe_layer_freq", "linear_attention_freq"):
+            freq = getattr(config, name, None)
+            if isinstance(freq, (list, tuple)) or (isinstance(freq, int) and freq > 1 and
+                                                    (name != "moe_layer_freq" or config.num_moe_experts)):
+                return True
+        return bool(getattr(config, "heterogeneous_block_specs", False)
+                    or getattr(config, "hetereogenous_dist_checkpoint", False))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """Layer ``i`` (global index ``layer_number - 1`` within this stack of ``config.num_layers``) is stored
+        stacked: its tensors get the prepended offset ``(0, i, L)`` and keys ``{prefix}layers.<name>``, so the
+        checkpoint does not depend on PP / VPP; per-layer keys ``{prefix}layers.{i}.<name>`` for
+        non-homogeneous stacks (:meth:`_non_homogeneous_layers`). Then the final norm and other children."""
+        if sharded_offsets:
+            raise ValueError("a transformer block takes no sharded_offsets (its layers add the layer axis)")
+        per_layer = self._non_homogeneous_layers(metadata)
+        num_layers = self.config.num_layers
+        out = {}
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer, NoopTransformerLayer):
+                continue
+            global_index = layer.layer_number - 1
+            local_prefix = f"{prefix}layers.{index}."
+            if per_layer:
+                layer_sd = layer.sharded_state_dict(local_prefix, (), metadata)
+                replace_prefix_for_sharding(layer_sd, local_prefix, f"{prefix}layers.{global_index}.")
+            else:
+                layer_sd = layer.sharded_state_dict(local_prefix, ((0, global_index, num_layers),), metadata)
+                replace_prefix_for_sharding(layer_sd, local_prefix, f"{prefix}layers.")
+            out.update(layer_sd)
+        for name, module in self.named_children():
+            if module is not self.layers:
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", (), metadata,
+                                                      tp_group=getattr(self, "tp_group", None)))
+        return out
 
     def _get_layer(self, layer_number):
         return self.layers[layer_number]

@@ -7,12 +7,13 @@ loads Megatron's legacy names through the one table of :mod:`megatron.core.trans
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Union
+from dataclasses import dataclass, field
+from typing import Dict, Union
 
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
 from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
 from megatron.core.transformer.attention import ParallelAttention, SelfAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType, LayerType
@@ -34,6 +35,15 @@ class TransformerLayerSubmodules:
     pre_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
     mlp: Union[ModuleSpec, type] = IdentityOp
     mlp_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    # Renames of checkpoint-key prefixes (megatron-core's local specs store the norms under the names of
+    # Transformer Engine's fused norm + linear modules).
+    sharded_state_dict_keys_map: Dict[str, str] = field(default_factory=dict)
+
+
+# The local layer's norms on disk: Transformer Engine fuses them into the next linear layer (megatron-core's
+# local GPT / BERT / T5 specs map them the same way).
+LOCAL_NORM_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                       "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
 class DropPath(torch.nn.Module):
@@ -107,9 +117,19 @@ class ParallelTransformerLayer(MegatronModule):
                               "cross_attention": build_module(submodules.cross_attn_bda),
                               "mlp": build_module(submodules.mlp_bda)}
         self.has_cross_attention = has_cross
+        self.sharded_state_dict_keys_map = dict(LOCAL_NORM_KEYS_MAP if submodules is None
+                                                else submodules.sharded_state_dict_keys_map)
         from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
         self.recompute_mlp = config.recomputes("moe" if isinstance(self.mlp, BaseMoELayer) else "mlp")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The default (every submodule's) with the spec's ``sharded_state_dict_keys_map`` applied to the keys."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.sharded_state_dict_keys_map:
+            apply_prefix_mapping(out, {f"{prefix}{old}": f"{prefix}{new}"
+                                       for old, new in self.sharded_state_dict_keys_map.items()})
+        return out
 
     def _mlp_forward(self, layernorm_output):
         """The MLP (dense or MoE); under selective recompute with ``mlp`` / ``moe`` listed, only its input is kept
@@ -223,4 +243,5 @@ def default_layer_submodules(attn_mask_type) -> TransformerLayerSubmodules:
         mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                             linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=dict(LOCAL_NORM_KEYS_MAP),
     )

@@ -14,23 +14,9 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import Embedding
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.norms import param_device
 from megatron.core.transformer.rotary import RotaryEmbedding
 from megatron.core.transformer.transformer_block import ParallelTransformer
-
-
-def get_linear_layer(rows, columns, init_method, perform_initialization=True, config=None):
-    """A replicated ``torch.nn.Linear(rows, columns)`` with ``init_method`` weights and a zero bias."""
-    kwargs = {}
-    if config is not None:
-        kwargs = {"dtype": config.params_dtype, "device": param_device(config)}
-        perform_initialization = config.perform_initialization
-    layer = torch.nn.Linear(rows, columns, **kwargs)
-    if perform_initialization:
-        init_method(layer.weight)
-    with torch.no_grad():
-        layer.bias.zero_()
-    return layer
+from megatron.core.transformer.utils import get_linear_layer
 
 
 def parallel_lm_logits(input_, word_embeddings_weight, parallel_output, bias=None, *, config=None):

@@ -13,6 +13,8 @@ from megatron.core.transformer.module import MegatronModule, sync_tied_weight_ac
 from megatron.core.transformer.rotary import RotaryEmbedding, get_pos_emb_on_this_cp_rank
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+from megatron.core.utils import get_pg_rank, make_tp_sharded_tensor_for_checkpoint
 
 
 class LanguageModule(MegatronModule):
@@ -40,6 +42,38 @@ class LanguageModule(MegatronModule):
             self.shared_embedding_or_output_weight().shared_embedding = True
         is_copy = self.post_process and not self.pre_process
         sync_tied_weight_across_pipeline(self.shared_embedding_or_output_weight(), is_copy)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The default sharded state, with the output layer tied to the word embedding: on a last stage without
+        the embedding (PP > 1) the output weight is saved as a replica ``(1, 0, dp)`` of
+        ``embedding.word_embeddings.weight`` (never written: the first stage's copy is); vocabulary-sized tensors
+        may have another padded size on load."""
+        if sharded_offsets:
+            raise ValueError("a language model takes no sharded_offsets")
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        embedding_key = f"{prefix}embedding.word_embeddings.weight"
+        for name in self._output_weight_names():
+            key = f"{prefix}{name}.weight"
+            if self.share_embeddings_and_output_weights:
+                if key in out and not self.pre_process:
+                    out[key] = self._tied_output_weight(embedding_key, metadata)
+            elif key in out:
+                out[key].allow_shape_mismatch = True
+            if f"{prefix}{name}.bias" in out:
+                out[f"{prefix}{name}.bias"].allow_shape_mismatch = True
+        return out
+
+    def _output_weight_names(self):
+        """Submodule names of the output layer (one, or an alias too)."""
+        return ("output_layer",)
+
+    def _tied_output_weight(self, embedding_key, metadata):
+        dp_cp_group = metadata["dp_cp_group"]
+        dp_rank = get_pg_rank(dp_cp_group) if dp_cp_group is not None else 0
+        return make_tp_sharded_tensor_for_checkpoint(
+            self.shared_embedding_or_output_weight(), embedding_key, replica_id=(1, 0, dp_rank),
+            allow_shape_mismatch=True, tp_group=getattr(self, "tp_group", None), dp_cp_group=dp_cp_group)
 
     def compute_language_model_loss(self, labels, logits):
         """Per-token loss ``[b, s]`` from ``[s, b, V/tp]`` logits and ``[b, s]`` labels."""
@@ -96,6 +130,13 @@ class GPTModel(LanguageModule):
                 reuse_cpu_output_buffer=True)
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """:meth:`LanguageModule.sharded_state_dict` without the output layer's (empty) ``_extra_state``, which
+        GPT checkpoints never held."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        out.pop(f"{prefix}output_layer._extra_state", None)
+        return out
 
     def set_input_tensor(self, input_tensor):
         if not isinstance(input_tensor, list):
