@@ -135,6 +135,12 @@ class ParallelAttention(MegatronModule):
 
             self.q_layernorm = get_norm(config, hidden_size=self.hidden_size_per_attention_head)
             self.k_layernorm = get_norm(config, hidden_size=self.hidden_size_per_attention_head)
+            if world_size > 1:
+                # One weight shared by all heads, which the TP ranks split: each rank's gradient covers its own
+                # heads only, so finalize_model_grads sums it over TP (as for sequence-parallel norms).
+                for norm in (self.q_layernorm, self.k_layernorm):
+                    for param in norm.parameters():
+                        param.sequence_parallel = True
 
         if self.use_flash_attn:
             self.core_attention_flash = FlashSelfAttention(
