@@ -38,7 +38,6 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig):
         if hasattr(args, field.name):
             kw_args[field.name] = getattr(args, field.name)
     kw_args["persist_layer_norm"] = not args.no_persist_layer_norm
-    kw_args["layernorm_zero_centered_gamma"] = args.apply_layernorm_1p
     kw_args["deallocate_pipeline_outputs"] = True
     kw_args["pipeline_dtype"] = args.params_dtype
     kw_args["batch_p2p_comm"] = not args.overlap_p2p_comm
