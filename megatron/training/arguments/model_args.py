@@ -76,6 +76,21 @@ def _add_network_size_args(parser):
     group.add_argument("--openai-gelu", action="store_true", help="Use OpenAI's tanh approximation of GeLU.")
     group.add_argument("--squared-relu", action="store_true", help="Use squared ReLU as the MLP activation.")
     group.add_argument("--swiglu", action="store_true", help="Use the gated SwiGLU MLP.")
+    group.add_argument("--quick-geglu", action="store_true",
+                       help="Gated MLP with quick GeLU x * sigmoid(1.702 x) as the gate's activation (gpt-oss).")
+    group.add_argument("--glu-linear-offset", type=float, default=0.0,
+                       help="Add this to the linear half of a gated MLP: act(gate) * (linear + offset).")
+    group.add_argument("--activation-func-clamp-value", type=float, default=None,
+                       help="Clamp a gated MLP's gate to <= C and its linear half to [-C, C] (gpt-oss: 7).")
+    group.add_argument("--softmax-type", type=str, default="vanilla", choices=["vanilla", "off-by-one", "learnable"],
+                       help="Attention sinks: none (vanilla), a zero logit (off-by-one), or a learned logit per head "
+                            "(learnable) that joins each softmax row.")
+    group.add_argument("--window-size", type=_window_size, default=None,
+                       help="Sliding-window attention 'left,right': query i sees keys i-left .. i+right (-1: "
+                            "unbounded); gpt-oss: 127,0.")
+    group.add_argument("--window-attn-skip-freq", type=_layer_freq("--window-attn-skip-freq"), default=None,
+                       help="Which layers use --window-size: all (not given), those whose number (from 1) is not a "
+                            "multiple of N, or a 0/1 list expression per layer (1 = windowed).")
     group.add_argument("--onnx-safe", type=bool, required=False,
                        help="Use workarounds for known problems with the Torch ONNX exporter.")
     group.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
@@ -147,21 +162,40 @@ def _add_transformer_engine_args(parser):
     return parser
 
 
-def _moe_layer_freq(value: str):
-    """``--moe-layer-freq``: an int N (every N-th layer is MoE) or a Python list expression of 0/1 per layer,
-    e.g. ``"([0]+[1]*23)"``."""
+def _layer_freq(flag: str):
+    """The type of a per-layer flag (``--moe-layer-freq``, ``--window-attn-skip-freq``, ``--no-rope-freq``): an int
+    N, or a Python list expression of 0/1 per layer such as ``"([0]+[1]*23)"``."""
+
+    def parse(value: str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+        try:
+            pattern = _eval_layer_pattern(value)
+        except (ValueError, SyntaxError, TypeError):
+            pattern = None
+        if not isinstance(pattern, list) or not all(v in (0, 1) for v in pattern):
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer or a list expression of 0/1 such as "
+                                             f"'([0]+[1]*23)', got {value!r}")
+        return pattern
+
+    return parse
+
+
+_moe_layer_freq = _layer_freq("--moe-layer-freq")
+
+
+def _window_size(value: str):
+    """``--window-size left,right`` (also ``(left, right)``) -> a tuple of two ints >= -1."""
     try:
-        return int(value)
+        parts = tuple(int(v) for v in value.strip().strip("()").split(","))
     except ValueError:
-        pass
-    try:
-        pattern = _eval_layer_pattern(value)
-    except (ValueError, SyntaxError, TypeError):
-        pattern = None
-    if not isinstance(pattern, list) or not all(v in (0, 1) for v in pattern):
-        raise argparse.ArgumentTypeError(f"--moe-layer-freq must be an integer or a list expression of 0/1 such as "
-                                         f"'([0]+[1]*23)', got {value!r}")
-    return pattern
+        parts = ()
+    if len(parts) != 2 or any(v < -1 for v in parts):
+        raise argparse.ArgumentTypeError(f"--window-size must be 'left,right' with integers >= -1 (-1: unbounded), "
+                                         f"got {value!r}")
+    return parts
 
 
 def _eval_layer_pattern(value: str):
