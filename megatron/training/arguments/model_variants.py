@@ -28,6 +28,9 @@ def _validate_gated_unit(args) -> None:
 
 def _validate_attention_variants(args) -> None:
     window, freq = args.window_size, args.window_attn_skip_freq
+    if window is not None:
+        _require(len(window) == 2 and all(v >= -1 for v in window),
+                 f"--window-size must be 'left,right' with integers >= -1 (-1: unbounded), got {window}")
     if freq is not None:
         _require(window is not None, "--window-attn-skip-freq selects the layers of --window-size: pass --window-size")
         if isinstance(freq, list):
