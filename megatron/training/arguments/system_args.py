@@ -6,6 +6,7 @@ Names, types, defaults and destinations follow Megatron-LM's
 from __future__ import annotations
 
 from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # the one table of tokenizer names
+from megatron.training.arguments.fsdp_args import add_fsdp_args
 
 
 def _add_distributed_args(parser):
@@ -84,6 +85,7 @@ def _add_distributed_args(parser):
                             "that skips the step). --check-for-nan-in-grad is an older name of this flag.")
     group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                        dest="check_for_nan_in_loss_and_grad", help="Do not check (the default).")
+    add_fsdp_args(group)
     return parser
 
 

@@ -169,9 +169,16 @@ def _add_checkpointing_args(parser):
                        help="Load the checkpoint of this iteration instead of the one the tracker file names.")
     group.add_argument("--pretrained-checkpoint", type=str, default=None,
                        help="Checkpoint to start a finetune from when --load holds none (implies --finetune).")
-    group.add_argument("--ckpt-format", type=str, default="torch_dist", choices=["torch", "torch_dist"],
+    group.add_argument("--ckpt-format", type=str, default="torch_dist",
+                       choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
                        help="Checkpoint format: distributed, reshardable, Megatron-LM's layout (torch_dist, the "
-                            "default) or one file per model-parallel rank (torch).")
+                            "default), one file per model-parallel rank (torch), the plain PyTorch DCP state of an "
+                            "FSDP2 model (torch_dcp, --use-torch-fsdp2) or Megatron-FSDP's (fsdp_dtensor, "
+                            "--use-megatron-fsdp).")
+    group.add_argument("--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load", action="store_false",
+                       dest="strict_fsdp_dtensor_load",
+                       help="fsdp_dtensor: load what the checkpoint has and report the model keys it lacks (per "
+                            "--dist-ckpt-strictness) instead of stopping.")
     group.add_argument("--async-save", action="store_true", default=None,
                        help="Write torch_dist checkpoints in a background thread; finished before the next save, "
                             "a load, or the end of training.")

@@ -17,6 +17,7 @@ import torch
 
 from megatron.core import device
 from megatron.tokenizer.vocab_padding import unpadded_vocab_size, vocab_size_with_padding
+from megatron.training.arguments.fsdp_args import validate_fully_sharded
 from megatron.training.arguments.printing import _print_args
 from megatron.training.arguments.unimplemented import validate_unimplemented_features
 from megatron.training.errors import ConfigurationError
@@ -49,6 +50,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_parallel_sizes(args)
     _apply_deprecations(args)
     _apply_defaults(args, defaults)
+    validate_fully_sharded(args)  # FSDP: Megatron's rules; Megatron-FSDP turns the distributed optimizer on
     _validate_batch_sizes(args)
     _set_virtual_pipeline_size(args)
     _set_precision(args)
