@@ -35,7 +35,7 @@ from megatron.core.distributed.distributed_data_parallel import DistributedDataP
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp.sharded_module import (FULLY_SHARDED_STRATEGIES, FullyShardedModule,
                                                            units_of_types)
-from megatron.core.transformer.fusions import log_once
+from megatron.core.utils import log_once
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 UNIT_CLASS_NAMES = ("MoETransformerLayer", "MambaLayer")

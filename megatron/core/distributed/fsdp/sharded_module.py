@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from megatron.core import device as _device
 from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.transformer.fusions import log_once
+from megatron.core.utils import log_once
 
 FULLY_SHARDED_STRATEGIES = ("optim_grads", "optim_grads_params")
 
