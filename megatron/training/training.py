@@ -243,7 +243,6 @@ def _wrap_data_parallel(args, chunk, index):
         # check_for_nan_in_grad stays off: --check-for-nan-in-loss-and-grad is train_step's NumericalGuard, which
         # makes every rank agree before stopping.
     )
-    # Only the first chunk is bucketed: later chunks' backward passes finish last anyway.
     if args.use_torch_fsdp2:
         from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
         from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
@@ -258,6 +257,7 @@ def _wrap_data_parallel(args, chunk, index):
                       overlap_param_gather=args.overlap_param_gather and args.data_parallel_sharding_strategy == "optim")
         return FullyShardedDataParallel(config, DistributedDataParallelConfig(**kwargs), chunk,
                                         disable_bucketing=index > 0)
+    # Only the first chunk is bucketed: later chunks' backward passes finish last anyway.
     return DistributedDataParallel(config, DistributedDataParallelConfig(**kwargs), chunk,
                                    disable_bucketing=index > 0)
 
