@@ -131,11 +131,10 @@ BAD_FLAGS = [
     ("--use-megatron-fsdp", "Megatron FSDP only supports fsdp_dtensor checkpoint format"),
     ("--ckpt-format fsdp_dtensor", "only supported with Megatron FSDP"),
     ("--ckpt-format torch_dcp", "only supported with --use-torch-fsdp2"),
-    ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --megatron-fsdp-version 2", "not implemented yet"),
-    ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --num-distributed-optimizer-instances 2", "not implemented yet"),
-    ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --megatron-fsdp-main-params-dtype bf16", "not implemented yet"),
-    ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --init-model-with-meta-device "
-     "--data-parallel-sharding-strategy no_shard", "not supported for no_shard"),
+    ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --megatron-fsdp-version 2", "not available in this library"),
+    ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --num-distributed-optimizer-instances 2",
+     "hybrid sharded data parallelism"),
+    ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --megatron-fsdp-main-params-dtype bf16", "fp32 main weights"),
 ]
 
 
