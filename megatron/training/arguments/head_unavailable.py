@@ -60,19 +60,6 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "gpt-oss's attention sinks, sliding windows and clamped GLU are being implemented",
-        (
-            value("--softmax-type", default="vanilla", choices=("vanilla", "off-by-one", "learnable")),
-            value("--window-size", type=int_pair),
-            value("--window-attn-skip-freq", type=layer_pattern),
-            value("--glu-linear-offset", type=float, default=0.0),
-            value("--activation-func-clamp-value", type=float),
-            switch("--quick-geglu"),
-        ),
-        group="network size", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
         "Llama 4's no-RoPE layers, QK L2 norm and routing weights on the expert input are being implemented",
         (
             value("--no-rope-freq", type=layer_pattern),
@@ -100,33 +87,39 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "Megatron-FSDP, torch FSDP2 and their checkpoint formats are being implemented",
+        "hybrid sharded data parallelism (an outer data-parallel dimension over the FSDP shards) is not part of "
+        "this library",
         (
-            switch("--use-megatron-fsdp"),
-            switch("--use-torch-fsdp2"),
-            value("--data-parallel-sharding-strategy", default="optim_grads_params", choices=("no_shard", "optim",
-                "optim_grads", "optim_grads_params")),
             value("--outer-dp-sharding-strategy", default="no_shard", choices=("no_shard", "optim")),
             value("--num-distributed-optimizer-instances", type=int, default=1),
-            switch("--fsdp-double-buffer"),
-            switch("--fsdp-manual-registration"),
-            value("--suggested-communication-unit-size", type=int),
-            switch("--keep-fp8-transpose-cache"),
             switch("--enable-full-sharding-in-hsdp"),
-            negated("--torch-fsdp2-no-reshard-after-forward", dest="torch_fsdp2_reshard_after_forward"),
-            value("--megatron-fsdp-version", type=int, default=1, choices=(1, 2)),
-            no_or_disable("strict-fsdp-dtensor-load"),
-            value("--megatron-fsdp-main-params-dtype", default="fp32", choices=("fp32", "bf16", "fp16", "auto")),
-            value("--megatron-fsdp-main-grads-dtype", default="auto", choices=("fp32", "bf16", "fp16", "auto")),
-            value("--megatron-fsdp-grad-comm-dtype", default="auto", choices=("fp32", "fp16", "bf16", "auto")),
-            switch("--megatron-fsdp-enable-fine-grained-param-gather"),
-            switch("--megatron-fsdp-max-pool-double-buffer"),
-            switch("--fsdp-db-use-persist-buf-on-alloc-fail"),
+        ),
+        group="fsdp",
+    ),
+    Block(
+        NOT_AVAILABLE,
+        "meta-device initialisation and partial fsdp_dtensor loads are being implemented",
+        (
             switch("--init-model-with-meta-device"),
+            no_or_disable("strict-fsdp-dtensor-load"),
+        ),
+        group="fsdp", pending=True,
+    ),
+    Block(
+        NOT_AVAILABLE,
+        "FP8 parameters (Transformer Engine) are not part of this library",
+        (switch("--keep-fp8-transpose-cache"),),
+        group="fsdp",
+    ),
+    Block(
+        NOT_AVAILABLE,
+        "the parameter-to-param-group map dump and the weight-hash check across data-parallel replicas are not "
+        "part of this library",
+        (
             value("--dump-param-to-param-group-map"),
             value("--check-weight-hash-across-dp-replicas-interval", type=int),
         ),
-        group="fsdp", pending=True,
+        group="fsdp",
     ),
     Block(
         NOT_AVAILABLE,
@@ -765,8 +758,15 @@ VALUE_RULES = (
     ValueRule("--cp-comm-type", ("a2a+p2p",), NOT_AVAILABLE,
               "hierarchical context parallelism (all-to-all inside, ring across) is not part of this library; use "
               "p2p, all_gather or a2a"),
-    ValueRule("--ckpt-format", ("torch_dcp", "fsdp_dtensor"), NOT_AVAILABLE,
-              "the torch_dcp and fsdp_dtensor formats are being implemented", pending=True),
+    ValueRule("--megatron-fsdp-version", (2,), NOT_AVAILABLE,
+              "Megatron-FSDP version 2 is not part of this library (version 1, the default, is)"),
+    ValueRule("--megatron-fsdp-main-params-dtype", ("bf16", "fp16", "auto"), NOT_AVAILABLE,
+              "Megatron-FSDP keeps fp32 main weights here (the default)"),
+    ValueRule("--megatron-fsdp-main-grads-dtype", ("bf16", "fp16"), NOT_AVAILABLE,
+              "Megatron-FSDP gradients are reduced as --accumulate-allreduce-grads-in-fp32 says (auto, the default; "
+              "fp32 with --bf16)"),
+    ValueRule("--megatron-fsdp-grad-comm-dtype", ("bf16", "fp16"), NOT_AVAILABLE,
+              "Megatron-FSDP gradients are communicated in the main-gradient dtype (auto, the default)"),
     ValueRule("--tokenizer-type", ("MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"), NOT_AVAILABLE,
               "the multimodal and SFT tokenizers are not part of this library"),
     ValueRule("--moe-router-score-function", ("sqrtsoftplus",), NOT_AVAILABLE,

@@ -18,7 +18,9 @@ import torch
 from megatron.core import device
 from megatron.post_training.arguments import apply_modelopt_args
 from megatron.tokenizer.vocab_padding import resolve_padded_vocab_size, unpadded_vocab_size
+from megatron.training.arguments.fsdp_args import validate_fully_sharded
 from megatron.training.arguments.printing import _print_args
+from megatron.training.arguments.model_variants import validate_model_variants
 from megatron.training.arguments.registry import log_performance_only, refuse_not_available
 from megatron.training.arguments.unimplemented import validate_unimplemented_features
 from megatron.training.errors import ConfigurationError
@@ -55,6 +57,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _apply_deprecations(args)
     _apply_defaults(args, defaults)
     _apply_legacy_split(args)
+    validate_fully_sharded(args)  # FSDP: Megatron's rules; Megatron-FSDP turns the distributed optimizer on
     _validate_batch_sizes(args)
     _set_virtual_pipeline_size(args)
     _set_precision(args)
@@ -75,6 +78,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_recompute(args)
     _validate_sequence_parallel(args)
     _validate_features(args)
+    validate_model_variants(args)  # gpt-oss / Llama 4 flags (model_variants.py)
     _validate_per_token_loss(args)
     _validate_decoupled_lr(args)
     _validate_param_gather(args)
@@ -335,7 +339,7 @@ def _validate_model_shape(args):
         _require(getattr(args, dest) > 0, f"{_flag(dest)} must be > 0, got {getattr(args, dest)}")
 
     activations = [f for f, on in (("--openai-gelu", args.openai_gelu), ("--squared-relu", args.squared_relu),
-                                   ("--swiglu", args.swiglu)) if on]
+                                   ("--swiglu", args.swiglu), ("--quick-geglu", args.quick_geglu)) if on]
     _require(len(activations) <= 1, f"{' and '.join(activations)} each choose the MLP activation: pass only one")
     if args.ffn_hidden_size is None:
         if args.swiglu:
