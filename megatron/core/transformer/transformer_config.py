@@ -223,10 +223,13 @@ class TransformerConfig(ModelParallelConfig):
     # Today's model families (gpt-oss, Llama 4); see megatron/core/transformer/attention_variants.py for the math.
     # Gated MLPs: y = act(min(a, c)) * (clamp(l, -c, c) + glu_linear_offset), c = activation_func_clamp_value (None:
     # no clamp); --quick-geglu is activation_func = quick_gelu with a gated unit.
-    glu_linear_offset: float = 0.0
-    activation_func_clamp_value: Optional[float] = None
+    glu_linear_offset: float = flag(0.0, "Add this to the linear half of a gated MLP: act(gate) * (linear + offset).")
+    activation_func_clamp_value: Optional[float] = flag(None, "Clamp a gated MLP's gate to <= C and its linear half "
+                                                              "to [-C, C] (gpt-oss: 7).")
     # Attention sinks: vanilla (none), off-by-one (a zero logit), learnable (a per-head logit, softmax_offset).
-    softmax_type: str = "vanilla"
+    softmax_type: str = flag("vanilla", "Attention sinks: none (vanilla), a zero logit (off-by-one), or a learned "
+                                        "logit per head (learnable, softmax_offset) that joins each softmax row.",
+                                        choices=("vanilla", "off-by-one", "learnable"))
     # Sliding-window attention: query i sees keys i - left .. i + right (-1: unbounded) on the layers
     # window_attn_skip_freq selects (None: all; N: those whose number is not a multiple of N; a 0/1 list per layer).
     window_size: Optional[Tuple[int, int]] = None
