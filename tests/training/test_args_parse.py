@@ -156,7 +156,8 @@ def test_parser_shape(clean_env, capsys):
     titles = [g.title for g in parser._action_groups[2:]]
     assert titles == ["network size", "regularization", "training", "initialization", "learning rate",
                       "checkpointing", "mixed precision", "distributed", "validation", "data and dataloader",
-                      "autoresume", "biencoder", "vision", "moe", "logging", "inference", "Transformer-Engine", "retro"]
+                      "autoresume", "biencoder", "vision", "moe", "mla", "logging", "inference", "Transformer-Engine",
+                      "retro"]
     with pytest.raises(SystemExit) as exc:  # no abbreviations: --num-lay is unknown
         parse_args(argv=["--num-lay", "2"])
     assert exc.value.code == 2

@@ -5,6 +5,7 @@ the checks and derived values in ``validation``, the table printout in ``printin
 """
 from megatron.training.arguments.model_args import (  # noqa: F401
     _add_initialization_args,
+    _add_mla_args,
     _add_moe_args,
     _add_network_size_args,
     _add_regularization_args,

@@ -40,7 +40,8 @@ def _add_network_size_args(parser):
     group.add_argument("--max-position-embeddings", type=int, default=None,
                        help="Largest sequence length the position embedding supports.")
     group.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                       choices=["learned_absolute", "rope", "none"], help="Position embedding type.")
+                       choices=["learned_absolute", "rope", "yarn", "none"],
+                       help="Position embedding type (yarn: RoPE with YaRN frequencies, --rotary-scaling-factor).")
     group.add_argument("--use-rotary-position-embeddings", action="store_true",
                        help="Deprecated: use --position-embedding-type rope.")
     group.add_argument("--rotary-percent", type=float, default=1.0,
@@ -55,7 +56,30 @@ def _add_network_size_args(parser):
     group.add_argument("--rope-scaling-factor", type=float, default=8.0,
                        help="Frequency scaling factor of --use-rope-scaling.")
     group.add_argument("--qk-layernorm", action="store_true",
-                       help="Normalise each head's queries and keys (with --normalization) before attention.")
+                       help="Normalise each head's queries and keys (with --normalization) before attention; with "
+                            "--multi-latent-attention, the query and key/value latents.")
+    group.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
+                       help="YaRN (--position-embedding-type yarn): original context length (4096 if not given).")
+    group.add_argument("--yarn-beta-fast", type=float, default=None,
+                       help="YaRN: rotations of the fastest kept frequency (32 if not given).")
+    group.add_argument("--yarn-beta-slow", type=float, default=None,
+                       help="YaRN: rotations of the slowest interpolated frequency (1 if not given).")
+    group.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                       help="YaRN: round the correction range to integers (the default).")
+    group.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                       dest="yarn_correction_range_round_to_int", help="YaRN: keep the correction range fractional.")
+    group.add_argument("--multi-latent-attention", action="store_true",
+                       help="Multi-latent attention (DeepSeek-V2/V3; sizes from the mla group of flags).")
+    group.add_argument("--mtp-num-layers", type=int, default=None,
+                       help="Multi-token prediction: depths after the decoder (each predicts one token further).")
+    group.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                       help="Multi-token prediction: weight of the mean MTP loss over the depths.")
+    group.add_argument("--mtp-use-repeated-layer", action="store_true",
+                       help="Multi-token prediction with one layer applied at every depth (not implemented here).")
+    group.add_argument("--mtp-detach-heads", action="store_true",
+                       help="Multi-token prediction training only its own parameters (not implemented here).")
+    group.add_argument("--mtp-hsm", action="store_true",
+                       help="Multi-token prediction hidden-state mixing across depths (not implemented here).")
     group.add_argument("--attention-backend", type=_attn_backend, default="auto",
                        metavar="{flash,fused,unfused,local,auto}",
                        help="Attention implementation: auto/fused/flash use torch SDPA where the mask allows, "
@@ -81,6 +105,31 @@ def _add_network_size_args(parser):
                        help="Do not tie the input embedding and the output layer weights.")
     group.add_argument("--embedding-weights-in-fp32", action="store_true",
                        help="Keep the embedding weights in fp32 under mixed precision.")
+    return parser
+
+
+def _add_mla_args(parser):
+    """Multi-latent attention sizes (Megatron-LM HEAD's "mla" group; megatron/core/transformer/multi_latent_attention.py)."""
+    group = parser.add_argument_group(title="mla")
+
+    group.add_argument("--q-lora-rank", type=int, default=None,
+                       help="Rank of the query latent (none: queries projected straight from the hidden state).")
+    group.add_argument("--kv-lora-rank", type=int, default=32, help="Rank of the key/value latent.")
+    group.add_argument("--qk-head-dim", type=int, default=128, help="Query/key head size without position embedding.")
+    group.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                       help="Query/key head size with the rotary position embedding (one shared key head).")
+    group.add_argument("--v-head-dim", type=int, default=128, help="Value head size.")
+    group.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN rotary scaling factor.")
+    group.add_argument("--mscale", type=float, default=1.0, help="YaRN mscale (attention concentration numerator).")
+    group.add_argument("--mscale-all-dim", type=float, default=0.0,
+                       help="YaRN mscale_all_dim (concentration denominator; multi-latent attention also scales its "
+                            "softmax by its square).")
+    group.add_argument("--rope-type", type=str, default=None, choices=["rope", "yarn"],
+                       help="Rotary type of multi-latent attention (yarn if not given).")
+    group.add_argument("--cache-mla-latents", action="store_true",
+                       help="Cache the latents in dynamic inference (not implemented here).")
+    group.add_argument("--mla-down-proj-fusion", action="store_true",
+                       help="Fuse the query and key/value down projections (not implemented here).")
     return parser
 
 
@@ -196,7 +245,9 @@ def _add_moe_args(parser):
                        help="Total hidden size of the shared experts (none if not given).")
     group.add_argument("--moe-shared-expert-gate", action="store_true", help="Gate the shared experts' output.")
     group.add_argument("--moe-shared-expert-overlap", action="store_true",
-                       help="Overlap the shared experts with the token dispatch (alltoall dispatcher only).")
+                       help="Accepted for Megatron's scripts (needs the alltoall dispatcher and shared experts): the "
+                            "shared experts give the same result but are not overlapped with the token dispatch "
+                            "in this library.")
     group.add_argument("--moe-grouped-gemm", action="store_true", help="Compute the local experts with grouped GEMMs.")
     group.add_argument("--moe-use-legacy-grouped-gemm", action="store_true",
                        help="Use the legacy GroupedMLP (grouped_gemm package) for --moe-grouped-gemm.")

@@ -37,8 +37,8 @@ def _add_training_args(parser):
                             "(selective).")
     group.add_argument("--recompute-modules", nargs="*", type=str, default=None,
                        help="With --recompute-granularity selective: what each layer recomputes in backward, any of "
-                            "core_attn (default), mlp, moe, shared_experts, moe_act (with --moe-grouped-gemm); "
-                            "layernorm and mla_up_proj are refused.")
+                            "core_attn (default), mlp, moe, shared_experts, moe_act (with --moe-grouped-gemm), "
+                            "layernorm, mla_up_proj (with --multi-latent-attention).")
     group.add_argument("--distribute-saved-activations", action="store_true",
                        help="Split recomputed activations across the tensor-parallel group.")
     group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],

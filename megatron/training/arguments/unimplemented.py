@@ -108,9 +108,22 @@ def _validate_moe_implemented(args) -> None:
     if args.moe_token_dispatcher_type == "flex":
         raise _not_implemented("--moe-token-dispatcher-type flex", "the DeepEP/HybridEP dispatcher",
                                "use --moe-token-dispatcher-type alltoall or allgather")
+    if args.moe_shared_expert_overlap:
+        _require(args.moe_token_dispatcher_type in ("alltoall", "flex"),
+                 "--moe-shared-expert-overlap needs --moe-token-dispatcher-type alltoall")
+        _require(args.moe_shared_expert_intermediate_size is not None,
+                 "--moe-shared-expert-overlap needs shared experts (--moe-shared-expert-intermediate-size)")
+        if args.rank == 0:
+            print("--moe-shared-expert-overlap: the shared experts are computed after the routed experts (same "
+                  "result); this library does not overlap them with the token dispatch", flush=True)
     if args.moe_router_num_groups is not None:
         _require(args.num_experts % args.moe_router_num_groups == 0 and args.moe_router_group_topk,
                  "--moe-router-num-groups must divide --num-experts and needs --moe-router-group-topk")
+        _require(args.moe_router_group_topk <= args.moe_router_num_groups,
+                 f"--moe-router-group-topk ({args.moe_router_group_topk}) must be <= --moe-router-num-groups "
+                 f"({args.moe_router_num_groups})")
+    else:
+        _require(args.moe_router_group_topk is None, "--moe-router-group-topk needs --moe-router-num-groups")
     for flag, dest in (("--moe-router-fusion", "moe_router_fusion"), ("--moe-permute-fusion", "moe_permute_fusion")):
         if getattr(args, dest):
             raise _not_implemented(flag, "Transformer Engine's fused MoE kernels", f"drop {flag}")

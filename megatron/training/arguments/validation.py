@@ -17,6 +17,7 @@ import torch
 
 from megatron.core import device
 from megatron.tokenizer.vocab_padding import unpadded_vocab_size, vocab_size_with_padding
+from megatron.training.arguments.mla_mtp_validation import validate_mla_and_mtp
 from megatron.training.arguments.printing import _print_args
 from megatron.training.arguments.unimplemented import validate_unimplemented_features
 from megatron.training.errors import ConfigurationError
@@ -69,6 +70,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_recompute(args)
     _validate_sequence_parallel(args)
     _validate_features(args)
+    validate_mla_and_mtp(args)
     _validate_per_token_loss(args)
     _validate_decoupled_lr(args)
     _validate_param_gather(args)
@@ -425,7 +427,8 @@ def _validate_recompute(args):
     if args.recompute_granularity == "selective" or args.moe_layer_recompute:
         from megatron.core.transformer.transformer_config import check_recompute_modules
         try:
-            check_recompute_modules(args.recompute_modules or ["core_attn"], args.moe_grouped_gemm)
+            check_recompute_modules(args.recompute_modules or ["core_attn"], args.moe_grouped_gemm,
+                                    args.multi_latent_attention)
         except ValueError as e:
             raise ConfigurationError(str(e)) from None
     elif args.recompute_modules:
