@@ -50,10 +50,7 @@ def get_tasks_args(parser):
                        help="Answer matching logic type")
     group.add_argument("--faiss-topk-retrievals", type=int, default=100, help="Number of blocks to use as top-k "
                                                                               "during retrieval")
-    # finetune for retriever
-    group.add_argument("--eval-micro-batch-size", type=int, default=None,
-                       help="Eval Batch size per model instance (local batch size). Global batch size is local "
-                            "batch size times data parallel size.")
+    # finetune for retriever (--eval-micro-batch-size is one of Megatron's own options now)
     group.add_argument("--train-with-neg", action="store_true",
                        help="Whether to use negative examples during model training")
     group.add_argument("--train-hard-neg", type=int, default=0,

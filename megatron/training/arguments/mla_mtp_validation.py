@@ -2,8 +2,8 @@
 
 * ``--multi-latent-attention``: megatron-core models only; no grouped-query attention (one latent serves every head);
   ``--rope-type`` (yarn if not given) picks its rotary embedding, which it owns: ``--position-embedding-type rope``
-  builds no model-level rotary embedding. ``--cache-mla-latents`` (dynamic inference) and ``--mla-down-proj-fusion``
-  are not implemented: one line each.
+  builds no model-level rotary embedding (``--cache-mla-latents`` and ``--mla-down-proj-fusion`` are refused by the
+  option registry).
 * ``--rope-type yarn`` without multi-latent attention is refused (use ``--position-embedding-type yarn``).
 * ``--mtp-num-layers N``: megatron-core models, ``--position-embedding-type rope`` or ``none``;
   ``--mtp-use-repeated-layer``, ``--mtp-detach-heads`` and ``--mtp-hsm`` are not implemented: one line each.
@@ -37,10 +37,6 @@ def validate_mla_and_mtp(args) -> None:
                  f"--q-lora-rank must be > 0 (or not given), got {args.q_lora_rank}")
         _require(not (args.rotary_interleaved and args.rope_type != "rope"),
                  "--rotary-interleaved is not supported by multi-latent attention with YaRN (--rope-type yarn)")
-        if args.cache_mla_latents:
-            _not_implemented("--cache-mla-latents", "latent caching of dynamic inference")
-        if args.mla_down_proj_fusion:
-            _not_implemented("--mla-down-proj-fusion", "the fused query/key-value down projection")
     else:
         _require(args.rope_type in (None, "rope"),
                  f"--rope-type {args.rope_type} needs --multi-latent-attention (use --position-embedding-type yarn)")

@@ -57,7 +57,6 @@ def core_transformer_config_from_args(args, config_class=None):
         kw_args.pop(name, None)
     kw_args.update(_yarn_fields(args))
     kw_args["persist_layer_norm"] = not args.no_persist_layer_norm
-    kw_args["layernorm_zero_centered_gamma"] = args.apply_layernorm_1p
     kw_args["deallocate_pipeline_outputs"] = True
     kw_args["pipeline_dtype"] = args.params_dtype
     kw_args["batch_p2p_comm"] = not args.overlap_p2p_comm
@@ -104,7 +103,6 @@ def args_from_transformer_config(config, **overrides):
     args.swiglu = gated and act is F.silu
     args.num_experts = config.num_moe_experts
     args.group_query_attention = config.num_query_groups != config.num_attention_heads
-    args.apply_layernorm_1p = config.layernorm_zero_centered_gamma
     args.add_position_embedding = config.add_position_embedding and config.position_embedding_type == "learned_absolute"
     args.seq_length = args.encoder_seq_length = config.max_position_embeddings
     args.encoder_num_layers = config.num_layers
@@ -124,6 +122,8 @@ def complete_args(args):
     full = build_parser(add_modelopt_args).parse_args([])
     for dest, value in vars(args).items():
         setattr(full, dest, value)
+    if hasattr(args, "apply_layernorm_1p") and not hasattr(args, "layernorm_zero_centered_gamma"):
+        full.layernorm_zero_centered_gamma = args.apply_layernorm_1p  # the 2023 destination of --apply-layernorm-1p
     if getattr(full, "params_dtype", None) is None:
         full.params_dtype = torch.bfloat16 if full.bf16 else (torch.half if full.fp16 else torch.float)
     return full
