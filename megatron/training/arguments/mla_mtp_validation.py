@@ -49,7 +49,6 @@ def validate_mla_and_mtp(args) -> None:
     if mtp is not None:
         _require(mtp >= 0, f"--mtp-num-layers must be >= 0, got {mtp}")
     if mtp:
-        _not_implemented("--mtp-num-layers", "multi-token prediction (coming with the MTP block)")
         _require(not legacy, "--mtp-num-layers needs the megatron-core models: drop --use-legacy-models")
         _require(args.position_embedding_type in ("rope", "none"),
                  f"--mtp-num-layers needs --position-embedding-type rope or none, got {args.position_embedding_type}")

@@ -117,8 +117,6 @@ def _validate_moe_implemented(args) -> None:
     if args.moe_shared_expert_overlap:  # (Megatron's rules; the overlap itself is performance-only here)
         _require(args.moe_token_dispatcher_type in ("alltoall", "flex"),
                  "--moe-shared-expert-overlap needs --moe-token-dispatcher-type alltoall")
-        _require(args.moe_shared_expert_intermediate_size is not None,
-                 "--moe-shared-expert-overlap needs shared experts (--moe-shared-expert-intermediate-size)")
 
 
 def _validate_context_parallel(args) -> None:
