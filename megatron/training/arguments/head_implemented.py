@@ -3,12 +3,41 @@
 Options named by their flag string are defined by the group files (``*_args.py``); see registry.py for how an
 option moves here from the other two tables.
 """
-from megatron.training.arguments.registry import Block, names
+from megatron.training.arguments.registry import Block, names, negated, switch, value
 from megatron.training.arguments.registry import OptionClass as C
 
 IMPLEMENTED = C.IMPLEMENTED
 
 BLOCKS = (
+    Block(
+        IMPLEMENTED,
+        "fully sharded data parallelism (megatron/core/distributed/fsdp, torch_fully_sharded_data_parallel.py)",
+        (
+            switch("--use-torch-fsdp2", help="Shard parameters, gradients and optimizer state over the data-parallel "
+                   "(x context-parallel) ranks with PyTorch's FSDP2 (fully_shard): each transformer layer, the "
+                   "embedding and the output layer is a unit. Needs --no-gradient-accumulation-fusion, "
+                   "--untie-embeddings-and-output-weights and --ckpt-format torch_dist or torch_dcp."),
+            negated("--torch-fsdp2-no-reshard-after-forward", dest="torch_fsdp2_reshard_after_forward",
+                    help="FSDP2: keep each unit's gathered weights from its forward to its backward pass."),
+            switch("--use-megatron-fsdp", help="Megatron-FSDP: shard what --data-parallel-sharding-strategy says over "
+                   "the data-parallel (x context-parallel) ranks, experts over the expert data-parallel ranks; "
+                   "checkpoints in --ckpt-format fsdp_dtensor. Turns --use-distributed-optimizer on (version 1)."),
+            value("--data-parallel-sharding-strategy", default="optim_grads_params",
+                  choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+                  help="Megatron-FSDP: no_shard (DDP), optim (ZeRO-1: optimizer state and main weights), "
+                       "optim_grads (ZeRO-2: also gradients), optim_grads_params (ZeRO-3: also weights)."),
+            value("--megatron-fsdp-version", type=int, default=1, choices=(1, 2),
+                  help="Megatron-FSDP version (1, which turns --use-distributed-optimizer on)."),
+            value("--megatron-fsdp-main-params-dtype", default="fp32", choices=("fp32", "bf16", "fp16", "auto"),
+                  help="Megatron-FSDP main weights dtype (fp32)."),
+            value("--megatron-fsdp-main-grads-dtype", default="auto", choices=("fp32", "bf16", "fp16", "auto"),
+                  help="Megatron-FSDP main gradients: auto (reduced as --accumulate-allreduce-grads-in-fp32 says, "
+                       "fp32 with --bf16) or fp32."),
+            value("--megatron-fsdp-grad-comm-dtype", default="auto", choices=("fp32", "fp16", "bf16", "auto"),
+                  help="Megatron-FSDP gradient communication dtype: auto (the main gradients') or fp32."),
+        ),
+        group="fsdp",
+    ),
     Block(
         IMPLEMENTED,
         "",

@@ -11,6 +11,20 @@ PERFORMANCE = C.PERFORMANCE
 BLOCKS = (
     Block(
         PERFORMANCE,
+        "FSDP2 allocates its own communication buffers, one all-gather / reduce-scatter per FSDP unit (no double "
+        "buffering, NCCL buffer registration or communication-unit sizing)",
+        (
+            switch("--fsdp-double-buffer"),
+            switch("--fsdp-manual-registration"),
+            value("--suggested-communication-unit-size", type=int),
+            switch("--megatron-fsdp-enable-fine-grained-param-gather"),
+            switch("--megatron-fsdp-max-pool-double-buffer"),
+            switch("--fsdp-db-use-persist-buf-on-alloc-fail"),
+        ),
+        group="fsdp",
+    ),
+    Block(
+        PERFORMANCE,
         "Transformer Engine's userbuffer overlap of tensor-parallel communication with GEMMs is not used; each "
         "tensor-parallel collective runs next to its GEMM",
         (

@@ -18,6 +18,7 @@ import torch
 from megatron.core import device
 from megatron.post_training.arguments import apply_modelopt_args
 from megatron.tokenizer.vocab_padding import resolve_padded_vocab_size, unpadded_vocab_size
+from megatron.training.arguments.fsdp_args import validate_fully_sharded
 from megatron.training.arguments.mla_mtp_validation import validate_mla_and_mtp
 from megatron.training.arguments.printing import _print_args
 from megatron.training.arguments.registry import log_performance_only, refuse_not_available
@@ -56,6 +57,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _apply_deprecations(args)
     _apply_defaults(args, defaults)
     _apply_legacy_split(args)
+    validate_fully_sharded(args)  # FSDP: Megatron's rules; Megatron-FSDP turns the distributed optimizer on
     _validate_batch_sizes(args)
     _set_virtual_pipeline_size(args)
     _set_precision(args)
