@@ -3,6 +3,7 @@
 Options named by their flag string are defined by the group files (``*_args.py``); see registry.py for how an
 option moves here from the other two tables.
 """
+from megatron.training.arguments.model_args import int_pair, layer_pattern
 from megatron.training.arguments.registry import Block, names, negated, switch, value
 from megatron.training.arguments.registry import OptionClass as C
 
@@ -63,6 +64,28 @@ BLOCKS = (
               --init-method-xavier-uniform --seed --data-parallel-random-init --no-initialization
               --use-cpu-initialization --use-flash-attn --use-mcore-models"""),
         group="model",
+    ),
+    Block(
+        IMPLEMENTED,
+        "gpt-oss (megatron/core/transformer/attention_variants.py, mlp.py)",
+        (
+            switch("--quick-geglu", help="Gated MLP whose gate's activation is quick GeLU, x * sigmoid(1.702 x) "
+                                         "(gpt-oss)."),
+            value("--glu-linear-offset", type=float, default=0.0,
+                  help="Add this to the linear half of a gated MLP: act(gate) * (linear + offset)."),
+            value("--activation-func-clamp-value", type=float,
+                  help="Clamp a gated MLP's gate to <= C and its linear half to [-C, C] (gpt-oss: 7)."),
+            value("--softmax-type", default="vanilla", choices=("vanilla", "off-by-one", "learnable"),
+                  help="Attention sinks: none (vanilla), a zero logit (off-by-one), or a learned logit per head "
+                       "(learnable, softmax_offset) that joins each softmax row."),
+            value("--window-size", type=int_pair,
+                  help="Sliding-window attention 'left,right': query i sees keys i-left .. i+right (-1: unbounded); "
+                       "gpt-oss: 127,0."),
+            value("--window-attn-skip-freq", type=layer_pattern,
+                  help="Which layers use --window-size: all (not given), those whose number (from 1) is not a "
+                       "multiple of N, or a 0/1 list expression per layer (1 = windowed)."),
+        ),
+        group="network size",
     ),
     Block(
         IMPLEMENTED,

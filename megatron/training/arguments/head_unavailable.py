@@ -39,19 +39,6 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "gpt-oss's attention sinks, sliding windows and clamped GLU are being implemented",
-        (
-            value("--softmax-type", default="vanilla", choices=("vanilla", "off-by-one", "learnable")),
-            value("--window-size", type=int_pair),
-            value("--window-attn-skip-freq", type=layer_pattern),
-            value("--glu-linear-offset", type=float, default=0.0),
-            value("--activation-func-clamp-value", type=float),
-            switch("--quick-geglu"),
-        ),
-        group="network size", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
         "Llama 4's no-RoPE layers, QK L2 norm and routing weights on the expert input are being implemented",
         (
             value("--no-rope-freq", type=layer_pattern),

@@ -12,9 +12,14 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 
 def _mlp_activation(args):
-    """(activation_func, gated_linear_unit) chosen by --swiglu / --openai-gelu / --squared-relu / --onnx-safe."""
+    """(activation_func, gated_linear_unit) chosen by --swiglu / --quick-geglu / --openai-gelu / --squared-relu /
+    --onnx-safe."""
     if args.swiglu:
         return F.silu, True
+    if getattr(args, "quick_geglu", False):
+        from megatron.core.activations import quick_gelu
+
+        return quick_gelu, True
     if args.openai_gelu or args.squared_relu or args.onnx_safe:
         # The activations live with the fused ops of megatron.core.transformer; imported only when asked for.
         from megatron.core import activations as fusions
@@ -100,7 +105,10 @@ def args_from_transformer_config(config, **overrides):
         if dest in fields and (value is not None or default is None):
             setattr(args, dest, value)
     gated, act = config.gated_linear_unit, config.activation_func
+    from megatron.core.activations import quick_gelu
+
     args.swiglu = gated and act is F.silu
+    args.quick_geglu = gated and act is quick_gelu
     args.num_experts = config.num_moe_experts
     args.group_query_attention = config.num_query_groups != config.num_attention_heads
     args.add_position_embedding = config.add_position_embedding and config.position_embedding_type == "learned_absolute"
