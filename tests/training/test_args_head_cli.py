@@ -147,7 +147,7 @@ def test_not_available_options_stop_with_one_line_naming_them(parser, defaults):
                 with pytest.raises(ConfigurationError) as error:
                     refuse_not_available(parser.parse_args([rule.flag, str(value)]), parser)
                 assert str(error.value).startswith(f"{rule.flag} {value}: not available"), str(error.value)
-    assert checked == sum(1 for e in entries().values() if e.cls is OptionClass.NOT_AVAILABLE) > 450
+    assert checked == sum(1 for e in entries().values() if e.cls is OptionClass.NOT_AVAILABLE) > 300  # (shrinks as features land)
 
 
 def test_not_available_option_on_the_command_line_prints_one_line():
@@ -229,7 +229,10 @@ def test_transformer_configuration_flags_are_generated_from_the_config_fields(pa
 
     generated = {field.name: (flags, kwargs) for field, flags, kwargs in config_flags()}
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    head_config = [o for o in HEAD if o["group"] == "transformer configuration" and o["dest"] in fields]
+    # (a field of a feature still not available keeps the registry's flag until the feature lands)
+    classes = {flag: entry.cls for flag, entry in entries().items()}
+    head_config = [o for o in HEAD if o["group"] == "transformer configuration" and o["dest"] in fields
+                   and classes.get(o["options"][0]) is not OptionClass.NOT_AVAILABLE]
     assert len(head_config) >= 70
     for option in head_config:
         assert option["dest"] in generated, f"{option['options']}: written by hand, not generated from the field"

@@ -17,19 +17,16 @@ from megatron.core.utils import init_method_normal, scaled_init_method_normal
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 
-def check_recompute_modules(modules, moe_grouped_gemm: bool) -> None:
+def check_recompute_modules(modules, moe_grouped_gemm: bool, multi_latent_attention: bool = False) -> None:
     """ValueError unless every name of ``modules`` (selective recompute) is one this library recomputes."""
     invalid = [m for m in modules if m not in RECOMPUTE_MODULES]
     if invalid:
         raise ValueError(f"--recompute-modules: invalid choices {invalid}; allowed: {', '.join(RECOMPUTE_MODULES)}")
     if "moe_act" in modules and not moe_grouped_gemm:
         raise ValueError("--recompute-modules moe_act is only supported with --moe-grouped-gemm")
-    if "mla_up_proj" in modules:
-        raise ValueError("--recompute-modules mla_up_proj needs multi-latent attention, which this library does not "
-                         "implement: drop it")
-    if "layernorm" in modules:
-        raise ValueError("--recompute-modules layernorm (Megatron's output-discarding norm recompute) is not "
-                         "implemented: drop it")
+    if "mla_up_proj" in modules and not multi_latent_attention:
+        raise ValueError("--recompute-modules mla_up_proj recomputes multi-latent attention's up projections: it "
+                         "needs --multi-latent-attention")
 
 
 def _as_list(value) -> list:
@@ -112,8 +109,9 @@ class TransformerConfig(ModelParallelConfig):
     # keeping its activations. None means ["core_attn"]; see _validate_recompute_modules.
     recompute_modules: Optional[List[str]] = flag(None, "With --recompute-granularity selective: what each layer "
                                                         "recomputes in backward, any of core_attn (default), mlp, "
-                                                        "moe, shared_experts, moe_act (with --moe-grouped-gemm); "
-                                                        "layernorm and mla_up_proj are refused.", nargs="*")
+                                                        "moe, shared_experts, moe_act (with --moe-grouped-gemm), "
+                                                        "layernorm, mla_up_proj (with --multi-latent-attention).",
+                                                  nargs="*")
 
     # FP8 (--fp8-format e4m3|hybrid): GEMMs of the linear layers in FP8, see megatron/core/fp8_utils.py
     fp8: Optional[str] = flag(None, "FP8 format of the linear layers' GEMMs (per-tensor scaling here).",
@@ -130,7 +128,8 @@ class TransformerConfig(ModelParallelConfig):
 
     normalization: str = flag("LayerNorm", "Normalization layer type.", choices=("LayerNorm", "RMSNorm"))
     # --qk-layernorm: normalise each head's queries and keys (the config's normalization) before RoPE/scores.
-    qk_layernorm: bool = flag(False, "Normalise each head's queries and keys (with --normalization) before attention.")
+    qk_layernorm: bool = flag(False, "Normalise each head's queries and keys (with --normalization) before attention; "
+                                     "with --multi-latent-attention, the query and key/value latents.")
 
     # Attention implementation (--attention-backend): AttnBackend by name. auto/fused: SDPA where the mask allows
     # (explicit softmax otherwise); flash: SDPA (PyTorch's flash kernel on CUDA) or the flash-attn package with
@@ -162,6 +161,22 @@ class TransformerConfig(ModelParallelConfig):
     rotary_seq_len_interpolation_factor: Optional[float] = None
     use_rope_scaling: bool = False               # Llama-3.x frequency scaling of inv_freq
     rope_scaling_factor: float = 8.0
+    # YaRN (position_embedding_type "yarn", and multi-latent attention's rotary): factor s, attention concentration
+    # g(s, mscale) / g(s, mscale_all_dim), original context, correction range (megatron/core/transformer/rotary.py).
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    yarn_correction_range_round_to_int: bool = True
+    # Multi-latent attention (DeepSeek-V2/V3): MLATransformerConfig sets it and holds the latent sizes.
+    multi_latent_attention: bool = flag(False, "Multi-latent attention (DeepSeek-V2/V3; sizes from the mla group of "
+                                               "flags).")
+    # Multi-token prediction (DeepSeek-V3): mtp_num_layers depths after the decoder on the last pipeline stage, their
+    # mean loss scaled by mtp_loss_scaling_factor (megatron/core/transformer/multi_token_prediction.py).
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
     untie_embeddings_and_output_weights: bool = False
     openai_gelu: bool = False
     onnx_safe: Optional[bool] = None
@@ -186,8 +201,9 @@ class TransformerConfig(ModelParallelConfig):
     moe_shared_expert_intermediate_size: Optional[int] = flag(None, "Total hidden size of the shared experts (none if "
                                                                     "not given).")
     moe_shared_expert_gate: bool = flag(False, "Gate the shared experts' output.")
-    moe_shared_expert_overlap: bool = flag(False, "Overlap the shared experts with the token dispatch (alltoall "
-                                                  "dispatcher only).")
+    moe_shared_expert_overlap: bool = flag(False, "Accepted for Megatron's scripts (needs the alltoall dispatcher and "
+                                                  "shared experts): the shared experts give the same result but are "
+                                                  "not overlapped with the token dispatch in this library.")
     moe_grouped_gemm: bool = flag(False, "Compute the local experts with grouped GEMMs.")
     moe_use_legacy_grouped_gemm: bool = False     # GroupedMLP is the only grouped implementation here
     moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
@@ -362,6 +378,11 @@ class TransformerConfig(ModelParallelConfig):
             if self.num_moe_experts % self.moe_router_num_groups or not self.moe_router_group_topk:
                 raise ValueError("group-limited routing needs num_moe_experts divisible by moe_router_num_groups "
                                  "and moe_router_group_topk set")
+            if self.moe_router_group_topk > self.moe_router_num_groups:
+                raise ValueError(f"moe_router_group_topk ({self.moe_router_group_topk}) must be <= "
+                                 f"moe_router_num_groups ({self.moe_router_num_groups})")
+        elif self.moe_router_group_topk is not None:
+            raise ValueError("moe_router_group_topk needs moe_router_num_groups (group-limited routing)")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
         if self.add_bias_linear and (self.expert_tensor_parallel_size or 1) > 1:
@@ -423,7 +444,9 @@ class TransformerConfig(ModelParallelConfig):
         """Selective recompute as megatron-core names it: ``recompute_modules`` (default ``["core_attn"]``) lists
         what each layer recomputes in backward: ``core_attn`` (softmax(QK^T)V), ``mlp`` (a dense MLP), ``moe`` (the
         whole MoE layer, dispatch and combine included), ``shared_experts``, ``moe_act`` (the grouped experts'
-        activation). The deprecated ``moe_layer_recompute`` means selective recompute with ``moe`` added."""
+        activation), ``layernorm`` (the layer's input and pre-MLP norms), ``mla_up_proj`` (multi-latent attention's
+        latent norms, up projections and RoPE). The deprecated ``moe_layer_recompute`` means selective recompute with
+        ``moe`` added."""
         if self.recompute_modules is None:
             self.recompute_modules = ["core_attn"]
         self.recompute_modules = list(self.recompute_modules)
@@ -435,7 +458,7 @@ class TransformerConfig(ModelParallelConfig):
             if "moe" not in self.recompute_modules:
                 self.recompute_modules.append("moe")
         if self.recompute_granularity == "selective":
-            check_recompute_modules(self.recompute_modules, self.moe_grouped_gemm)
+            check_recompute_modules(self.recompute_modules, self.moe_grouped_gemm, self.multi_latent_attention)
 
     def _validate_model_settings(self):
         """Normalise ``attention_backend`` to :class:`AttnBackend` and reject contradictory model settings."""
@@ -449,9 +472,19 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"attention_backend must be an AttnBackend, got {self.attention_backend!r}")
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got {self.transformer_impl!r}")
-        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
-            raise ValueError("position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
+        if self.position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
+            raise ValueError("position_embedding_type must be 'learned_absolute', 'rope', 'yarn' or 'none', "
                              f"got {self.position_embedding_type!r}")
+        if self.rotary_scaling_factor <= 0:
+            raise ValueError(f"rotary_scaling_factor must be > 0, got {self.rotary_scaling_factor}")
+        if self.position_embedding_type == "yarn" and self.rotary_interleaved:
+            raise ValueError("YaRN (position_embedding_type 'yarn') does not support rotary_interleaved")
+        if self.mtp_num_layers:
+            if self.position_embedding_type not in ("rope", "none"):
+                raise ValueError("multi-token prediction (mtp_num_layers) needs position_embedding_type 'rope' or "
+                                 f"'none', got {self.position_embedding_type!r}")
+            if self.mtp_num_layers < 0:
+                raise ValueError(f"mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         if self.rope_scaling_factor <= 0:
@@ -461,3 +494,42 @@ class TransformerConfig(ModelParallelConfig):
                              f"got {self.rotary_seq_len_interpolation_factor}")
         if self.padded_vocab_size is not None and self.padded_vocab_size <= 0:
             raise ValueError(f"padded_vocab_size must be > 0, got {self.padded_vocab_size}")
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """megatron-core's configuration of multi-latent attention (``--multi-latent-attention``); defaults are
+    megatron-core's (DeepSeek-V3's sizes), which differ from the flags' (``--kv-lora-rank`` 32, ``--q-lora-rank``
+    None, ``--rotary-scaling-factor`` 1). See megatron/core/transformer/multi_latent_attention.py for the shapes."""
+
+    multi_latent_attention: bool = True
+    q_lora_rank: Optional[int] = 512             # r_q; None: queries straight from the hidden state
+    kv_lora_rank: int = 512                      # r_kv
+    qk_head_dim: int = 128                       # d_n: the no-position part of each query / key head
+    qk_pos_emb_head_dim: int = 64                # d_r: the rotary part (one shared key head)
+    v_head_dim: int = 128                        # d_v
+    normalization: str = "RMSNorm"
+    rope_type: str = "yarn"                      # 'yarn' or 'rope'
+    rotary_scaling_factor: float = 40.0
+    cache_mla_latents: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.rope_type not in ("rope", "yarn"):
+            raise ValueError(f"rope_type must be 'rope' or 'yarn' for multi-latent attention, got {self.rope_type!r}")
+        if self.num_query_groups != self.num_attention_heads:
+            raise ValueError("multi-latent attention has one latent for all heads: drop grouped-query attention "
+                             "(--group-query-attention / num_query_groups)")
+        if self.rope_type == "yarn" and self.rotary_interleaved:
+            raise ValueError("multi-latent attention with YaRN does not support rotary_interleaved "
+                             "(--rotary-interleaved)")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be even (rotary pairs)")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"q_lora_rank must be > 0 or None, got {self.q_lora_rank}")
+        if self.cache_mla_latents:
+            raise ValueError("cache_mla_latents (--cache-mla-latents) is a dynamic-inference option this library "
+                             "does not implement: drop it")

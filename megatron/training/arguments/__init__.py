@@ -8,6 +8,7 @@ printout in ``printing``, ``docs/arguments.md`` from ``arguments_doc``.
 from megatron.training.arguments.config_args import _add_transformer_config_args  # noqa: F401
 from megatron.training.arguments.model_args import (  # noqa: F401
     _add_initialization_args,
+    _add_mla_args,
     _add_moe_args,
     _add_network_size_args,
     _add_regularization_args,

@@ -82,6 +82,15 @@ BLOCKS = (
     ),
     Block(
         IMPLEMENTED,
+        "multi-latent attention (megatron/core/transformer/multi_latent_attention.py) and YaRN rotary embeddings",
+        names("""--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim
+              --v-head-dim --rope-type --rotary-scaling-factor --mscale --mscale-all-dim
+              --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
+              --yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int"""),
+        group="model",
+    ),
+    Block(
+        IMPLEMENTED,
         "",
         names("""--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion
               --no-bias-dropout-fusion --no-rope-fusion --cross-entropy-loss-fusion

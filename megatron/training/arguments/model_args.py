@@ -45,7 +45,8 @@ def _add_network_size_args(parser):
                        help="Largest sequence length the position embedding supports.")
     group.add_argument("--position-embedding-type", type=str, default="learned_absolute",
                        choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
-                       help="Position embedding type (yarn, mrope and relative are not available).")
+                       help="Position embedding type (yarn: RoPE with YaRN frequencies, --rotary-scaling-factor; "
+                            "mrope and relative are not available).")
     group.add_argument("--use-rotary-position-embeddings", action="store_true",
                        help="Deprecated: use --position-embedding-type rope.")
     group.add_argument("--rotary-percent", type=float, default=1.0,
@@ -57,6 +58,16 @@ def _add_network_size_args(parser):
                        help="Apply Llama-3.x frequency scaling to the rotary embedding.")
     group.add_argument("--rope-scaling-factor", type=float, default=8.0,
                        help="Frequency scaling factor of --use-rope-scaling.")
+    group.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
+                       help="YaRN (--position-embedding-type yarn): original context length (4096 if not given).")
+    group.add_argument("--yarn-beta-fast", type=float, default=None,
+                       help="YaRN: rotations of the fastest kept frequency (32 if not given).")
+    group.add_argument("--yarn-beta-slow", type=float, default=None,
+                       help="YaRN: rotations of the slowest interpolated frequency (1 if not given).")
+    group.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                       help="YaRN: round the correction range to integers (the default).")
+    group.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                       dest="yarn_correction_range_round_to_int", help="YaRN: keep the correction range fractional.")
     group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
                        help="Deprecated: disable the position embedding (only with rope).")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
@@ -73,6 +84,27 @@ def _add_network_size_args(parser):
                        help="Do not tie the input embedding and the output layer weights.")
     group.add_argument("--embedding-weights-in-fp32", action="store_true",
                        help="Keep the embedding weights in fp32 under mixed precision.")
+    return parser
+
+
+def _add_mla_args(parser):
+    """Multi-latent attention sizes (Megatron-LM HEAD's "mla" group; megatron/core/transformer/multi_latent_attention.py)."""
+    group = parser.add_argument_group(title="mla")
+
+    group.add_argument("--q-lora-rank", type=int, default=None,
+                       help="Rank of the query latent (none: queries projected straight from the hidden state).")
+    group.add_argument("--kv-lora-rank", type=int, default=32, help="Rank of the key/value latent.")
+    group.add_argument("--qk-head-dim", type=int, default=128, help="Query/key head size without position embedding.")
+    group.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                       help="Query/key head size with the rotary position embedding (one shared key head).")
+    group.add_argument("--v-head-dim", type=int, default=128, help="Value head size.")
+    group.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN rotary scaling factor.")
+    group.add_argument("--mscale", type=float, default=1.0, help="YaRN mscale (attention concentration numerator).")
+    group.add_argument("--mscale-all-dim", type=float, default=0.0,
+                       help="YaRN mscale_all_dim (concentration denominator; multi-latent attention also scales its "
+                            "softmax by its square).")
+    group.add_argument("--rope-type", type=str, default=None, choices=["rope", "yarn"],
+                       help="Rotary type of multi-latent attention (yarn if not given).")
     return parser
 
 
