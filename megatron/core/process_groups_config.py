@@ -110,3 +110,21 @@ class ProcessGroupCollection:
                 return None
 
         return cls(**{name: get(name) for name in required})
+
+
+def group_of(pg_collection: Optional[ProcessGroupCollection], name: str):
+    """``pg_collection.<name>``, or None (meaning: parallel_state's group) without a collection."""
+    return None if pg_collection is None else getattr(pg_collection, name)
+
+
+def require_mpu_groups(pg_collection: Optional[ProcessGroupCollection], names, owner: str) -> None:
+    """Refuse a collection whose groups ``names`` differ from parallel_state's, for a module that communicates over
+    those groups through parallel_state (one line naming the module and the groups)."""
+    if pg_collection is None:
+        return
+    mpu = ProcessGroupCollection.use_mpu_process_groups(list(names))
+    different = [name for name in names
+                 if getattr(pg_collection, name) is not None and getattr(pg_collection, name) is not getattr(mpu, name)]
+    if different:
+        raise NotImplementedError(f"{owner} communicates over parallel_state's {', '.join(different)} group(s): a "
+                                  f"pg_collection with other {', '.join(different)} groups is not supported there yet")

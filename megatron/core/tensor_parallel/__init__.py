@@ -11,6 +11,7 @@ from megatron.core.tensor_parallel.layers import (
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
+    tp_size_and_rank,
 )
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,

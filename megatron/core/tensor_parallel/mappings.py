@@ -34,25 +34,35 @@ from megatron.core.tensor_parallel.utils import split_tensor_along_last_dim
 from megatron.core.utils import all_gather_into_tensor, reduce_scatter_tensor
 
 
-def _reduce(input_: torch.Tensor) -> torch.Tensor:
+def _group_size_rank(group):
+    """(group, size, rank) of ``group``, or of parallel_state's TP group when None (whose getters also honour the
+    rank overrides of offline tools)."""
+    if group is None:
+        return get_tensor_model_parallel_group(), get_tensor_model_parallel_world_size(), \
+            get_tensor_model_parallel_rank()
+    return group, torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+
+
+def _reduce(input_: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) across the TP group."""
-    if get_tensor_model_parallel_world_size() == 1:
+    group, world_size, _ = _group_size_rank(group)
+    if world_size == 1:
         return input_
     input_ = input_.contiguous()
-    torch.distributed.all_reduce(input_, group=get_tensor_model_parallel_group())
+    torch.distributed.all_reduce(input_, group=group)
     return input_
 
 
-def _split_along_last_dim(input_: torch.Tensor) -> torch.Tensor:
-    world_size = get_tensor_model_parallel_world_size()
+def _split_along_last_dim(input_: torch.Tensor, group=None) -> torch.Tensor:
+    _, world_size, rank = _group_size_rank(group)
     if world_size == 1:
         return input_
     input_list = split_tensor_along_last_dim(input_, world_size)
-    return input_list[get_tensor_model_parallel_rank()].contiguous()
+    return input_list[rank].contiguous()
 
 
-def _split_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
-    world_size = get_tensor_model_parallel_world_size()
+def _split_along_first_dim(input_: torch.Tensor, group=None) -> torch.Tensor:
+    _, world_size, rank = _group_size_rank(group)
     if world_size == 1:
         return input_
     dim_size = input_.size(0)
@@ -62,33 +72,33 @@ def _split_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
             "with --sequence-parallel the sequence length must be a multiple of --tensor-model-parallel-size"
         )
     local_dim_size = dim_size // world_size
-    offset = get_tensor_model_parallel_rank() * local_dim_size
+    offset = rank * local_dim_size
     return input_[offset:offset + local_dim_size].contiguous()
 
 
-def _gather_along_last_dim(input_: torch.Tensor) -> torch.Tensor:
-    world_size = get_tensor_model_parallel_world_size()
+def _gather_along_last_dim(input_: torch.Tensor, group=None) -> torch.Tensor:
+    group, world_size, _ = _group_size_rank(group)
     if world_size == 1:
         return input_
     input_ = input_.contiguous()
     tensor_list = [torch.empty_like(input_) for _ in range(world_size)]
-    torch.distributed.all_gather(tensor_list, input_, group=get_tensor_model_parallel_group())
+    torch.distributed.all_gather(tensor_list, input_, group=group)
     return torch.cat(tensor_list, dim=-1).contiguous()
 
 
-def _gather_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
-    world_size = get_tensor_model_parallel_world_size()
+def _gather_along_first_dim(input_: torch.Tensor, group=None) -> torch.Tensor:
+    group, world_size, _ = _group_size_rank(group)
     if world_size == 1:
         return input_
     dim_size = list(input_.size())
     dim_size[0] = dim_size[0] * world_size
     output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
-    all_gather_into_tensor(output, input_.contiguous(), group=get_tensor_model_parallel_group())
+    all_gather_into_tensor(output, input_.contiguous(), group=group)
     return output
 
 
-def _reduce_scatter_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
-    world_size = get_tensor_model_parallel_world_size()
+def _reduce_scatter_along_first_dim(input_: torch.Tensor, group=None) -> torch.Tensor:
+    group, world_size, _ = _group_size_rank(group)
     if world_size == 1:
         return input_
     dim_size = list(input_.size())
@@ -98,136 +108,144 @@ def _reduce_scatter_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
         )
     dim_size[0] = dim_size[0] // world_size
     output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
-    reduce_scatter_tensor(output, input_.contiguous(), group=get_tensor_model_parallel_group())
+    reduce_scatter_tensor(output, input_.contiguous(), group=group)
     return output
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def symbolic(graph, input_):
+    def symbolic(graph, input_, group=None):
         return input_
 
     @staticmethod
-    def forward(ctx, input_):
+    def forward(ctx, input_, group=None):
+        ctx.group = group
         return input_
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _reduce(grad_output)
+        return _reduce(grad_output, ctx.group), None
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def symbolic(graph, input_):
-        return _reduce(input_)
+    def symbolic(graph, input_, group=None):
+        return _reduce(input_, group)
 
     @staticmethod
-    def forward(ctx, input_):
-        return _reduce(input_)
+    def forward(ctx, input_, group=None):
+        ctx.group = group
+        return _reduce(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return grad_output
+        return grad_output, None
 
 
 class _ScatterToModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def symbolic(graph, input_):
-        return _split_along_last_dim(input_)
+    def symbolic(graph, input_, group=None):
+        return _split_along_last_dim(input_, group)
 
     @staticmethod
-    def forward(ctx, input_):
-        return _split_along_last_dim(input_)
+    def forward(ctx, input_, group=None):
+        ctx.group = group
+        return _split_along_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_last_dim(grad_output)
+        return _gather_along_last_dim(grad_output, ctx.group), None
 
 
 class _GatherFromModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def symbolic(graph, input_):
-        return _gather_along_last_dim(input_)
+    def symbolic(graph, input_, group=None):
+        return _gather_along_last_dim(input_, group)
 
     @staticmethod
-    def forward(ctx, input_):
-        return _gather_along_last_dim(input_)
+    def forward(ctx, input_, group=None):
+        ctx.group = group
+        return _gather_along_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _split_along_last_dim(grad_output)
+        return _split_along_last_dim(grad_output, ctx.group), None
 
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def symbolic(graph, input_):
-        return _split_along_first_dim(input_)
+    def symbolic(graph, input_, group=None):
+        return _split_along_first_dim(input_, group)
 
     @staticmethod
-    def forward(ctx, input_):
-        return _split_along_first_dim(input_)
+    def forward(ctx, input_, group=None):
+        ctx.group = group
+        return _split_along_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output)
+        return _gather_along_first_dim(grad_output, ctx.group), None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def symbolic(graph, input_, tensor_parallel_output_grad=True):
-        return _gather_along_first_dim(input_)
+    def symbolic(graph, input_, tensor_parallel_output_grad=True, group=None):
+        return _gather_along_first_dim(input_, group)
 
     @staticmethod
-    def forward(ctx, input_, tensor_parallel_output_grad=True):
+    def forward(ctx, input_, tensor_parallel_output_grad=True, group=None):
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        return _gather_along_first_dim(input_)
+        ctx.group = group
+        return _gather_along_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
         # If the consumer of the gathered tensor is tensor-parallel, each rank holds a partial gradient
         # that must be summed before splitting; otherwise the gradient is already complete.
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter_along_first_dim(grad_output), None
-        return _split_along_first_dim(grad_output), None
+            return _reduce_scatter_along_first_dim(grad_output, ctx.group), None, None
+        return _split_along_first_dim(grad_output, ctx.group), None, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def symbolic(graph, input_):
-        return _reduce_scatter_along_first_dim(input_)
+    def symbolic(graph, input_, group=None):
+        return _reduce_scatter_along_first_dim(input_, group)
 
     @staticmethod
-    def forward(ctx, input_):
-        return _reduce_scatter_along_first_dim(input_)
+    def forward(ctx, input_, group=None):
+        ctx.group = group
+        return _reduce_scatter_along_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output)
+        return _gather_along_first_dim(grad_output, ctx.group), None
 
 
-def copy_to_tensor_model_parallel_region(input_):
-    return _CopyToModelParallelRegion.apply(input_)
+def copy_to_tensor_model_parallel_region(input_, group=None):
+    """Identity forward; all-reduce of the gradient over the TP group (``group``, default parallel_state's)."""
+    return _CopyToModelParallelRegion.apply(input_, group)
 
 
-def reduce_from_tensor_model_parallel_region(input_):
-    return _ReduceFromModelParallelRegion.apply(input_)
+def reduce_from_tensor_model_parallel_region(input_, group=None):
+    return _ReduceFromModelParallelRegion.apply(input_, group)
 
 
-def scatter_to_tensor_model_parallel_region(input_):
-    return _ScatterToModelParallelRegion.apply(input_)
+def scatter_to_tensor_model_parallel_region(input_, group=None):
+    return _ScatterToModelParallelRegion.apply(input_, group)
 
 
-def gather_from_tensor_model_parallel_region(input_):
-    return _GatherFromModelParallelRegion.apply(input_)
+def gather_from_tensor_model_parallel_region(input_, group=None):
+    return _GatherFromModelParallelRegion.apply(input_, group)
 
 
-def scatter_to_sequence_parallel_region(input_):
-    return _ScatterToSequenceParallelRegion.apply(input_)
+def scatter_to_sequence_parallel_region(input_, group=None):
+    return _ScatterToSequenceParallelRegion.apply(input_, group)
 
 
-def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True):
-    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad)
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None):
+    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad, group)
 
 
-def reduce_scatter_to_sequence_parallel_region(input_):
-    return _ReduceScatterToSequenceParallelRegion.apply(input_)
+def reduce_scatter_to_sequence_parallel_region(input_, group=None):
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, group)

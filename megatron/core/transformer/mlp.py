@@ -64,19 +64,23 @@ def _class_of(spec, default):
 class ParallelMLP(MegatronModule):
     """``ParallelMLP(config)``; ``forward(hidden_states) -> (output, output_bias)``."""
 
-    def __init__(self, config, is_expert: bool = False, *, naming: str = "legacy", submodules=None):
+    def __init__(self, config, is_expert: bool = False, *, naming: str = "legacy", submodules=None,
+                 input_size=None, ffn_hidden_size=None, tp_group=None):
         super().__init__(config=config)
         if naming == "legacy":  # Megatron's legacy checkpoint names, at the state-dict boundary only
             install_legacy_state_dict_names(self, "mlp")
         self.add_bias = config.add_bias_linear
-        ffn_hidden_size = config.ffn_hidden_size
-        if config.gated_linear_unit:
-            ffn_hidden_size *= 2
+        self.is_expert = is_expert
+        self.tp_group = tp_group  # the linear layers' TP group; None = parallel_state's
+        self.input_size = config.hidden_size if input_size is None else input_size
+        ffn = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
+        fc1_size = 2 * ffn if config.gated_linear_unit else ffn
+        linear_group = {} if tp_group is None else {"tp_group": tp_group}
 
         col = _class_of(getattr(submodules, "linear_fc1", None), tensor_parallel.ColumnParallelLinear)
         row = _class_of(getattr(submodules, "linear_fc2", None), tensor_parallel.RowParallelLinear)
-        self.linear_fc1 = col(config.hidden_size, ffn_hidden_size, config=config, init_method=config.init_method,
-                              bias=self.add_bias, gather_output=False, skip_bias_add=True)
+        self.linear_fc1 = col(self.input_size, fc1_size, config=config, init_method=config.init_method,
+                              bias=self.add_bias, gather_output=False, skip_bias_add=True, **linear_group)
 
         self.bias_gelu_fusion = False
         self.bias_swiglu_fusion = False
@@ -105,9 +109,9 @@ class ParallelMLP(MegatronModule):
             name = "fused bias-gelu" if self.bias_gelu_fusion else getattr(config.activation_func, "__name__", "custom")
         log_once("mlp_activation", f"MLP activation: {name}")
 
-        self.linear_fc2 = row(config.ffn_hidden_size, config.hidden_size, config=config,
+        self.linear_fc2 = row(ffn, config.hidden_size, config=config,
                               init_method=config.output_layer_init_method, bias=self.add_bias,
-                              input_is_parallel=True, skip_bias_add=True)
+                              input_is_parallel=True, skip_bias_add=True, **linear_group)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """The linear layers' sharded state; with a gated unit, fc1's weight and bias are saved as megatron-core
@@ -137,10 +141,14 @@ class ParallelMLP(MegatronModule):
 
 
 class MLP(ParallelMLP):
-    """megatron-core: ``MLP(config, submodules, is_expert=False)`` with ``linear_fc1``/``linear_fc2``."""
+    """megatron-core: ``MLP(config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None,
+    tp_group=None)`` with ``linear_fc1``/``linear_fc2``: ``input_size`` -> ``ffn_hidden_size`` -> hidden size
+    (defaults: the config's), split over ``tp_group``."""
 
-    def __init__(self, config, submodules: Optional[MLPSubmodules] = None, is_expert: bool = False, **unused):
-        super().__init__(config, is_expert, naming="mcore", submodules=submodules)
+    def __init__(self, config, submodules: Optional[MLPSubmodules] = None, is_expert: bool = False,
+                 input_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None, tp_group=None):
+        super().__init__(config, is_expert, naming="mcore", submodules=submodules, input_size=input_size,
+                         ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
 
 
 def apply_swiglu_sharded_factory(original_sh_ten, sharded_offsets, singleton_local_shards: bool = False):

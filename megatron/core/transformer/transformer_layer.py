@@ -73,8 +73,10 @@ class ParallelTransformerLayer(MegatronModule):
 
     def __init__(self, config, layer_number, layer_type=LayerType.encoder, self_attn_mask_type=AttnMaskType.padding,
                  drop_path_rate=0.0, *, naming: str = "legacy", submodules: TransformerLayerSubmodules = None,
-                 hidden_dropout=None):
+                 hidden_dropout=None, pg_collection=None):
         super().__init__(config=config)
+        # megatron-core's pg_collection: handed to the spec-built attention and MLP (None: parallel_state's groups).
+        self.pg_collection = pg_collection
         if layer_type not in (LayerType.encoder, LayerType.decoder):
             raise NotImplementedError(f"layer type {layer_type} (retro) is not implemented")
         self.layer_number = layer_number
@@ -105,14 +107,17 @@ class ParallelTransformerLayer(MegatronModule):
             eps = config.layernorm_epsilon
             has_cross = submodules.cross_attention not in (None, IdentityOp)
             self.input_layernorm = build_module(submodules.input_layernorm, config=config, hidden_size=h, eps=eps)
-            self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number)
+            groups = {} if pg_collection is None else {"pg_collection": pg_collection}
+            self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number,
+                                               **groups)
             if has_cross:
                 self.pre_cross_attn_layernorm = build_module(submodules.pre_cross_attn_layernorm, config=config,
                                                              hidden_size=h, eps=eps)
                 self.cross_attention = build_module(submodules.cross_attention, config=config,
-                                                    layer_number=layer_number)
+                                                    layer_number=layer_number, **groups)
             self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config, hidden_size=h, eps=eps)
-            self.mlp = build_module(submodules.mlp, config=config, **_layer_number_kwarg(submodules.mlp, layer_number))
+            self.mlp = build_module(submodules.mlp, config=config, **_mlp_kwargs(submodules.mlp, layer_number,
+                                                                                 pg_collection))
             self._spec_bda = {"self_attention": build_module(submodules.self_attn_bda),
                               "cross_attention": build_module(submodules.cross_attn_bda),
                               "mlp": build_module(submodules.mlp_bda)}
@@ -193,12 +198,17 @@ class ParallelTransformerLayer(MegatronModule):
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
 
 
-def _layer_number_kwarg(spec, layer_number) -> dict:
-    """MoE layers want their layer number (per-layer loss logging); dense MLP classes take no such argument."""
+def _mlp_kwargs(spec, layer_number, pg_collection) -> dict:
+    """MoE layers want their layer number (per-layer loss logging) and the process groups; a dense MLP its TP
+    group (megatron-core passes ``tp_group=pg_collection.tp``)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     module = spec.module if isinstance(spec, ModuleSpec) else spec
-    return {"layer_number": layer_number} if isinstance(module, type) and issubclass(module, MoELayer) else {}
+    if isinstance(module, type) and issubclass(module, MoELayer):
+        return {"layer_number": layer_number, **({} if pg_collection is None else {"pg_collection": pg_collection})}
+    if pg_collection is not None and isinstance(module, type) and issubclass(module, MLP):
+        return {"tp_group": pg_collection.tp}
+    return {}
 
 
 class NoopTransformerLayer(MegatronModule):
@@ -214,15 +224,18 @@ class NoopTransformerLayer(MegatronModule):
 
 
 class TransformerLayer(ParallelTransformerLayer):
-    """megatron-core: ``TransformerLayer(config, submodules, layer_number=1, hidden_dropout=None)``;
-    ``forward(hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
-    inference_params=None) -> (hidden_states, context)``."""
+    """megatron-core: ``TransformerLayer(config, submodules, layer_number=1, hidden_dropout=None, pg_collection=None,
+    vp_stage=None)``; ``forward(hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
+    inference_params=None) -> (hidden_states, context)``. ``layer_number`` is global (1-based), so ``vp_stage``
+    (the virtual pipeline chunk) is only recorded."""
 
     def __init__(self, config, submodules: TransformerLayerSubmodules = None, layer_number: int = 1,
-                 hidden_dropout=None, **unused):
+                 hidden_dropout=None, pg_collection=None, vp_stage=None):
         if submodules is None:
             submodules = default_layer_submodules(AttnMaskType.padding)
-        super().__init__(config, layer_number, naming="mcore", submodules=submodules, hidden_dropout=hidden_dropout)
+        super().__init__(config, layer_number, naming="mcore", submodules=submodules, hidden_dropout=hidden_dropout,
+                         pg_collection=pg_collection)
+        self.vp_stage = vp_stage
 
     def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
                 inference_params=None, packed_seq_params=None):

@@ -123,8 +123,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     ranks)."""
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
-                 thread_count: int = 1, process_group=None, **unused_options):
+                 thread_count: int = 2, cached_metadata: bool = False, separation_hint: Optional[str] = None,
+                 process_group=None):
         super().__init__(backend, version)
+        if separation_hint is not None:
+            raise NotImplementedError("TorchDistSaveShardedStrategy(separation_hint=...) is not implemented: every "
+                                      "rank writes one file")
+        self.thread_count = thread_count  # DCP writes one file per rank here; kept for megatron-core's signature
+        self.cached_metadata = cached_metadata
         self.keep_only_main_replica = keep_only_main_replica
         self.process_group = process_group
 

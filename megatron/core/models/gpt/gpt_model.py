@@ -9,6 +9,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_model import logits_or_loss
+from megatron.core.process_groups_config import group_of, require_mpu_groups
 from megatron.core.transformer.module import MegatronModule, sync_tied_weight_across_pipeline
 from megatron.core.transformer.rotary import RotaryEmbedding, YarnRotaryEmbedding, get_pos_emb_on_this_cp_rank
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -23,7 +24,14 @@ def _or(value, default):
 
 class LanguageModule(MegatronModule):
     """Shared-embedding handling of megatron-core language models (tied weight lives in ``output_layer`` on
-    the last stage)."""
+    the last stage). ``LanguageModule(config, pg_collection=None)``: the TP group of the collection splits the
+    vocabulary (embedding, output layer, loss); the pipeline's embedding groups are parallel_state's."""
+
+    def __init__(self, config, pg_collection=None, share_embeddings_and_output_weights: bool = False):
+        super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+        require_mpu_groups(pg_collection, ("pp", "embd", "pos_embd", "cp"), type(self).__name__)
+        self.pg_collection = pg_collection
+        self.tp_group = group_of(pg_collection, "tp")
 
     def shared_embedding_or_output_weight(self):
         if self.pre_process:
@@ -82,7 +90,8 @@ class LanguageModule(MegatronModule):
     def compute_language_model_loss(self, labels, logits):
         """Per-token loss ``[b, s]`` from ``[s, b, V/tp]`` logits and ``[b, s]`` labels."""
         return logits_or_loss(logits, labels, self.fp16_lm_cross_entropy,
-                              fused=getattr(self.config, "cross_entropy_loss_fusion", False))
+                              fused=getattr(self.config, "cross_entropy_loss_fusion", False),
+                              tp_group=getattr(self, "tp_group", None))
 
 
 class GPTModel(LanguageModule):
@@ -101,8 +110,12 @@ class GPTModel(LanguageModule):
                  pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: str = None, rotary_percent: float = None, rotary_base: int = None,
-                 rope_scaling: bool = None, rope_scaling_factor: float = None, seq_len_interpolation_factor=None):
-        super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+                 rope_scaling: bool = None, rope_scaling_factor: float = None,
+                 scatter_embedding_sequence_parallel: bool = True, seq_len_interpolation_factor=None,
+                 mtp_block_spec=None, pg_collection=None, vp_stage=None):
+        super().__init__(config, pg_collection, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+        if mtp_block_spec is not None:
+            raise NotImplementedError("GPTModel(mtp_block_spec=...): multi-token prediction is not implemented yet")
         # Position-embedding settings not passed come from the config's fields of the same meaning (whose defaults
         # are megatron-core's defaults of these arguments).
         position_embedding_type = _or(position_embedding_type, config.position_embedding_type)
@@ -127,8 +140,9 @@ class GPTModel(LanguageModule):
         self.model_type = ModelType.encoder_or_decoder
 
         if self.pre_process:
-            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                    position_embedding_type=position_embedding_type)
+            self.embedding = LanguageModelEmbedding(
+                config, vocab_size, max_sequence_length, position_embedding_type=position_embedding_type,
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel, tp_group=self.tp_group)
         # Multi-latent attention owns its rotary embedding (of the d_r rotary channels): none at the model level.
         if self.position_embedding_type == "rope" and not config.multi_latent_attention:
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
@@ -144,14 +158,16 @@ class GPTModel(LanguageModule):
                 beta_fast=config.beta_fast, beta_slow=config.beta_slow, mscale=config.mscale,
                 mscale_all_dim=config.mscale_all_dim,
                 correction_range_round_to_int=config.yarn_correction_range_round_to_int)
+        self.vp_stage = vp_stage
         self.decoder = TransformerBlock(config, spec=transformer_layer_spec, pre_process=self.pre_process,
-                                        post_process=self.post_process)
+                                        post_process=self.post_process, pg_collection=pg_collection,
+                                        vp_stage=vp_stage)
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
                 skip_bias_add=False, gather_output=not self.parallel_output,
                 skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
-                reuse_cpu_output_buffer=True)
+                tp_group=self.tp_group, reuse_cpu_output_buffer=True)
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
 
@@ -176,7 +192,7 @@ class GPTModel(LanguageModule):
         if input_ids is not None:
             return input_ids.size(1) * cp
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp, _ = tensor_parallel.tp_size_and_rank(self.tp_group)
         return hidden.size(0) * (tp if self.config.sequence_parallel else 1) * cp
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, inference_params=None,
