@@ -156,3 +156,31 @@ def diff(x1: Any, x2: Any, prefix: Tuple = ()):
         if not same:
             mismatch.append((prefix, type(x1), type(x2)))
     return only_left, only_right, mismatch
+
+
+def inspect_types(x, prefix: Tuple = (), indent: int = 4) -> None:
+    """Print the nesting of ``x`` with each leaf's type (tensors with shape and dtype)."""
+    pad = " " * indent * len(prefix)
+    if isinstance(x, dict):
+        for key, value in x.items():
+            if isinstance(value, (dict, list)):
+                print(f"{pad}{key}:")
+                inspect_types(value, prefix + (key,), indent)
+            else:
+                inspect_types(value, prefix + (key,), indent)
+    elif isinstance(x, list):
+        for i, value in enumerate(x):
+            inspect_types(value, prefix + (i,), indent)
+    elif isinstance(x, torch.Tensor):
+        print(f"{pad}{prefix[-1] if prefix else ''}: Tensor of shape {tuple(x.shape)} {x.dtype}")
+    else:
+        print(f"{pad}{prefix[-1] if prefix else ''}: {type(x).__name__}")
+
+
+def map_reduce(xs, key_fn: Callable = lambda x: x, value_fn: Callable = lambda x: x,
+               reduce_fn: Callable = lambda x: x) -> dict:
+    """``{key_fn(x): reduce_fn([value_fn(x) for the xs with that key])}``."""
+    groups = {}
+    for x in xs:
+        groups.setdefault(key_fn(x), []).append(value_fn(x))
+    return {key: reduce_fn(values) for key, values in groups.items()}

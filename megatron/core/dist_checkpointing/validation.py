@@ -221,3 +221,16 @@ def validate_integrity_and_strict_load(sharded_state_dict: ShardedStateDict, str
             raise CheckpointingException("validate_access_integrity needs every rank's metadata")
         validate_sharding_integrity(global_metadata)
     return sharded_state_dict, missing, unexpected
+
+
+def validate_sharded_objects_handling(sharded_strategy, common_strategy) -> None:
+    """One of the two strategies must store ShardedObjects."""
+    if not sharded_strategy.can_handle_sharded_objects and not common_strategy.can_handle_sharded_objects:
+        raise CheckpointingException(f"neither {sharded_strategy} nor {common_strategy} can store ShardedObjects")
+
+
+def verify_checkpoint_and_load_strategy(checkpoint_dir: str, sharded_strategy=None, common_strategy=None):
+    """(sharded, common) load strategies for ``checkpoint_dir`` (see ``serialization``)."""
+    from megatron.core.dist_checkpointing.serialization import verify_checkpoint_and_load_strategy as verify
+
+    return verify(checkpoint_dir, sharded_strategy, common_strategy)

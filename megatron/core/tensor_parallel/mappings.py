@@ -249,3 +249,37 @@ def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=Tru
 
 def reduce_scatter_to_sequence_parallel_region(input_, group=None):
     return _ReduceScatterToSequenceParallelRegion.apply(input_, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with (possibly uneven) row splits; the backward exchanges the gradient back (splits
+    swapped)."""
+
+    @staticmethod
+    def forward(ctx, input_, group, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
+        input_ = input_.contiguous()
+        if output_split_sizes is None:
+            output = torch.empty_like(input_)
+        else:
+            output = input_.new_empty((sum(output_split_sizes),) + tuple(input_.shape[1:]))
+        torch.distributed.all_to_all_single(output, input_, output_split_sizes=output_split_sizes,
+                                            input_split_sizes=input_split_sizes, group=group)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _AllToAll.apply(grad_output.contiguous(), ctx.group, ctx.input_split_sizes,
+                               ctx.output_split_sizes), None, None, None
+
+
+def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
+    """Autograd-aware all-to-all of the rows of ``input_`` over ``group``: rank ``i`` sends its
+    ``input_split_sizes[j]`` rows to rank ``j`` and receives ``output_split_sizes_[j]`` rows from it (equal splits
+    when None)."""
+    world_size = torch.distributed.get_world_size(group) if group is not None else 1
+    if world_size == 1:
+        return input_
+    output_splits = list(output_split_sizes_) if output_split_sizes_ is not None else None
+    input_splits = list(input_split_sizes) if input_split_sizes is not None else None
+    return _AllToAll.apply(input_, group, output_splits, input_splits)

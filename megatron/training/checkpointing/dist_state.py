@@ -27,6 +27,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_items_iter
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor, ShardedTensorFactory,
                                                       apply_factory_merges)
 from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
@@ -212,15 +213,6 @@ def optimizer_tensors(optimizer, params) -> Dict[str, Dict[int, torch.Tensor]]:
                     pieces[i] = part
         out[kind] = {id(p): full.view(p.shape) for p, full in zip(params, pieces)}
     return out
-
-
-def make_sharded_optimizer_tensor(model_leaf, optim_tensor: torch.Tensor, prefix: str):
-    """``model_leaf`` (a ShardedTensor or factory of a parameter) for an optimizer state of the same shape: the
-    same sharding, key ``prefix + key`` (megatron-core's helper of the same name)."""
-    if isinstance(model_leaf, ShardedTensorFactory):
-        return dataclasses.replace(model_leaf, key=f"{prefix}{model_leaf.key}", data=optim_tensor)
-    return dataclasses.replace(model_leaf, key=f"{prefix}{model_leaf.key}", data=optim_tensor,
-                               dtype=optim_tensor.dtype)
 
 
 def optimizer_sharded_state(sharded_state_dicts, tensors: Dict[str, Dict[int, torch.Tensor]]):

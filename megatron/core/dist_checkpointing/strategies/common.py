@@ -85,5 +85,10 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         return read_common_state_dict(checkpoint_dir)
 
 
-register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy)
-register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy)
+def register_default_common_strategies() -> None:
+    """Register this module's strategies as the defaults of their backend (done on import)."""
+    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy)
+    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy)
+
+
+register_default_common_strategies()

@@ -199,5 +199,10 @@ def get_reformulation_metadata(sharded_state_dict, checkpoint_dir):
     return {}
 
 
-register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy)
-register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy)
+def register_default_torch_strategies() -> None:
+    """Register this module's strategies as the defaults of their backend (done on import)."""
+    register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy)
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy)
+
+
+register_default_torch_strategies()
