@@ -16,7 +16,8 @@ from helpers.mcore_oracle import require_oracle, run_oracle
 from helpers.models_helpers import single_rank  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(400)
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_quickstart_oracle_child.py")
+CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpointing",
+                     "mcore_quickstart_oracle_child.py")
 
 
 @pytest.fixture(scope="module")

@@ -118,11 +118,7 @@ class ParallelMLP(MegatronModule):
         does (:func:`apply_swiglu_sharded_factory`)."""
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         if self.gated:
-            singleton = bool((metadata or {}).get("singleton_local_shards", False))
-            for name in ("weight", "bias"):
-                key = f"{prefix}linear_fc1.{name}"
-                if key in out:
-                    out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, singleton)
+            apply_swiglu_to_fc1(out, prefix, sharded_offsets, metadata)
         return out
 
     def forward(self, hidden_states):
@@ -149,6 +145,16 @@ class MLP(ParallelMLP):
                  input_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None, tp_group=None):
         super().__init__(config, is_expert, naming="mcore", submodules=submodules, input_size=input_size,
                          ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
+
+
+def apply_swiglu_to_fc1(sharded_state_dict, prefix: str, sharded_offsets, metadata) -> None:
+    """Replace, in place, the ``{prefix}linear_fc1.weight`` / ``.bias`` entries of a gated MLP's sharded state by
+    their :func:`apply_swiglu_sharded_factory`."""
+    singleton = bool((metadata or {}).get("singleton_local_shards", False))
+    for name in ("weight", "bias"):
+        key = f"{prefix}linear_fc1.{name}"
+        if key in sharded_state_dict:
+            sharded_state_dict[key] = apply_swiglu_sharded_factory(sharded_state_dict[key], sharded_offsets, singleton)
 
 
 def apply_swiglu_sharded_factory(original_sh_ten, sharded_offsets, singleton_local_shards: bool = False):

@@ -24,7 +24,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-from megatron.core.transformer.mlp import apply_swiglu_sharded_factory, glu_activation
+from megatron.core.transformer.mlp import apply_swiglu_to_fc1, glu_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import log_once, make_sharded_object_for_checkpoint
 
@@ -149,11 +149,7 @@ class ExpertMLP(torch.nn.Module):
         for name in ("linear_fc1", "linear_fc2"):
             out.update(getattr(self, name).sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
         if self.gated:
-            singleton = bool((metadata or {}).get("singleton_local_shards", False))
-            for name in ("weight", "bias"):
-                key = f"{prefix}linear_fc1.{name}"
-                if key in out:
-                    out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, singleton)
+            apply_swiglu_to_fc1(out, prefix, sharded_offsets, metadata)
         return out
 
     def forward(self, x, probs):

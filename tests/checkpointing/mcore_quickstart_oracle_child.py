@@ -12,24 +12,11 @@ import sys
 
 import torch
 
-
-def _stub_cuda():
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.device_count = lambda: 0
-    torch.cuda.is_available = lambda: False
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda *a, **k: None
-    torch.cuda.manual_seed = lambda *a, **k: None
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.random.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.random.set_rng_state = lambda *a, **k: None
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    filesystem_async._process_memory = lambda: 0  # needs psutil, which the oracle's environment may lack
+from mcore_oracle_child import _stub_cuda
 
 
 def main(ckpt, out):
-    _stub_cuda()
+    _stub_cuda()  # the interop child's stubs (this script's directory is on sys.path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
