@@ -367,6 +367,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             loss_reduced[key] = numerator / denominator
         # Megatron's MoE metrics (load_balancing_loss, z_loss, ...) are shown like the loss keys.
         loss_reduced.update({key: torch.tensor(value) for key, value in moe_losses.items()})
+        if args.mtp_num_layers:  # mtp_{k} loss per depth, as Megatron logs it
+            from megatron.core.transformer.multi_token_prediction import reduce_mtp_losses
+
+            mtp = reduce_mtp_losses(model, get_num_microbatches())
+            loss_reduced.update({key: torch.tensor(value) for key, value in mtp.items()})
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
 
@@ -376,6 +381,8 @@ def _moe_losses(model, config):
     from megatron.core.transformer.moe.moe_layer import reduce_moe_losses
 
     num_moe_layers = sum(config.is_moe_layer(i + 1) for i in range(config.num_layers))
+    if config.mtp_num_layers and config.is_moe_layer(config.num_layers):  # MTP depths copy the last decoder layer
+        num_moe_layers += config.mtp_num_layers
     return reduce_moe_losses(model, get_num_microbatches(), num_moe_layers,
                              per_layer_logging=config.moe_per_layer_logging)
 
