@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional, Sequence
 
+from megatron.training.arguments.config_args import _add_transformer_config_args
 from megatron.training.arguments.model_args import (
     _add_initialization_args,
     _add_mla_args,
@@ -52,6 +53,7 @@ ARGUMENT_GROUPS = (
     _add_inference_args,
     _add_transformer_engine_args,
     _add_retro_args,
+    _add_transformer_config_args,  # generated from TransformerConfig's fields (config_args.py)
 )
 
 
