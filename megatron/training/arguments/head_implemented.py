@@ -92,13 +92,7 @@ BLOCKS = (
     Block(
         IMPLEMENTED,
         "multi-token prediction (megatron/core/transformer/multi_token_prediction.py)",
-        (
-            value("--mtp-num-layers", type=int,
-                  help="Multi-token prediction: depths after the decoder on the last pipeline stage, each predicting "
-                       "one token further (needs --position-embedding-type rope or none)."),
-            value("--mtp-loss-scaling-factor", type=float, default=0.1,
-                  help="Multi-token prediction: the mean MTP loss over the depths is scaled by this factor."),
-        ),
+        names("""--mtp-num-layers --mtp-loss-scaling-factor"""),
         group="transformer configuration",
     ),
     Block(
