@@ -12,6 +12,16 @@ IMPLEMENTED = C.IMPLEMENTED
 BLOCKS = (
     Block(
         IMPLEMENTED,
+        "Megatron-LM's YAML form of the configuration (yaml_args.py)",
+        (
+            value("--yaml-cfg", help="Read the run's settings from this YAML file (language_model: TransformerConfig "
+                                     "fields, model_parallel: ModelParallelConfig fields, other keys: arguments by "
+                                     "dest; ${VAR} from the environment) instead of the command line."),
+        ),
+        group="experimental",
+    ),
+    Block(
+        IMPLEMENTED,
         "fully sharded data parallelism (megatron/core/distributed/fsdp, torch_fully_sharded_data_parallel.py)",
         (
             switch("--use-torch-fsdp2", help="Shard parameters, gradients and optimizer state over the data-parallel "

@@ -121,14 +121,6 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "--yaml-cfg (HEAD's YAML form of the configs) is being implemented",
-        (
-            value("--yaml-cfg"),
-        ),
-        group="experimental", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
         "the RL trainer (GRPO rollouts through the inference engine) is not part of this library",
         (
             switch("--perform-rl-step"),
