@@ -8,6 +8,8 @@ turns each into the training flag it stands for:
 =====================================  ==================================================================
 ``--export-force-local-attention``     the local (non-Transformer-Engine) attention: the only one this library
                                        builds, so nothing changes (said once in the log)
+``--export-qk-l2-norm``                ``--qk-l2-norm`` (which replaces ``--qk-layernorm``)
+``--export-moe-apply-probs-on-input``  ``--moe-apply-probs-on-input``
 =====================================  ==================================================================
 """
 from __future__ import annotations
@@ -18,11 +20,18 @@ def add_modelopt_args(parser):
     group = parser.add_argument_group(title="modelopt")
     group.add_argument("--export-force-local-attention", action="store_true",
                        help="Build the local (non-Transformer-Engine) attention (this library's only attention).")
+    group.add_argument("--export-qk-l2-norm", action="store_true", help="ModelOpt's spelling of --qk-l2-norm.")
+    group.add_argument("--export-moe-apply-probs-on-input", action="store_true",
+                       help="ModelOpt's spelling of --moe-apply-probs-on-input.")
     return parser
 
 
 def apply_modelopt_args(args, log) -> None:
     """Turn the ModelOpt flags present in ``args`` into the training flags they stand for (module docstring)."""
+    for modelopt, dest in (("export_qk_l2_norm", "qk_l2_norm"),
+                           ("export_moe_apply_probs_on_input", "moe_apply_probs_on_input")):
+        if getattr(args, modelopt, False):
+            setattr(args, dest, True)
     if getattr(args, "export_force_local_attention", False):
         log("--export-force-local-attention: attention is this library's local implementation (the only one it "
             "builds)")

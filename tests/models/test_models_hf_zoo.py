@@ -1,5 +1,5 @@
 """Hugging Face bridges of today's transformer families (Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Llama 3.x with its RoPE
-scaling): a tiny random ``transformers`` model of each (tests/helpers/hf_zoo.py) converts with
+scaling, gpt-oss, Llama 4 text): a tiny random ``transformers`` model of each (tests/helpers/hf_zoo.py) converts with
 tools/checkpoint/convert.py to torch_dist; that checkpoint in our megatron-core GPTModel gives HF's logits at TP=1
 and, in one 2-rank launch, at TP=2 with sequence parallelism (the MoE also at EP=2), fp32 within 1e-5; it exports back
 to files ``transformers`` loads as the same class with equal tensors and logits, also from a checkpoint whose args hold

@@ -89,6 +89,21 @@ BLOCKS = (
     ),
     Block(
         IMPLEMENTED,
+        "Llama 4 (megatron/core/transformer/attention.py, moe/moe_layer.py)",
+        (
+            value("--no-rope-freq", type=layer_pattern,
+                  help="Layers without rotary embeddings: every N-th layer (counted from 1), or a 0/1 list expression "
+                       "per layer (1 = no RoPE); Llama 4: 4."),
+            switch("--qk-l2-norm", help="Normalise each head's queries and keys by their RMS (no weight) before "
+                                        "attention, in every layer (Llama 4; replaces --qk-layernorm)."),
+            switch("--moe-apply-probs-on-input",
+                   help="Multiply each token's expert input by its routing weight and take the expert output as it "
+                        "is (Llama 4; needs --moe-router-topk 1)."),
+        ),
+        group="network size",
+    ),
+    Block(
+        IMPLEMENTED,
         "",
         names("""--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion
               --no-bias-dropout-fusion --no-rope-fusion --cross-entropy-loss-fusion

@@ -85,6 +85,13 @@ def args_from_transformer_config(config, **overrides):
         value = getattr(config, dest, None) if dest in fields else None
         if dest in fields and (value is not None or default is None):
             setattr(args, dest, value)
+    # Config fields no flag sets (e.g. a Hugging Face bridge's qk_l2_norm_rope_layers_only) travel in the args too
+    # when they differ from their default: core_transformer_config_from_args copies them back.
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if (field.name not in vars(args) and field.default is not dataclasses.MISSING
+                and isinstance(value, (bool, int, float, str, tuple, list)) and value != field.default):
+            setattr(args, field.name, value)
     gated, act = config.gated_linear_unit, config.activation_func
     from megatron.core.activations import quick_gelu
 
