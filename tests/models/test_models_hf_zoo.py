@@ -91,6 +91,19 @@ def test_llama3_rope_scaling_is_applied(zoo, single_rank):
     assert int(((ours - plain).abs() > 0.1 * plain).sum()) >= 3
 
 
+def test_gpt_oss_yarn_is_applied(zoo, single_rank):
+    """gpt-oss's YaRN (frequencies and attention concentration 1 + 0.1 ln 32): plain RoPE gives other logits."""
+    import dataclasses
+
+    model, root, ref = zoo["gpt_oss"]
+    config = hf_zoo.megatron_config(model.config)
+    assert (config.position_embedding_type, config.rotary_scaling_factor, config.original_max_position_embeddings,
+            config.yarn_correction_range_round_to_int) == ("yarn", 32.0, 128, False)
+    plain = hf_zoo.gpt_model(dataclasses.replace(config, position_embedding_type="rope"))
+    hf_zoo.load_torch_dist(plain, os.path.join(root, "dist"))
+    assert rel_err(hf_zoo.logits(plain, hf_zoo.inputs()), ref) > 1e-3
+
+
 def tp2_body(cases):
     """Per case and layout (TP=2 + SP; MoE also EP=2): build, load the torch_dist checkpoint, max relative error."""
     from megatron.core import parallel_state, tensor_parallel
