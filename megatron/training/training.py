@@ -447,8 +447,15 @@ def _wandb_run(args):
     except ImportError:
         print_rank_last("--wandb-project is set but wandb is not installed: not logging to Weights & Biases")
         return None
-    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=args.wandb_save_dir or None,
+    return wandb.init(project=args.wandb_project, entity=getattr(args, "wandb_entity", None),
+                      name=args.wandb_exp_name or None, dir=args.wandb_save_dir or None,
                       config=vars(args))
+
+
+def periodic_evaluation_due(args, iteration: int) -> bool:
+    """Evaluate after this iteration: every --eval-interval iterations, from --start-eval-at-iter on."""
+    start = getattr(args, "start_eval_at_iter", None) or 0
+    return bool(args.eval_interval) and iteration % args.eval_interval == 0 and iteration >= start
 
 
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
@@ -500,7 +507,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                      params_norm, num_zeros_in_grad, wandb_run)
         progress.after_step(iteration)  # the --log-straggler report on log intervals
 
-        if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+        if args.do_valid and periodic_evaluation_due(args, iteration):
             manual_gc.before_eval()
             _param_gather_hooks(model, enabled=False)
             evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
