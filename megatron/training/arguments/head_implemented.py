@@ -118,6 +118,16 @@ BLOCKS = (
     ),
     Block(
         IMPLEMENTED,
+        "Llama 4 (megatron/core/transformer/attention.py, moe/moe_layer.py)",
+        names("""--qk-l2-norm --moe-apply-probs-on-input""") + (
+            value("--no-rope-freq", type=layer_pattern,
+                  help="Layers without rotary embeddings: every N-th layer (counted from 1), or a 0/1 list expression "
+                       "per layer (1 = no RoPE); Llama 4: 4."),
+        ),
+        group="network size",
+    ),
+    Block(
+        IMPLEMENTED,
         "multi-latent attention (megatron/core/transformer/multi_latent_attention.py) and YaRN rotary embeddings",
         names("""--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim
               --v-head-dim --rope-type --rotary-scaling-factor --mscale --mscale-all-dim

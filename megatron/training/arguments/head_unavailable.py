@@ -38,16 +38,6 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "Llama 4's no-RoPE layers, QK L2 norm and routing weights on the expert input are being implemented",
-        (
-            value("--no-rope-freq", type=layer_pattern),
-            switch("--qk-l2-norm"),
-            switch("--moe-apply-probs-on-input"),
-        ),
-        group="network size", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
         "hybrid Mamba models (Nemotron-H) are being implemented",
         (
             switch("--is-hybrid-model"),

@@ -80,7 +80,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_sequence_parallel(args)
     _validate_features(args)
     validate_mla_and_mtp(args)
-    validate_model_variants(args)  # gpt-oss / Llama 4 flags (model_variants.py)
+    validate_model_variants(args, lambda message: _log(args, message))  # gpt-oss / Llama 4 flags
     _validate_per_token_loss(args)
     _validate_decoupled_lr(args)
     _validate_param_gather(args)
