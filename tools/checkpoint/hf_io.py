@@ -73,8 +73,15 @@ def load_hf(load_dir: str, make_divisible_by: int = 128) -> Tuple[Dict[str, torc
     args = args_from_transformer_config(
         config, make_vocab_size_divisible_by=make_divisible_by, use_mcore_models=not legacy, iteration=0,
         consumed_train_samples=0, consumed_valid_samples=0, hf_model_type=hf_config.model_type,
-        hf_config=hf_config.to_dict(), true_vocab_size=hf_config.vocab_size)
+        hf_config=_storable(hf_config.to_dict()), true_vocab_size=hf_config.vocab_size)
     return full, args
+
+
+def _storable(hf_config: dict) -> dict:
+    """The HF config without the entries a checkpoint's args cannot hold (``id2label``'s int keys: Megatron loads
+    args with ``weights_only``); transformers fills them back with their defaults."""
+    return {k: v for k, v in hf_config.items()
+            if not (isinstance(v, dict) and any(not isinstance(key, str) for key in v))}
 
 
 def _norm_epsilon(args) -> float:

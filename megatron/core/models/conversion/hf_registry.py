@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
-from megatron.core.models.conversion import hf, hf_deepseek, hf_gpt_oss, hf_moe, hf_qwen
+from megatron.core.models.conversion import hf, hf_deepseek, hf_gpt_oss, hf_llama4, hf_moe, hf_qwen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,8 @@ _BRIDGES = [
              hf_deepseek.config_kwargs_from_weights),
     HFBridge("gpt_oss", "GptOssForCausalLM", "GptOssConfig", hf_gpt_oss.config_to_megatron, hf_gpt_oss.to_megatron,
              hf_gpt_oss.to_hf, hf_gpt_oss.config_to_hf),
+    HFBridge("llama4_text", "Llama4ForCausalLM", "Llama4TextConfig", hf_llama4.config_to_megatron,
+             hf_llama4.to_megatron, hf_llama4.to_hf, hf_llama4.config_to_hf),
 ]
 BRIDGES: Dict[str, HFBridge] = {b.model_type: b for b in _BRIDGES}
 
