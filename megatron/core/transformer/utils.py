@@ -2,10 +2,10 @@
 the default sharded state of a module.
 
 ``sharded_state_dict_default(module, prefix, sharded_offsets, metadata)`` is what a module without its own
-``sharded_state_dict`` declares: every tensor of its state dict as a :class:`ShardedTensor` replicated over TP
-and DP (replica id ``(0, tp rank, dp rank)``), except that a parameter marked tensor-parallel
-(``tensor_model_parallel`` with ``partition_dim``) is split along that axis; ``_extra_state`` entries become
-:class:`ShardedObject` s. ``sharded_offsets`` — ``(axis, offset, fragments)`` triples — become prepended global
+``sharded_state_dict`` declares: its own tensors as :class:`ShardedTensor` s replicated over TP and DP (replica id
+``(0, tp rank, dp rank)``), except that a parameter marked tensor-parallel (``tensor_model_parallel`` with
+``partition_dim``) is split along that axis, ``_extra_state`` entries as :class:`ShardedObject` s; then each child
+the same way (a child with its own ``sharded_state_dict`` — inside a ``ModuleList`` too — declares itself). ``sharded_offsets`` — ``(axis, offset, fragments)`` triples — become prepended global
 axes (the layer index of a stacked ``decoder.layers.*`` tensor, the expert index).
 """
 from __future__ import annotations
@@ -79,8 +79,14 @@ def sharded_state_dict_default(module: torch.nn.Module, prefix: str = "",
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     if hasattr(module, "sharded_state_dict"):
         return module.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
-    state_dict = module.state_dict(prefix="", keep_vars=True)
-    axis_map = {name: t.partition_dim for name, t in state_dict.items()
+    # A plain module: its own tensors, then its children the same way (a ModuleList of MegatronModules keeps their
+    # declarations).
+    own = {}
+    module._save_to_state_dict(own, "", keep_vars=True)
+    axis_map = {name: t.partition_dim for name, t in own.items()
                 if getattr(t, "tensor_model_parallel", False) and getattr(t, "partition_dim", -1) >= 0}
-    return make_sharded_tensors_for_checkpoint(state_dict, prefix, axis_map, sharded_offsets, tp_group=tp_group,
-                                               dp_cp_group=metadata["dp_cp_group"])
+    out = make_sharded_tensors_for_checkpoint(own, prefix, axis_map, sharded_offsets, tp_group=tp_group,
+                                              dp_cp_group=metadata["dp_cp_group"])
+    for name, child in module.named_children():
+        out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata, tp_group))
+    return out
