@@ -62,6 +62,12 @@ def body():
     ddp = DistributedDataParallel(sharded.config, DistributedDataParallelConfig(), sharded, pg_collection=pgs)
     out["ddp_group"] = (ddp.data_parallel_group is own,
                         all(b.data_parallel_group is own for b in ddp.param_and_grad_buffers))
+
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    grid = HyperCommGrid([2, 1], ["tp", "dp"])
+    group = grid.create_pg("tp")
+    out["grid_tp"] = (torch.distributed.get_process_group_ranks(group), grid.get_pg("tp") is group)
     return out
 
 
@@ -81,6 +87,23 @@ def test_model_follows_the_collections_tp_group_not_parallel_state(results):
 
 def test_ddp_reduces_over_the_collections_dp_cp(results):
     assert all(r["ddp_group"] == (True, True) for r in results)
+
+
+def test_hyper_comm_grid_groups_are_parallel_states(results, monkeypatch):
+    """HyperCommGrid's groups are the ones parallel_state's rank layout builds (tp-cp-pp-dp, 120 ranks), and
+    create_pg makes real groups (the 2-rank launch)."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.rank_grid import RankGenerator
+
+    assert all(r["grid_tp"] == ([0, 1], True) for r in results)
+    monkeypatch.setenv("WORLD_SIZE", "120")
+    grid = HyperCommGrid([2, 3, 4, 5], ["tp", "cp", "pp", "dp"])
+    layout = RankGenerator(tp=2, ep=1, dp=5, pp=4, cp=3, order="tp-cp-pp-dp")
+    for dims in ("tp", "dp", "pp", ["cp", "dp"], ["tp", "pp"], ["tp", "cp", "pp", "dp"]):
+        token = dims if isinstance(dims, str) else "-".join(dims)
+        assert sorted(map(sorted, grid.get_rank_enum(dims))) == sorted(map(sorted, layout.get_ranks(token))), dims
+    with pytest.raises(KeyError, match="has not been created"):
+        grid.get_pg("dp")
 
 
 def test_use_mpu_process_groups_and_unknown_names(single_rank):
