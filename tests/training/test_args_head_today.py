@@ -1,6 +1,7 @@
 """Today's Megatron-LM options implemented beside the registry's tables: --num-virtual-stages-per-pipeline-rank,
 --use-dist-ckpt / --dist-ckpt-format, --exit-signal, --logging-level, --disable-bf16-reduced-precision-matmul,
---wandb-entity, --start-eval-at-iter (each against what the option must do, written out by hand)."""
+--wandb-entity, --start-eval-at-iter, --adlr-autoresume-interval (each against what the option must do, written out
+by hand)."""
 import argparse
 import logging
 import signal
@@ -84,3 +85,34 @@ def test_wandb_entity_and_start_eval_at_iter(clean_env, monkeypatch):
     assert [i for i in range(1, 31) if periodic_evaluation_due(args, i)] == [10, 20, 30]
     args.eval_interval = None  # today's default: no periodic evaluation
     assert not any(periodic_evaluation_due(args, i) for i in range(1, 31))
+
+
+def test_adlr_autoresume_termination_saves_asks_for_a_resume_and_exits(clean_env, monkeypatch):
+    from megatron.training import training
+
+    events = []
+
+    class AutoResume:  # ADLR's userlib.auto_resume interface
+        stop = False
+
+        @classmethod
+        def termination_requested(cls):
+            return cls.stop
+
+        @staticmethod
+        def request_resume():
+            events.append("resume requested")
+
+    args = validated("--save /tmp/h27-autoresume --save-interval 100 --adlr-autoresume-interval 2")
+    args.num_floating_point_operations_so_far = 0  # set by pretrain
+    monkeypatch.setattr(training, "get_args", lambda: args)
+    monkeypatch.setattr(training, "get_adlr_autoresume", lambda: AutoResume)
+    monkeypatch.setattr(training, "save_checkpoint", lambda it, *rest: events.append(f"saved {it}"))
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(training, "_exit", lambda: events.append("exit"))
+    training.check_adlr_autoresume_termination(4, [], None, None)
+    assert events == []  # no request: training goes on
+    AutoResume.stop = True
+    training.check_adlr_autoresume_termination(6, [], None, None)
+    assert events == ["saved 6", "resume requested", "exit"]

@@ -60,8 +60,11 @@ def load_hf(load_dir: str, make_divisible_by: int = 128) -> Tuple[Dict[str, torc
     hf_config = transformers.AutoConfig.from_pretrained(load_dir)
     try:
         bridge = hf_registry.bridge_for(hf_config.model_type)
-        config = bridge.config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by)
-        full = bridge.to_megatron(_read_weights(load_dir), hf_config, config.padded_vocab_size)
+        weights = _read_weights(load_dir)
+        overrides = bridge.config_kwargs_from_weights(hf_config, weights.keys()) if bridge.config_kwargs_from_weights \
+            else {}
+        config = bridge.config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by, **overrides)
+        full = bridge.to_megatron(weights, hf_config, config.padded_vocab_size)
     except ValueError as e:
         raise ConversionError(f"--loader hf {load_dir}: {e}") from e
     legacy = bridge.model_type in _LEGACY_FAMILIES

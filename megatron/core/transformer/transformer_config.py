@@ -175,8 +175,11 @@ class TransformerConfig(ModelParallelConfig):
                                                "flags).")
     # Multi-token prediction (DeepSeek-V3): mtp_num_layers depths after the decoder on the last pipeline stage, their
     # mean loss scaled by mtp_loss_scaling_factor (megatron/core/transformer/multi_token_prediction.py).
-    mtp_num_layers: Optional[int] = None
-    mtp_loss_scaling_factor: float = 0.1
+    mtp_num_layers: Optional[int] = flag(None, "Multi-token prediction: depths after the decoder on the last pipeline "
+                                               "stage, each predicting one token further (needs "
+                                               "--position-embedding-type rope or none).")
+    mtp_loss_scaling_factor: float = flag(0.1, "Multi-token prediction: the mean MTP loss over the depths is scaled by "
+                                               "this factor.")
     untie_embeddings_and_output_weights: bool = False
     openai_gelu: bool = False
     onnx_safe: Optional[bool] = None

@@ -137,6 +137,12 @@ BLOCKS = (
     ),
     Block(
         IMPLEMENTED,
+        "multi-token prediction (megatron/core/transformer/multi_token_prediction.py)",
+        names("""--mtp-num-layers --mtp-loss-scaling-factor"""),
+        group="transformer configuration",
+    ),
+    Block(
+        IMPLEMENTED,
         "",
         names("""--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion
               --no-bias-dropout-fusion --no-rope-fusion --cross-entropy-loss-fusion

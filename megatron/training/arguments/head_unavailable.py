@@ -24,17 +24,16 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "multi-token prediction (MTP) is being implemented",
+        "these multi-token prediction variants (one repeated layer, detached heads, hidden-state mixing, hybrid or "
+        "standalone MTP stages) are not part of this library",
         (
-            value("--mtp-num-layers", type=int),
-            value("--mtp-loss-scaling-factor", type=float, default=0.1),
             switch("--mtp-use-repeated-layer"),
             switch("--mtp-detach-heads"),
             switch("--mtp-hsm"),
             value("--mtp-hybrid-override-pattern"),
             switch("--mtp-standalone"),
         ),
-        group="transformer configuration", pending=True,
+        group="transformer configuration",
     ),
     Block(
         NOT_AVAILABLE,
