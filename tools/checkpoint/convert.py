@@ -67,8 +67,8 @@ def convert(args):
         raise ConversionError(f"--saver {args.saver}: supported savers are legacy (megatron, core, mcore), "
                               "torch_dist and hf")
     if "hf" in (loader, saver) and args.model_type != "GPT":
-        raise ConversionError("Hugging Face import/export supports --model-type GPT (GPT-2, Llama, Mixtral, Qwen2-MoE) "
-                              "only")
+        raise ConversionError("Hugging Face import/export supports --model-type GPT (GPT-2, Llama, Mixtral, Qwen2-MoE, "
+                              "NemotronH) only")
     if loader == "hf" and saver == "hf":
         raise ConversionError("--loader hf --saver hf converts nothing; use a legacy saver or loader on one side")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
@@ -106,6 +106,9 @@ def convert(args):
     print(f"loaded {args.load_dir}: {len(full)} tensors, TP={info['tp']} PP={info['pp']}, "
           f"iteration {'release' if info['release'] else info['iteration']}", flush=True)
 
+    if getattr(margs, "hybrid_layer_pattern", None) and (saver in _LEGACY_NAMES or loader in _LEGACY_NAMES):
+        raise ConversionError("hybrid (Mamba) checkpoints convert with --loader/--saver torch_dist or hf; the legacy "
+                              "torch format has no hybrid layout")
     if getattr(margs, "num_experts", None) and (saver in _LEGACY_NAMES or loader in _LEGACY_NAMES):
         raise ConversionError("mixture-of-experts checkpoints convert with --loader/--saver torch_dist or hf (the "
                               "torch_dist format reshards experts over EP/TP/PP on load); legacy is not supported")

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE directories (config.json + model.safetensors) <-> our full
+"""Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE / NemotronH directories (config.json + model.safetensors) <-> our full
 state dict (legacy names; megatron-core names for the MoE models).
 
 The tensor mapping is :mod:`megatron.core.models.conversion.hf` (and ``.hf_moe``); this module reads and writes the
@@ -13,7 +13,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron.core.models.conversion import hf, hf_moe
+from megatron.core.models.conversion import hf, hf_moe, hf_nemotron_h
 from tools.checkpoint.legacy_io import ConversionError
 
 
@@ -91,12 +91,40 @@ def load_hf(load_dir: str, make_divisible_by: int = 128) -> Tuple[Dict[str, torc
         except ValueError as e:
             raise ConversionError(f"{load_dir}: {e}") from e
         full = hf_moe.moe_hf_to_megatron(weights, hf_config, config.padded_vocab_size)
+    elif hf_config.model_type == hf_nemotron_h.MODEL_TYPE:
+        return _load_nemotron_h(load_dir, hf_config, weights, make_divisible_by)
     else:
-        raise ConversionError(f"--loader hf supports GPT-2, Llama, Mixtral and Qwen2-MoE models, {load_dir} holds a "
-                              f"{hf_config.model_type!r} model")
+        raise ConversionError(f"--loader hf supports GPT-2, Llama, Mixtral, Qwen2-MoE and NemotronH models, {load_dir} "
+                              f"holds a {hf_config.model_type!r} model")
     args = _args_from_config(config, hf_config, hf_config.model_type, make_divisible_by)
     # MoE layers exist only with megatron-core names
     args.use_mcore_models = hf_config.model_type in hf_moe.MOE_MODEL_TYPES
+    return full, args
+
+
+def _load_nemotron_h(load_dir, hf_config, weights, make_divisible_by):
+    """(full MambaModel state dict, Megatron args) of a NemotronH directory."""
+    try:
+        config = hf_nemotron_h.nemotron_h_config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by)
+    except ValueError as e:
+        raise ConversionError(f"{load_dir}: {e}") from e
+    full = hf_nemotron_h.nemotron_h_hf_to_megatron(weights, hf_config, config.padded_vocab_size)
+    args = _args_from_config(config, hf_config, hf_nemotron_h.MODEL_TYPE, make_divisible_by)
+    pattern = hf_nemotron_h.hybrid_pattern(hf_config)
+    # id2label has int keys, which Megatron's weights_only loader of common.pt refuses (the args would be dropped)
+    args.hf_config = {k: v for k, v in args.hf_config.items() if k not in ("id2label", "label2id")}
+    args.__dict__.update(
+        use_mcore_models=True, hybrid_layer_pattern=pattern, is_hybrid_model=True, normalization="RMSNorm",
+        swiglu=False, squared_relu=True, position_embedding_type="none", add_position_embedding=False,
+        mamba_state_dim=config.mamba_state_dim, mamba_head_dim=config.mamba_head_dim,
+        mamba_num_groups=config.mamba_num_groups, mamba_num_heads=config.mamba_num_heads,
+        init_method_std=config.init_method_std)
+    if "E" in pattern:
+        args.__dict__.update(
+            moe_ffn_hidden_size=config.moe_ffn_hidden_size, moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+            moe_router_topk_scaling_factor=config.moe_router_topk_scaling_factor,
+            moe_latent_size=config.moe_latent_size)
     return full, args
 
 
@@ -106,11 +134,14 @@ def hf_config_from_args(args, true_vocab_size):
     family = getattr(args, "hf_model_type", None)
     if getattr(args, "hf_config", None) is not None:
         cls = {"gpt2": transformers.GPT2Config, "mixtral": transformers.MixtralConfig,
-               "qwen2_moe": transformers.Qwen2MoeConfig}.get(family, transformers.LlamaConfig)
+               "qwen2_moe": transformers.Qwen2MoeConfig,
+               hf_nemotron_h.MODEL_TYPE: transformers.NemotronHConfig}.get(family, transformers.LlamaConfig)
         return cls.from_dict(dict(args.hf_config))
     if true_vocab_size is None:
         raise ConversionError("--saver hf needs --true-vocab-size (the tokenizer's vocabulary size) to drop the "
                               "vocabulary padding")
+    if getattr(args, "hybrid_layer_pattern", None):
+        return transformers.NemotronHConfig(**hf_nemotron_h.nemotron_h_config_kwargs(args, true_vocab_size))
     heads = args.num_attention_heads
     if getattr(args, "swiglu", False) and getattr(args, "normalization", "LayerNorm") == "RMSNorm" \
             and getattr(args, "position_embedding_type", None) == "rope":
@@ -164,7 +195,9 @@ def save_hf(full: Dict[str, torch.Tensor], args, save_dir: str, true_vocab_size=
 
     hf_config = hf_config_from_args(args, true_vocab_size)
     mcore = getattr(args, "use_mcore_models", False)
-    if hf_config.model_type in hf_moe.MOE_MODEL_TYPES:  # MoE layers have megatron-core names only
+    if hf_config.model_type == hf_nemotron_h.MODEL_TYPE:
+        sd = hf_nemotron_h.nemotron_h_megatron_to_hf(full, hf_config)
+    elif hf_config.model_type in hf_moe.MOE_MODEL_TYPES:  # MoE layers have megatron-core names only
         sd = hf_moe.moe_megatron_to_hf(full if mcore else legacy_to_mcore(full, "gpt"), hf_config)
     elif hf_config.model_type == "gpt2":
         sd = hf.gpt2_megatron_to_hf(mcore_to_legacy(full, "gpt") if mcore else full, hf_config)

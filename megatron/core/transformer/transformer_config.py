@@ -176,6 +176,23 @@ class TransformerConfig(ModelParallelConfig):
     moe_token_drop_policy: str = "probs"
     moe_layer_recompute: bool = False
     moe_permute_fusion: bool = False
+    # Experts computed on a latent width (Nemotron-3): fc1_latent_proj [latent, h] before the dispatch,
+    # fc2_latent_proj [h, latent] after the combine; the router and the shared experts see the hidden states.
+    moe_latent_size: Optional[int] = None
+    # --use-fused-weighted-squared-relu: Megatron's fused kernel for relu(x)^2 * routing weight in the experts;
+    # the same math runs unfused here (logged).
+    use_fused_weighted_squared_relu: bool = False
+
+    # Hybrid Mamba models (megatron/core/ssm/): --is-hybrid-model scales the output-projection init by
+    # 1/sqrt(L) instead of 1/sqrt(2L). Mamba-2 mixer sizes: N (state), P (head dim), G (groups), H (heads; None:
+    # 2h/P). use_mamba_mem_eff_path: Megatron's fused training kernels (the same math here).
+    is_hybrid_model: bool = False
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: Optional[int] = None
+    use_mamba_mem_eff_path: bool = True
+    mamba_training_ssm_states_dtype: Optional[str] = None  # "bf16": round the scan's inter-chunk states in training
 
     def __post_init__(self):
         super().__post_init__()
@@ -276,7 +293,8 @@ class TransformerConfig(ModelParallelConfig):
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
-            self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, max(self.num_layers, 1))
+            self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, max(self.num_layers, 1),
+                                                                      multiplier=1.0 if self.is_hybrid_model else 2.0)
 
     def _validate_moe(self):
         """megatron-core's MoE checks (the flags are also checked in validate_args, before any process group)."""

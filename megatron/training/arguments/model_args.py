@@ -235,6 +235,34 @@ def _add_moe_args(parser):
     group.add_argument("--moe-token-drop-policy", type=str, default="probs", choices=["probs", "position"],
                        help="Which tokens are dropped over capacity: lowest probability, or last positions.")
     group.add_argument("--moe-permute-fusion", action="store_true", help="Fused token permutation (Transformer Engine).")
+    group.add_argument("--moe-latent-size", type=int, default=None,
+                       help="Compute the experts on this latent width (fc1/fc2 latent projections around them).")
+    group.add_argument("--use-fused-weighted-squared-relu", action="store_true",
+                       help="Fused relu(x)^2 x routing weight kernel in the experts (same math unfused here).")
+    return parser
+
+
+def _add_hybrid_args(parser):
+    """Hybrid Mamba models (Megatron-LM HEAD's names, types and defaults; megatron/core/ssm/, pretrain_mamba.py)."""
+    group = parser.add_argument_group(title="hybrid models")
+
+    group.add_argument("--hybrid-layer-pattern", type=str, default=None,
+                       help="One character per layer: M Mamba, * attention, - MLP, E MoE; | separates pipeline "
+                            "segments. Makes the model hybrid; --num-layers follows from it.")
+    group.add_argument("--hybrid-override-pattern", type=str, default=None,
+                       help="Deprecated alias of --hybrid-layer-pattern.")
+    group.add_argument("--is-hybrid-model", action="store_true",
+                       help="A hybrid Mamba model (needs --hybrid-layer-pattern); output projections are initialised "
+                            "with std / sqrt(num-layers).")
+    group.add_argument("--mamba-state-dim", type=int, default=128, help="State dimension N of the Mamba-2 mixer.")
+    group.add_argument("--mamba-head-dim", type=int, default=64, help="Head dimension P of the Mamba-2 mixer.")
+    group.add_argument("--mamba-num-groups", type=int, default=8, help="Groups G of B and C in the Mamba-2 mixer.")
+    group.add_argument("--mamba-num-heads", type=int, default=None,
+                       help="Heads H of the Mamba-2 mixer (2 x hidden-size / mamba-head-dim if not given).")
+    group.add_argument("--disable-mamba-mem-eff-path", action="store_false", dest="use_mamba_mem_eff_path",
+                       help="Megatron's unfused Mamba training path (the same PyTorch math here).")
+    group.add_argument("--mamba-training-ssm-states-dtype", type=str, default=None, choices=["fp32", "bf16"],
+                       help="Data type of the Mamba scan's inter-chunk states in training (fp32 if not given).")
     return parser
 
 

@@ -28,6 +28,9 @@ def _add_distributed_args(parser):
                             "p2p, all_gather, a2a or a2a+p2p.")
     group.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
                        help="Sizes of the two context-parallel levels of a2a+p2p (their product is the CP size).")
+    group.add_argument("--disable-gloo-process-groups", action="store_false", dest="use_gloo_process_groups",
+                       help="Do not create gloo copies of the process groups next to NCCL's (on CPU the groups "
+                            "themselves are gloo).")
     group.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],
                        help="torch.distributed backend (gloo is used whenever CUDA is not available).")
     group.add_argument("--distributed-timeout-minutes", type=float, default=10,
@@ -127,6 +130,8 @@ def _add_data_args(parser):
     group.add_argument("--tokenizer-model", type=str, default=None,
                        help="SentencePiece model file, Hugging Face tokenizer directory, or TikTokenizer JSON "
                             "vocabulary.")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="Let a Hugging Face tokenizer directory run its own code (transformers' trust_remote_code).")
     group.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"],
                        help="Pre-tokenisation pattern of TikTokenizer.")
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,

@@ -87,6 +87,11 @@ def _add_training_args(parser):
                        help="Fuse the rotary position embedding into one kernel (the default).")
     group.add_argument("--cross-entropy-loss-fusion", action="store_true",
                        help="Fused vocab-parallel cross entropy (compiled kernels, one all-reduce).")
+    group.add_argument("--cross-entropy-fusion-impl", type=str, default="native", choices=["native", "te"],
+                       help="Implementation of --cross-entropy-loss-fusion: native (this library's compiled kernel) "
+                            "or te (Transformer Engine's, not built here: the native one runs, logged).")
+    group.add_argument("--enable-experimental", action="store_true",
+                       help="Enable Megatron's experimental features (accepted; nothing here is gated on it).")
     group.add_argument("--enable-cuda-graph", action="store_true",
                        help="Capture the transformer layers' forward in CUDA graphs (not implemented: errors).")
     group.add_argument("--external-cuda-graph", action="store_true",

@@ -111,9 +111,9 @@ def _validate_moe_implemented(args) -> None:
     if args.moe_router_num_groups is not None:
         _require(args.num_experts % args.moe_router_num_groups == 0 and args.moe_router_group_topk,
                  "--moe-router-num-groups must divide --num-experts and needs --moe-router-group-topk")
-    for flag, dest in (("--moe-router-fusion", "moe_router_fusion"), ("--moe-permute-fusion", "moe_permute_fusion")):
-        if getattr(args, dest):
-            raise _not_implemented(flag, "Transformer Engine's fused MoE kernels", f"drop {flag}")
+    if args.moe_router_fusion:
+        raise _not_implemented("--moe-router-fusion", "Transformer Engine's fused MoE kernels",
+                               "drop --moe-router-fusion")
 
 
 def _validate_context_parallel(args) -> None:

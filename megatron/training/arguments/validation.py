@@ -17,6 +17,7 @@ import torch
 
 from megatron.core import device
 from megatron.tokenizer.vocab_padding import unpadded_vocab_size, vocab_size_with_padding
+from megatron.training.arguments.hybrid import validate_hybrid
 from megatron.training.arguments.printing import _print_args
 from megatron.training.arguments.unimplemented import validate_unimplemented_features
 from megatron.training.errors import ConfigurationError
@@ -50,6 +51,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _apply_deprecations(args)
     _apply_defaults(args, defaults)
     _validate_batch_sizes(args)
+    validate_hybrid(args)  # --hybrid-layer-pattern: derives --num-layers and the virtual pipeline size
     _set_virtual_pipeline_size(args)
     _set_precision(args)
 
@@ -220,7 +222,8 @@ def _validate_step_batch_size_schedule(args):
 def _set_virtual_pipeline_size(args):
     per_stage = args.num_layers_per_virtual_pipeline_stage
     if per_stage is None:
-        args.virtual_pipeline_model_parallel_size = None
+        if not args.is_hybrid_model:  # a hybrid pattern's '|' segments set it (validate_hybrid)
+            args.virtual_pipeline_model_parallel_size = None
         return
     pp = args.pipeline_model_parallel_size
     _require(pp > 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 2 "
@@ -336,7 +339,8 @@ def _validate_model_shape(args):
         _require(groups % tp == 0,
                  f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})")
     stages = args.transformer_pipeline_model_parallel_size
-    if args.pipeline_model_parallel_size > 1 and stages > 0 and args.pipeline_model_parallel_split_rank is None:
+    if args.pipeline_model_parallel_size > 1 and stages > 0 and args.pipeline_model_parallel_split_rank is None \
+            and not args.is_hybrid_model:  # (hybrid models: split by the pattern, checked in validate_hybrid)
         # (early) each pipeline stage holds the same number of transformer layers.
         _require(args.num_layers % stages == 0,
                  f"--num-layers ({args.num_layers}) must be divisible by the number of transformer pipeline "
