@@ -6,6 +6,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.post_training.arguments import add_modelopt_args
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.datasets_provider import gpt_train_valid_test_datasets_provider
@@ -93,8 +94,9 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 
 @exit_on_configuration_error()
 def main():
+    # Megatron-LM adds its ModelOpt flags here when ModelOpt is installed; they need no ModelOpt in this library.
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+             extra_args_provider=add_modelopt_args, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def _args_from_config(config, hf_config, family: str, make_divisible_by: int) ->
         group_query_attention=groups != config.num_attention_heads, num_query_groups=groups,
         max_position_embeddings=config.max_position_embeddings, seq_length=config.max_position_embeddings,
         padded_vocab_size=config.padded_vocab_size, make_vocab_size_divisible_by=make_divisible_by,
-        normalization="RMSNorm" if llama else "LayerNorm", norm_epsilon=config.layernorm_epsilon,
+        normalization="RMSNorm" if llama else "LayerNorm", layernorm_epsilon=config.layernorm_epsilon,
         swiglu=llama, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
         position_embedding_type="rope" if llama else "learned_absolute",
         rotary_base=getattr(config, "rotary_base", 10000), openai_gelu=getattr(config, "openai_gelu", False),
@@ -128,6 +128,11 @@ def _load_nemotron_h(load_dir, hf_config, weights, make_divisible_by):
     return full, args
 
 
+def _norm_epsilon(args) -> float:
+    """--norm-epsilon (dest ``layernorm_epsilon``; checkpoints converted before it existed say ``norm_epsilon``)."""
+    return getattr(args, "layernorm_epsilon", getattr(args, "norm_epsilon", 1e-5))
+
+
 def hf_config_from_args(args, true_vocab_size):
     """The Hugging Face config of a Megatron model: the one it was imported from, else built from its args."""
     transformers = _transformers()
@@ -153,7 +158,7 @@ def hf_config_from_args(args, true_vocab_size):
             vocab_size=true_vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
             num_attention_heads=heads,
             num_key_value_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
-            max_position_embeddings=args.max_position_embeddings, rms_norm_eps=args.norm_epsilon,
+            max_position_embeddings=args.max_position_embeddings, rms_norm_eps=_norm_epsilon(args),
             rope_theta=float(getattr(args, "rotary_base", 10000)),
             tie_word_embeddings=not args.untie_embeddings_and_output_weights)
         experts = getattr(args, "num_experts", None)
@@ -180,7 +185,7 @@ def hf_config_from_args(args, true_vocab_size):
         return transformers.GPT2Config(
             vocab_size=true_vocab_size, n_positions=args.max_position_embeddings, n_embd=args.hidden_size,
             n_layer=args.num_layers, n_head=heads, n_inner=args.ffn_hidden_size,
-            layer_norm_epsilon=getattr(args, "norm_epsilon", getattr(args, "layernorm_epsilon", 1e-5)),
+            layer_norm_epsilon=_norm_epsilon(args),
             activation_function="gelu_new" if getattr(args, "openai_gelu", False) else "gelu",
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     raise ConversionError("--saver hf exports GPT-2 (LayerNorm, learned positions, gelu, biases, tied embeddings) "

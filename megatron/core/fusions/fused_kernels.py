@@ -23,19 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-_LOGGED = set()
-
-
-def log_once(key: str, message: str) -> None:
-    """Print ``message`` the first time ``key`` is seen in this process (on rank 0 only)."""
-    if key in _LOGGED:
-        return
-    _LOGGED.add(key)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_rank() != 0:
-            return
-    print(f"> {message}", flush=True)
-
+from megatron.core.utils import log_once
 
 NO_COMPILE_ENV = "MEGATRON_NO_COMPILE_FUSIONS"
 COMPILE_ON_CPU_ENV = "MEGATRON_COMPILE_FUSIONS_ON_CPU"

@@ -13,7 +13,7 @@ from megatron.core.optimizer.clip_grads import (
 )
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from megatron.core.transformer.fusions import log_once
+from megatron.core.utils import log_once
 from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,

@@ -14,7 +14,7 @@ from typing import Iterable, List, Optional, Union
 
 import torch
 
-from megatron.core.transformer.fusions import log_once
+from megatron.core.utils import log_once
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 _APEX_L2NORM = None

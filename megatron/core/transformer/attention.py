@@ -3,7 +3,7 @@
 ``ParallelAttention`` is the one implementation, built with megatron-core's submodule names (``linear_qkv``,
 ``linear_q``/``linear_kv``, ``linear_proj``); megatron-core's ``SelfAttention`` / ``CrossAttention`` are the
 same class. The legacy class saves and loads Megatron's names (``query_key_value``, ``dense`` ...) through the one
-table of :mod:`megatron.core.models.conversion.keys`, so legacy checkpoints and megatron-core state dicts map key
+table of :mod:`megatron.core.transformer.legacy_names`, so legacy checkpoints and megatron-core state dicts map key
 for key.
 
 Fused QKV layout (per TP partition): the output of ``query_key_value`` viewed as ``[sq, b, ng, (np/ng + 2) * hn]``
@@ -20,10 +20,10 @@ from typing import Optional, Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.conversion.keys import install_legacy_state_dict_names
+from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
 from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary import apply_rotary_pos_emb
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -135,6 +135,12 @@ class ParallelAttention(MegatronModule):
 
             self.q_layernorm = get_norm(config, hidden_size=self.hidden_size_per_attention_head)
             self.k_layernorm = get_norm(config, hidden_size=self.hidden_size_per_attention_head)
+            if world_size > 1:
+                # One weight shared by all heads, which the TP ranks split: each rank's gradient covers its own
+                # heads only, so finalize_model_grads sums it over TP (as for sequence-parallel norms).
+                for norm in (self.q_layernorm, self.k_layernorm):
+                    for param in norm.parameters():
+                        param.sequence_parallel = True
 
         if self.use_flash_attn:
             self.core_attention_flash = FlashSelfAttention(

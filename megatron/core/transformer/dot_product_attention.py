@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide

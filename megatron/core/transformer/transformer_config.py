@@ -388,8 +388,5 @@ class TransformerConfig(ModelParallelConfig):
         if self.rotary_seq_len_interpolation_factor is not None and self.rotary_seq_len_interpolation_factor <= 0:
             raise ValueError("rotary_seq_len_interpolation_factor must be > 0, "
                              f"got {self.rotary_seq_len_interpolation_factor}")
-        if self.qk_layernorm and self.tensor_model_parallel_size > 1:
-            raise ValueError("qk_layernorm (--qk-layernorm) with tensor_model_parallel_size > 1 is not implemented "
-                             "(the shared q/k norm weights would need a TP all-reduce of their gradients)")
         if self.padded_vocab_size is not None and self.padded_vocab_size <= 0:
             raise ValueError(f"padded_vocab_size must be > 0, got {self.padded_vocab_size}")

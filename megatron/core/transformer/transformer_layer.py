@@ -3,7 +3,7 @@
 ``ParallelTransformerLayer`` (Megatron's legacy API) and megatron-core's ``TransformerLayer`` (spec-built) are
 one class with megatron-core's submodule names (``input_layernorm``, ``self_attention``,
 ``pre_cross_attn_layernorm``, ``cross_attention``, ``pre_mlp_layernorm``, ``mlp``); the legacy class saves and
-loads Megatron's legacy names through the one table of :mod:`megatron.core.models.conversion.keys`.
+loads Megatron's legacy names through the one table of :mod:`megatron.core.transformer.legacy_names`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Union
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.models.conversion.keys import install_legacy_state_dict_names
+from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
 from megatron.core.transformer.attention import ParallelAttention, SelfAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType, LayerType
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add, get_bias_dropout_add_func

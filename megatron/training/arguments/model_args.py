@@ -56,6 +56,8 @@ def _add_network_size_args(parser):
                        help="Frequency scaling factor of --use-rope-scaling.")
     group.add_argument("--qk-layernorm", action="store_true",
                        help="Normalise each head's queries and keys (with --normalization) before attention.")
+    group.add_argument("--add-qkv-bias", action="store_true",
+                       help="Give the QKV projection a bias even with --disable-bias-linear (Qwen2 / Qwen2.5).")
     group.add_argument("--attention-backend", type=_attn_backend, default="auto",
                        metavar="{flash,fused,unfused,local,auto}",
                        help="Attention implementation: auto/fused/flash use torch SDPA where the mask allows, "
@@ -64,7 +66,9 @@ def _add_network_size_args(parser):
                        help="Deprecated: disable the position embedding (only with rope).")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="Pad the vocabulary to a multiple of this value times the tensor-parallel size.")
-    group.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="Layer-norm epsilon.")
+    group.add_argument("--norm-epsilon", "--layernorm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon",
+                       help="Epsilon of every LayerNorm / RMSNorm (today's spelling; --layernorm-epsilon is the 2023 "
+                            "one).")
     group.add_argument("--apply-layernorm-1p", action="store_true",
                        help="Zero-centred layer-norm gamma (weight + 1), for numerical stability.")
     group.add_argument("--apply-residual-connection-post-layernorm", action="store_true",

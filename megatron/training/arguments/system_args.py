@@ -109,6 +109,13 @@ def _add_data_args(parser):
                        dest="create_attention_mask_in_dataloader",
                        help="Samples carry no attention_mask; the model applies the causal mask itself.")
     group.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (with NullTokenizer).")
+    group.add_argument("--padded-vocab-size", type=int, default=None,
+                       help="Rows of the embedding and output layer, used as given (no padding by "
+                            "--make-vocab-size-divisible-by); must hold the tokenizer's vocabulary and divide by "
+                            "--tensor-model-parallel-size.")
+    group.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", action="store_false", dest="pad_vocab_size",
+                       help="Do not pad the vocabulary (the embedding has exactly the tokenizer's rows; they must "
+                            "divide by --tensor-model-parallel-size).")
     group.add_argument("--vocab-file", type=str, default=None, help="Vocabulary file.")
     group.add_argument("--merge-file", type=str, default=None, help="BPE merge file.")
     group.add_argument("--vocab-extra-ids", type=int, default=0,

@@ -16,7 +16,8 @@ import types
 import torch
 
 from megatron.core import device
-from megatron.tokenizer.vocab_padding import unpadded_vocab_size, vocab_size_with_padding
+from megatron.post_training.arguments import apply_modelopt_args
+from megatron.tokenizer.vocab_padding import resolve_padded_vocab_size, unpadded_vocab_size
 from megatron.training.arguments.hybrid import validate_hybrid
 from megatron.training.arguments.printing import _print_args
 from megatron.training.arguments.unimplemented import validate_unimplemented_features
@@ -46,6 +47,7 @@ def _log(args, message: str) -> None:
 
 
 def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defaults is never mutated
+    apply_modelopt_args(args, lambda message: _log(args, message))  # the configurations' ModelOpt flags, if added
     validate_unimplemented_features(args)  # MoE, CP > 1, FP8: checked, then stop with one line
     _validate_parallel_sizes(args)
     _apply_deprecations(args)
@@ -78,10 +80,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_profiling(args)
     _validate_paths(args)
 
-    unpadded = None if args.vocab_size is None else unpadded_vocab_size(args.tokenizer_type, args.vocab_size)
-    if unpadded is not None:
-        args.padded_vocab_size = vocab_size_with_padding(
-            unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, rank=args.rank)
+    _set_padded_vocab_size(args)
 
     _print_args("arguments", args)
     retro_args = get_retro_args()
@@ -89,6 +88,21 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
         retro_only = {k: v for k, v in vars(retro_args).items() if k.startswith("retro")}
         _print_args("retro arguments", types.SimpleNamespace(**retro_only, rank=args.rank))
     return args
+
+
+def _set_padded_vocab_size(args):
+    """--padded-vocab-size as given, else the vocabulary --vocab-size stands for padded by
+    --make-vocab-size-divisible-by x TP (unless --no-pad-vocab-size); tokenizers whose files define the vocabulary
+    are padded when they are built. Checked before any process group exists."""
+    unpadded = None if args.vocab_size is None else unpadded_vocab_size(args.tokenizer_type, args.vocab_size)
+    _require(args.make_vocab_size_divisible_by > 0,
+             f"--make-vocab-size-divisible-by must be > 0, got {args.make_vocab_size_divisible_by}")
+    try:
+        args.padded_vocab_size = resolve_padded_vocab_size(
+            unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, args.padded_vocab_size,
+            args.pad_vocab_size, rank=args.rank)
+    except ValueError as e:
+        raise ConfigurationError(str(e)) from None
 
 
 def _validate_parallel_sizes(args):

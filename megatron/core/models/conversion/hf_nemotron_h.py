@@ -236,7 +236,7 @@ def nemotron_h_config_kwargs(args, true_vocab_size: int) -> dict:
         num_attention_heads=heads,
         num_key_value_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
         head_dim=args.kv_channels or args.hidden_size // heads, intermediate_size=args.ffn_hidden_size,
-        max_position_embeddings=args.max_position_embeddings, layer_norm_epsilon=args.norm_epsilon,
+        max_position_embeddings=args.max_position_embeddings, layer_norm_epsilon=getattr(args, "layernorm_epsilon", getattr(args, "norm_epsilon", 1e-5)),
         ssm_state_size=args.mamba_state_dim, mamba_head_dim=args.mamba_head_dim, n_groups=args.mamba_num_groups,
         mamba_num_heads=args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim,
         time_step_min=EXPORT_TIME_STEP_MIN, mlp_hidden_act="relu2", use_bias=False, mlp_bias=False,
