@@ -8,6 +8,7 @@ import importlib.util
 import os
 
 from megatron.core.enums import ModelType
+from megatron.post_training.arguments import add_modelopt_args
 from megatron.training import pretrain
 from megatron.training.errors import exit_on_configuration_error
 from megatron.training.models.hybrid import hybrid_model_provider as model_provider
@@ -30,7 +31,7 @@ train_valid_test_datasets_provider = _gpt.train_valid_test_datasets_provider
 @exit_on_configuration_error()
 def main():
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+             extra_args_provider=add_modelopt_args, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
 
 
 __all__ = ["model_provider", "forward_step", "train_valid_test_datasets_provider", "ModelType", "pretrain"]

@@ -147,8 +147,9 @@ def deterministic_expert_init(model, layer_offset: int):
                 module.weight2.copy_(torch.cat([w.t() for w in fc2s], dim=0))
 
 
-def run_pretrain(entry: str, extra_args, record_model=False):
-    """Run ``pretrain`` of ``entry`` with GPT_ARGS + extra_args; return the per-iteration records."""
+def run_pretrain(entry: str, extra_args, record_model=False, extra_args_provider=None):
+    """Run ``pretrain`` of ``entry`` with GPT_ARGS + extra_args (and the entry point's ``extra_args_provider``, e.g.
+    the ModelOpt flags); return the per-iteration records."""
     from megatron.core import parallel_state as ps
     from megatron.training import global_vars
     from megatron.training import training as training_mod
@@ -180,7 +181,7 @@ def run_pretrain(entry: str, extra_args, record_model=False):
     sys.argv = [f"{entry}.py"] + GPT_ARGS + list(extra_args)
     try:
         module.pretrain(module.train_valid_test_datasets_provider, provider, module.ModelType.encoder_or_decoder,
-                        module.forward_step, args_defaults={})
+                        module.forward_step, extra_args_provider=extra_args_provider, args_defaults={})
     finally:
         sys.argv = argv
         training_mod.training_log = original_log

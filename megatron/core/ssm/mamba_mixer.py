@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
 from megatron.core.ssm.ssd_chunked_scan import causal_depthwise_conv1d, ssd_chunked_scan
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule

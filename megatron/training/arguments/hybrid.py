@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import types
 
-from megatron.core.ssm.mamba_hybrid_layer_allocation import HybridPatternError, parse_hybrid_pattern, \
-    virtual_pipeline_size
+from megatron.core.ssm.mamba_hybrid_layer_allocation import HybridPatternError, layers_of_stage, \
+    parse_hybrid_pattern, virtual_pipeline_size
 from megatron.training.errors import ConfigurationError
 
 
@@ -44,6 +44,7 @@ def validate_hybrid(args) -> None:
     try:
         pattern = parse_hybrid_pattern(pattern_text)
         vpp = virtual_pipeline_size(pattern, args.pipeline_model_parallel_size)
+        layers_of_stage(pattern, args.pipeline_model_parallel_size, 0)  # without '|': an even split
     except HybridPatternError as e:
         raise ConfigurationError(str(e)) from None
     args.is_hybrid_model = True

@@ -22,7 +22,7 @@ from typing import List
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
 from megatron.core.transformer.moe.moe_utils import (
     all_to_all,
     gather_along_first_dim,
