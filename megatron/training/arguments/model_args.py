@@ -85,6 +85,7 @@ def _add_network_size_args(parser):
                        help="Do not tie the input embedding and the output layer weights.")
     group.add_argument("--embedding-weights-in-fp32", action="store_true",
                        help="Keep the embedding weights in fp32 under mixed precision.")
+    _add_hybrid_args(group)
     return parser
 
 
@@ -246,9 +247,9 @@ def _add_moe_args(parser):
     return parser
 
 
-def _add_hybrid_args(parser):
-    """Hybrid Mamba models (Megatron-LM HEAD's names, types and defaults; megatron/core/ssm/, pretrain_mamba.py)."""
-    group = parser.add_argument_group(title="hybrid models")
+def _add_hybrid_args(group):
+    """Hybrid Mamba models (Megatron-LM HEAD's names, types and defaults; megatron/core/ssm/, pretrain_mamba.py), in
+    the network-size group as in Megatron-LM 0.16."""
 
     group.add_argument("--hybrid-layer-pattern", type=str, default=None,
                        help="One character per layer: M Mamba, * attention, - MLP, E MoE; | separates pipeline "
@@ -267,7 +268,6 @@ def _add_hybrid_args(parser):
                        help="Megatron's unfused Mamba training path (the same PyTorch math here).")
     group.add_argument("--mamba-training-ssm-states-dtype", type=str, default=None, choices=["fp32", "bf16"],
                        help="Data type of the Mamba scan's inter-chunk states in training (fp32 if not given).")
-    return parser
 
 
 def _add_retro_args(parser):

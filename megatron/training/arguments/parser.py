@@ -5,7 +5,6 @@ import argparse
 from typing import Callable, Optional, Sequence
 
 from megatron.training.arguments.model_args import (
-    _add_hybrid_args,
     _add_initialization_args,
     _add_moe_args,
     _add_network_size_args,
@@ -46,7 +45,6 @@ ARGUMENT_GROUPS = (
     _add_biencoder_args,
     _add_vision_args,
     _add_moe_args,
-    _add_hybrid_args,
     _add_logging_args,
     _add_inference_args,
     _add_transformer_engine_args,
