@@ -9,8 +9,10 @@
 ``--model-type T5``: encoder and decoder stacks (legacy or megatron-core names), any source TP/PP/split rank; the
 torch saver writes PP=1 (any TP), the torch_dist saver a checkpoint that loads with any TP/PP/split rank.
 Loaders: ``legacy`` (aliases ``megatron``, ``core``, ``mcore``: Megatron ``torch``-format checkpoints with any
-TP/PP, legacy or megatron-core model names) and ``hf`` (a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE
-directory; the MoE models convert to and from ``torch_dist``, whose expert tensors load under any EP/TP/PP). Savers:
+TP/PP, legacy or megatron-core model names) and ``hf`` (a Hugging Face directory of a family of the bridge table
+``megatron.core.models.conversion.hf_registry``: GPT-2, Llama incl. Llama 3.x RoPE scaling, Mixtral, Qwen2-MoE,
+Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE; the MoE models convert to and from ``torch_dist``, whose expert tensors load
+under any EP/TP/PP). Savers:
 ``legacy`` (aliases as above; any target TP/PP) and ``hf`` (config.json + model.safetensors). Unlike Megatron
 the loader and saver run in one process and exchange the full state dict directly (no queue). The written
 torch checkpoints hold ``args``, ``checkpoint_version``, ``iteration`` and ``model`` (no optimizer or RNG state):
@@ -67,8 +69,8 @@ def convert(args):
         raise ConversionError(f"--saver {args.saver}: supported savers are legacy (megatron, core, mcore), "
                               "torch_dist and hf")
     if "hf" in (loader, saver) and args.model_type != "GPT":
-        raise ConversionError("Hugging Face import/export supports --model-type GPT (GPT-2, Llama, Mixtral, Qwen2-MoE, "
-                              "NemotronH) only")
+        raise ConversionError("Hugging Face import/export supports --model-type GPT only (the decoder families of "
+                              "megatron.core.models.conversion.hf_registry)")
     if loader == "hf" and saver == "hf":
         raise ConversionError("--loader hf --saver hf converts nothing; use a legacy saver or loader on one side")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):

@@ -57,7 +57,7 @@ class MambaStack(MegatronModule):
         if hybrid_attention_ratio or hybrid_mlp_ratio:
             raise ValueError("hybrid_attention_ratio / hybrid_mlp_ratio allocation is not implemented: give "
                              "hybrid_layer_pattern")
-        text = hybrid_layer_pattern or hybrid_override_pattern
+        text = hybrid_layer_pattern or hybrid_override_pattern or config.hybrid_layer_pattern
         if text is None:
             raise ValueError("MambaStack needs hybrid_layer_pattern (--hybrid-layer-pattern)")
         self.pattern = parse_hybrid_pattern(text)

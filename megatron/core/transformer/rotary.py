@@ -26,18 +26,18 @@ import torch
 from megatron.core.fusions import fused_kernels
 from megatron.core.utils import context_parallel_chunk_indices
 
-_LLAMA3_LOW_FREQ_FACTOR = 1.0
-_LLAMA3_HIGH_FREQ_FACTOR = 4.0
-_LLAMA3_ORIGINAL_CONTEXT = 8192
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_CONTEXT = 8192
 
 
 def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float = 8.0) -> torch.Tensor:
     """Llama-3.x frequency scaling of ``inv_freq`` (see the module docstring for the formula)."""
-    low_wavelen = _LLAMA3_ORIGINAL_CONTEXT / _LLAMA3_LOW_FREQ_FACTOR
-    high_wavelen = _LLAMA3_ORIGINAL_CONTEXT / _LLAMA3_HIGH_FREQ_FACTOR
+    low_wavelen = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_LOW_FREQ_FACTOR
+    high_wavelen = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_HIGH_FREQ_FACTOR
     wavelen = 2 * math.pi / inv_freq
-    smooth = (_LLAMA3_ORIGINAL_CONTEXT / wavelen - _LLAMA3_LOW_FREQ_FACTOR) / (
-        _LLAMA3_HIGH_FREQ_FACTOR - _LLAMA3_LOW_FREQ_FACTOR)
+    smooth = (LLAMA3_ORIGINAL_CONTEXT / wavelen - LLAMA3_LOW_FREQ_FACTOR) / (
+        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR)
     smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     out = torch.where(wavelen > low_wavelen, inv_freq / factor, smoothed)
     return torch.where(wavelen < high_wavelen, inv_freq, out)

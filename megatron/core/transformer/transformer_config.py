@@ -187,6 +187,7 @@ class TransformerConfig(ModelParallelConfig):
     # 1/sqrt(L) instead of 1/sqrt(2L). Mamba-2 mixer sizes: N (state), P (head dim), G (groups), H (heads; None:
     # 2h/P). use_mamba_mem_eff_path: Megatron's fused training kernels (the same math here).
     is_hybrid_model: bool = False
+    hybrid_layer_pattern: Optional[str] = None  # one symbol per layer (megatron/core/ssm/mamba_hybrid_layer_allocation)
     mamba_state_dim: int = 128
     mamba_head_dim: int = 64
     mamba_num_groups: int = 8

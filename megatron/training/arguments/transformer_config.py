@@ -65,3 +65,46 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig):
     if isinstance(getattr(args, "cp_comm_type", None), list) and len(args.cp_comm_type) == 1:
         kw_args["cp_comm_type"] = args.cp_comm_type[0]
     return config_class(**kw_args)
+
+
+def args_from_transformer_config(config, **overrides):
+    """The args of a ``pretrain_gpt.py`` run that builds ``config`` (the inverse of
+    :func:`core_transformer_config_from_args`): every flag at its default, the flags that fill a config field of the
+    same name set from it, then the flags whose field has another name; ``overrides`` last. The checkpoint
+    converters write these args into the checkpoints they make (complete, as a training run's are)."""
+    from megatron.post_training.arguments import add_modelopt_args
+    from megatron.training.arguments.parser import build_parser
+
+    args = build_parser(add_modelopt_args).parse_args([])
+    fields = {f.name for f in dataclasses.fields(config)}
+    for dest, default in vars(args).items():
+        value = getattr(config, dest, None) if dest in fields else None
+        if dest in fields and (value is not None or default is None):
+            setattr(args, dest, value)
+    gated, act = config.gated_linear_unit, config.activation_func
+    args.swiglu = gated and act is F.silu
+    args.num_experts = config.num_moe_experts
+    args.group_query_attention = config.num_query_groups != config.num_attention_heads
+    args.apply_layernorm_1p = config.layernorm_zero_centered_gamma
+    args.add_position_embedding = config.add_position_embedding and config.position_embedding_type == "learned_absolute"
+    args.seq_length = args.encoder_seq_length = config.max_position_embeddings
+    args.encoder_num_layers = config.num_layers
+    args.params_dtype = config.params_dtype
+    args.rank, args.world_size = 0, 1
+    for dest, value in overrides.items():
+        setattr(args, dest, value)
+    return args
+
+
+def complete_args(args):
+    """``args`` (e.g. a checkpoint's, from an older version) with every flag it lacks at its default, so that
+    :func:`core_transformer_config_from_args` can read it."""
+    from megatron.post_training.arguments import add_modelopt_args
+    from megatron.training.arguments.parser import build_parser
+
+    full = build_parser(add_modelopt_args).parse_args([])
+    for dest, value in vars(args).items():
+        setattr(full, dest, value)
+    if getattr(full, "params_dtype", None) is None:
+        full.params_dtype = torch.bfloat16 if full.bf16 else (torch.half if full.fp16 else torch.float)
+    return full

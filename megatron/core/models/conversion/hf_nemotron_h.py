@@ -100,7 +100,7 @@ def nemotron_h_config_to_megatron(hf_config, make_vocab_size_divisible_by: int =
         normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=False, activation_func=squared_relu,
         squared_relu=True, bias_gelu_fusion=False, hidden_dropout=0.0,
         attention_dropout=getattr(hf_config, "attention_dropout", 0.0), init_method_std=hf_config.initializer_range,
-        tensor_model_parallel_size=tensor_model_parallel_size, is_hybrid_model=True,
+        tensor_model_parallel_size=tensor_model_parallel_size, is_hybrid_model=True, hybrid_layer_pattern=pattern,
         mamba_state_dim=hf_config.ssm_state_size, mamba_head_dim=hf_config.mamba_head_dim,
         mamba_num_groups=hf_config.n_groups, mamba_num_heads=hf_config.mamba_num_heads,
         padded_vocab_size=vocab_size_with_padding(hf_config.vocab_size, make_vocab_size_divisible_by,
@@ -226,26 +226,33 @@ def nemotron_h_megatron_to_hf(state_dict: Dict[str, torch.Tensor], hf_config) ->
     return out
 
 
-def nemotron_h_config_kwargs(args, true_vocab_size: int) -> dict:
-    """``transformers.NemotronHConfig`` keyword arguments describing the hybrid model of Megatron ``args``."""
-    pattern = args.hybrid_layer_pattern
+def config_to_hf(config: TransformerConfig):
+    """``('nemotron_h', NemotronHConfig fields without the vocabulary)`` of a hybrid TransformerConfig (a model trained
+    here), or None for any other config. ``time_step_min`` is 1e-9: Megatron does not clamp Δ (module docstring)."""
+    pattern = config.hybrid_layer_pattern
+    if not pattern or config.add_bias_linear or config.gated_linear_unit or not config.squared_relu \
+            or config.normalization != "RMSNorm" or config.position_embedding_type != "none":
+        return None
+    pattern = pattern.replace("|", "")
     inverse = {v: k for k, v in BLOCK_SYMBOLS.items()}
-    heads = args.num_attention_heads
-    kwargs = dict(
-        vocab_size=true_vocab_size, hidden_size=args.hidden_size, layers_block_type=[inverse[c] for c in pattern],
-        num_attention_heads=heads,
-        num_key_value_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
-        head_dim=args.kv_channels or args.hidden_size // heads, intermediate_size=args.ffn_hidden_size,
-        max_position_embeddings=args.max_position_embeddings, layer_norm_epsilon=getattr(args, "layernorm_epsilon", getattr(args, "norm_epsilon", 1e-5)),
-        ssm_state_size=args.mamba_state_dim, mamba_head_dim=args.mamba_head_dim, n_groups=args.mamba_num_groups,
-        mamba_num_heads=args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim,
+    fields = dict(
+        hidden_size=config.hidden_size, layers_block_type=[inverse[c] for c in pattern],
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups,
+        head_dim=config.kv_channels, intermediate_size=config.ffn_hidden_size,
+        max_position_embeddings=config.max_position_embeddings, layer_norm_epsilon=config.layernorm_epsilon,
+        ssm_state_size=config.mamba_state_dim, mamba_head_dim=config.mamba_head_dim, n_groups=config.mamba_num_groups,
+        mamba_num_heads=config.mamba_num_heads or 2 * config.hidden_size // config.mamba_head_dim,
         time_step_min=EXPORT_TIME_STEP_MIN, mlp_hidden_act="relu2", use_bias=False, mlp_bias=False,
-        attention_bias=False, tie_word_embeddings=not args.untie_embeddings_and_output_weights,
-        initializer_range=getattr(args, "init_method_std", 0.02))
+        attention_bias=False, tie_word_embeddings=not config.untie_embeddings_and_output_weights,
+        initializer_range=config.init_method_std)
     if "E" in pattern:
-        kwargs.update(n_routed_experts=args.num_experts, num_experts_per_tok=args.moe_router_topk,
-                      moe_intermediate_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
-                      moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size or 0,
-                      routed_scaling_factor=args.moe_router_topk_scaling_factor or 1.0, norm_topk_prob=True,
-                      moe_latent_size=getattr(args, "moe_latent_size", None), n_group=1, topk_group=1)
-    return kwargs
+        if config.moe_router_score_function != "sigmoid" or not config.moe_router_enable_expert_bias \
+                or config.moe_router_num_groups or config.moe_shared_expert_gate \
+                or not config.moe_shared_expert_intermediate_size:
+            return None
+        fields.update(n_routed_experts=config.num_moe_experts, num_experts_per_tok=config.moe_router_topk,
+                      moe_intermediate_size=config.moe_ffn_hidden_size,
+                      moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                      routed_scaling_factor=config.moe_router_topk_scaling_factor or 1.0, norm_topk_prob=True,
+                      moe_latent_size=config.moe_latent_size, n_group=1, topk_group=1)
+    return MODEL_TYPE, fields

@@ -15,6 +15,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
 class LanguageModule(MegatronModule):
     """Shared-embedding handling of megatron-core language models (tied weight lives in ``output_layer`` on
     the last stage)."""
@@ -50,8 +54,10 @@ class LanguageModule(MegatronModule):
 class GPTModel(LanguageModule):
     """``GPTModel(config, transformer_layer_spec, vocab_size, max_sequence_length, pre_process=True,
     post_process=True, fp16_lm_cross_entropy=False, parallel_output=True, share_embeddings_and_output_weights=False,
-    position_embedding_type='learned_absolute', rotary_percent=1.0, rotary_base=10000, rope_scaling=False,
-    rope_scaling_factor=8.0, seq_len_interpolation_factor=None)``.
+    position_embedding_type=None, rotary_percent=None, rotary_base=None, rope_scaling=None,
+    rope_scaling_factor=None, seq_len_interpolation_factor=None)``; the position-embedding arguments left at None
+    take the config's values (``position_embedding_type``, ``rotary_percent``, ``rotary_base``, ``use_rope_scaling``,
+    ``rope_scaling_factor``, ``rotary_seq_len_interpolation_factor``; megatron-core's defaults unless set).
 
     ``forward(input_ids [b, s], position_ids [b, s], attention_mask, decoder_input=None, labels=None,
     inference_params=None)`` -> logits ``[b, s, V/tp]``, or the per-token loss ``[b, s]`` with ``labels``.
@@ -60,10 +66,17 @@ class GPTModel(LanguageModule):
     def __init__(self, config, transformer_layer_spec: ModuleSpec, vocab_size: int, max_sequence_length: int,
                  pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
-                 position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
-                 rotary_base: int = 10000, rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
-                 seq_len_interpolation_factor=None):
+                 position_embedding_type: str = None, rotary_percent: float = None, rotary_base: int = None,
+                 rope_scaling: bool = None, rope_scaling_factor: float = None, seq_len_interpolation_factor=None):
         super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+        # Position-embedding settings not passed come from the config's fields of the same meaning (whose defaults
+        # are megatron-core's defaults of these arguments).
+        position_embedding_type = _or(position_embedding_type, config.position_embedding_type)
+        rotary_percent = _or(rotary_percent, config.rotary_percent)
+        rotary_base = _or(rotary_base, config.rotary_base)
+        rope_scaling = _or(rope_scaling, config.use_rope_scaling)
+        rope_scaling_factor = _or(rope_scaling_factor, config.rope_scaling_factor)
+        seq_len_interpolation_factor = _or(seq_len_interpolation_factor, config.rotary_seq_len_interpolation_factor)
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError("position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
                              f"got {position_embedding_type!r}")

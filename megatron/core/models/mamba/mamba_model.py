@@ -24,7 +24,7 @@ class MambaModel(LanguageModule):
     hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0, hybrid_override_pattern=None, post_process=True,
     fp16_lm_cross_entropy=False, parallel_output=True, share_embeddings_and_output_weights=False,
     position_embedding_type='none', rotary_percent=1.0, rotary_base=10000, seq_len_interpolation_factor=None,
-    vp_stage=None, *, hybrid_layer_pattern=None)``.
+    vp_stage=None, *, hybrid_layer_pattern=None)``; the pattern defaults to ``config.hybrid_layer_pattern``.
 
     ``forward(input_ids [b, s], position_ids [b, s], attention_mask, decoder_input=None, labels=None,
     inference_params=None)`` -> logits ``[b, s, V/tp]``, or the per-token loss ``[b, s]`` with ``labels``.
@@ -41,7 +41,8 @@ class MambaModel(LanguageModule):
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError("position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
                              f"got {position_embedding_type!r}")
-        self.hybrid_layer_pattern = hybrid_layer_pattern or hybrid_override_pattern
+        hybrid_layer_pattern = hybrid_layer_pattern or hybrid_override_pattern or config.hybrid_layer_pattern
+        self.hybrid_layer_pattern = hybrid_layer_pattern
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.pre_process, self.post_process = pre_process, post_process
@@ -60,7 +61,7 @@ class MambaModel(LanguageModule):
                                                   rotary_base=rotary_base)
         self.decoder = build_module(mamba_stack_spec, config, pre_process=pre_process,
                                     hybrid_attention_ratio=hybrid_attention_ratio, hybrid_mlp_ratio=hybrid_mlp_ratio,
-                                    hybrid_override_pattern=hybrid_override_pattern, post_process=post_process,
+                                    post_process=post_process,
                                     hybrid_layer_pattern=hybrid_layer_pattern, vp_stage=vp_stage)
         if not isinstance(self.decoder, MambaStack):
             raise TypeError(f"mamba_stack_spec must build a MambaStack, got {type(self.decoder).__name__}")
