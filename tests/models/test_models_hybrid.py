@@ -86,8 +86,8 @@ def _expected_keys(pattern="M*E-M", experts=4):
               "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
               "mlp.fc1_latent_proj.weight", "mlp.fc2_latent_proj.weight"],
     }
-    linears = {"M": ["mixer.in_proj", "mixer.out_proj"], "*": ["self_attention.linear_qkv", "self_attention.linear_proj"],
-               "-": ["mlp.linear_fc1", "mlp.linear_fc2"],
+    linears = {"M": ["mixer.in_proj", "mixer.out_proj"],
+               "*": ["self_attention.linear_qkv", "self_attention.linear_proj"], "-": ["mlp.linear_fc1", "mlp.linear_fc2"],
                "E": ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2", "mlp.fc1_latent_proj",
                      "mlp.fc2_latent_proj"]}
     for i, symbol in enumerate(pattern):

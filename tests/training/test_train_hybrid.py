@@ -37,8 +37,8 @@ LAYOUTS = {
     "tp1_dp4": ([], PATTERN),
     "tp2_sp_dp2": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], PATTERN),
     "pp2_pattern_split": (["--pipeline-model-parallel-size", "2"], "M|*E-M"),
-    "tp2_sp_pp2": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"],
-                   "M*E|-M"),
+    "tp2_sp_pp2": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                    "--pipeline-model-parallel-size", "2"], "M*E|-M"),
 }
 
 

@@ -58,8 +58,8 @@ def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
 
     ``x [b, T, H, P]``, ``dt [b, T, H]`` (Δ, after softplus), ``A [H]`` (negative), ``B``/``C [b, T, G, N]``,
     ``D [H]`` or None, ``initial_state [b, H, P, N]`` or None; ``state_dtype`` rounds the states carried between
-    chunks to that dtype (``--mamba-training-ssm-states-dtype bf16``). Returns ``y [b, T, H, P]`` in ``x``'s dtype (and the
-    final state ``[b, H, P, N]`` in the compute dtype with ``return_final_state``).
+    chunks to that dtype (``--mamba-training-ssm-states-dtype bf16``). Returns ``y [b, T, H, P]`` in ``x``'s dtype
+    (and the final state ``[b, H, P, N]`` in the compute dtype with ``return_final_state``).
     """
     batch, length, heads, head_dim = x.shape
     groups, state = B.shape[2], B.shape[3]

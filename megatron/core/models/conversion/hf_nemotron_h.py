@@ -16,6 +16,7 @@ Hugging Face (``backbone.`` on disk, ``model.`` in memory)   megatron-core ``dec
 ``mixer.up_proj`` / ``mixer.down_proj``                      ``mlp.linear_fc1`` / ``mlp.linear_fc2``
 ``mixer.gate.weight``, ``gate.e_score_correction_bias``      ``mlp.router.weight``, ``mlp.router.expert_bias``
 ``mixer.experts.{e}.{up,down}_proj.weight`` (memory:         ``mlp.experts.local_experts.{e}.linear_fc{1,2}.weight``
+                                                             (read also from GroupedMLP's ``weight1`` / ``weight2``)
 ``experts.up_proj [E, F, in]``, ``down_proj [E, in, F]``)
 ``mixer.shared_experts.{up,down}_proj.weight``               ``mlp.shared_experts.linear_fc{1,2}.weight``
 ``mixer.fc{1,2}_latent_proj.weight``                         ``mlp.fc{1,2}_latent_proj.weight``
@@ -38,7 +39,7 @@ from typing import Dict
 import torch
 
 from megatron.core.activations import squared_relu
-from megatron.core.models.conversion.hf import _pad_vocab, fuse_qkv, split_qkv
+from megatron.core.models.conversion.hf_layers import experts_from_hf, experts_to_hf, fuse_qkv, pad_vocab, split_qkv
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.vocab_padding import vocab_size_with_padding
 
@@ -144,7 +145,7 @@ def nemotron_h_hf_to_megatron(hf_state_dict: Dict[str, torch.Tensor], hf_config,
     sd = _hf_names(hf_state_dict)
     pattern = hybrid_pattern(hf_config)
     nh, ng = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    out = {"embedding.word_embeddings.weight": _pad_vocab(sd["embeddings.weight"], padded_vocab_size)}
+    out = {"embedding.word_embeddings.weight": pad_vocab(sd["embeddings.weight"], padded_vocab_size)}
     for i, symbol in enumerate(pattern):
         src, dst = f"layers.{i}.", f"decoder.layers.{i}."
         mixer = src + "mixer."
@@ -166,10 +167,10 @@ def nemotron_h_hf_to_megatron(hf_state_dict: Dict[str, torch.Tensor], hf_config,
             out[dst + "pre_mlp_layernorm.weight"] = norm
             out[dst + "mlp.router.weight"] = sd[mixer + "gate.weight"].clone()
             out[dst + "mlp.router.expert_bias"] = sd[mixer + "gate.e_score_correction_bias"].clone()
-            for e in range(hf_config.n_routed_experts):
-                for hf_name, ours in (("up_proj", "linear_fc1"), ("down_proj", "linear_fc2")):
-                    out[f"{dst}mlp.experts.local_experts.{e}.{ours}.weight"] = \
-                        sd[f"{mixer}experts.{e}.{hf_name}.weight"].clone()
+            experts = range(hf_config.n_routed_experts)
+            experts_from_hf(torch.stack([sd[f"{mixer}experts.{e}.up_proj.weight"] for e in experts]),
+                            torch.stack([sd[f"{mixer}experts.{e}.down_proj.weight"] for e in experts]),
+                            dst + "mlp.", out)
             for hf_name, ours in (("shared_experts.up_proj", "shared_experts.linear_fc1"),
                                   ("shared_experts.down_proj", "shared_experts.linear_fc2"),
                                   ("fc1_latent_proj", "fc1_latent_proj"), ("fc2_latent_proj", "fc2_latent_proj")):
@@ -178,7 +179,7 @@ def nemotron_h_hf_to_megatron(hf_state_dict: Dict[str, torch.Tensor], hf_config,
     out["decoder.final_norm.weight"] = sd["norm_f.weight"].clone()
     if getattr(hf_config, "tie_word_embeddings", False):
         return out
-    out["output_layer.weight"] = _pad_vocab(sd["lm_head.weight"], padded_vocab_size)
+    out["output_layer.weight"] = pad_vocab(sd["lm_head.weight"], padded_vocab_size)
     return out
 
 
@@ -211,10 +212,10 @@ def nemotron_h_megatron_to_hf(state_dict: Dict[str, torch.Tensor], hf_config) ->
             out[dst + "norm.weight"] = sd[src + "pre_mlp_layernorm.weight"].clone()
             out[mixer + "gate.weight"] = sd[src + "mlp.router.weight"].clone()
             out[mixer + "gate.e_score_correction_bias"] = sd[src + "mlp.router.expert_bias"].float().clone()
+            fc1, fc2, _, _ = experts_to_hf(sd, src + "mlp.", hf_config.n_routed_experts)
             for e in range(hf_config.n_routed_experts):
-                for hf_name, ours in (("up_proj", "linear_fc1"), ("down_proj", "linear_fc2")):
-                    out[f"{mixer}experts.{e}.{hf_name}.weight"] = \
-                        sd[f"{src}mlp.experts.local_experts.{e}.{ours}.weight"].clone()
+                out[f"{mixer}experts.{e}.up_proj.weight"] = fc1[e].clone()
+                out[f"{mixer}experts.{e}.down_proj.weight"] = fc2[e].clone()
             for hf_name, ours in (("shared_experts.up_proj", "shared_experts.linear_fc1"),
                                   ("shared_experts.down_proj", "shared_experts.linear_fc2"),
                                   ("fc1_latent_proj", "fc1_latent_proj"), ("fc2_latent_proj", "fc2_latent_proj")):
