@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.gpt.gpt_model import LanguageModule
@@ -80,16 +80,6 @@ class MambaModel(LanguageModule):
                 raise ValueError("input_tensor should only be length 1 for a hybrid model")
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
-
-    def _rotary_seq_len(self, input_ids, decoder_input, inference_params) -> int:
-        """Length of the full sequence (the local hidden states are ``[s/tp, b, h]`` with sequence parallelism)."""
-        if inference_params is not None:
-            return inference_params.max_sequence_length
-        if input_ids is not None:
-            return input_ids.size(1)
-        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
-        tp = parallel_state.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
-        return hidden.size(0) * tp
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_params=None, **unused):
