@@ -202,6 +202,9 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     for chunk in model:
         chunk.to(device.current_device())
 
+    if wrap_with_ddp and _fsdp2_engine(args):
+        # FSDP2 keeps fp32 main weights as its shards and casts for compute itself (no Float16Module).
+        return [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
     if args.fp16 or args.bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -209,14 +212,28 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
 
     if not wrap_with_ddp:
         return model
+    model = [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
+    if args.data_parallel_random_init:
+        for chunk in model:
+            chunk.broadcast_params()
+    return model
+
+
+def _fsdp2_engine(args) -> bool:
+    """Whether the model is sharded by FSDP2 (--use-torch-fsdp2, or Megatron-FSDP's optim_grads[_params])."""
+    return args.use_torch_fsdp2 or (args.use_megatron_fsdp and args.data_parallel_sharding_strategy in
+                                    ("optim_grads", "optim_grads_params"))
+
+
+def _wrap_data_parallel(args, chunk, index):
+    """One model chunk in its data-parallel wrapper: torch DDP, our DDP (buckets), FSDP2 or Megatron-FSDP."""
+    config = get_model_config(chunk)
     if args.DDP_impl == "torch":
         from megatron.core.distributed.torch_ddp import TorchDistributedDataParallel
 
-        return [TorchDistributedDataParallel(chunk, process_group=parallel_state.get_data_parallel_group(
+        return TorchDistributedDataParallel(chunk, process_group=parallel_state.get_data_parallel_group(
             with_context_parallel=True))
-                for chunk in model]
-
-    ddp_config = DistributedDataParallelConfig(
+    kwargs = dict(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
@@ -226,13 +243,23 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         # check_for_nan_in_grad stays off: --check-for-nan-in-loss-and-grad is train_step's NumericalGuard, which
         # makes every rank agree before stopping.
     )
+    if args.use_torch_fsdp2:
+        from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+        from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
+            TorchFullyShardedDataParallelConfig)
+
+        kwargs.update(use_distributed_optimizer=False, reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+        return TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(**kwargs), chunk)
+    if args.use_megatron_fsdp:
+        from megatron.core.distributed.fsdp import FullyShardedDataParallel
+
+        kwargs.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+                      overlap_param_gather=args.overlap_param_gather and args.data_parallel_sharding_strategy == "optim")
+        return FullyShardedDataParallel(config, DistributedDataParallelConfig(**kwargs), chunk,
+                                        disable_bucketing=index > 0)
     # Only the first chunk is bucketed: later chunks' backward passes finish last anyway.
-    model = [DistributedDataParallel(get_model_config(chunk), ddp_config, chunk, disable_bucketing=(i > 0))
-             for i, chunk in enumerate(model)]
-    if args.data_parallel_random_init:
-        for chunk in model:
-            chunk.broadcast_params()
-    return model
+    return DistributedDataParallel(config, DistributedDataParallelConfig(**kwargs), chunk,
+                                   disable_bucketing=index > 0)
 
 
 def get_optimizer_param_scheduler(optimizer):

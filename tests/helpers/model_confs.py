@@ -57,9 +57,9 @@ def shrunk(name: str, drop=("--bf16",), **sizes) -> list:
     layers = int(table["--num-layers"])
     if "--moe-layer-freq" in out:
         at = out.index("--moe-layer-freq") + 1
-        from megatron.training.arguments.model_args import _moe_layer_freq
+        from megatron.training.arguments.model_args import layer_pattern
 
-        freq = _moe_layer_freq(out[at])
+        freq = layer_pattern(out[at])
         if isinstance(freq, list):
             out[at] = str(freq[:layers]).replace(" ", "")
     if "--moe-router-topk" in out:  # top-1 configurations stay top-1

@@ -57,7 +57,7 @@ EXPECT = {
                                               position_embedding_type="rope", rotary_percent=0.5, num_layers=32,
                                               num_query_groups=8, add_bias_linear=False, bf16=True),
 }
-ARGS_ONLY = ("hybrid_layer_pattern", "trust_remote_code", "padded_vocab_size", "export_model_type",
+ARGS_ONLY = ("hybrid_layer_pattern", "trust_remote_code", "use_fused_weighted_squared_relu", "padded_vocab_size", "export_model_type",
              "untie_embeddings_and_output_weights", "use_gloo_process_groups", "enable_experimental")
 
 

@@ -5,7 +5,8 @@
         --load-dir ckpt_tp2_pp2 --save-dir ckpt_tp1_pp1 \\
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 [--true-vocab-size 50257]
 
-``torch_dist`` (Megatron-LM's distributed format, any source TP/PP) can be loader and saver too.
+``torch_dist`` (Megatron-LM's distributed format, any source TP/PP) can be loader and saver too. Without
+``--loader`` the format is detected from ``--load-dir`` (``detect_loader``).
 ``--model-type T5``: encoder and decoder stacks (legacy or megatron-core names), any source TP/PP/split rank; the
 torch saver writes PP=1 (any TP), the torch_dist saver a checkpoint that loads with any TP/PP/split rank.
 Loaders: ``legacy`` (aliases ``megatron``, ``core``, ``mcore``: Megatron ``torch``-format checkpoints with any
@@ -40,8 +41,9 @@ def get_args(argv=None):
                                                  "import/export)", allow_abbrev=False)
     parser.add_argument("--model-type", type=str, required=True, choices=["GPT", "BERT", "T5"],
                         help="Type of the model")
-    parser.add_argument("--loader", type=str, default="legacy",
-                        help="legacy (megatron, core, mcore: the torch format), torch_dist or hf")
+    parser.add_argument("--loader", type=str, default=None,
+                        help="legacy (megatron, core, mcore: the torch format), torch_dist or hf; detected from "
+                             "--load-dir when not given")
     parser.add_argument("--saver", type=str, default="legacy",
                         help="legacy (megatron, core, mcore: the torch format), torch_dist or hf")
     parser.add_argument("--load-dir", type=str, required=True, help="Directory to load the model checkpoint from")
@@ -60,7 +62,27 @@ def get_args(argv=None):
     return parser.parse_args(argv)
 
 
+def detect_loader(load_dir: str) -> str:
+    """The loader for what ``load_dir`` holds (as --auto-detect-ckpt-format does for training): ``torch_dist`` (the
+    tracker's checkpoint directory has metadata.json), ``legacy`` (a torch-format checkpoint), ``hf`` (config.json
+    and no tracker file)."""
+    from tools.checkpoint.dist_io import is_dist_checkpoint
+
+    if is_dist_checkpoint(load_dir):
+        return "torch_dist"
+    if os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
+        return "legacy"
+    if os.path.isfile(os.path.join(load_dir, "config.json")):
+        return "hf"
+    raise ConversionError(f"--load-dir {load_dir} holds no checkpoint this converter reads (no "
+                          "latest_checkpointed_iteration.txt, no Hugging Face config.json): check the path, or pass "
+                          "--loader")
+
+
 def convert(args):
+    if args.loader is None:
+        args.loader = detect_loader(args.load_dir)
+        print(f"--loader not given: {args.load_dir} holds a {args.loader} checkpoint", flush=True)
     loader, saver = args.loader.lower(), args.saver.lower()
     if loader not in _LEGACY_NAMES + ("hf", "torch_dist"):
         raise ConversionError(f"--loader {args.loader}: supported loaders are legacy (megatron, core, mcore), "

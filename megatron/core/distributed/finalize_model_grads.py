@@ -19,7 +19,8 @@ with ``--overlap-grad-reduce`` it is already running when backward ends):
    the counts restart from zero;
 6. with ``--moe-router-load-balancing-type global_aux_loss``: the routers' running global-batch counts restart.
 
-Gradients are read from ``param.main_grad`` (our DDP buffers; ``.grad`` when there is none).
+Gradients are read from ``param.main_grad`` (our DDP buffers; ``.grad`` when there is none; this rank's block of
+a DTensor ``.grad`` under fully sharded data parallelism).
 """
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ from megatron.core import parallel_state
 
 def _main_grad(param):
     grad = getattr(param, "main_grad", None)
-    return grad if grad is not None else param.grad
+    grad = grad if grad is not None else param.grad
+    if grad is not None and hasattr(grad, "to_local"):  # a DTensor (FSDP2): its local block
+        grad = grad.to_local()
+    return grad
 
 
 def unwrap_model_chunk(module):

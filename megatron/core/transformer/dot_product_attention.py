@@ -28,7 +28,9 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.utils import log_once
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask
+from megatron.core.transformer.attention_variants import attention_with_sinks, window_mask
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.fusions.fused_layer_norm import param_device
 from megatron.core.utils import divide
 
 _CAUSAL_CHECK_CACHE = {}
@@ -102,6 +104,7 @@ class CoreAttention(MegatronModule):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.attention_dropout = torch.nn.Dropout(dropout)
 
+        self._init_attention_variants(config, world_size)
         self.cp_size = config.context_parallel_size
         comm = config.cp_comm_type if config.cp_comm_type is not None else "p2p"
         self.cp_comm_type = comm if isinstance(comm, str) else comm[self.layer_number - 1]
@@ -109,6 +112,30 @@ class CoreAttention(MegatronModule):
             log_once(f"attention_cp:{self.cp_comm_type}",
                      f"attention: context parallel over {self.cp_size} ranks, --cp-comm-type {self.cp_comm_type}, "
                      "pure PyTorch (megatron.core.transformer.context_parallel; Transformer Engine not used)")
+
+    def _init_attention_variants(self, config, world_size: int) -> None:
+        """Attention sinks and the sliding window of this layer (:mod:`.attention_variants`)."""
+        self.softmax_type = config.softmax_type
+        self.window = config.window_size if config.is_window_attention_layer(self.layer_number) else None
+        if self.softmax_type == "learnable":
+            # One logit per head: the full [heads] vector from the global generator (the same on every TP rank),
+            # then this rank's heads, so every TP size starts from the same model.
+            full = torch.zeros(config.num_attention_heads, dtype=torch.float32)
+            if config.perform_initialization:
+                config.init_method(full)
+            rank = parallel_state.get_tensor_model_parallel_rank() if world_size > 1 else 0
+            local = full.chunk(world_size)[rank].to(dtype=config.params_dtype, device=param_device(config))
+            self.softmax_offset = torch.nn.Parameter(local.contiguous())
+            tensor_parallel.set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif self.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(self.num_attention_heads_per_partition,
+                                                               device=param_device(config)), persistent=False)
+        else:
+            self.softmax_offset = None
+        if config.context_parallel_size > 1 and (self.window is not None or self.softmax_offset is not None):
+            raise ValueError(f"context parallelism (--context-parallel-size {config.context_parallel_size}) with "
+                             f"{'--window-size' if self.window is not None else '--softmax-type ' + self.softmax_type}"
+                             " is not implemented: the ring attention has no window or sink")
 
     # ------------------------------------------------------------------------------------------- dispatch
     def _dropout_rng(self):
@@ -150,11 +177,49 @@ class CoreAttention(MegatronModule):
         if groups > 1:
             key_layer = key_layer.repeat_interleave(groups, dim=2)
             value_layer = value_layer.repeat_interleave(groups, dim=2)
+        if self.window is not None or self.softmax_offset is not None:
+            return self._variant_forward(query_layer, key_layer, value_layer, attention_mask)
         if self.use_sdpa(attention_mask):
             log_once("attention_sdpa", "attention: torch.nn.functional.scaled_dot_product_attention (SDPA)")
             return self._sdpa_forward(query_layer, key_layer, value_layer, attention_mask)
         log_once("attention_unfused", "attention: explicit masked softmax (unfused)")
         return self._explicit_forward(query_layer, key_layer, value_layer, attention_mask)
+
+    # ------------------------------------------------------------------------------- window and sinks
+    def _variant_mask(self, attention_mask, sq: int, sk: int, device):
+        """Boolean mask (True = hidden) of the causal structure, the given mask and this layer's window."""
+        hidden = None
+        if self.attn_mask_type == AttnMaskType.causal:
+            hidden = causal_mask(sq, sk, device)[0, 0]
+        if attention_mask is not None:
+            given = attention_mask.bool()
+            hidden = given if hidden is None else hidden | given
+        if self.window is not None:
+            window = window_mask(sq, sk, self.window, device)
+            hidden = window if hidden is None else hidden | window
+        return hidden
+
+    def _variant_forward(self, query_layer, key_layer, value_layer, attention_mask):
+        """Sliding window (SDPA with the band mask, or the explicit path) and/or attention sinks (explicit softmax
+        with the sink column, attention_variants.attention_with_sinks)."""
+        sq, b, np_, hn = query_layer.shape
+        sk = key_layer.size(0)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query_layer, key_layer, value_layer))
+        hidden = self._variant_mask(attention_mask, sq, sk, q.device)
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        rng = self._dropout_rng() if dropout_p > 0.0 else contextlib.nullcontext()
+        if self.softmax_offset is not None:
+            log_once(f"attention_sinks:{self.softmax_type}", f"attention: --softmax-type {self.softmax_type} sinks, "
+                     "explicit softmax with a sink column (attention_variants.attention_with_sinks)"
+                     + (f", sliding window {self.window}" if self.window is not None else ""))
+            with rng:
+                out = attention_with_sinks(q, k, v, hidden, self.softmax_offset, self.attention_dropout)
+        else:
+            log_once("attention_window", f"attention: sliding window {self.window} as a boolean mask, torch SDPA")
+            with rng:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden, dropout_p=dropout_p,
+                                                     scale=1.0 / math.sqrt(hn))
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
     # ----------------------------------------------------------------------------------- explicit path
     def _explicit_forward(self, query_layer, key_layer, value_layer, attention_mask):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -179,9 +179,6 @@ class TransformerConfig(ModelParallelConfig):
     # Experts computed on a latent width (Nemotron-3): fc1_latent_proj [latent, h] before the dispatch,
     # fc2_latent_proj [h, latent] after the combine; the router and the shared experts see the hidden states.
     moe_latent_size: Optional[int] = None
-    # --use-fused-weighted-squared-relu: Megatron's fused kernel for relu(x)^2 * routing weight in the experts;
-    # the same math runs unfused here (logged).
-    use_fused_weighted_squared_relu: bool = False
 
     # Hybrid Mamba models (megatron/core/ssm/): --is-hybrid-model scales the output-projection init by
     # 1/sqrt(L) instead of 1/sqrt(2L). Mamba-2 mixer sizes: N (state), P (head dim), G (groups), H (heads; None:
@@ -194,6 +191,18 @@ class TransformerConfig(ModelParallelConfig):
     mamba_num_heads: Optional[int] = None
     use_mamba_mem_eff_path: bool = True
     mamba_training_ssm_states_dtype: Optional[str] = None  # "bf16": round the scan's inter-chunk states in training
+
+    # Today's model families (gpt-oss, Llama 4); see megatron/core/transformer/attention_variants.py for the math.
+    # Gated MLPs: y = act(min(a, c)) * (clamp(l, -c, c) + glu_linear_offset), c = activation_func_clamp_value (None:
+    # no clamp); --quick-geglu is activation_func = quick_gelu with a gated unit.
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
+    # Attention sinks: vanilla (none), off-by-one (a zero logit), learnable (a per-head logit, softmax_offset).
+    softmax_type: str = "vanilla"
+    # Sliding-window attention: query i sees keys i - left .. i + right (-1: unbounded) on the layers
+    # window_attn_skip_freq selects (None: all; N: those whose number is not a multiple of N; a 0/1 list per layer).
+    window_size: Optional[Tuple[int, int]] = None
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -290,6 +299,7 @@ class TransformerConfig(ModelParallelConfig):
                 raise ValueError("When bias_gelu_fusion is True, activation_func must be F.gelu.")
 
         self._validate_moe()
+        self._validate_attention_variants()
 
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
@@ -328,6 +338,36 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError("expert biases need expert_tensor_parallel_size 1 (pass --disable-bias-linear)")
         if self.moe_grouped_gemm and self.fp16:
             raise ValueError("moe_grouped_gemm supports bf16 and fp32 parameters, not fp16")
+
+    def _validate_attention_variants(self):
+        if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"softmax_type must be vanilla, off-by-one or learnable, got {self.softmax_type!r}")
+        if self.window_size is not None:
+            self.window_size = tuple(int(v) for v in self.window_size)
+            if len(self.window_size) != 2 or any(v < -1 for v in self.window_size):
+                raise ValueError(f"window_size must be (left, right) with values >= -1 (-1: unbounded), got "
+                                 f"{self.window_size}")
+        freq = self.window_attn_skip_freq
+        if isinstance(freq, (list, tuple)) and len(freq) != self.num_layers:
+            raise ValueError(f"window_attn_skip_freq lists {len(freq)} layers; the model has {self.num_layers}")
+        if isinstance(freq, int) and freq < 1:
+            raise ValueError(f"window_attn_skip_freq must be >= 1, got {freq}")
+        if self.activation_func_clamp_value is not None and self.activation_func_clamp_value <= 0:
+            raise ValueError(f"activation_func_clamp_value must be > 0, got {self.activation_func_clamp_value}")
+        if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.gated_linear_unit:
+            raise ValueError("glu_linear_offset / activation_func_clamp_value apply to a gated linear unit: set "
+                             "gated_linear_unit (--swiglu or --quick-geglu)")
+
+    def is_window_attention_layer(self, layer_number: int) -> bool:
+        """Whether global layer ``layer_number`` (1-based) attends within ``window_size`` (see the field)."""
+        if self.window_size is None:
+            return False
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            return True
+        if isinstance(freq, int):
+            return layer_number % freq != 0
+        return bool(freq[layer_number - 1])
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer ``layer_number`` (1-based) has an MoE MLP (``moe_layer_freq``)."""

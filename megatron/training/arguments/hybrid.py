@@ -1,5 +1,4 @@
-"""``validate_args`` step for hybrid Mamba models (``--hybrid-layer-pattern``) and the kernel-only flags of
-Megatron-LM HEAD's Nemotron configurations.
+"""``validate_args`` step for hybrid Mamba models (``--hybrid-layer-pattern``).
 
 The pattern makes the model hybrid: ``--num-layers`` follows from it (a different value is ignored with a warning,
 as in Megatron-LM), ``|`` segments decide the pipeline split and the virtual pipeline size. The Mamba-2 sizes must
@@ -28,7 +27,7 @@ def _log(args, message: str) -> None:
 
 def validate_hybrid(args) -> None:
     """Resolve the pattern flags, derive --num-layers and the virtual pipeline size, check the Mamba sizes."""
-    _validate_kernel_flags(args)
+    _log_mamba_state_dtype(args)
     pattern_text = args.hybrid_layer_pattern
     if args.hybrid_override_pattern is not None:
         _require(pattern_text in (None, args.hybrid_override_pattern),
@@ -91,18 +90,7 @@ def _validate_mamba_sizes(args) -> None:
                f"{dims.groups} groups, state {dims.state}")
 
 
-def _validate_kernel_flags(args) -> None:
-    """Flags that select a GPU kernel or a resource setting: the same math runs here; say which."""
-    if args.use_fused_weighted_squared_relu:
-        _require(args.squared_relu, "--use-fused-weighted-squared-relu needs --squared-relu")
-        _log(args, "--use-fused-weighted-squared-relu: the experts compute relu(x)^2 and the routing weight with "
-                   "PyTorch ops (no fused kernel on this path; the same math)")
-    if args.cross_entropy_fusion_impl == "te" and args.cross_entropy_loss_fusion:
-        _log(args, "--cross-entropy-fusion-impl te: Transformer Engine is not used; the native fused cross entropy "
-                   "runs (the same loss)")
-    if not args.use_gloo_process_groups:
-        _log(args, "--disable-gloo-process-groups: on CPU every process group is gloo; with NCCL the only gloo group "
-                   "built is the data-parallel copy the distributed optimizer gathers its checkpoint state with")
+def _log_mamba_state_dtype(args) -> None:
     if args.mamba_training_ssm_states_dtype == "bf16":
         _log(args, "--mamba-training-ssm-states-dtype bf16: the Mamba scan's inter-chunk states are rounded to "
                    "bfloat16")

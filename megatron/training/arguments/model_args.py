@@ -10,7 +10,7 @@ import argparse
 
 
 def _attn_backend(name: str):
-    """``--attention-backend NAME`` -> megatron.core's ``AttnBackend`` member of that name (Megatron's type)."""
+    """``--attention-backend NAME`` -> megatron.core's ``AttnBackend`` member of that name (HEAD's type)."""
     from megatron.core.transformer.enums import AttnBackend
 
     try:
@@ -18,6 +18,31 @@ def _attn_backend(name: str):
     except KeyError:
         raise argparse.ArgumentTypeError(
             f"invalid choice {name!r} (choose from {', '.join(b.name for b in AttnBackend)})") from None
+
+
+def int_pair(value: str):
+    """``"127,0"`` or ``"(127,0)"`` -> ``(127, 0)`` (HEAD's type of ``--window-size``)."""
+    try:
+        return tuple(int(v) for v in value.strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by a comma, e.g. 127,0; got {value!r}") from None
+
+
+def layer_pattern(value: str):
+    """An int N, or a Python list expression of 0/1 per layer such as ``"([0]+[1]*23)"`` (HEAD's per-layer
+    frequency options: ``--moe-layer-freq``, ``--no-rope-freq``, ``--window-attn-skip-freq`` ...)."""
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        pattern = _eval_layer_pattern(value)
+    except (ValueError, SyntaxError, TypeError):
+        pattern = None
+    if not isinstance(pattern, list) or not all(v in (0, 1) for v in pattern):
+        raise argparse.ArgumentTypeError(f"expected an integer or a list expression of 0/1 such as '([0]+[1]*23)', "
+                                         f"got {value!r}")
+    return pattern
 
 
 def _add_network_size_args(parser):
@@ -40,7 +65,8 @@ def _add_network_size_args(parser):
     group.add_argument("--max-position-embeddings", type=int, default=None,
                        help="Largest sequence length the position embedding supports.")
     group.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                       choices=["learned_absolute", "rope", "none"], help="Position embedding type.")
+                       choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
+                       help="Position embedding type (yarn, mrope and relative are not available).")
     group.add_argument("--use-rotary-position-embeddings", action="store_true",
                        help="Deprecated: use --position-embedding-type rope.")
     group.add_argument("--rotary-percent", type=float, default=1.0,
@@ -58,8 +84,8 @@ def _add_network_size_args(parser):
                        help="Normalise each head's queries and keys (with --normalization) before attention.")
     group.add_argument("--add-qkv-bias", action="store_true",
                        help="Give the QKV projection a bias even with --disable-bias-linear (Qwen2 / Qwen2.5).")
-    group.add_argument("--attention-backend", type=_attn_backend, default="auto",
-                       metavar="{flash,fused,unfused,local,auto}",
+    group.add_argument("--attention-backend", type=_attn_backend, default=_attn_backend("auto"),
+                       choices=list(_attn_backend("auto").__class__), metavar="{flash,fused,unfused,local,auto}",
                        help="Attention implementation: auto/fused/flash use torch SDPA where the mask allows, "
                             "unfused/local the explicit masked softmax.")
     group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
@@ -69,7 +95,7 @@ def _add_network_size_args(parser):
     group.add_argument("--norm-epsilon", "--layernorm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon",
                        help="Epsilon of every LayerNorm / RMSNorm (today's spelling; --layernorm-epsilon is the 2023 "
                             "one).")
-    group.add_argument("--apply-layernorm-1p", action="store_true",
+    group.add_argument("--apply-layernorm-1p", action="store_true", dest="layernorm_zero_centered_gamma",
                        help="Zero-centred layer-norm gamma (weight + 1), for numerical stability.")
     group.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
                        help="Take the residual from after the layer norm (original BERT).")
@@ -132,7 +158,7 @@ def _add_transformer_engine_args(parser):
     group.add_argument("--fp8-amax-history-len", type=int, default=1, help="Number of steps of amax history kept.")
     group.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
                        help="How the FP8 amax is computed from its history.")
-    group.add_argument("--no-fp8-wgrad", action="store_false", dest="fp8_wgrad",
+    group.add_argument("--no-fp8-wgrad", "--disable-fp8-wgrad", action="store_false", dest="fp8_wgrad",
                        help="Compute the weight gradients in higher precision under FP8.")
     group.add_argument("--fp8-recipe", default="delayed", choices=["tensorwise", "delayed", "mxfp8", "blockwise",
                                                                    "custom"],
@@ -140,29 +166,13 @@ def _add_transformer_engine_args(parser):
                             "blockwise: block scaling; custom: a user quantizer factory).")
     group.add_argument("--fp8-param-gather", action="store_true",
                        help="Keep the parameters in FP8 and all-gather them in FP8 (needs the distributed optimizer).")
-    group.add_argument("--transformer-impl", default="transformer_engine", choices=["local", "transformer_engine"],
-                       help="Which transformer implementation to use (transformer_engine falls back to local, "
-                            "with a log line, because this library builds its layers from its own modules).")
+    group.add_argument("--transformer-impl", default="transformer_engine",
+                       choices=["local", "transformer_engine", "inference_optimized"],
+                       help="Which transformer implementation to use (transformer_engine and inference_optimized run "
+                            "local, with a log line, because this library builds its layers from its own modules).")
     group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
                        help="Normalization layer type.")
     return parser
-
-
-def _moe_layer_freq(value: str):
-    """``--moe-layer-freq``: an int N (every N-th layer is MoE) or a Python list expression of 0/1 per layer,
-    e.g. ``"([0]+[1]*23)"``."""
-    try:
-        return int(value)
-    except ValueError:
-        pass
-    try:
-        pattern = _eval_layer_pattern(value)
-    except (ValueError, SyntaxError, TypeError):
-        pattern = None
-    if not isinstance(pattern, list) or not all(v in (0, 1) for v in pattern):
-        raise argparse.ArgumentTypeError(f"--moe-layer-freq must be an integer or a list expression of 0/1 such as "
-                                         f"'([0]+[1]*23)', got {value!r}")
-    return pattern
 
 
 def _eval_layer_pattern(value: str):
@@ -193,7 +203,7 @@ def _add_moe_args(parser):
     group.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert model parallel size (EP).")
     group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                        help="Tensor parallel size of the experts (--tensor-model-parallel-size if not given).")
-    group.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=1,
+    group.add_argument("--moe-layer-freq", type=layer_pattern, default=1,
                        help="Every N-th layer is an MoE layer (int N), or a 0/1 list expression per layer.")
     group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                        help="Hidden size of each expert's MLP (--ffn-hidden-size if not given).")
@@ -207,12 +217,13 @@ def _add_moe_args(parser):
                        help="Use the legacy GroupedMLP (grouped_gemm package) for --moe-grouped-gemm.")
     group.add_argument("--moe-layer-recompute", action="store_true", help="Recompute the MoE layers in backward.")
     group.add_argument("--moe-router-load-balancing-type", nargs="+", type=str, default="aux_loss",
-                       choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+                       choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"],
                        help="Load-balancing strategy (several: one --moe-aux-loss-coeff each).")
     group.add_argument("--moe-router-dtype", type=str, default=None, choices=["fp32", "fp64"],
                        help="Data type of the router's GEMM, routing and probability weighting.")
     group.add_argument("--moe-router-fusion", action="store_true", help="Fused router kernels (Transformer Engine).")
-    group.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"],
+    group.add_argument("--moe-router-score-function", type=str, default="softmax",
+                       choices=["softmax", "sigmoid", "sqrtsoftplus"],
                        help="Router score function.")
     group.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to (k).")
     group.add_argument("--moe-router-pre-softmax", action="store_true",
@@ -242,8 +253,6 @@ def _add_moe_args(parser):
     group.add_argument("--moe-permute-fusion", action="store_true", help="Fused token permutation (Transformer Engine).")
     group.add_argument("--moe-latent-size", type=int, default=None,
                        help="Compute the experts on this latent width (fc1/fc2 latent projections around them).")
-    group.add_argument("--use-fused-weighted-squared-relu", action="store_true",
-                       help="Fused relu(x)^2 x routing weight kernel in the experts (same math unfused here).")
     return parser
 
 

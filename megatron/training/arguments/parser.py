@@ -27,6 +27,7 @@ from megatron.training.arguments.training_args import (
     _add_training_args,
     _add_validation_args,
 )
+from megatron.training.arguments.registry import add_registry_options
 from megatron.training.launch_env import resolve_launch_env
 
 # The order groups appear in ``--help``, as in Megatron-LM.
@@ -53,9 +54,12 @@ ARGUMENT_GROUPS = (
 
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+    """Megatron's groups, every other option of Megatron-LM HEAD from the registry (``registry.py``), then the
+    script's own flags (``extra_args_provider``)."""
     parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
     for add_group in ARGUMENT_GROUPS:
         parser = add_group(parser)
+    parser = add_registry_options(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser

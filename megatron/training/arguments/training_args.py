@@ -28,7 +28,7 @@ def _add_training_args(parser):
                             "--manual-gc-interval and around evaluation, the same on every rank.")
     group.add_argument("--manual-gc-interval", type=int, default=0,
                        help="With --manual-gc: run a full gc.collect() every this many iterations (0: never).")
-    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+    group.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false", dest="manual_gc_eval",
                        help="With --manual-gc: do not collect before and after each periodic evaluation.")
     group.add_argument("--recompute-activations", action="store_true",
                        help="Recompute activations (selective granularity).")
@@ -43,8 +43,9 @@ def _add_training_args(parser):
                        help="Split recomputed activations across the tensor-parallel group.")
     group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
                        help="uniform: recompute groups of layers; block: recompute the first layers of each stage.")
-    group.add_argument("--recompute-num-layers", type=int, default=1,
-                       help="Layers per recompute group (uniform) or recomputed layers per stage (block).")
+    group.add_argument("--recompute-num-layers", type=int, default=None,
+                       help="Layers per recompute group (uniform) or recomputed layers per stage (block); needed with "
+                            "--recompute-granularity full.")
     group.add_argument("--profile", action="store_true",
                        help="Profile iterations --profile-step-start..--profile-step-end: nsys ranges (CUDA), or "
                             "with --use-pytorch-profiler a PyTorch profiler trace in --tensorboard-dir.")
@@ -87,15 +88,11 @@ def _add_training_args(parser):
                        help="Fuse the rotary position embedding into one kernel (the default).")
     group.add_argument("--cross-entropy-loss-fusion", action="store_true",
                        help="Fused vocab-parallel cross entropy (compiled kernels, one all-reduce).")
-    group.add_argument("--cross-entropy-fusion-impl", type=str, default="native", choices=["native", "te"],
-                       help="Implementation of --cross-entropy-loss-fusion: native (this library's compiled kernel) "
-                            "or te (Transformer Engine's, not built here: the native one runs, logged).")
-    group.add_argument("--enable-experimental", action="store_true",
-                       help="Enable Megatron's experimental features (accepted; nothing here is gated on it).")
     group.add_argument("--enable-cuda-graph", action="store_true",
-                       help="Capture the transformer layers' forward in CUDA graphs (not implemented: errors).")
+                       help="Capture the transformer layers' forward in CUDA graphs (performance only: not captured "
+                            "here, said once in the log).")
     group.add_argument("--external-cuda-graph", action="store_true",
-                       help="CUDA graphs captured by the training script (not implemented: errors).")
+                       help="CUDA graphs captured by the training script (performance only: not captured here).")
     group.set_defaults(bias_gelu_fusion=True, bias_swiglu_fusion=True, apply_rope_fusion=True)
     group.add_argument("--use-flash-attn", action="store_true", help="Use FlashAttention when available.")
     group.add_argument("--deterministic-mode", action="store_true",
@@ -103,14 +100,16 @@ def _add_training_args(parser):
                             "but is good for debugging and testing (see megatron/training/deterministic.py).")
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                        help="Drop the biases of the linear layers.")
-    group.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
-    group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic"],
+    group.add_argument("--optimizer", type=str, default="adam",
+                       choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"],
+                       help="Optimizer (adam or sgd; the others are not available).")
+    group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic", "external"],
                        help="Single pass or cyclic data loader ('single' if not given).")
     group.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",
                        dest="async_tensor_model_parallel_allreduce",
                        help="Do not overlap the input-gradient all-reduce with the weight-gradient GEMM.")
     group.add_argument("--no-persist-layer-norm", action="store_true",
-                       help="Do not use the persistent fused layer-norm kernel.")
+                       help="Do not use apex's persistent fused layer-norm kernel (performance only: never used here).")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="Shard layer-norm and dropout activations along the sequence over tensor-parallel ranks.")
     group.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
@@ -128,7 +127,8 @@ def _add_learning_rate_args(parser):
 
     group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     group.add_argument("--lr-decay-style", type=str, default="linear",
-                       choices=["constant", "linear", "cosine", "inverse-square-root"], help="Learning rate decay.")
+                       choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                       help="Learning rate decay (WSD is not available).")
     group.add_argument("--lr-decay-iters", type=int, default=None,
                        help="Iterations to decay over (--train-iters if not given).")
     group.add_argument("--lr-decay-samples", type=int, default=None,
@@ -145,9 +145,10 @@ def _add_learning_rate_args(parser):
     group.add_argument("--decoupled-min-lr", type=float, default=None,
                        help="Minimum learning rate of the input embedding and output layer weights "
                             "(--min-lr if not given).")
-    group.add_argument("--override-opt_param-scheduler", action="store_true",
+    group.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
                        help="Use the scheduler values from the flags, ignoring those in the checkpoint.")
-    group.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+    group.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                       action="store_true",
                        help="Use the scheduler values from the checkpoint, ignoring the flags.")
     return parser
 
@@ -156,7 +157,8 @@ def _add_checkpointing_args(parser):
     group = parser.add_argument_group(title="checkpointing")
 
     group.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
-    group.add_argument("--save-interval", type=int, default=None, help="Save a checkpoint every this many iterations.")
+    group.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
+                       help="Save a checkpoint every this many iterations.")
     group.add_argument("--no-save-optim", action="store_true", default=None, help="Do not save the optimizer state.")
     group.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save the RNG state.")
     group.add_argument("--load", type=str, default=None, help="Directory containing a checkpoint to load.")
@@ -174,10 +176,11 @@ def _add_checkpointing_args(parser):
                        help="Load the checkpoint of this iteration instead of the one the tracker file names.")
     group.add_argument("--pretrained-checkpoint", type=str, default=None,
                        help="Checkpoint to start a finetune from when --load holds none (implies --finetune).")
-    group.add_argument("--ckpt-format", type=str, default="torch_dist", choices=["torch", "torch_dist"],
+    group.add_argument("--ckpt-format", type=str, default="torch_dist",
+                       choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
                        help="Checkpoint format: distributed, reshardable, Megatron-LM's layout (torch_dist, the "
                             "default) or one file per model-parallel rank (torch).")
-    group.add_argument("--async-save", action="store_true", default=None,
+    group.add_argument("--async-save", action="store_true",
                        help="Write torch_dist checkpoints in a background thread; finished before the next save, "
                             "a load, or the end of training.")
     group.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected",
@@ -188,7 +191,7 @@ def _add_checkpointing_args(parser):
     group.add_argument("--auto-detect-ckpt-format", action="store_true",
                        help="Load whichever format --load holds (metadata.json: torch_dist; mp_rank_*: torch), "
                             "whatever --ckpt-format says (which still decides the format of saves).")
-    group.add_argument("--ckpt-fully-parallel-save", action="store_true", dest="deprecated_ckpt_fully_parallel_save",
+    group.add_argument("--ckpt-fully-parallel-save", action="store_true", dest="ckpt_fully_parallel_save_deprecated",
                        help="Deprecated no-op (fully parallel save is the default).")
     group.add_argument("--no-ckpt-fully-parallel-save", action="store_false", dest="ckpt_fully_parallel_save",
                        help="torch_dist: accepted for Megatron compatibility; here every distinct chunk is written "
@@ -221,7 +224,11 @@ def _add_mixed_precision_args(parser):
     group.add_argument("--fp32-residual-connection", action="store_true",
                        help="Keep the residual connection in fp32.")
     group.add_argument("--no-query-key-layer-scaling", action="store_false", dest="apply_query_key_layer_scaling",
-                       help="Do not scale Q * K^T by 1 / layer-number.")
+                       default=False, help="Do not scale Q * K^T by 1 / layer-number (the default now; the 2023 "
+                                           "default was to scale: --apply-query-key-layer-scaling).")
+    group.add_argument("--apply-query-key-layer-scaling", action="store_true", dest="apply_query_key_layer_scaling",
+                       help="Scale Q * K^T by 1 / layer-number before the softmax and back after it (computes the "
+                            "softmax in fp32).")
     group.add_argument("--attention-softmax-in-fp32", action="store_true",
                        help="Compute the attention softmax in fp32.")
     group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
@@ -238,6 +245,7 @@ def _add_validation_args(parser):
     group = parser.add_argument_group(title="validation")
 
     group.add_argument("--eval-iters", type=int, default=100, help="Iterations per validation/test evaluation.")
-    group.add_argument("--eval-interval", type=int, default=1000, help="Evaluate every this many iterations.")
+    group.add_argument("--eval-interval", type=int, default=None,
+                       help="Evaluate every this many iterations (not given: only after training).")
     group.add_argument("--skip-train", action="store_true", help="Only evaluate; do not train.")
     return parser

@@ -12,9 +12,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def _mlp_activation(args):
-    """(activation_func, gated_linear_unit) chosen by --swiglu / --openai-gelu / --squared-relu / --onnx-safe."""
+    """(activation_func, gated_linear_unit) chosen by --swiglu / --quick-geglu / --openai-gelu / --squared-relu /
+    --onnx-safe."""
     if args.swiglu:
         return F.silu, True
+    if getattr(args, "quick_geglu", False):
+        from megatron.core.activations import quick_gelu
+
+        return quick_gelu, True
     if args.openai_gelu or args.squared_relu or args.onnx_safe:
         # The activations live with the fused ops of megatron.core.transformer; imported only when asked for.
         from megatron.core import activations as fusions
@@ -38,7 +43,6 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig):
         if hasattr(args, field.name):
             kw_args[field.name] = getattr(args, field.name)
     kw_args["persist_layer_norm"] = not args.no_persist_layer_norm
-    kw_args["layernorm_zero_centered_gamma"] = args.apply_layernorm_1p
     kw_args["deallocate_pipeline_outputs"] = True
     kw_args["pipeline_dtype"] = args.params_dtype
     kw_args["batch_p2p_comm"] = not args.overlap_p2p_comm
@@ -82,10 +86,12 @@ def args_from_transformer_config(config, **overrides):
         if dest in fields and (value is not None or default is None):
             setattr(args, dest, value)
     gated, act = config.gated_linear_unit, config.activation_func
+    from megatron.core.activations import quick_gelu
+
     args.swiglu = gated and act is F.silu
+    args.quick_geglu = gated and act is quick_gelu
     args.num_experts = config.num_moe_experts
     args.group_query_attention = config.num_query_groups != config.num_attention_heads
-    args.apply_layernorm_1p = config.layernorm_zero_centered_gamma
     args.add_position_embedding = config.add_position_embedding and config.position_embedding_type == "learned_absolute"
     args.seq_length = args.encoder_seq_length = config.max_position_embeddings
     args.encoder_num_layers = config.num_layers
@@ -105,6 +111,8 @@ def complete_args(args):
     full = build_parser(add_modelopt_args).parse_args([])
     for dest, value in vars(args).items():
         setattr(full, dest, value)
+    if hasattr(args, "apply_layernorm_1p") and not hasattr(args, "layernorm_zero_centered_gamma"):
+        full.layernorm_zero_centered_gamma = args.apply_layernorm_1p  # the 2023 destination of --apply-layernorm-1p
     if getattr(full, "params_dtype", None) is None:
         full.params_dtype = torch.bfloat16 if full.bf16 else (torch.half if full.fp16 else torch.float)
     return full

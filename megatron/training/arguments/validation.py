@@ -18,8 +18,11 @@ import torch
 from megatron.core import device
 from megatron.post_training.arguments import apply_modelopt_args
 from megatron.tokenizer.vocab_padding import resolve_padded_vocab_size, unpadded_vocab_size
+from megatron.training.arguments.fsdp_args import validate_fully_sharded
 from megatron.training.arguments.hybrid import validate_hybrid
 from megatron.training.arguments.printing import _print_args
+from megatron.training.arguments.model_variants import validate_model_variants
+from megatron.training.arguments.registry import log_performance_only, refuse_not_available
 from megatron.training.arguments.unimplemented import validate_unimplemented_features
 from megatron.training.errors import ConfigurationError
 from megatron.training.global_vars import get_retro_args, set_retro_args
@@ -48,10 +51,14 @@ def _log(args, message: str) -> None:
 
 def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defaults is never mutated
     apply_modelopt_args(args, lambda message: _log(args, message))  # the configurations' ModelOpt flags, if added
+    refuse_not_available(args)  # an option this library does not have: one line naming it (registry.py)
+    log_performance_only(args, lambda message: _log(args, message))  # once: what runs instead (registry.py)
     validate_unimplemented_features(args)  # MoE, CP > 1, FP8: checked, then stop with one line
     _validate_parallel_sizes(args)
     _apply_deprecations(args)
     _apply_defaults(args, defaults)
+    _apply_legacy_split(args)
+    validate_fully_sharded(args)  # FSDP: Megatron's rules; Megatron-FSDP turns the distributed optimizer on
     _validate_batch_sizes(args)
     validate_hybrid(args)  # --hybrid-layer-pattern: derives --num-layers and the virtual pipeline size
     _set_virtual_pipeline_size(args)
@@ -73,6 +80,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_recompute(args)
     _validate_sequence_parallel(args)
     _validate_features(args)
+    validate_model_variants(args)  # gpt-oss / Llama 4 flags (model_variants.py)
     _validate_per_token_loss(args)
     _validate_decoupled_lr(args)
     _validate_param_gather(args)
@@ -165,6 +173,14 @@ def _apply_defaults(args, defaults):
                 key=key, v=value, v2=getattr(args, key)))
         else:
             setattr(args, key, value)
+
+
+def _apply_legacy_split(args):
+    # Today's --split has no default; with --data-path Megatron falls back to the 2023 one, with a warning.
+    if args.split is None and args.data_path is not None:
+        _log(args, "WARNING: Please specify --split when using --data-path. Using legacy default value of "
+                   "\"969, 30, 1\"")
+        args.split = "969, 30, 1"
 
 
 def _validate_batch_sizes(args):
@@ -326,7 +342,7 @@ def _validate_model_shape(args):
         _require(getattr(args, dest) > 0, f"{_flag(dest)} must be > 0, got {getattr(args, dest)}")
 
     activations = [f for f, on in (("--openai-gelu", args.openai_gelu), ("--squared-relu", args.squared_relu),
-                                   ("--swiglu", args.swiglu)) if on]
+                                   ("--swiglu", args.swiglu), ("--quick-geglu", args.quick_geglu)) if on]
     _require(len(activations) <= 1, f"{' and '.join(activations)} each choose the MLP activation: pass only one")
     if args.ffn_hidden_size is None:
         if args.swiglu:
@@ -454,9 +470,12 @@ def _validate_recompute(args):
                  "--recompute-method is not supported with --recompute-granularity selective (or "
                  "--recompute-activations): drop --recompute-method")
     if args.recompute_granularity == "full":
-        # (early) TransformerConfig rejects full recompute without a method.
+        # (early) TransformerConfig rejects full recompute without a method and a layer count.
         _require(args.recompute_method is not None,
                  "--recompute-granularity full needs --recompute-method uniform or block")
+        _require(args.recompute_num_layers is not None,
+                 "--recompute-granularity full needs --recompute-num-layers N (layers per recompute group with "
+                 "uniform, recomputed layers per stage with block; it has no default since Megatron-LM 0.12)")
 
 
 def _validate_sequence_parallel(args):
@@ -478,10 +497,6 @@ def _validate_sequence_parallel(args):
 def _validate_features(args):
     if not args.add_bias_linear:
         args.bias_gelu_fusion = False
-    for flag, on in (("--enable-cuda-graph", args.enable_cuda_graph), ("--external-cuda-graph", args.external_cuda_graph)):
-        if on:
-            _require(device.cuda_available(), f"{flag} needs a CUDA device (none is available): drop the flag")
-            _require(False, f"{flag}: CUDA graph capture is not implemented in this library: drop the flag")
     if args.retro_add_retriever:
         _require(not args.sequence_parallel, "--retro-add-retriever does not support --sequence-parallel")
         _require(args.pipeline_model_parallel_size == 1,

@@ -23,6 +23,7 @@ import torch
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.utils import log_once
+from megatron.core.transformer.mlp import glu_activation
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -33,13 +34,10 @@ def expert_tensor_parallel_size_and_rank():
 
 
 def expert_activation(config):
-    act = config.activation_func
+    """The experts' activation: the MLP's gated unit (offset and clamp included), or ``activation_func``."""
     if config.gated_linear_unit:
-        def glu(x):
-            gate, up = torch.chunk(x, 2, dim=-1)
-            return act(gate) * up
-        return glu
-    return act
+        return glu_activation(config)
+    return config.activation_func
 
 
 def init_expert_weights(config, local_expert_indices: List[int], num_experts: int):

@@ -22,7 +22,6 @@ from typing import List
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.utils import log_once
 from megatron.core.transformer.moe.moe_utils import (
     all_to_all,
     gather_along_first_dim,
@@ -60,9 +59,6 @@ class MoETokenDispatcher:
         self.ep_size = _size(self.ep_group)
         self.etp_size = _size(self.etp_group)
         self.etp_rank = _rank(self.etp_group)
-        log_once("moe_permute", "MoE token permutation: PyTorch sort/index ops"
-                 + (" (--moe-permute-fusion asks for Transformer Engine's fused kernel, not used here; the same "
-                    "permutation)" if config.moe_permute_fusion else ""))
 
 
 class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
