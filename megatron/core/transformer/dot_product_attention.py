@@ -68,7 +68,8 @@ class CoreAttention(MegatronModule):
     attention) are repeated to match.
     """
 
-    def __init__(self, layer_number, config, attn_mask_type=AttnMaskType.padding, attention_dropout=None):
+    def __init__(self, layer_number, config, attn_mask_type=AttnMaskType.padding, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None):
         super().__init__(config=config)
         self.fp16 = config.fp16
         self.bf16 = config.bf16
@@ -85,16 +86,20 @@ class CoreAttention(MegatronModule):
                      "torch SDPA (flash / memory-efficient kernels eligible on CUDA) where the mask allows, "
                      "explicit masked softmax otherwise"))
 
-        projection_size = config.kv_channels * config.num_attention_heads
+        # Query/key and value head sizes (multi-latent attention: k_channels = d_n + d_r, v_channels = d_v).
+        k_channels = k_channels if k_channels is not None else config.kv_channels
+        v_channels = v_channels if v_channels is not None else config.kv_channels
         world_size = parallel_state.get_tensor_model_parallel_world_size()
-        self.hidden_size_per_partition = divide(projection_size, world_size)
-        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.hidden_size_per_partition = divide(v_channels * config.num_attention_heads, world_size)
+        self.hidden_size_per_attention_head = k_channels
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
+        # The scores are q.k * softmax_scale (default 1/sqrt(k_channels)).
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels)
 
         # Query-key layer scaling divides the scores by the layer number in the (fp16) GEMM and multiplies
         # them back in the fp32 softmax, which keeps deep fp16 models from overflowing.
         coeff = None
-        self.norm_factor = math.sqrt(self.hidden_size_per_attention_head)
+        self.norm_factor = math.sqrt(k_channels) if softmax_scale is None else 1.0 / softmax_scale
         if self.apply_query_key_layer_scaling:
             coeff = self.layer_number
             self.norm_factor *= coeff
@@ -166,7 +171,7 @@ class CoreAttention(MegatronModule):
         return context_parallel_attention(
             query_layer, key_layer, value_layer, group=parallel_state.get_context_parallel_group(),
             global_ranks=parallel_state.get_context_parallel_global_ranks(), comm_type=self.cp_comm_type,
-            causal=causal, softmax_scale=1.0 / math.sqrt(self.hidden_size_per_attention_head),
+            causal=causal, softmax_scale=self.softmax_scale,
             dropout=self.attention_dropout if dropout_p > 0.0 else None,
             dropout_rng=self._dropout_rng() if dropout_p > 0.0 else None)
 
@@ -241,11 +246,12 @@ class CoreAttention(MegatronModule):
         with self._dropout_rng():
             attention_probs = self.attention_dropout(attention_probs)
 
-        value_layer = value_layer.reshape(sk, b * np_, hn)
+        hv = value_layer.size(-1)
+        value_layer = value_layer.reshape(sk, b * np_, hv)
         attention_probs = attention_probs.view(b * np_, sq, sk)
         context_layer = torch.bmm(attention_probs, value_layer.transpose(0, 1))
-        context_layer = context_layer.view(b, np_, sq, hn).permute(2, 0, 1, 3).contiguous()
-        return context_layer.view(sq, b, np_ * hn)
+        context_layer = context_layer.view(b, np_, sq, hv).permute(2, 0, 1, 3).contiguous()
+        return context_layer.view(sq, b, np_ * hv)
 
     # --------------------------------------------------------------------------------------- SDPA path
     def _sdpa_forward(self, query_layer, key_layer, value_layer, attention_mask):
@@ -275,18 +281,23 @@ class CoreAttention(MegatronModule):
         rng = self._dropout_rng() if dropout_p > 0.0 else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal,
-                                                 scale=1.0 / math.sqrt(hn))
+                                                 scale=self.softmax_scale)
         if fully_masked is not None:
             out = torch.where(fully_masked, v.mean(dim=-2, keepdim=True).to(out.dtype), out)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 class DotProductAttention(CoreAttention):
-    """megatron-core's name and signature: ``DotProductAttention(config, layer_number, attn_mask_type, ...)``."""
+    """megatron-core's name and signature: ``DotProductAttention(config, layer_number, attn_mask_type, attention_type,
+    attention_dropout, softmax_scale, ...)``; ``k_channels`` / ``v_channels`` (Transformer Engine's, used by
+    multi-latent attention) give query/key and value head sizes that differ from ``kv_channels``."""
 
     def __init__(self, config, layer_number: int = 1, attn_mask_type=AttnMaskType.padding, attention_type=None,
-                 attention_dropout=None):
-        super().__init__(layer_number, config, attn_mask_type, attention_dropout=attention_dropout)
+                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None):
+        super().__init__(layer_number, config, attn_mask_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, k_channels=k_channels, v_channels=v_channels)
+        if cp_comm_type is not None:  # this layer's --cp-comm-type (megatron-core passes it per layer)
+            self.cp_comm_type = cp_comm_type
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None):
         if packed_seq_params is not None:

@@ -82,16 +82,9 @@ BLOCKS = (
     Block(
         IMPLEMENTED,
         "gpt-oss (megatron/core/transformer/attention_variants.py, mlp.py)",
-        (
+        names("""--glu-linear-offset --activation-func-clamp-value --softmax-type""") + (
             switch("--quick-geglu", help="Gated MLP whose gate's activation is quick GeLU, x * sigmoid(1.702 x) "
                                          "(gpt-oss)."),
-            value("--glu-linear-offset", type=float, default=0.0,
-                  help="Add this to the linear half of a gated MLP: act(gate) * (linear + offset)."),
-            value("--activation-func-clamp-value", type=float,
-                  help="Clamp a gated MLP's gate to <= C and its linear half to [-C, C] (gpt-oss: 7)."),
-            value("--softmax-type", default="vanilla", choices=("vanilla", "off-by-one", "learnable"),
-                  help="Attention sinks: none (vanilla), a zero logit (off-by-one), or a learned logit per head "
-                       "(learnable, softmax_offset) that joins each softmax row."),
             value("--window-size", type=int_pair,
                   help="Sliding-window attention 'left,right': query i sees keys i-left .. i+right (-1: unbounded); "
                        "gpt-oss: 127,0."),
@@ -100,6 +93,15 @@ BLOCKS = (
                        "multiple of N, or a 0/1 list expression per layer (1 = windowed)."),
         ),
         group="network size",
+    ),
+    Block(
+        IMPLEMENTED,
+        "multi-latent attention (megatron/core/transformer/multi_latent_attention.py) and YaRN rotary embeddings",
+        names("""--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim
+              --v-head-dim --rope-type --rotary-scaling-factor --mscale --mscale-all-dim
+              --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
+              --yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int"""),
+        group="model",
     ),
     Block(
         IMPLEMENTED,

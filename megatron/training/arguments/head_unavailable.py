@@ -15,34 +15,13 @@ SIGNALS = tuple(range(1, 32)) + (34, 64)  # HEAD's --exit-signal choices
 BLOCKS = (
     Block(
         NOT_AVAILABLE,
-        "multi-latent attention (DeepSeek-V2/V3) is being implemented",
+        "multi-latent attention's latent caching for dynamic inference and its fused down projection are not part of "
+        "this library",
         (
-            switch("--multi-latent-attention"),
-            value("--q-lora-rank", type=int),
-            value("--kv-lora-rank", type=int, default=32),
-            value("--qk-head-dim", type=int, default=128),
-            value("--qk-pos-emb-head-dim", type=int, default=64),
-            value("--v-head-dim", type=int, default=128),
             switch("--cache-mla-latents"),
             switch("--mla-down-proj-fusion"),
         ),
-        group="mla", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
-        "YaRN rotary scaling is being implemented",
-        (
-            value("--rotary-scaling-factor", type=float, default=1.0),
-            value("--mscale", type=float, default=1.0),
-            value("--mscale-all-dim", type=float, default=0.0),
-            value("--yarn-original-max-position-embeddings", type=int),
-            value("--yarn-beta-fast", type=float),
-            value("--yarn-beta-slow", type=float),
-            switch("--yarn-correction-range-round-to-int", default=None),
-            negated("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int"),
-            value("--rope-type", choices=("rope", "yarn")),
-        ),
-        group="network size", pending=True,
+        group="mla",
     ),
     Block(
         NOT_AVAILABLE,
@@ -733,8 +712,6 @@ VALUE_RULES = (
               "the Muon, Lion and SOAP optimizers are not part of this library (--optimizer adam or sgd)"),
     ValueRule("--lr-decay-style", ("WSD",), NOT_AVAILABLE, 
               "the warmup-stable-decay schedule is not part of this library"),
-    ValueRule("--position-embedding-type", ("yarn",), NOT_AVAILABLE, "YaRN rotary scaling is being implemented",
-              pending=True),
     ValueRule("--position-embedding-type", ("mrope", "relative"), NOT_AVAILABLE,
               "multimodal and relative position embeddings are not part of this library"),
     ValueRule("--cp-comm-type", ("a2a+p2p",), NOT_AVAILABLE,

@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional, Sequence
 
+from megatron.training.arguments.config_args import _add_transformer_config_args
 from megatron.training.arguments.model_args import (
     _add_initialization_args,
+    _add_mla_args,
     _add_moe_args,
     _add_network_size_args,
     _add_regularization_args,
@@ -46,10 +48,12 @@ ARGUMENT_GROUPS = (
     _add_biencoder_args,
     _add_vision_args,
     _add_moe_args,
+    _add_mla_args,
     _add_logging_args,
     _add_inference_args,
     _add_transformer_engine_args,
     _add_retro_args,
+    _add_transformer_config_args,  # generated from TransformerConfig's fields (config_args.py)
 )
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 def _mlp_activation(args):
@@ -32,16 +32,35 @@ def _mlp_activation(args):
     return F.gelu, False
 
 
-def core_transformer_config_from_args(args, config_class=TransformerConfig):
-    """Build the ``TransformerConfig`` that ``args`` (after ``validate_args``) describe.
+def _yarn_fields(args) -> dict:
+    """The YaRN fields: multi-latent attention keeps the dataclass's original context and betas (Megatron-LM has no
+    MLA flag for them); --position-embedding-type yarn takes them from the --yarn-* flags (None: the defaults)."""
+    if getattr(args, "multi_latent_attention", False):
+        return {}
+    given = {"original_max_position_embeddings": getattr(args, "yarn_original_max_position_embeddings", None),
+             "beta_fast": getattr(args, "yarn_beta_fast", None), "beta_slow": getattr(args, "yarn_beta_slow", None),
+             "yarn_correction_range_round_to_int": getattr(args, "yarn_correction_range_round_to_int", None)}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def core_transformer_config_from_args(args, config_class=None):
+    """Build the ``TransformerConfig`` that ``args`` (after ``validate_args``) describe (``MLATransformerConfig`` with
+    ``--multi-latent-attention``).
 
     Every arg whose name is a config field is copied; then the fields whose flag has another name or meaning
     are set as Megatron sets them.
     """
+    if config_class is None:
+        config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
     kw_args = {}
     for field in dataclasses.fields(config_class):
         if hasattr(args, field.name):
             kw_args[field.name] = getattr(args, field.name)
+    if kw_args.get("rope_type", "") is None:
+        del kw_args["rope_type"]  # --rope-type not given: the dataclass default (yarn)
+    for name in ("original_max_position_embeddings", "beta_fast", "beta_slow", "yarn_correction_range_round_to_int"):
+        kw_args.pop(name, None)
+    kw_args.update(_yarn_fields(args))
     kw_args["persist_layer_norm"] = not args.no_persist_layer_norm
     kw_args["deallocate_pipeline_outputs"] = True
     kw_args["pipeline_dtype"] = args.params_dtype

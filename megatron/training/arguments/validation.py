@@ -19,6 +19,7 @@ from megatron.core import device
 from megatron.post_training.arguments import apply_modelopt_args
 from megatron.tokenizer.vocab_padding import resolve_padded_vocab_size, unpadded_vocab_size
 from megatron.training.arguments.fsdp_args import validate_fully_sharded
+from megatron.training.arguments.mla_mtp_validation import validate_mla_and_mtp
 from megatron.training.arguments.hybrid import validate_hybrid
 from megatron.training.arguments.printing import _print_args
 from megatron.training.arguments.model_variants import validate_model_variants
@@ -80,6 +81,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_recompute(args)
     _validate_sequence_parallel(args)
     _validate_features(args)
+    validate_mla_and_mtp(args)
     validate_model_variants(args)  # gpt-oss / Llama 4 flags (model_variants.py)
     _validate_per_token_loss(args)
     _validate_decoupled_lr(args)
@@ -459,7 +461,8 @@ def _validate_recompute(args):
     if args.recompute_granularity == "selective" or args.moe_layer_recompute:
         from megatron.core.transformer.transformer_config import check_recompute_modules
         try:
-            check_recompute_modules(args.recompute_modules or ["core_attn"], args.moe_grouped_gemm)
+            check_recompute_modules(args.recompute_modules or ["core_attn"], args.moe_grouped_gemm,
+                                    args.multi_latent_attention)
         except ValueError as e:
             raise ConfigurationError(str(e)) from None
     elif args.recompute_modules:

@@ -112,10 +112,11 @@ class ExpertMLP(torch.nn.Module):
         h = self.linear_fc1(x)
         if self.linear_fc1.bias is not None:
             h = h + self.linear_fc1.bias
-        h = self.activation_func(h) * probs.unsqueeze(-1).to(h.dtype)
+        # The routing weight multiplies in its own precision (fp32 with --moe-router-dtype fp32), rounded once.
+        h = (self.activation_func(h) * probs.unsqueeze(-1)).to(h.dtype)
         y = self.linear_fc2(h)
         if self.linear_fc2.bias is not None:
-            y = y + self.linear_fc2.bias * probs.unsqueeze(-1).to(y.dtype)
+            y = y + (self.linear_fc2.bias * probs.unsqueeze(-1)).to(y.dtype)
         return y
 
 
@@ -205,7 +206,8 @@ class GroupedMLP(MegatronModule):
         self.recompute_activation = config.recomputes("moe_act")
 
     def _activate(self, inter, permuted_probs):
-        return self.activation_func(inter) * permuted_probs.unsqueeze(-1).to(inter.dtype)
+        # The routing weight multiplies in its own precision (fp32 with --moe-router-dtype fp32), rounded once.
+        return (self.activation_func(inter) * permuted_probs.unsqueeze(-1)).to(inter.dtype)
 
     def forward(self, permuted_tokens, tokens_per_expert, permuted_probs):
         n, h = self.num_local_experts, self.hidden_size
