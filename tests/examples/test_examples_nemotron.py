@@ -1,7 +1,10 @@
-"""examples/nemotron_3 (which runs examples/nemotron_h with the Nemotron-3 MoE sizes) and examples/nemotron_mini
-on CPU as a user would run them: every size from the environment (a tiny model), mock data, two iterations, a
-torch_dist checkpoint at the end."""
+"""examples/nemotron_3 (which runs examples/nemotron_h with the Nemotron-3 MoE sizes) on CPU as a user would run
+it: every size from the environment (a tiny model), mock data, two iterations, a torch_dist checkpoint at the end.
+The family scripts are valid bash (examples/nemotron_mini's model is trained by the configuration tests)."""
 from __future__ import annotations
+
+import os
+import subprocess
 
 import pytest
 from helpers.examples_helpers import iteration_lines, run_script, script_env
@@ -32,8 +35,9 @@ def test_nemotron_3_script_on_cpu(tmp_path):
     assert "seq_load_balancing_loss" in out and "Mamba-2 mixer: PyTorch" in out
 
 
-def test_nemotron_mini_script_on_cpu(tmp_path):
-    env = script_env(tmp_path, CHECKPOINT_PATH=tmp_path / "ckpt", NUM_LAYERS=2, **TINY_ENV)
-    rc, out = run_script("nemotron_mini/train_nemotron_mini.sh", env)
-    _check(rc, out, tmp_path / "ckpt")
-    assert "launching pretrain_gpt.py" in out and "MLP activation: squared_relu" in out
+@pytest.mark.parametrize("script", ["nemotron_h/train_nemotron_h.sh", "nemotron_3/train_nemotron_3.sh",
+                                    "nemotron_mini/train_nemotron_mini.sh"])
+def test_nemotron_scripts_are_valid_bash(script):
+    from helpers.examples_helpers import REPO
+
+    subprocess.run(["bash", "-n", os.path.join(REPO, "examples", script)], check=True)

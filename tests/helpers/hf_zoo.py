@@ -32,6 +32,10 @@ FAMILIES = {
                 dict(num_hidden_layers=4, head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                      sliding_window=4, swiglu_limit=0.2, rms_norm_eps=1e-5,
                      rope_parameters=dict(rope_type="default", rope_theta=150000.0))),
+    # Nemotron-Mini's shape: LayerNorm 1p with biases, squared-ReLU MLP, RoPE on half of each head (head_dim 16)
+    "nemotron": ("NemotronForCausalLM", "NemotronConfig",
+                 dict(head_dim=16, intermediate_size=48, norm_eps=1e-5,
+                      rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
 }
 
 

@@ -117,6 +117,9 @@ def test_shrunk_configurations_train():
     ("--hybrid-layer-pattern M*|M-|M- --pipeline-model-parallel-size 2",
      "--hybrid-layer-pattern has 3 pipeline segments ('|'), which is not a multiple of "
      "--pipeline-model-parallel-size (2)"),
+    ("--hybrid-layer-pattern M*|M-|M-|M* --pipeline-model-parallel-size 2",
+     "--hybrid-layer-pattern has 4 pipeline segments ('|') for --pipeline-model-parallel-size 2: 2 virtual stages per "
+     "rank need the interleaved schedule, which needs --pipeline-model-parallel-size > 2"),
     ("--hybrid-layer-pattern M*M --pipeline-model-parallel-size 2",
      "--hybrid-layer-pattern has 3 layers, not divisible by --pipeline-model-parallel-size (2)"),
     ("--hybrid-layer-pattern M*M- --mamba-num-groups 3", "the Mamba heads (2) must be a multiple of "
@@ -143,6 +146,6 @@ def test_hybrid_misconfiguration_is_one_line(clean_env, extra, message):
 
 
 def test_hybrid_pattern_sets_layers_and_virtual_pipeline(clean_env):
-    args = validated("--hybrid-layer-pattern M-|M*|M-|ME --num-experts 4 --pipeline-model-parallel-size 2 "
-                     "--mamba-head-dim 16 --mamba-num-groups 2", world_size=2)
-    assert (args.num_layers, args.is_hybrid_model, args.virtual_pipeline_model_parallel_size) == (8, True, 2)
+    args = validated("--hybrid-layer-pattern M-|M*|M-|ME|M-|M*|M-|ME --num-experts 4 --pipeline-model-parallel-size 4 "
+                     "--mamba-head-dim 16 --mamba-num-groups 2", world_size=4)
+    assert (args.num_layers, args.is_hybrid_model, args.virtual_pipeline_model_parallel_size) == (16, True, 2)

@@ -62,6 +62,11 @@ def validate_hybrid(args) -> None:
     _require(args.num_layers_per_virtual_pipeline_stage is None,
              "--num-layers-per-virtual-pipeline-stage with --hybrid-layer-pattern: the virtual pipeline size follows "
              "from the pattern's '|' segments (segments / --pipeline-model-parallel-size); drop the flag")
+    # Megatron's rule for the interleaved schedule (checked there in validate_args)
+    _require(vpp is None or args.pipeline_model_parallel_size > 2,
+             f"--hybrid-layer-pattern has {len(pattern.segments)} pipeline segments ('|') for "
+             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: {vpp} virtual stages per rank need "
+             "the interleaved schedule, which needs --pipeline-model-parallel-size > 2")
     args.virtual_pipeline_model_parallel_size = vpp
     if pattern.count("E"):
         _require(args.num_experts, f"--hybrid-layer-pattern has {pattern.count('E')} MoE layers (E): pass "
