@@ -60,8 +60,11 @@ def load_hf(load_dir: str, make_divisible_by: int = 128) -> Tuple[Dict[str, torc
     hf_config = transformers.AutoConfig.from_pretrained(load_dir)
     try:
         bridge = hf_registry.bridge_for(hf_config.model_type)
-        config = bridge.config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by)
-        full = bridge.to_megatron(_read_weights(load_dir), hf_config, config.padded_vocab_size)
+        weights = _read_weights(load_dir)
+        overrides = bridge.config_kwargs_from_weights(hf_config, weights.keys()) if bridge.config_kwargs_from_weights \
+            else {}
+        config = bridge.config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by, **overrides)
+        full = bridge.to_megatron(weights, hf_config, config.padded_vocab_size)
     except ValueError as e:
         raise ConversionError(f"--loader hf {load_dir}: {e}") from e
     legacy = bridge.model_type in _LEGACY_FAMILIES
@@ -75,9 +78,10 @@ def load_hf(load_dir: str, make_divisible_by: int = 128) -> Tuple[Dict[str, torc
 
 
 def _storable(hf_config: dict) -> dict:
-    """The HF config without ``id2label`` / ``label2id``, whose int keys Megatron's ``weights_only`` loader of common.pt
-    refuses (safe_args would otherwise leave the whole config out of the checkpoint's args)."""
-    return {k: v for k, v in hf_config.items() if k not in ("id2label", "label2id")}
+    """The HF config without the entries a checkpoint's args cannot hold (``id2label``'s int keys: Megatron loads
+    args with ``weights_only``); transformers fills them back with their defaults."""
+    return {k: v for k, v in hf_config.items()
+            if not (isinstance(v, dict) and any(not isinstance(key, str) for key in v))}
 
 
 def _norm_epsilon(args) -> float:

@@ -86,6 +86,11 @@ def parse_args(extra_args_provider: Optional[Callable] = None, ignore_unknown_ar
         args = parser.parse_args(argv)
 
     launch = resolve_launch_env()
+    if args.yaml_cfg is not None:  # Megatron-LM's YAML form replaces the command line (yaml_args.py)
+        from megatron.training.arguments.yaml_args import load_yaml_args
+
+        args = load_yaml_args(args.yaml_cfg, parser, args,
+                              lambda message: print(message, flush=True) if launch.rank == 0 else None)
     args.rank = launch.rank
     args.world_size = launch.world_size
     return args
