@@ -134,6 +134,15 @@ def test_nemotron_h_hf_torch_dist_round_trip(tmp_path, hf_model, single_rank):
             a.mamba_state_dim, a.moe_latent_size, a.moe_router_topk_scaling_factor) == ("M*E-M", True, 8, 8, 2, 8,
                                                                                         16, 2.5)
 
+    # --use-checkpoint-args takes the hybrid shape from the checkpoint.
+    import argparse
+
+    from megatron.training.checkpointing import load_args_from_checkpoint
+    args, _ = load_args_from_checkpoint(argparse.Namespace(load=dist, ckpt_step=None, hybrid_layer_pattern=None,
+                                                           mamba_num_heads=None, mamba_head_dim=64, squared_relu=False))
+    assert (args.hybrid_layer_pattern, args.mamba_num_heads, args.mamba_head_dim, args.squared_relu,
+            args.moe_latent_size) == ("M*E-M", 8, 8, True, 16)
+
     # The torch_dist checkpoint in our MambaModel computes transformers' logits.
     full, _, _ = load_dist(dist)
     config = hf_nemotron_h.nemotron_h_config_to_megatron(cfg, use_cpu_initialization=True)
