@@ -93,6 +93,17 @@ class LanguageModule(MegatronModule):
             self.shared_embedding_or_output_weight(), embedding_key, replica_id=(1, 0, dp_rank),
             allow_shape_mismatch=True, tp_group=getattr(self, "tp_group", None), dp_cp_group=dp_cp_group)
 
+    def _rotary_seq_len(self, input_ids, decoder_input, inference_params):
+        """Length of the full sequence: the local length x TP (with SP, for hidden states) x CP."""
+        if inference_params is not None:
+            return inference_params.max_sequence_length
+        cp = self.config.context_parallel_size
+        if input_ids is not None:
+            return input_ids.size(1) * cp
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        tp, _ = tensor_parallel.tp_size_and_rank(getattr(self, "tp_group", None))
+        return hidden.size(0) * (tp if self.config.sequence_parallel else 1) * cp
+
     def compute_language_model_loss(self, labels, logits):
         """Per-token loss ``[b, s]`` from ``[s, b, V/tp]`` logits and ``[b, s]`` labels."""
         return logits_or_loss(logits, labels, self.fp16_lm_cross_entropy,
@@ -209,17 +220,6 @@ class GPTModel(LanguageModule):
             input_tensor = [input_tensor]
         assert len(input_tensor) == 1, "input_tensor should only be length 1 for gpt"
         self.decoder.set_input_tensor(input_tensor[0])
-
-    def _rotary_seq_len(self, input_ids, decoder_input, inference_params):
-        """Length of the full sequence: the local length x TP (with SP, for hidden states) x CP."""
-        if inference_params is not None:
-            return inference_params.max_sequence_length
-        cp = self.config.context_parallel_size
-        if input_ids is not None:
-            return input_ids.size(1) * cp
-        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
-        tp, _ = tensor_parallel.tp_size_and_rank(self.tp_group)
-        return hidden.size(0) * (tp if self.config.sequence_parallel else 1) * cp
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, inference_params=None,
                 packed_seq_params=None, extra_block_kwargs=None, loss_mask=None):
