@@ -112,6 +112,17 @@ def _reduce_scatter_along_first_dim(input_: torch.Tensor, group=None) -> torch.T
     return output
 
 
+def _reduce_scatter_along_last_dim(input_: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over the group, each rank keeping its block of the last dimension."""
+    group, world_size, _ = _group_size_rank(group)
+    if world_size == 1:
+        return input_
+    blocks = torch.stack(split_tensor_along_last_dim(input_, world_size), dim=0).contiguous()
+    output = blocks.new_empty(blocks.shape[1:])
+    reduce_scatter_tensor(output.unsqueeze(0), blocks, group=group)
+    return output
+
+
 class _CopyToModelParallelRegion(torch.autograd.Function):
     @staticmethod
     def symbolic(graph, input_, group=None):
@@ -220,6 +231,63 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         return _gather_along_first_dim(grad_output, ctx.group), None
+
+
+class _AllGatherLastDim(torch.autograd.Function):
+    """Gather along the last dimension; backward: reduce-scatter of the gradient along it."""
+
+    @staticmethod
+    def forward(ctx, input_, group=None):
+        ctx.group = group
+        return _gather_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce_scatter_along_last_dim(grad_output, ctx.group), None
+
+
+class _ReduceScatterLastDim(torch.autograd.Function):
+    """Reduce-scatter along the last dimension; backward: gather of the gradient along it."""
+
+    @staticmethod
+    def forward(ctx, input_, group=None):
+        ctx.group = group
+        return _reduce_scatter_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_last_dim(grad_output, ctx.group), None
+
+
+def all_gather_last_dim_from_tensor_parallel_region(input_, group=None):
+    """``[..., h/t]`` on each of the ``t`` ranks -> ``[..., h]`` (the gradient is summed and split back)."""
+    return _AllGatherLastDim.apply(input_, group)
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
+    """``[..., h]`` partial sums -> this rank's ``[..., h/t]`` block of their sum (the gradient is gathered)."""
+    return _ReduceScatterLastDim.apply(input_, group)
+
+
+def all_to_all_sp2hp(input_, group=None):
+    """Sequence-split to hidden-split over the TP group: ``[tokens/t, h]`` (any leading shape, flattened) ->
+    ``[tokens, h/t]`` (rank ``r`` gets hidden block ``r`` of every rank's tokens, in rank order)."""
+    group, world_size, _ = _group_size_rank(group)
+    input_ = input_.reshape(-1, input_.shape[-1])
+    if world_size == 1:
+        return input_
+    blocks = torch.split(input_, input_.shape[-1] // world_size, dim=1)
+    return all_to_all(group, torch.cat(blocks, dim=0))
+
+
+def all_to_all_hp2sp(input_, group=None):
+    """Inverse of :func:`all_to_all_sp2hp`: ``[tokens, h/t]`` -> ``[tokens/t, h]``."""
+    group, world_size, _ = _group_size_rank(group)
+    input_ = input_.reshape(-1, input_.shape[-1])
+    if world_size == 1:
+        return input_
+    exchanged = all_to_all(group, input_)
+    return torch.cat(torch.split(exchanged, exchanged.shape[0] // world_size, dim=0), dim=1)
 
 
 def copy_to_tensor_model_parallel_region(input_, group=None):

@@ -46,6 +46,26 @@ LOCAL_NORM_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm
                        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
+def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None) -> int:
+    """Global index of the first layer of pipeline stage ``pp_rank`` (default: parallel_state's) and virtual
+    chunk ``vp_stage`` (default: parallel_state's current one) for ``config``'s even split (megatron-core's
+    function): ``pp_rank * L / pp`` without virtual stages, ``vp_stage * L / vpp + pp_rank * L / (pp * vpp)``
+    with them; 0 without pipeline parallelism."""
+    from megatron.core import parallel_state
+
+    pp = config.pipeline_model_parallel_size
+    if pp <= 1:
+        return 0
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    vpp = config.virtual_pipeline_model_parallel_size
+    if vpp is None:
+        return pp_rank * (config.num_layers // pp)
+    if vp_stage is None:
+        vp_stage = parallel_state.get_virtual_pipeline_model_parallel_rank() or 0
+    return vp_stage * (config.num_layers // vpp) + pp_rank * (config.num_layers // (pp * vpp))
+
+
 class DropPath(torch.nn.Module):
     """Stochastic depth: drop the whole residual branch of a sample with probability ``drop_prob``."""
 
