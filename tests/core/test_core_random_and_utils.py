@@ -245,3 +245,25 @@ def test_transformer_layer_offset():
     assert [get_transformer_layer_offset(cfg, None, pp) for pp in (0, 1)] == [0, 4]
     cfg.pipeline_model_parallel_size = 1
     assert get_transformer_layer_offset(cfg, None, 0) == 0
+
+
+def test_num_microbatches_calculator_core_api():
+    """megatron-core's process-wide calculator: init / ramp-up updates / reconfigure / decrease_batch_size_if_needed."""
+    from megatron.core import num_microbatches_calculator as nmc
+    from megatron.core.errors import ConfigurationError
+
+    nmc.unset_num_microbatches_calculator()
+    try:
+        nmc.init_num_microbatches_calculator(0, [4, 4, 90], 16, 2, 1)
+        assert (nmc.get_num_microbatches(), nmc.get_current_global_batch_size(), nmc.get_micro_batch_size()) == (2, 4, 2)
+        nmc.update_num_microbatches(60)
+        assert (nmc.get_num_microbatches(), nmc.get_current_running_global_batch_size()) == (6, 12)
+        with pytest.raises(RuntimeError, match="already initialized"):
+            nmc.init_num_microbatches_calculator(0, None, 16, 2, 1)
+        with pytest.raises(ConfigurationError, match=r"global batch size \(10\) is not divisible"):
+            nmc.reconfigure_num_microbatches_calculator(0, None, 10, 4, 1)
+        nmc.reconfigure_num_microbatches_calculator(0, None, 10, 4, 1, decrease_batch_size_if_needed=True)
+        assert (nmc.get_current_global_batch_size(), nmc.get_current_running_global_batch_size(),
+                nmc.get_num_microbatches()) == (10, 8, 2)
+    finally:
+        nmc.destroy_num_microbatches_calculator()
