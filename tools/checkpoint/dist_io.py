@@ -142,10 +142,10 @@ def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: i
         value = torch.stack([layers[i] for i in range(num_layers)])
         state[key] = LocalShard(value, tuple(value.shape), (0,) * value.dim())
         block, rest = key.split(".layers.", 1)
-        for linear in dist_keys.LINEARS:
-            if rest == f"{linear}.weight":
-                for layer in range(num_layers):
-                    state[dist_keys.extra_state_key(f"{block}.layers", linear, layer, num_layers)] = [None]
+        linear = dist_keys.linear_of_weight(rest)
+        if linear is not None:
+            for layer in range(num_layers):
+                state[dist_keys.extra_state_key(f"{block}.layers", linear, layer, num_layers)] = [None]
     for key, pieces in experts.items():
         num_experts = 1 + max(e for _, e in pieces)
         if sorted(pieces) != [(i, e) for i in range(num_layers) for e in range(num_experts)]:

@@ -23,12 +23,18 @@ from megatron.core.transformer.transformer_layer import LOCAL_NORM_KEYS_MAP
 _LAYER = re.compile(r"^((?:decoder|encoder)\.layers)\.(\d+)\.(.+)$")
 _LAYER_RENAMES = {f"{old}{kind}": f"{new}{kind}" for old, new in LOCAL_NORM_KEYS_MAP.items()
                   for kind in ("weight", "bias")}
-LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "cross_attention.linear_q",
-           "cross_attention.linear_kv", "cross_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+# A layer's linear modules are megatron-core's ``linear_*`` (attention, MLP, shared experts, MLA projections):
+# each has an (empty) ``_extra_state`` object on disk.
+_LINEAR_WEIGHT = re.compile(r"^(?:.+\.)?linear_[a-z0-9_]+\.weight$")
 T5_ALIASES = ("position_embeddings.", "output_layer.")  # megatron-core T5Model's duplicate module names
 # On-disk alias key -> the key of the tensor it repeats (megatron-core's T5Model writes both).
 T5_ALIAS_KEYS = {"position_embeddings.weight": "embedding.position_embeddings.weight",
                  "output_layer.bias": "lm_head.output_layer.bias"}
+
+
+def linear_of_weight(rest: str) -> Optional[str]:
+    """The linear module name of a layer tensor name ``rest`` when it is a linear layer's weight, else None."""
+    return rest[:-len(".weight")] if _LINEAR_WEIGHT.match(rest) else None
 
 
 def disk_key(name: str, layer_offset: int, tied_output: bool) -> Tuple[str, Optional[int]]:
