@@ -30,9 +30,6 @@ def validate_fully_sharded(args) -> None:
     torch_fsdp2, megatron_fsdp = args.use_torch_fsdp2, args.use_megatron_fsdp
     _require(not (torch_fsdp2 and megatron_fsdp),
              "--use-megatron-fsdp and --use-torch-fsdp2 cannot be used together: pick one")
-    if args.ckpt_format in ("torch_dcp", "fsdp_dtensor") and (args.save or args.load):
-        raise ConfigurationError(f"--ckpt-format {args.ckpt_format}: saving and loading are not available yet in "
-                                 "this library (being implemented); train without --save / --load or use torch_dist")
     if args.init_model_with_meta_device:
         _require(torch_fsdp2 or megatron_fsdp, "--init-model-with-meta-device needs --use-megatron-fsdp or "
                                                "--use-torch-fsdp2 (a model on the meta device has no weights)")
@@ -85,11 +82,10 @@ def _validate_megatron_fsdp(args) -> None:
              "Megatron FSDP only supports fsdp_dtensor checkpoint format: add --ckpt-format fsdp_dtensor")
     _require(args.optimizer in ("adam", "sgd"),
              f"Megatron-FSDP supports --optimizer adam or sgd, got {args.optimizer}")
-    sharded = args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
-    if sharded:
-        _require(args.pipeline_model_parallel_size == 1,
-                 f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} with pipeline parallelism "
-                 "is not implemented yet in this library; use --pipeline-model-parallel-size 1 or no_shard / optim")
+    _require(args.pipeline_model_parallel_size == 1,
+             "--use-megatron-fsdp with pipeline parallelism is not implemented yet in this library (its fsdp_dtensor "
+             "checkpoint holds one model chunk); use --pipeline-model-parallel-size 1")
+    if args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
         _require(not args.fp16, f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} with "
                                 "--fp16 is not implemented yet in this library; use --bf16")
         if args.gradient_accumulation_fusion:

@@ -3,7 +3,7 @@
 Options named by their flag string are defined by the group files (``*_args.py``); see registry.py for how an
 option moves here from the other two tables.
 """
-from megatron.training.arguments.registry import Block, names, negated, switch, value
+from megatron.training.arguments.registry import Block, names, negated, no_or_disable, switch, value
 from megatron.training.arguments.registry import OptionClass as C
 
 IMPLEMENTED = C.IMPLEMENTED
@@ -35,6 +35,8 @@ BLOCKS = (
                        "fp32 with --bf16) or fp32."),
             value("--megatron-fsdp-grad-comm-dtype", default="auto", choices=("fp32", "fp16", "bf16", "auto"),
                   help="Megatron-FSDP gradient communication dtype: auto (the main gradients') or fp32."),
+            no_or_disable("strict-fsdp-dtensor-load", help="fsdp_dtensor: load what the checkpoint has and report "
+                          "the model keys it lacks (per --dist-ckpt-strictness) instead of stopping."),
         ),
         group="fsdp",
     ),

@@ -111,10 +111,9 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "meta-device initialisation and partial fsdp_dtensor loads are being implemented",
+        "meta-device initialisation is being implemented",
         (
             switch("--init-model-with-meta-device"),
-            no_or_disable("strict-fsdp-dtensor-load"),
         ),
         group="fsdp", pending=True,
     ),
