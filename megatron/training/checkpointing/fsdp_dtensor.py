@@ -122,6 +122,42 @@ def _group_meta(optimizer) -> Dict[int, dict]:
     return meta
 
 
+def _bucketed_tensors(optimizer, blocks: List[ParamBlock]):
+    """The bucketed strategies (DDP's optimizers): ({id(param): fp32 main weight or None}, {kind: {id(param):
+    state}}), whole TP-local tensors (the distributed optimizer's ranges are gathered over DP: a collective)."""
+    from collections import namedtuple
+
+    from megatron.training.checkpointing import dist_state
+
+    entry = namedtuple("Entry", "param")
+    tensors = dist_state.optimizer_tensors(optimizer, [entry(pb.param) for pb in blocks])
+    out = {kind: {id(e.param): t for e, t in pairs} for kind, pairs in tensors.items()}
+    main_kind = dist_state._main_kind(optimizer)
+    return (out.pop(main_kind) if main_kind else {}), out
+
+
+def _load_bucketed(optimizer, blocks: List[ParamBlock], loaded_main: Dict[int, torch.Tensor],
+                   loaded: Dict[str, Dict[int, torch.Tensor]]):
+    """Put whole TP-local main weights and state into DDP's optimizers (each keeps its own range of them)."""
+    from megatron.training.checkpointing import dist_state
+
+    mains = dist_state._main_params(optimizer)
+    adam = "Adam" in type(optimizer.optimizer).__name__
+    for pb in blocks:
+        if pb.param not in mains:
+            continue  # the distributed optimizer: no piece of this parameter on this rank
+        main, rng = mains[pb.param]
+        lo, hi = rng if rng is not None else (0, pb.param.numel())
+        main.copy_(loaded_main[id(pb.param)].reshape(-1)[lo:hi].view(main.shape))
+        state = optimizer.optimizer.state[main]
+        for kind, by_param in loaded.items():
+            state[kind] = by_param[id(pb.param)].reshape(-1)[lo:hi].view(main.shape).clone().to(main.dtype)
+        if adam:
+            state["step"] = torch.tensor(float(optimizer._inner_steps), dtype=torch.float32)
+    if hasattr(optimizer, "_copy_main_params_to_model_params"):
+        optimizer._copy_main_params_to_model_params()
+
+
 def _optimizer_tensors(optimizer, blocks: List[ParamBlock], create: bool) -> Dict[str, Dict[int, torch.Tensor]]:
     """{kind: {id(param): this rank's rows of the state}} (FSDP2: the DTensor blocks). Before the first step there
     is no state: zeros, which ``create`` (a load) puts into the optimizer."""
@@ -136,16 +172,15 @@ def _optimizer_tensors(optimizer, blocks: List[ParamBlock], create: bool) -> Dic
                 if create:
                     state[k] = value
             out[k][id(pb.param)] = value.to_local() if hasattr(value, "to_local") else value
+        if create and keys[0] == "exp_avg":
+            state["step"] = torch.tensor(float(optimizer._inner_steps), dtype=torch.float32)
     return out
 
 
-def _check_engine(model, optimizer):
+def _check_engine(model):
     if len(model) != 1:
         raise CheckpointError("--ckpt-format fsdp_dtensor: one model chunk (pipeline parallelism is not supported "
                               "with Megatron-FSDP here)")
-    if optimizer is not None and not getattr(model[0], "uses_fully_shard", False):
-        raise CheckpointError("--ckpt-format fsdp_dtensor with --data-parallel-sharding-strategy no_shard / optim "
-                              "is not available yet in this library; use optim_grads or optim_grads_params")
 
 
 def build_state(model, optimizer, with_optimizer: bool, for_load: bool = False) -> Tuple[dict, List[ParamBlock]]:
@@ -154,12 +189,17 @@ def build_state(model, optimizer, with_optimizer: bool, for_load: bool = False) 
     chunk = model[0]
     gated = _gated(chunk)
     blocks = param_blocks(chunk)
+    bucketed = not getattr(chunk, "uses_fully_shard", False)
+    mains, tensors = {}, {}
+    if with_optimizer:
+        mains, tensors = _bucketed_tensors(optimizer, blocks) if bucketed else \
+            ({}, _optimizer_tensors(optimizer, blocks, create=False))
     state: Dict[str, object] = {}
     fresh = (lambda t: torch.zeros(t.shape, dtype=torch.float32)) if for_load else (lambda t: t)
     for pb in blocks:
-        state.update(_shards(pb, fresh(pb.block), MODEL_PREFIX, "", gated))
+        weights = mains.get(id(pb.param), pb.block.float() if bucketed else pb.block)
+        state.update(_shards(pb, fresh(weights), MODEL_PREFIX, "", gated))
     if with_optimizer:
-        tensors = _optimizer_tensors(optimizer, blocks, create=False)
         meta = _group_meta(optimizer)
         for pb in blocks:
             for kind, by_param in tensors.items():
@@ -200,7 +240,7 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
     """Collective: write checkpoint ``iteration`` under ``--save`` in the fsdp_dtensor format."""
     args = get_args()
     with_optimizer = optimizer is not None and not args.no_save_optim
-    _check_engine(model, optimizer if with_optimizer else None)
+    _check_engine(model)
     print_rank_0("saving checkpoint at iteration {:7d} to {} in fsdp_dtensor format".format(iteration, args.save))
     state, _ = build_state(model, optimizer, with_optimizer)
     state.update(_common(optimizer if with_optimizer else None, opt_param_scheduler, args, iteration,
@@ -244,7 +284,7 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
                               "saved in")
     finetune = bool(args.finetune) or release
     load_optim = optimizer is not None and not finetune and not args.no_load_optim
-    _check_engine(model, optimizer if load_optim else None)
+    _check_engine(model)
     stored = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     if not any(k.startswith(MODEL_PREFIX) for k in stored):
         raise CheckpointError(f"{directory} holds no model.module.* keys: it is not an fsdp_dtensor checkpoint")
@@ -263,9 +303,9 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
         load_sharded(request, directory)
     except ShardingError as e:
         raise CheckpointError(f"fsdp_dtensor checkpoint {directory}: {e}") from e
-    _restore(model[0], optimizer if load_optim else None, blocks, request)
     if load_optim:
         _restore_optimizer_common(optimizer, opt_param_scheduler, request, directory)
+    _restore(model[0], optimizer if load_optim else None, blocks, request)
     if not finetune and not args.no_load_rng and request.get("rng_state"):
         rngs = request["rng_state"]
         if rng_key() not in rngs:
@@ -286,18 +326,27 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
 def _restore(chunk, optimizer, blocks: List[ParamBlock], loaded):
     """Copy the loaded blocks into the parameters (and the optimizer state)."""
     gated = _gated(chunk)
-    targets = _optimizer_tensors(optimizer, blocks, create=True) if optimizer is not None else {}
+    bucketed = not getattr(chunk, "uses_fully_shard", False)
+    kinds = _state_keys(optimizer.optimizer) if optimizer is not None else []
+    targets = _optimizer_tensors(optimizer, blocks, create=True) if optimizer is not None and not bucketed else {}
+    main, state = {}, {k: {} for k in kinds}
     with torch.no_grad():
         for pb in blocks:
-            dest = {"": pb.block}
-            dest.update({"." + kind: by_param[id(pb.param)] for kind, by_param in targets.items()})
+            # Start from the current weights: a key a partial load skips keeps them.
+            dest = {"": main.setdefault(id(pb.param), pb.block.float().clone())}
+            for kind in kinds:
+                dest["." + kind] = targets[kind][id(pb.param)] if targets else \
+                    state[kind].setdefault(id(pb.param), torch.zeros(pb.block.shape, dtype=torch.float32))
             for suffix, tensor in dest.items():
                 prefix = MODEL_PREFIX if not suffix else OPTIMIZER_STATE_PREFIX
                 for p in pieces(pb.name, pb.local_shape, pb.rows, pb.tp_dim, pb.tp, gated):
                     shard = loaded.get(prefix + p.name + suffix)
                     if shard is not None:
                         tensor[p.start:p.stop].copy_(shard.data)
-        if getattr(chunk, "uses_fully_shard", False):
+            pb.block.copy_(main[id(pb.param)])
+        if bucketed and optimizer is not None:
+            _load_bucketed(optimizer, blocks, main, state)
+        elif not bucketed:
             chunk.start_param_sync(force_sync=True)  # optim_grads: gather the loaded blocks
 
 
@@ -311,10 +360,7 @@ def _restore_optimizer_common(optimizer, opt_param_scheduler, loaded, directory)
     for group, saved in zip(optimizer.optimizer.param_groups, groups):
         step = int(saved.get("step", 0))
         group.update({k: v for k, v in saved.items() if k not in ("params", "step")})
-    optimizer._inner_steps = step
-    for state in optimizer.optimizer.state.values():
-        if "step" in state or "exp_avg" in state:
-            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    optimizer._inner_steps = step  # the per-parameter Adam steps are set with the state (_restore)
     scaler = getattr(optimizer, "grad_scaler", None)
     if scaler is not None and loaded.get("optimizer.grad_scaler") is not None:
         scaler.load_state_dict(loaded["optimizer.grad_scaler"])
