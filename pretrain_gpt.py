@@ -25,7 +25,8 @@ def model_provider(pre_process=True, post_process=True):
         if args.num_experts:
             layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
         else:
-            layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)
+            layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm,
+                                                  multi_latent_attention=args.multi_latent_attention)
         return GPTModel(config=config, transformer_layer_spec=layer_spec,
                         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                         pre_process=pre_process, post_process=post_process,

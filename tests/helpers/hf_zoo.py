@@ -26,6 +26,12 @@ FAMILIES = {
     # Llama 3.2's RoPE scaling (factor 32); head_dim 16 so that several frequencies are scaled
     "llama": ("LlamaForCausalLM", "LlamaConfig",
               dict(head_dim=16, intermediate_size=48, rope_parameters=LLAMA3_ROPE)),
+    # attention sinks, sliding window 4 on layers 1 and 3 (of 4) and full attention on 2 and 4, quick GeGLU experts
+    # with biases, the offset and a clamp small enough to act (gpt-oss: 7); sequences of 12 make the window matter
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig",
+                dict(num_hidden_layers=4, head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=4, swiglu_limit=0.2, rms_norm_eps=1e-5,
+                     rope_parameters=dict(rope_type="default", rope_theta=150000.0))),
 }
 
 
@@ -47,6 +53,8 @@ def tiny_hf(family: str, seed: int = 0, **overrides):
                 p.normal_(0, 0.3)
             elif name.endswith(("mlp.gate.weight", "router.weight")):
                 p.normal_(0, 0.5)
+            elif name.endswith("sinks"):
+                p.normal_(0, 1.0)
     return model
 
 

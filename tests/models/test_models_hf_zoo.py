@@ -100,13 +100,17 @@ def tp2_body(cases):
     out = {}
     for family, hf_config, dist_dir, ref in cases:
         hf_config = types.SimpleNamespace(**hf_config)  # the config's fields (the ranks need not import transformers)
-        layouts = [("tp2_sp", 2, 1)] + ([("ep2", 1, 2)] if "moe" in family else [])
+        moe = "num_local_experts" in hf_config.__dict__
+        layouts = [("tp2_sp", 2, 1)] + ([("ep2", 1, 2)] if moe else [])
         for name, tp, ep in layouts:
-            parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+            # Expert biases (gpt-oss) need expert tensor parallel size 1 (Megatron's rule).
+            etp = 1 if family == "gpt_oss" else tp
+            parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
+                                                     expert_tensor_parallel_size=etp)
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
             try:
                 config = hf_zoo.megatron_config(hf_config, tp=tp, sequence_parallel=tp > 1,
-                                                expert_model_parallel_size=ep)
+                                                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
                 model = hf_zoo.gpt_model(config)
                 hf_zoo.load_torch_dist(model, dist_dir)
                 out[(family, name)] = rel_err(hf_zoo.logits(model, hf_zoo.inputs()), ref)

@@ -147,7 +147,7 @@ def test_not_available_options_stop_with_one_line_naming_them(parser, defaults):
                 with pytest.raises(ConfigurationError) as error:
                     refuse_not_available(parser.parse_args([rule.flag, str(value)]), parser)
                 assert str(error.value).startswith(f"{rule.flag} {value}: not available"), str(error.value)
-    assert checked == sum(1 for e in entries().values() if e.cls is OptionClass.NOT_AVAILABLE) > 450
+    assert checked == sum(1 for e in entries().values() if e.cls is OptionClass.NOT_AVAILABLE) > 300  # (shrinks as features land)
 
 
 def test_not_available_option_on_the_command_line_prints_one_line():
@@ -215,3 +215,33 @@ def test_docs_arguments_md_is_generated():
 
     with open(os.path.join(REPO, "docs", "arguments.md")) as f:
         assert f.read() == arguments_markdown(), "docs/arguments.md is out of date: python tools/generate_arguments_doc.py"
+
+
+def test_transformer_configuration_flags_are_generated_from_the_config_fields(parser):
+    """HEAD generates its "transformer configuration" group from TransformerConfig's fields; here too: each such
+    option whose setting is a field of our TransformerConfig is the flag config_args.py made from that field (its
+    dest, default and type come from the field), so the two cannot drift apart."""
+    import dataclasses
+    import typing
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training.arguments.config_args import config_flags
+
+    generated = {field.name: (flags, kwargs) for field, flags, kwargs in config_flags()}
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    # (a field of a feature still not available keeps the registry's flag until the feature lands)
+    classes = {flag: entry.cls for flag, entry in entries().items()}
+    head_config = [o for o in HEAD if o["group"] == "transformer configuration" and o["dest"] in fields
+                   and classes.get(o["options"][0]) is not OptionClass.NOT_AVAILABLE]
+    assert len(head_config) >= 70
+    for option in head_config:
+        assert option["dest"] in generated, f"{option['options']}: written by hand, not generated from the field"
+        flags, kwargs = generated[option["dest"]]
+        assert option["options"][0] in flags
+        action = parser._option_string_actions[option["options"][0]]
+        assert action.dest == option["dest"] and action.help == kwargs["help"]
+    hints = typing.get_type_hints(TransformerConfig)
+    for name, (flags, kwargs) in generated.items():  # the flag's type is the field's (Optional stripped)
+        if "type" in kwargs and not kwargs.get("choices"):
+            assert kwargs["type"] in typing.get_args(hints[name]) + (hints[name],) or \
+                any(kwargs["type"] in typing.get_args(a) for a in typing.get_args(hints[name])), name

@@ -96,6 +96,12 @@ class ParallelAttention(MegatronModule):
         if naming == "legacy":  # Megatron's legacy checkpoint names, at the state-dict boundary only
             install_legacy_state_dict_names(self, "attention")
         self.recompute_core_attention = config.recomputes("core_attn")
+        # YaRN (--position-embedding-type yarn) multiplies cos and sin by its attention concentration.
+        self.rope_mscale = 1.0
+        if config.position_embedding_type == "yarn":
+            from megatron.core.transformer.rotary import yarn_concentration
+
+            self.rope_mscale = yarn_concentration(config.rotary_scaling_factor, config.mscale, config.mscale_all_dim)
 
         query_projection_size = config.kv_channels * config.num_attention_heads
         kv_projection_size = config.kv_channels * config.num_query_groups
@@ -231,9 +237,9 @@ class ParallelAttention(MegatronModule):
             rope_fusion = self.config.apply_rope_fusion
             interleaved = self.config.rotary_interleaved
             query_layer = apply_rotary_pos_emb(query_layer, q_pos_emb[: query_layer.size(0)], fused=rope_fusion,
-                                               interleaved=interleaved)
+                                               interleaved=interleaved, mscale=self.rope_mscale)
             key_layer = apply_rotary_pos_emb(key_layer, k_pos_emb[: key_layer.size(0)], fused=rope_fusion,
-                                             interleaved=interleaved)
+                                             interleaved=interleaved, mscale=self.rope_mscale)
 
         if self.use_flash_attn:
             groups = query_layer.size(2) // key_layer.size(2)

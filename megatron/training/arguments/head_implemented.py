@@ -3,12 +3,23 @@
 Options named by their flag string are defined by the group files (``*_args.py``); see registry.py for how an
 option moves here from the other two tables.
 """
+from megatron.training.arguments.model_args import int_pair, layer_pattern
 from megatron.training.arguments.registry import Block, names, negated, no_or_disable, switch, value
 from megatron.training.arguments.registry import OptionClass as C
 
 IMPLEMENTED = C.IMPLEMENTED
 
 BLOCKS = (
+    Block(
+        IMPLEMENTED,
+        "Megatron-LM's YAML form of the configuration (yaml_args.py)",
+        (
+            value("--yaml-cfg", help="Read the run's settings from this YAML file (language_model: TransformerConfig "
+                                     "fields, model_parallel: ModelParallelConfig fields, other keys: arguments by "
+                                     "dest; ${VAR} from the environment) instead of the command line."),
+        ),
+        group="experimental",
+    ),
     Block(
         IMPLEMENTED,
         "fully sharded data parallelism (megatron/core/distributed/fsdp, torch_fully_sharded_data_parallel.py)",
@@ -64,6 +75,30 @@ BLOCKS = (
               --apply-query-key-layer-scaling --attention-softmax-in-fp32 --init-method-std
               --init-method-xavier-uniform --seed --data-parallel-random-init --no-initialization
               --use-cpu-initialization --use-flash-attn --use-mcore-models"""),
+        group="model",
+    ),
+    Block(
+        IMPLEMENTED,
+        "gpt-oss (megatron/core/transformer/attention_variants.py, mlp.py)",
+        names("""--glu-linear-offset --activation-func-clamp-value --softmax-type""") + (
+            switch("--quick-geglu", help="Gated MLP whose gate's activation is quick GeLU, x * sigmoid(1.702 x) "
+                                         "(gpt-oss)."),
+            value("--window-size", type=int_pair,
+                  help="Sliding-window attention 'left,right': query i sees keys i-left .. i+right (-1: unbounded); "
+                       "gpt-oss: 127,0."),
+            value("--window-attn-skip-freq", type=layer_pattern,
+                  help="Which layers use --window-size: all (not given), those whose number (from 1) is not a "
+                       "multiple of N, or a 0/1 list expression per layer (1 = windowed)."),
+        ),
+        group="network size",
+    ),
+    Block(
+        IMPLEMENTED,
+        "multi-latent attention (megatron/core/transformer/multi_latent_attention.py) and YaRN rotary embeddings",
+        names("""--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim
+              --v-head-dim --rope-type --rotary-scaling-factor --mscale --mscale-all-dim
+              --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
+              --yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int"""),
         group="model",
     ),
     Block(

@@ -15,34 +15,13 @@ SIGNALS = tuple(range(1, 32)) + (34, 64)  # HEAD's --exit-signal choices
 BLOCKS = (
     Block(
         NOT_AVAILABLE,
-        "multi-latent attention (DeepSeek-V2/V3) is being implemented",
+        "multi-latent attention's latent caching for dynamic inference and its fused down projection are not part of "
+        "this library",
         (
-            switch("--multi-latent-attention"),
-            value("--q-lora-rank", type=int),
-            value("--kv-lora-rank", type=int, default=32),
-            value("--qk-head-dim", type=int, default=128),
-            value("--qk-pos-emb-head-dim", type=int, default=64),
-            value("--v-head-dim", type=int, default=128),
             switch("--cache-mla-latents"),
             switch("--mla-down-proj-fusion"),
         ),
-        group="mla", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
-        "YaRN rotary scaling is being implemented",
-        (
-            value("--rotary-scaling-factor", type=float, default=1.0),
-            value("--mscale", type=float, default=1.0),
-            value("--mscale-all-dim", type=float, default=0.0),
-            value("--yarn-original-max-position-embeddings", type=int),
-            value("--yarn-beta-fast", type=float),
-            value("--yarn-beta-slow", type=float),
-            switch("--yarn-correction-range-round-to-int", default=None),
-            negated("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int"),
-            value("--rope-type", choices=("rope", "yarn")),
-        ),
-        group="network size", pending=True,
+        group="mla",
     ),
     Block(
         NOT_AVAILABLE,
@@ -57,19 +36,6 @@ BLOCKS = (
             switch("--mtp-standalone"),
         ),
         group="transformer configuration", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
-        "gpt-oss's attention sinks, sliding windows and clamped GLU are being implemented",
-        (
-            value("--softmax-type", default="vanilla", choices=("vanilla", "off-by-one", "learnable")),
-            value("--window-size", type=int_pair),
-            value("--window-attn-skip-freq", type=layer_pattern),
-            value("--glu-linear-offset", type=float, default=0.0),
-            value("--activation-func-clamp-value", type=float),
-            switch("--quick-geglu"),
-        ),
-        group="network size", pending=True,
     ),
     Block(
         NOT_AVAILABLE,
@@ -151,14 +117,6 @@ BLOCKS = (
             value("--memory-snapshot-path", default="snapshot.pickle"),
         ),
         group="rerun engine", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
-        "--yaml-cfg (HEAD's YAML form of the configs) is being implemented",
-        (
-            value("--yaml-cfg"),
-        ),
-        group="experimental", pending=True,
     ),
     Block(
         NOT_AVAILABLE,
@@ -763,8 +721,6 @@ VALUE_RULES = (
               "the Muon, Lion and SOAP optimizers are not part of this library (--optimizer adam or sgd)"),
     ValueRule("--lr-decay-style", ("WSD",), NOT_AVAILABLE, 
               "the warmup-stable-decay schedule is not part of this library"),
-    ValueRule("--position-embedding-type", ("yarn",), NOT_AVAILABLE, "YaRN rotary scaling is being implemented",
-              pending=True),
     ValueRule("--position-embedding-type", ("mrope", "relative"), NOT_AVAILABLE,
               "multimodal and relative position embeddings are not part of this library"),
     ValueRule("--cp-comm-type", ("a2a+p2p",), NOT_AVAILABLE,

@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional, Sequence
 
+from megatron.training.arguments.config_args import _add_transformer_config_args
 from megatron.training.arguments.model_args import (
     _add_initialization_args,
+    _add_mla_args,
     _add_moe_args,
     _add_network_size_args,
     _add_regularization_args,
@@ -46,10 +48,12 @@ ARGUMENT_GROUPS = (
     _add_biencoder_args,
     _add_vision_args,
     _add_moe_args,
+    _add_mla_args,
     _add_logging_args,
     _add_inference_args,
     _add_transformer_engine_args,
     _add_retro_args,
+    _add_transformer_config_args,  # generated from TransformerConfig's fields (config_args.py)
 )
 
 
@@ -82,6 +86,11 @@ def parse_args(extra_args_provider: Optional[Callable] = None, ignore_unknown_ar
         args = parser.parse_args(argv)
 
     launch = resolve_launch_env()
+    if args.yaml_cfg is not None:  # Megatron-LM's YAML form replaces the command line (yaml_args.py)
+        from megatron.training.arguments.yaml_args import load_yaml_args
+
+        args = load_yaml_args(args.yaml_cfg, parser, args,
+                              lambda message: print(message, flush=True) if launch.rank == 0 else None)
     args.rank = launch.rank
     args.world_size = launch.world_size
     return args

@@ -34,7 +34,10 @@ How a developer moves an option to *implemented* (the feature's owner does this 
 2. move the option's entry (its ``Opt`` line, or its flag string) from its block in ``head_unavailable.py`` (or
    ``head_performance.py``) into a block of ``head_implemented.py``. An ``Opt`` keeps defining the flag with HEAD's
    type and default wherever it moves; give it a ``help=`` text when it becomes implemented. To define the flag by
-   hand in a group file instead, delete the ``Opt`` and list the flag string;
+   hand in a group file instead, delete the ``Opt`` and list the flag string. An option of HEAD's "transformer
+   configuration" group whose setting is a ``TransformerConfig`` field is generated from the field instead: declare
+   the field with ``flag(default, "help", ...)`` (megatron/core/config_cli.py), delete the ``Opt`` and list the flag
+   string;
 3. run ``python tools/generate_arguments_doc.py`` to regenerate ``docs/arguments.md``;
 4. run ``python -m pytest tests/training/test_args_head_cli.py -q``: it fails for an option classified twice or not at
    all, a flag defined twice, or a default, type or choice that is not HEAD's.

@@ -11,8 +11,6 @@ from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # the one table of tok
 def _add_distributed_args(parser):
     group = parser.add_argument_group(title="distributed")
 
-    group.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor model parallel size.")
-    group.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline model parallel size.")
     group.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
                        help="Pipeline rank where the decoder starts (encoder-decoder models).")
     group.add_argument("--model-parallel-size", type=int, default=None,
@@ -23,13 +21,9 @@ def _add_distributed_args(parser):
                        help="Pipeline send/receive as separate isend/irecv calls (2023 spelling; the default now).")
     group.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
                        help="Pipeline send/receive batched into one batch_isend_irecv call.")
-    group.add_argument("--context-parallel-size", type=int, default=1,
-                       help="Context parallel size: ranks that split each sequence (docs/context_parallel.md).")
     group.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
                        help="Context-parallel communication per layer (one value for all, or one per layer): "
                             "p2p, all_gather, a2a or a2a+p2p.")
-    group.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
-                       help="Sizes of the two context-parallel levels of a2a+p2p (their product is the CP size).")
     group.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],
                        help="torch.distributed backend (gloo is used whenever CUDA is not available).")
     group.add_argument("--distributed-timeout-minutes", type=float, default=10,
@@ -53,14 +47,10 @@ def _add_distributed_args(parser):
     group.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_false",
                        dest="scatter_gather_tensors_in_pipeline",
                        help="Send whole tensors between pipeline stages instead of tensor-parallel slices.")
-    group.add_argument("--use-ring-exchange-p2p", action="store_true",
-                       help="Use ring exchange for pipeline communication (custom PyTorch builds only).")
     group.add_argument("--local-rank", "--local_rank", type=int, default=0,
                        help="Local rank passed by the launcher (torchrun sets LOCAL_RANK, which wins).")
     group.add_argument("--lazy-mpu-init", action="store_true",
                        help="Defer process-group creation to an external launcher (returns a continuation).")
-    group.add_argument("--use-cpu-initialization", action="store_true", default=None,
-                       help="Initialise full weights on the CPU, then slice (same weights for every layout).")
     group.add_argument("--empty-unused-memory-level", default=0, type=int, choices=[0, 1, 2],
                        help="Release cached accelerator memory each iteration: 0 never, 1 moderately, 2 aggressively.")
     group.add_argument("--standalone-embedding-stage", action="store_true",

@@ -20,9 +20,6 @@ def _add_training_args(parser):
                        help="Step-wise global batch size: 'THRESHOLD:BS' pairs separated by spaces or commas, "
                             "thresholds in consumed tokens with optional K/M/B/T suffixes (e.g. '0:16 2.4B:320'); "
                             "the first threshold must be 0. --global-batch-size, if given, must equal the last BS.")
-    group.add_argument("--calculate-per-token-loss", action="store_true",
-                       help="Normalise the loss by the number of non-padded tokens of the whole global batch "
-                            "(instead of averaging per-micro-batch token means).")
     group.add_argument("--manual-gc", action="store_true",
                        help="Disable Python's automatic garbage collector and collect only at the points given by "
                             "--manual-gc-interval and around evaluation, the same on every rank.")
@@ -32,20 +29,6 @@ def _add_training_args(parser):
                        help="With --manual-gc: do not collect before and after each periodic evaluation.")
     group.add_argument("--recompute-activations", action="store_true",
                        help="Recompute activations (selective granularity).")
-    group.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
-                       help="Recompute whole transformer layers (full) or the parts --recompute-modules names "
-                            "(selective).")
-    group.add_argument("--recompute-modules", nargs="*", type=str, default=None,
-                       help="With --recompute-granularity selective: what each layer recomputes in backward, any of "
-                            "core_attn (default), mlp, moe, shared_experts, moe_act (with --moe-grouped-gemm); "
-                            "layernorm and mla_up_proj are refused.")
-    group.add_argument("--distribute-saved-activations", action="store_true",
-                       help="Split recomputed activations across the tensor-parallel group.")
-    group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
-                       help="uniform: recompute groups of layers; block: recompute the first layers of each stage.")
-    group.add_argument("--recompute-num-layers", type=int, default=None,
-                       help="Layers per recompute group (uniform) or recomputed layers per stage (block); needed with "
-                            "--recompute-granularity full.")
     group.add_argument("--profile", action="store_true",
                        help="Profile iterations --profile-step-start..--profile-step-end: nsys ranges (CUDA), or "
                             "with --use-pytorch-profiler a PyTorch profiler trace in --tensorboard-dir.")
@@ -86,8 +69,6 @@ def _add_training_args(parser):
                        help="Do not fuse the rotary position embedding into one kernel.")
     group.add_argument("--apply-rope-fusion", action="store_true", dest="apply_rope_fusion",
                        help="Fuse the rotary position embedding into one kernel (the default).")
-    group.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                       help="Fused vocab-parallel cross entropy (compiled kernels, one all-reduce).")
     group.add_argument("--enable-cuda-graph", action="store_true",
                        help="Capture the transformer layers' forward in CUDA graphs (performance only: not captured "
                             "here, said once in the log).")
@@ -98,8 +79,6 @@ def _add_training_args(parser):
     group.add_argument("--deterministic-mode", action="store_true",
                        help="Choose code that has deterministic execution. This usually means slower execution, "
                             "but is good for debugging and testing (see megatron/training/deterministic.py).")
-    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
-                       help="Drop the biases of the linear layers.")
     group.add_argument("--optimizer", type=str, default="adam",
                        choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"],
                        help="Optimizer (adam or sgd; the others are not available).")
@@ -110,8 +89,6 @@ def _add_training_args(parser):
                        help="Do not overlap the input-gradient all-reduce with the weight-gradient GEMM.")
     group.add_argument("--no-persist-layer-norm", action="store_true",
                        help="Do not use apex's persistent fused layer-norm kernel (performance only: never used here).")
-    group.add_argument("--sequence-parallel", action="store_true",
-                       help="Shard layer-norm and dropout activations along the sequence over tensor-parallel ranks.")
     group.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                        help="Do not fuse weight-gradient computation with accumulation into main_grad.")
     group.add_argument("--use-legacy-models", action="store_true",
@@ -166,8 +143,6 @@ def _add_checkpointing_args(parser):
     group.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load the RNG state.")
     group.add_argument("--finetune", action="store_true",
                        help="Load model weights only; reset iteration, optimizer and RNG state.")
-    group.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
-                       help="Skip weight initialisation (weights come from a checkpoint).")
     group.add_argument("--use-checkpoint-args", action="store_true",
                        help="Override model flags with those stored in the checkpoint given by --load.")
     group.add_argument("--exit-on-missing-checkpoint", action="store_true",
@@ -212,8 +187,6 @@ def _add_checkpointing_args(parser):
 def _add_mixed_precision_args(parser):
     group = parser.add_argument_group(title="mixed precision")
 
-    group.add_argument("--fp16", action="store_true", help="Run the model in fp16.")
-    group.add_argument("--bf16", action="store_true", help="Run the model in bfloat16.")
     group.add_argument("--loss-scale", type=float, default=None,
                        help="Static loss scale (a power of 2 helps convergence); dynamic if not given.")
     group.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="Initial dynamic loss scale.")
@@ -221,14 +194,9 @@ def _add_mixed_precision_args(parser):
     group.add_argument("--loss-scale-window", type=float, default=1000,
                        help="Iterations without overflow before the dynamic loss scale grows.")
     group.add_argument("--hysteresis", type=int, default=2, help="Hysteresis of the dynamic loss scale.")
-    group.add_argument("--fp32-residual-connection", action="store_true",
-                       help="Keep the residual connection in fp32.")
     group.add_argument("--no-query-key-layer-scaling", action="store_false", dest="apply_query_key_layer_scaling",
                        default=False, help="Do not scale Q * K^T by 1 / layer-number (the default now; the 2023 "
                                            "default was to scale: --apply-query-key-layer-scaling).")
-    group.add_argument("--apply-query-key-layer-scaling", action="store_true", dest="apply_query_key_layer_scaling",
-                       help="Scale Q * K^T by 1 / layer-number before the softmax and back after it (computes the "
-                            "softmax in fp32).")
     group.add_argument("--attention-softmax-in-fp32", action="store_true",
                        help="Compute the attention softmax in fp32.")
     group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",

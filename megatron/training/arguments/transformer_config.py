@@ -8,13 +8,18 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 def _mlp_activation(args):
-    """(activation_func, gated_linear_unit) chosen by --swiglu / --openai-gelu / --squared-relu / --onnx-safe."""
+    """(activation_func, gated_linear_unit) chosen by --swiglu / --quick-geglu / --openai-gelu / --squared-relu /
+    --onnx-safe."""
     if args.swiglu:
         return F.silu, True
+    if getattr(args, "quick_geglu", False):
+        from megatron.core.activations import quick_gelu
+
+        return quick_gelu, True
     if args.openai_gelu or args.squared_relu or args.onnx_safe:
         # The activations live with the fused ops of megatron.core.transformer; imported only when asked for.
         from megatron.core import activations as fusions
@@ -27,16 +32,35 @@ def _mlp_activation(args):
     return F.gelu, False
 
 
-def core_transformer_config_from_args(args, config_class=TransformerConfig):
-    """Build the ``TransformerConfig`` that ``args`` (after ``validate_args``) describe.
+def _yarn_fields(args) -> dict:
+    """The YaRN fields: multi-latent attention keeps the dataclass's original context and betas (Megatron-LM has no
+    MLA flag for them); --position-embedding-type yarn takes them from the --yarn-* flags (None: the defaults)."""
+    if getattr(args, "multi_latent_attention", False):
+        return {}
+    given = {"original_max_position_embeddings": getattr(args, "yarn_original_max_position_embeddings", None),
+             "beta_fast": getattr(args, "yarn_beta_fast", None), "beta_slow": getattr(args, "yarn_beta_slow", None),
+             "yarn_correction_range_round_to_int": getattr(args, "yarn_correction_range_round_to_int", None)}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def core_transformer_config_from_args(args, config_class=None):
+    """Build the ``TransformerConfig`` that ``args`` (after ``validate_args``) describe (``MLATransformerConfig`` with
+    ``--multi-latent-attention``).
 
     Every arg whose name is a config field is copied; then the fields whose flag has another name or meaning
     are set as Megatron sets them.
     """
+    if config_class is None:
+        config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
     kw_args = {}
     for field in dataclasses.fields(config_class):
         if hasattr(args, field.name):
             kw_args[field.name] = getattr(args, field.name)
+    if kw_args.get("rope_type", "") is None:
+        del kw_args["rope_type"]  # --rope-type not given: the dataclass default (yarn)
+    for name in ("original_max_position_embeddings", "beta_fast", "beta_slow", "yarn_correction_range_round_to_int"):
+        kw_args.pop(name, None)
+    kw_args.update(_yarn_fields(args))
     kw_args["persist_layer_norm"] = not args.no_persist_layer_norm
     kw_args["deallocate_pipeline_outputs"] = True
     kw_args["pipeline_dtype"] = args.params_dtype
@@ -81,7 +105,10 @@ def args_from_transformer_config(config, **overrides):
         if dest in fields and (value is not None or default is None):
             setattr(args, dest, value)
     gated, act = config.gated_linear_unit, config.activation_func
+    from megatron.core.activations import quick_gelu
+
     args.swiglu = gated and act is F.silu
+    args.quick_geglu = gated and act is quick_gelu
     args.num_experts = config.num_moe_experts
     args.group_query_attention = config.num_query_groups != config.num_attention_heads
     args.add_position_embedding = config.add_position_embedding and config.position_embedding_type == "learned_absolute"

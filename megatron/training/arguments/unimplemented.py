@@ -109,7 +109,14 @@ def _validate_moe_implemented(args) -> None:
     if args.moe_router_num_groups is not None:
         _require(args.num_experts % args.moe_router_num_groups == 0 and args.moe_router_group_topk,
                  "--moe-router-num-groups must divide --num-experts and needs --moe-router-group-topk")
-
+        _require(args.moe_router_group_topk <= args.moe_router_num_groups,
+                 f"--moe-router-group-topk ({args.moe_router_group_topk}) must be <= --moe-router-num-groups "
+                 f"({args.moe_router_num_groups})")
+    else:
+        _require(args.moe_router_group_topk is None, "--moe-router-group-topk needs --moe-router-num-groups")
+    if args.moe_shared_expert_overlap:  # (Megatron's rules; the overlap itself is performance-only here)
+        _require(args.moe_token_dispatcher_type in ("alltoall", "flex"),
+                 "--moe-shared-expert-overlap needs --moe-token-dispatcher-type alltoall")
 
 
 def _validate_context_parallel(args) -> None:

@@ -19,7 +19,9 @@ from megatron.core import device
 from megatron.post_training.arguments import apply_modelopt_args
 from megatron.tokenizer.vocab_padding import resolve_padded_vocab_size, unpadded_vocab_size
 from megatron.training.arguments.fsdp_args import validate_fully_sharded
+from megatron.training.arguments.mla_mtp_validation import validate_mla_and_mtp
 from megatron.training.arguments.printing import _print_args
+from megatron.training.arguments.model_variants import validate_model_variants
 from megatron.training.arguments.registry import log_performance_only, refuse_not_available
 from megatron.training.arguments.unimplemented import validate_unimplemented_features
 from megatron.training.errors import ConfigurationError
@@ -77,6 +79,8 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_recompute(args)
     _validate_sequence_parallel(args)
     _validate_features(args)
+    validate_mla_and_mtp(args)
+    validate_model_variants(args)  # gpt-oss / Llama 4 flags (model_variants.py)
     _validate_per_token_loss(args)
     _validate_decoupled_lr(args)
     _validate_param_gather(args)
@@ -337,7 +341,7 @@ def _validate_model_shape(args):
         _require(getattr(args, dest) > 0, f"{_flag(dest)} must be > 0, got {getattr(args, dest)}")
 
     activations = [f for f, on in (("--openai-gelu", args.openai_gelu), ("--squared-relu", args.squared_relu),
-                                   ("--swiglu", args.swiglu)) if on]
+                                   ("--swiglu", args.swiglu), ("--quick-geglu", args.quick_geglu)) if on]
     _require(len(activations) <= 1, f"{' and '.join(activations)} each choose the MLP activation: pass only one")
     if args.ffn_hidden_size is None:
         if args.swiglu:
@@ -453,7 +457,8 @@ def _validate_recompute(args):
     if args.recompute_granularity == "selective" or args.moe_layer_recompute:
         from megatron.core.transformer.transformer_config import check_recompute_modules
         try:
-            check_recompute_modules(args.recompute_modules or ["core_attn"], args.moe_grouped_gemm)
+            check_recompute_modules(args.recompute_modules or ["core_attn"], args.moe_grouped_gemm,
+                                    args.multi_latent_attention)
         except ValueError as e:
             raise ConfigurationError(str(e)) from None
     elif args.recompute_modules:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
-from megatron.core.models.conversion import hf, hf_moe, hf_qwen
+from megatron.core.models.conversion import hf, hf_gpt_oss, hf_moe, hf_qwen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,8 @@ _BRIDGES = [
              hf_qwen.to_hf, hf_qwen.config_to_hf),
     HFBridge("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", hf_qwen.config_to_megatron, hf_qwen.to_megatron,
              hf_qwen.to_hf, hf_qwen.config_to_hf),
+    HFBridge("gpt_oss", "GptOssForCausalLM", "GptOssConfig", hf_gpt_oss.config_to_megatron, hf_gpt_oss.to_megatron,
+             hf_gpt_oss.to_hf, hf_gpt_oss.config_to_hf),
 ]
 BRIDGES: Dict[str, HFBridge] = {b.model_type: b for b in _BRIDGES}
 

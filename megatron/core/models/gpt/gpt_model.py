@@ -10,7 +10,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_model import logits_or_loss
 from megatron.core.transformer.module import MegatronModule, sync_tied_weight_across_pipeline
-from megatron.core.transformer.rotary import RotaryEmbedding, get_pos_emb_on_this_cp_rank
+from megatron.core.transformer.rotary import RotaryEmbedding, YarnRotaryEmbedding, get_pos_emb_on_this_cp_rank
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -77,9 +77,11 @@ class GPTModel(LanguageModule):
         rope_scaling = _or(rope_scaling, config.use_rope_scaling)
         rope_scaling_factor = _or(rope_scaling_factor, config.rope_scaling_factor)
         seq_len_interpolation_factor = _or(seq_len_interpolation_factor, config.rotary_seq_len_interpolation_factor)
-        if position_embedding_type not in ("learned_absolute", "rope", "none"):
-            raise ValueError("position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
+        if position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
+            raise ValueError("position_embedding_type must be 'learned_absolute', 'rope', 'yarn' or 'none', "
                              f"got {position_embedding_type!r}")
+        if config.mtp_num_layers:
+            raise NotImplementedError("multi-token prediction (mtp_num_layers) is not implemented yet")
         self.transformer_layer_spec = transformer_layer_spec
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -93,12 +95,21 @@ class GPTModel(LanguageModule):
         if self.pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
                                                     position_embedding_type=position_embedding_type)
-        if self.position_embedding_type == "rope":
+        # Multi-latent attention owns its rotary embedding (of the d_r rotary channels): none at the model level.
+        if self.position_embedding_type == "rope" and not config.multi_latent_attention:
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
                                                   rotary_interleaved=config.rotary_interleaved,
                                                   seq_len_interpolation_factor=seq_len_interpolation_factor,
                                                   rotary_base=rotary_base, rope_scaling=rope_scaling,
                                                   rope_scaling_factor=rope_scaling_factor)
+        elif self.position_embedding_type == "yarn" and not config.multi_latent_attention:
+            self.rotary_pos_emb = YarnRotaryEmbedding(
+                config.kv_channels, rotary_percent, rotary_base=rotary_base,
+                scaling_factor=config.rotary_scaling_factor,
+                original_max_position_embeddings=config.original_max_position_embeddings,
+                beta_fast=config.beta_fast, beta_slow=config.beta_slow, mscale=config.mscale,
+                mscale_all_dim=config.mscale_all_dim,
+                correction_range_round_to_int=config.yarn_correction_range_round_to_int)
         self.decoder = TransformerBlock(config, spec=transformer_layer_spec, pre_process=self.pre_process,
                                         post_process=self.post_process)
         if self.post_process:
@@ -132,8 +143,10 @@ class GPTModel(LanguageModule):
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
-        if self.position_embedding_type == "rope":
+        if hasattr(self, "rotary_pos_emb"):
             rotary_pos_emb = self.rotary_pos_emb(self._rotary_seq_len(input_ids, decoder_input, inference_params))
+            if isinstance(rotary_pos_emb, tuple):  # YaRN: (angles, concentration); attention applies the latter
+                rotary_pos_emb = rotary_pos_emb[0]
             if self.config.context_parallel_size > 1:
                 # Angles of this CP rank's positions (chunks r and 2CP-1-r), as the batch was split.
                 rotary_pos_emb = get_pos_emb_on_this_cp_rank(rotary_pos_emb, seq_dim=0)
