@@ -20,7 +20,11 @@ def model_provider(pre_process=True, post_process=True):
     print_rank_0("building GPT model ...")
     if not args.use_legacy_models:
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec,
+            get_gpt_layer_local_spec,
+            get_gpt_mtp_block_spec,
+        )
 
         if args.num_experts:
             layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
@@ -35,7 +39,8 @@ def model_provider(pre_process=True, post_process=True):
                         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                         rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
                         rope_scaling_factor=args.rope_scaling_factor,
-                        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor)
+                        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+                        mtp_block_spec=get_gpt_mtp_block_spec(config, layer_spec))
     from megatron.legacy.model import GPTModel
 
     return GPTModel(config, num_tokentypes=0, parallel_output=True, pre_process=pre_process,
@@ -80,7 +85,9 @@ def forward_step(data_iterator, model):
     timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
     timers("batch-generator").stop()
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    # Multi-token prediction weights its losses with the loss mask (megatron-core models).
+    extra = {"loss_mask": loss_mask} if get_args().mtp_num_layers else {}
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, **extra)
     return output_tensor, partial(loss_func, loss_mask)
 
 

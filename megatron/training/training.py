@@ -27,6 +27,7 @@ from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.datasets_provider import build_train_valid_test_data_iterators
 from megatron.training.fault_injection import ENV_VAR as FAULT_INJECT_ENV_VAR
 from megatron.training.global_vars import (
+    get_adlr_autoresume,
     get_args,
     get_num_microbatches,
     get_signal_handler,
@@ -367,6 +368,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             loss_reduced[key] = numerator / denominator
         # Megatron's MoE metrics (load_balancing_loss, z_loss, ...) are shown like the loss keys.
         loss_reduced.update({key: torch.tensor(value) for key, value in moe_losses.items()})
+        if args.mtp_num_layers:  # mtp_{k} loss per depth, as Megatron logs it
+            from megatron.core.transformer.multi_token_prediction import reduce_mtp_losses
+
+            mtp = reduce_mtp_losses(model, get_num_microbatches())
+            loss_reduced.update({key: torch.tensor(value) for key, value in mtp.items()})
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
 
@@ -376,6 +382,8 @@ def _moe_losses(model, config):
     from megatron.core.transformer.moe.moe_layer import reduce_moe_losses
 
     num_moe_layers = sum(config.is_moe_layer(i + 1) for i in range(config.num_layers))
+    if config.mtp_num_layers and config.is_moe_layer(config.num_layers):  # MTP depths copy the last decoder layer
+        num_moe_layers += config.mtp_num_layers
     return reduce_moe_losses(model, get_num_microbatches(), num_moe_layers,
                              per_layer_logging=config.moe_per_layer_logging)
 
@@ -447,8 +455,15 @@ def _wandb_run(args):
     except ImportError:
         print_rank_last("--wandb-project is set but wandb is not installed: not logging to Weights & Biases")
         return None
-    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=args.wandb_save_dir or None,
+    return wandb.init(project=args.wandb_project, entity=getattr(args, "wandb_entity", None),
+                      name=args.wandb_exp_name or None, dir=args.wandb_save_dir or None,
                       config=vars(args))
+
+
+def periodic_evaluation_due(args, iteration: int) -> bool:
+    """Evaluate after this iteration: every --eval-interval iterations, from --start-eval-at-iter on."""
+    start = getattr(args, "start_eval_at_iter", None) or 0
+    return bool(args.eval_interval) and iteration % args.eval_interval == 0 and iteration >= start
 
 
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
@@ -500,7 +515,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                      params_norm, num_zeros_in_grad, wandb_run)
         progress.after_step(iteration)  # the --log-straggler report on log intervals
 
-        if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+        if args.adlr_autoresume and iteration % args.adlr_autoresume_interval == 0:
+            check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler)
+        if args.do_valid and periodic_evaluation_due(args, iteration):
             manual_gc.before_eval()
             _param_gather_hooks(model, enabled=False)
             evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
@@ -527,6 +544,24 @@ def _param_gather_hooks(model, enabled: bool):
             chunk.enable_forward_pre_hook()
         else:
             chunk.disable_forward_pre_hook()
+
+
+def check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler) -> None:
+    """--adlr-autoresume, every --adlr-autoresume-interval iterations: when the cluster asks the job to stop, save
+    (with --save), ask for a resume (rank 0) and exit, as Megatron does."""
+    args = get_args()
+    autoresume = get_adlr_autoresume()
+    torch.distributed.barrier()
+    if not autoresume.termination_requested():
+        return
+    if args.save:
+        _param_gather_hooks(model, enabled=False)
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+    print_rank_0(">>> autoresume termination request found!")
+    if torch.distributed.get_rank() == 0:
+        autoresume.request_resume()
+    print_rank_0(">>> training terminated. Returning")
+    _exit()
 
 
 def _save_or_exit(iteration, model, optimizer, opt_param_scheduler) -> None:

@@ -27,12 +27,24 @@ FAMILIES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig",
               dict(head_dim=16, intermediate_size=48, rope_parameters=LLAMA3_ROPE)),
     # attention sinks, sliding window 4 on layers 1 and 3 (of 4) and full attention on 2 and 4, quick GeGLU experts
-    # with biases, the offset and a clamp small enough to act (gpt-oss: 7); sequences of 12 make the window matter
+    # with biases, the offset and a clamp small enough to act (gpt-oss: 7), YaRN as gpt-oss has it (factor 32, no
+    # rounding of the correction range) with a short original context so that it changes the tiny model's
+    # frequencies; sequences of 12 make the window matter
     "gpt_oss": ("GptOssForCausalLM", "GptOssConfig",
                 dict(num_hidden_layers=4, head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
-                     sliding_window=4, swiglu_limit=0.2, rms_norm_eps=1e-5,
-                     rope_parameters=dict(rope_type="default", rope_theta=150000.0))),
+                     sliding_window=4, swiglu_limit=0.2, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                     rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                          truncate=False, original_max_position_embeddings=128,
+                                          rope_theta=150000.0))),
+    # Llama 4 Scout's shape: every layer MoE (top-1 sigmoid routing on the expert input, shared expert), the QK L2 norm,
+    # interleaved RoPE with llama3 scaling, NoPE on layer 4 of 4 (Hugging Face's default interval)
+    "llama4_text": ("Llama4ForCausalLM", "Llama4TextConfig",
+                    dict(num_hidden_layers=4, head_dim=8, intermediate_size=16, intermediate_size_mlp=48,
+                         num_local_experts=4, interleave_moe_layer_step=1, use_qk_norm=True,
+                         rope_parameters=dict(LLAMA3_ROPE, factor=16.0))),
 }
+# Llama 4 Maverick's shape: dense and MoE layers interleaved, no QK norm (as its checkpoint)
+LLAMA4_INTERLEAVED = dict(interleave_moe_layer_step=2, use_qk_norm=False)
 
 
 def tiny_hf(family: str, seed: int = 0, **overrides):

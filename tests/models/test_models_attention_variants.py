@@ -1,8 +1,9 @@
-"""gpt-oss's building blocks against their definitions and against Hugging Face's own code: the sliding-window mask
-and the layers --window-attn-skip-freq selects, attention sinks (the softmax with a sink column, off-by-one = a zero
-learnable sink), the quick-GeGLU gate with offset and clamp (vs transformers' GptOssExperts._apply_gate on the
-interleaved layout), the flags reaching TransformerConfig, and the one-line refusals (context parallelism, a window
-option without a window, offset without a gated unit)."""
+"""gpt-oss's and Llama 4's building blocks against their definitions and against Hugging Face's own code: the
+sliding-window mask and the layers --window-attn-skip-freq selects, attention sinks (the softmax with a sink column,
+off-by-one = a zero learnable sink), the quick-GeGLU gate with offset and clamp (vs transformers'
+GptOssExperts._apply_gate on the interleaved layout); Llama 4's NoPE layers (= HF no_rope_layers), QK L2 norm (vs
+Llama4TextL2Norm, and where HF applies it), the interleaved dense / MoE layout (Maverick's shape) vs
+Llama4ForCausalLM; the flags reaching TransformerConfig, and the one-line refusals."""
 import dataclasses
 
 import pytest
@@ -126,3 +127,70 @@ def test_non_integer_window_size_is_an_argparse_error(clean_env, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv=["--window-size", "a,b"])
     assert "--window-size" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------- Llama 4
+
+def test_no_rope_layers_follow_no_rope_freq():
+    from helpers.models_helpers import tiny_config
+
+    cfg = tiny_config(num_layers=8, position_embedding_type="rope", no_rope_freq=4)
+    hf_uses_rope = [int((i + 1) % 4 != 0) for i in range(8)]  # transformers' default no_rope_layers (1 = RoPE)
+    assert [int(not cfg.is_no_rope_layer(i + 1)) for i in range(8)] == hf_uses_rope
+    cfg = tiny_config(num_layers=4, position_embedding_type="rope", no_rope_freq=[1, 0, 0, 0])
+    assert [cfg.is_no_rope_layer(n) for n in range(1, 5)] == [True, False, False, False]
+
+
+def test_l2_norm_equals_hugging_face():
+    from transformers.models.llama4.modeling_llama4 import Llama4TextL2Norm
+
+    from megatron.core.transformer.attention_variants import l2_norm
+
+    x = torch.randn(3, 2, 4, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(l2_norm(x, 1e-5), Llama4TextL2Norm(1e-5)(x))
+
+
+def test_llama4_interleaved_moe_equals_hugging_face(single_rank):
+    """Maverick's shape: dense and MoE layers interleaved, NoPE every 4th layer, no QK norm; the bridge's config
+    computes transformers' logits, the weights go back unchanged; Megatron's --qk-l2-norm on a model with NoPE layers
+    normalises those too, which Hugging Face does not (the bridge keeps HF's placement)."""
+    from megatron.core.models.conversion import hf_registry
+
+    bridge = hf_registry.bridge_for("llama4_text")
+    for overrides in (hf_zoo.LLAMA4_INTERLEAVED, {}):
+        model = hf_zoo.tiny_hf("llama4_text", **overrides)
+        config = hf_zoo.megatron_config(model.config)
+        sd = bridge.to_megatron(model.state_dict(), model.config, config.padded_vocab_size)
+        ours = hf_zoo.gpt_model(config)
+        ours.load_state_dict(sd)
+        with torch.no_grad():
+            ref = model(hf_zoo.inputs()).logits
+        assert rel_err(hf_zoo.logits(ours, hf_zoo.inputs()), ref) <= 1e-5
+        back = bridge.to_hf(ours.state_dict(), model.config)
+        assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    assert config.qk_l2_norm and config.qk_l2_norm_rope_layers_only and config.no_rope_freq == 4
+    megatron_style = hf_zoo.gpt_model(dataclasses.replace(config, qk_l2_norm_rope_layers_only=False))
+    megatron_style.load_state_dict(sd)
+    assert rel_err(hf_zoo.logits(megatron_style, hf_zoo.inputs()), ref) > 1e-3
+
+
+def test_llama4_flags_reach_the_config(clean_env):
+    args = validated("--num-experts 4 --moe-router-topk 1 --moe-router-score-function sigmoid --position-embedding-type "
+                     "rope --no-rope-freq 2 --qk-l2-norm --moe-apply-probs-on-input --moe-layer-freq ([0,1]*2)")
+    config = core_transformer_config_from_args(args)
+    assert config.no_rope_freq == 2 and config.qk_l2_norm and config.moe_apply_probs_on_input
+    assert [config.is_moe_layer(n) for n in range(1, 5)] == [False, True, False, True]
+
+
+@pytest.mark.parametrize("extra,message", [
+    ("--num-experts 4 --moe-apply-probs-on-input", "--moe-apply-probs-on-input needs --moe-router-topk 1 (one routing "
+                                                   "weight per token), got 2"),
+    ("--moe-apply-probs-on-input", "--moe-apply-probs-on-input needs a mixture of experts (--num-experts)"),
+    ("--position-embedding-type rope --no-rope-freq 3", "--no-rope-freq 3 must be >= 1 and divide --num-layers (4)"),
+    ("--no-rope-freq 2", "--no-rope-freq picks layers without rotary embeddings: it needs --position-embedding-type "
+                         "rope, got learned_absolute"),
+])
+def test_llama4_misconfigurations_are_one_line(clean_env, extra, message):
+    with pytest.raises(ConfigurationError) as error:
+        validated(extra)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)

@@ -1,5 +1,5 @@
 """Hugging Face bridges of today's transformer families (Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Llama 3.x with its RoPE
-scaling): a tiny random ``transformers`` model of each (tests/helpers/hf_zoo.py) converts with
+scaling, gpt-oss, Llama 4 text): a tiny random ``transformers`` model of each (tests/helpers/hf_zoo.py) converts with
 tools/checkpoint/convert.py to torch_dist; that checkpoint in our megatron-core GPTModel gives HF's logits at TP=1
 and, in one 2-rank launch, at TP=2 with sequence parallelism (the MoE also at EP=2), fp32 within 1e-5; it exports back
 to files ``transformers`` loads as the same class with equal tensors and logits, also from a checkpoint whose args hold
@@ -89,6 +89,19 @@ def test_llama3_rope_scaling_is_applied(zoo, single_rank):
     assert rel_err(ours, theirs) <= 1e-6
     plain = 1.0 / (config.rotary_base ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
     assert int(((ours - plain).abs() > 0.1 * plain).sum()) >= 3
+
+
+def test_gpt_oss_yarn_is_applied(zoo, single_rank):
+    """gpt-oss's YaRN (frequencies and attention concentration 1 + 0.1 ln 32): plain RoPE gives other logits."""
+    import dataclasses
+
+    model, root, ref = zoo["gpt_oss"]
+    config = hf_zoo.megatron_config(model.config)
+    assert (config.position_embedding_type, config.rotary_scaling_factor, config.original_max_position_embeddings,
+            config.yarn_correction_range_round_to_int) == ("yarn", 32.0, 128, False)
+    plain = hf_zoo.gpt_model(dataclasses.replace(config, position_embedding_type="rope"))
+    hf_zoo.load_torch_dist(plain, os.path.join(root, "dist"))
+    assert rel_err(hf_zoo.logits(plain, hf_zoo.inputs()), ref) > 1e-3
 
 
 def tp2_body(cases):

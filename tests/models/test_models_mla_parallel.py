@@ -7,6 +7,11 @@ compares logits, per-token loss, total loss and every parameter gradient within 
 training reduces: summed over the CP group, sequence-parallel replicated weights (norms, down projections) summed over
 TP. Layouts: TP 2 (with and without SP), TP 2 + SP x CP 2 (p2p), CP 2 all_gather and a2a, CP 4 p2p, and TP 2 without
 query compression; the last one runs with selective recompute of ``mla_up_proj``, ``core_attn`` and ``layernorm``.
+
+Multi-token prediction (2 depths, a loss mask with holes): at TP 2 + SP every gradient (the MTP block's included) and
+each depth's logged loss equal the unsharded model's; at CP 2 each depth's hidden states equal the reference's rows
+(the token shift is global across the zig-zag chunks); gradients are not compared there (Megatron's MTP loss with CP is
+each rank's own token mean, so its gradient is not the CP = 1 one).
 """
 import torch
 
@@ -40,12 +45,27 @@ def build(config):
     return GPTModel(config, spec, VOCAB, SEQ, position_embedding_type="rope")
 
 
-def run_model(model, ids, pos, labels, count):
+def run_model(model, ids, pos, labels, count, loss_mask):
+    """logits, per-token loss, loss; with MTP also each depth's hidden states and logged loss."""
     logits = model(ids, pos, None)
-    loss = model(ids, pos, None, labels=labels)
-    total = loss.sum() / count
+    captured = {}
+    if getattr(model, "mtp", None) is not None:
+        def keep(module, inputs, outputs):  # (returns None: the outputs stay the module's)
+            captured["mtp"] = [h.detach() for h in outputs]
+
+        model.mtp.register_forward_hook(keep)
+    loss = model(ids, pos, None, labels=labels, loss_mask=loss_mask)
+    total = (loss * loss_mask).sum() / count
     total.backward()
-    return logits.detach(), loss.detach(), total.detach()
+    if captured:
+        captured["tracked"] = torch.stack([model.mtp.tracked_losses[k] for k in sorted(model.mtp.tracked_losses)])
+    return logits.detach(), loss.detach(), total.detach(), captured
+
+
+def batch_mask():
+    mask = torch.ones(BATCH, SEQ)
+    mask[0, 3] = mask[1, 10:] = 0  # padding and a hole: the rolled masks differ per depth
+    return mask
 
 
 def reference(extra):
@@ -57,10 +77,10 @@ def reference(extra):
     torch.manual_seed(3)
     model = build(mla_config(**extra))
     ids, pos, _, labels = gpt_inputs(batch=BATCH, seq=SEQ, vocab=VOCAB - 4)
-    logits, loss, total = run_model(model, ids, pos, labels, BATCH * SEQ)
+    logits, loss, total, mtp = run_model(model, ids, pos, labels, BATCH * SEQ, batch_mask())
     ps.destroy_model_parallel()
     return {"weights": model.state_dict(), "grads": {k: p.grad for k, p in model.named_parameters()},
-            "logits": logits, "loss": loss, "total": total}
+            "logits": logits, "loss": loss, "total": total, "mtp": mtp}
 
 
 def layout_errors(tp, sp, cp, comm, ref, extra):
@@ -76,9 +96,11 @@ def layout_errors(tp, sp, cp, comm, ref, extra):
     tp_rank = ps.get_tensor_model_parallel_rank()
     model.load_state_dict(split_tensor_parallel(ref["weights"], tp, True)[tp_rank])
     ids, pos, _, labels = gpt_inputs(batch=BATCH, seq=SEQ, vocab=VOCAB - 4)
-    batch = get_batch_on_this_cp_rank({"tokens": ids, "position_ids": pos, "labels": labels, "attention_mask": None})
+    batch = get_batch_on_this_cp_rank({"tokens": ids, "position_ids": pos, "labels": labels, "attention_mask": None,
+                                       "loss_mask": batch_mask()})
     idx = context_parallel_chunk_indices(SEQ, cp, ps.get_context_parallel_rank()) if cp > 1 else torch.arange(SEQ)
-    logits, loss, total = run_model(model, batch["tokens"], batch["position_ids"], batch["labels"], BATCH * SEQ)
+    logits, loss, total, mtp = run_model(model, batch["tokens"], batch["position_ids"], batch["labels"], BATCH * SEQ,
+                                         batch["loss_mask"])
     torch.distributed.all_reduce(total, group=ps.get_context_parallel_group())
     for p in model.parameters():
         torch.distributed.all_reduce(p.grad, group=ps.get_context_parallel_group())
@@ -88,8 +110,18 @@ def layout_errors(tp, sp, cp, comm, ref, extra):
     grads = {k: p.grad for k, p in model.named_parameters()}
     assert set(grads) == set(grad_shard), set(grads) ^ set(grad_shard)
     errs = {"logits": rel_err(logits, torch.chunk(ref["logits"][:, idx], tp, dim=-1)[tp_rank]),
-            "loss": rel_err(loss, ref["loss"][:, idx]), "total": rel_err(total, ref["total"]),
-            "grads": max(rel_err(grads[k], grad_shard[k]) for k in grads)}
+            "loss": rel_err(loss, ref["loss"][:, idx])}
+    if mtp:  # each depth's hidden states at this rank's positions (SP: its sequence shard)
+        rows = [h[idx] for h in ref["mtp"]["mtp"]]
+        if sp:
+            rows = [torch.chunk(h, tp, dim=0)[tp_rank] for h in rows]
+        errs["mtp hidden"] = max(rel_err(a, b) for a, b in zip(mtp["mtp"], rows))
+    if cp == 1:  # (with CP, Megatron's MTP loss is each rank's own token mean, averaged: not the CP=1 loss)
+        errs.update(total=rel_err(total, ref["total"]), grads=max(rel_err(grads[k], grad_shard[k]) for k in grads))
+        if mtp:
+            errs["mtp logged loss"] = rel_err(mtp["tracked"], ref["mtp"]["tracked"])
+    elif not mtp:
+        errs["grads"] = max(rel_err(grads[k], grad_shard[k]) for k in grads)
     ps.destroy_model_parallel()
     return errs
 
@@ -102,9 +134,12 @@ LAYOUTS = [  # (TP, SP, CP, --cp-comm-type, reference variant)
     (1, False, 2, "a2a", "q_lora"),
     (1, False, 4, "p2p", "q_lora"),
     (2, True, 1, None, "no_q_lora_recompute"),
+    (2, True, 1, None, "mtp"),
+    (2, False, 2, "p2p", "mtp"),
 ]
 VARIANTS = {"q_lora": {}, "no_q_lora_recompute": dict(q_lora_rank=None, recompute_granularity="selective",
-                                                      recompute_modules=["mla_up_proj", "core_attn", "layernorm"])}
+                                                      recompute_modules=["mla_up_proj", "core_attn", "layernorm"]),
+            "mtp": dict(mtp_num_layers=2, mtp_loss_scaling_factor=0.3)}
 
 
 def body():

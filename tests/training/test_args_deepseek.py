@@ -24,7 +24,7 @@ def test_mla_flags_reach_the_mla_config(clean_env):
     from megatron.training.arguments.transformer_config import core_transformer_config_from_args
 
     args = validated(MLA + " --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707 "
-                     "--recompute-granularity selective --recompute-modules "
+                     "--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3 --recompute-granularity selective --recompute-modules "
                      "mla_up_proj layernorm")
     config = core_transformer_config_from_args(args)
     assert isinstance(config, MLATransformerConfig)
@@ -34,8 +34,8 @@ def test_mla_flags_reach_the_mla_config(clean_env):
                                            "mtp_num_layers", "mtp_loss_scaling_factor", "recompute_modules")}
     assert got == dict(q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
                        rotary_scaling_factor=40.0, mscale=0.707, mscale_all_dim=0.707, rope_type="yarn",
-                       original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mtp_num_layers=None,
-                       mtp_loss_scaling_factor=0.1, recompute_modules=["mla_up_proj", "layernorm"])
+                       original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mtp_num_layers=1,
+                       mtp_loss_scaling_factor=0.3, recompute_modules=["mla_up_proj", "layernorm"])
     assert core_transformer_config_from_args(validated(MLA + " --rope-type rope")).rope_type == "rope"
 
 
@@ -62,7 +62,8 @@ def test_non_mla_yarn_flags_reach_the_config(clean_env):
     (MLA + " --qk-pos-emb-head-dim 5", "must be even"),
     (MLA + " --use-legacy-models --ckpt-format torch", "needs the megatron-core models"),
     ("--recompute-granularity selective --recompute-modules mla_up_proj", "needs --multi-latent-attention"),
-    ("--mtp-num-layers 1 --position-embedding-type rope", "--mtp-num-layers: not available yet"),
+    ("--mtp-num-layers 1", "--mtp-num-layers needs --position-embedding-type rope or none"),
+    ("--mtp-num-layers 1 --position-embedding-type rope --mtp-hsm", "--mtp-hsm: not available in this library"),
     ("--position-embedding-type yarn --rotary-interleaved", "does not support --rotary-interleaved"),
 ])
 def test_refused_combinations_are_one_line_errors(clean_env, extra, message):

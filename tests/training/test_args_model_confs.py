@@ -1,5 +1,5 @@
 """Megatron-LM HEAD's model configurations of the transformer families (Qwen2.5 / Qwen3 dense and MoE, Llama 3.1 /
-3.2): their ``MODEL_ARGS``, word for word as bash passes them (tests/helpers/model_confs.py), parse with
+3.2, gpt-oss 20b / 120b, Llama 4 Scout / Maverick): their ``MODEL_ARGS``, word for word as bash passes them (tests/helpers/model_confs.py), parse with
 ``pretrain_gpt.py``'s parser (Megatron's flags plus the ModelOpt ones) and validate unchanged; the values land in
 the args and in the TransformerConfig the model is built from. Megatron's vocabulary rules for --padded-vocab-size
 / --make-vocab-size-divisible-by / --no-pad-vocab-size, each bad value one line naming the flag."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from helpers.args_test_helpers import clean_env, validated  # noqa: F401  (fixture)
 from helpers.models_helpers import single_rank  # noqa: F401  (fixture)
-from helpers.model_confs import LLAMA3, QWEN, model_args, shrunk
+from helpers.model_confs import GPT_OSS, LLAMA3, LLAMA4, QWEN, model_args, shrunk
 
 from megatron.post_training.arguments import add_modelopt_args
 from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
@@ -40,6 +40,27 @@ EXPECT = {
                                               untie_embeddings_and_output_weights=True),
     "meta-llama__Llama-3.2-1B-Instruct": dict(use_rope_scaling=True, rope_scaling_factor=8.0, num_layers=16,
                                               untie_embeddings_and_output_weights=False, kv_channels=64),
+    # --enable-gpt-oss (ModelOpt) is gpt-oss's YaRN; no --disable-bias-linear: attention, router and expert biases
+    "openai__gpt-oss-20b": dict(
+        softmax_type="learnable", window_size=(127, 0), window_attn_skip_freq=2, gated_linear_unit=True,
+        glu_linear_offset=1.0, activation_func_clamp_value=7.0, position_embedding_type="yarn",
+        rotary_scaling_factor=32.0, original_max_position_embeddings=131072, beta_fast=32.0, beta_slow=1.0,
+        yarn_correction_range_round_to_int=False, add_bias_linear=True, num_moe_experts=32, moe_router_topk=4,
+        moe_router_dtype="fp32", padded_vocab_size=201088, rotary_base=150000, num_query_groups=8, kv_channels=64,
+        normalization="RMSNorm"),
+    "openai__gpt-oss-120b": dict(num_layers=36, num_moe_experts=128, softmax_type="learnable",
+                                 position_embedding_type="yarn"),
+    # --export-qk-l2-norm (ModelOpt) is --qk-l2-norm, which replaces --qk-layernorm
+    "meta-llama__Llama-4-Scout-17B-16E-Instruct": dict(
+        qk_l2_norm=True, qk_layernorm=False, moe_apply_probs_on_input=True, num_moe_experts=16, moe_router_topk=1,
+        moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=1.0, moe_layer_freq=1,
+        moe_shared_expert_intermediate_size=8192, moe_router_load_balancing_type="seq_aux_loss",
+        rotary_interleaved=True, use_rope_scaling=True, rotary_base=500000, no_rope_freq=None,
+        padded_vocab_size=202048, kv_channels=128),
+    "meta-llama__Llama-4-Maverick-17B-128E-Instruct": dict(
+        qk_l2_norm=False, moe_apply_probs_on_input=True, num_moe_experts=128, moe_layer_freq=[0, 1] * 24,
+        no_rope_freq=4, use_rope_scaling=False, recompute_granularity="selective",
+        recompute_modules=["core_attn", "moe"], ffn_hidden_size=16384, moe_ffn_hidden_size=8192),
 }
 
 
@@ -49,7 +70,7 @@ def _validated_conf(argv, world_size=1):
     return validate_args(args)
 
 
-@pytest.mark.parametrize("name", QWEN + LLAMA3)
+@pytest.mark.parametrize("name", QWEN + LLAMA3 + GPT_OSS + LLAMA4)
 def test_configuration_validates_unchanged(clean_env, name):
     args = _validated_conf(model_args(name))
     config = core_transformer_config_from_args(args)
@@ -60,15 +81,19 @@ def test_configuration_validates_unchanged(clean_env, name):
         assert got == value, f"{name}: {field} = {got!r}, expected {value!r}"
 
 
-@pytest.mark.parametrize("name", QWEN + LLAMA3)
+@pytest.mark.parametrize("name", QWEN + LLAMA3 + GPT_OSS + LLAMA4)
 def test_shrunk_configuration_validates_at_tp2(clean_env, name):
-    """The shrunk form the training tests use validates at TP=2 (sequence parallel stays on where configured)."""
-    args = _validated_conf(shrunk(name) + ["--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
-                                           "--vocab-size", "127", "--padded-vocab-size", "128"], world_size=2)
+    """The shrunk form the training tests use validates at TP=2 (MoE at TP > 1 needs --sequence-parallel, which
+    Maverick's configuration does not pass; gpt-oss's expert biases need --expert-tensor-parallel-size 1)."""
+    argv = shrunk(name)
+    sp = "--sequence-parallel" in argv or "--num-experts" in argv
+    etp = ["--expert-tensor-parallel-size", "1"] if name in GPT_OSS else []
+    args = _validated_conf(argv + ["--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
+                                   "--vocab-size", "127", "--padded-vocab-size", "128"]
+                           + ["--sequence-parallel"] * sp + etp, world_size=2)
     assert args.tensor_model_parallel_size == 2 and args.hidden_size == 32 and args.padded_vocab_size == 128
     config = core_transformer_config_from_args(args)  # the config accepts it too (Qwen3: q/k norms at TP=2)
-    assert config.tensor_model_parallel_size == 2 and config.sequence_parallel == ("--sequence-parallel" in
-                                                                                  model_args(name))
+    assert config.tensor_model_parallel_size == 2 and config.sequence_parallel == sp
 
 
 def test_shrunk_keeps_what_sizes_do_not_touch():

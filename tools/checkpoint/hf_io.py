@@ -60,8 +60,11 @@ def load_hf(load_dir: str, make_divisible_by: int = 128) -> Tuple[Dict[str, torc
     hf_config = transformers.AutoConfig.from_pretrained(load_dir)
     try:
         bridge = hf_registry.bridge_for(hf_config.model_type)
-        config = bridge.config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by)
-        full = bridge.to_megatron(_read_weights(load_dir), hf_config, config.padded_vocab_size)
+        weights = _read_weights(load_dir)
+        overrides = bridge.config_kwargs_from_weights(hf_config, weights.keys()) if bridge.config_kwargs_from_weights \
+            else {}
+        config = bridge.config_to_megatron(hf_config, make_vocab_size_divisible_by=make_divisible_by, **overrides)
+        full = bridge.to_megatron(weights, hf_config, config.padded_vocab_size)
     except ValueError as e:
         raise ConversionError(f"--loader hf {load_dir}: {e}") from e
     legacy = bridge.model_type in _LEGACY_FAMILIES
@@ -70,8 +73,15 @@ def load_hf(load_dir: str, make_divisible_by: int = 128) -> Tuple[Dict[str, torc
     args = args_from_transformer_config(
         config, make_vocab_size_divisible_by=make_divisible_by, use_mcore_models=not legacy, iteration=0,
         consumed_train_samples=0, consumed_valid_samples=0, hf_model_type=hf_config.model_type,
-        hf_config=hf_config.to_dict(), true_vocab_size=hf_config.vocab_size)
+        hf_config=_storable(hf_config.to_dict()), true_vocab_size=hf_config.vocab_size)
     return full, args
+
+
+def _storable(hf_config: dict) -> dict:
+    """The HF config without the entries a checkpoint's args cannot hold (``id2label``'s int keys: Megatron loads
+    args with ``weights_only``); transformers fills them back with their defaults."""
+    return {k: v for k, v in hf_config.items()
+            if not (isinstance(v, dict) and any(not isinstance(key, str) for key in v))}
 
 
 def _norm_epsilon(args) -> float:

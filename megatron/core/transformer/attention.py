@@ -21,6 +21,7 @@ import torch
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
+from megatron.core.transformer.attention_variants import l2_norm
 from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType
 from megatron.core.utils import log_once
@@ -134,6 +135,9 @@ class ParallelAttention(MegatronModule):
         else:
             self.core_attention = CoreAttention(self.layer_number, config, attn_mask_type)
 
+        # Llama 4: no rotary embedding in this layer (--no-rope-freq), the weightless QK L2 norm (--qk-l2-norm).
+        self.no_rope = config.is_no_rope_layer(self.layer_number)
+        self.qk_l2_norm = config.qk_l2_norm and not (config.qk_l2_norm_rope_layers_only and self.no_rope)
         # --qk-layernorm: one norm (config.normalization) over each head's hn channels of the queries / keys.
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
@@ -211,6 +215,11 @@ class ParallelAttention(MegatronModule):
         if self.q_layernorm is not None:
             query_layer = self.q_layernorm(query_layer)
             key_layer = self.k_layernorm(key_layer)
+        if self.qk_l2_norm:
+            query_layer = l2_norm(query_layer, self.config.layernorm_epsilon)
+            key_layer = l2_norm(key_layer, self.config.layernorm_epsilon)
+        if self.no_rope:
+            rotary_pos_emb = None
 
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb,) * 2

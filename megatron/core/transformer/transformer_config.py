@@ -175,8 +175,11 @@ class TransformerConfig(ModelParallelConfig):
                                                "flags).")
     # Multi-token prediction (DeepSeek-V3): mtp_num_layers depths after the decoder on the last pipeline stage, their
     # mean loss scaled by mtp_loss_scaling_factor (megatron/core/transformer/multi_token_prediction.py).
-    mtp_num_layers: Optional[int] = None
-    mtp_loss_scaling_factor: float = 0.1
+    mtp_num_layers: Optional[int] = flag(None, "Multi-token prediction: depths after the decoder on the last pipeline "
+                                               "stage, each predicting one token further (needs "
+                                               "--position-embedding-type rope or none).")
+    mtp_loss_scaling_factor: float = flag(0.1, "Multi-token prediction: the mean MTP loss over the depths is scaled by "
+                                               "this factor.")
     untie_embeddings_and_output_weights: bool = False
     openai_gelu: bool = False
     onnx_safe: Optional[bool] = None
@@ -250,6 +253,16 @@ class TransformerConfig(ModelParallelConfig):
     # window_attn_skip_freq selects (None: all; N: those whose number is not a multiple of N; a 0/1 list per layer).
     window_size: Optional[Tuple[int, int]] = None
     window_attn_skip_freq: Optional[Union[int, List[int]]] = None
+    # Llama 4: NoPE layers (no_rope_freq: every N-th layer counted from 1, or a 0/1 list with 1 = no RoPE), the
+    # weightless L2 norm of each head's queries and keys (qk_l2_norm; Megatron normalises every layer, Hugging Face
+    # Llama 4 only its RoPE layers: qk_l2_norm_rope_layers_only, which its bridge sets), and the routing weight
+    # applied to the expert's input instead of its output (moe_apply_probs_on_input, top-1 routing).
+    no_rope_freq: Optional[Union[int, List[int]]] = None
+    qk_l2_norm: bool = flag(False, "Normalise each head's queries and keys by their RMS (no weight) before attention, in "
+                                   "every layer (Llama 4; replaces --qk-layernorm).")
+    qk_l2_norm_rope_layers_only: bool = False
+    moe_apply_probs_on_input: bool = flag(False, "Multiply each token's expert input by its routing weight and take "
+                                                 "the expert output as it is (Llama 4; needs --moe-router-topk 1).")
 
     def __post_init__(self):
         super().__post_init__()
@@ -347,6 +360,7 @@ class TransformerConfig(ModelParallelConfig):
 
         self._validate_moe()
         self._validate_attention_variants()
+        self._validate_llama4_settings()
 
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
@@ -408,6 +422,28 @@ class TransformerConfig(ModelParallelConfig):
         if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.gated_linear_unit:
             raise ValueError("glu_linear_offset / activation_func_clamp_value apply to a gated linear unit: set "
                              "gated_linear_unit (--swiglu or --quick-geglu)")
+
+    def _validate_llama4_settings(self):
+        freq = self.no_rope_freq
+        if isinstance(freq, int):
+            if freq < 1 or self.num_layers % freq:
+                raise ValueError(f"no_rope_freq {freq} must be >= 1 and divide num_layers ({self.num_layers})")
+        elif freq is not None and len(freq) != self.num_layers:
+            raise ValueError(f"no_rope_freq lists {len(freq)} layers; the model has {self.num_layers}")
+        if self.qk_l2_norm and self.qk_layernorm:
+            raise ValueError("qk_l2_norm and qk_layernorm both normalise the queries and keys: set only one")
+        if self.moe_apply_probs_on_input and self.num_moe_experts is not None and self.moe_router_topk != 1:
+            raise ValueError(f"moe_apply_probs_on_input needs moe_router_topk 1 (one weight per token), got "
+                             f"{self.moe_router_topk}")
+
+    def is_no_rope_layer(self, layer_number: int) -> bool:
+        """Whether global layer ``layer_number`` (1-based) attends without rotary embeddings (``no_rope_freq``)."""
+        freq = self.no_rope_freq
+        if freq is None:
+            return False
+        if isinstance(freq, int):
+            return layer_number % freq == 0
+        return bool(freq[layer_number - 1])
 
     def is_window_attention_layer(self, layer_number: int) -> bool:
         """Whether global layer ``layer_number`` (1-based) attends within ``window_size`` (see the field)."""

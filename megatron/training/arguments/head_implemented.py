@@ -9,7 +9,33 @@ from megatron.training.arguments.registry import OptionClass as C
 
 IMPLEMENTED = C.IMPLEMENTED
 
+SIGNALS = tuple(range(1, 32)) + (34, 64)  # HEAD's --exit-signal choices
+
 BLOCKS = (
+    Block(
+        IMPLEMENTED,
+        "today's Megatron-LM training options",
+        (
+            value("--num-virtual-stages-per-pipeline-rank", type=int,
+                  help="Virtual pipeline stages per pipeline rank (interleaved schedule); the other way to say "
+                       "--num-layers-per-virtual-pipeline-stage (give one of the two)."),
+            switch("--disable-bf16-reduced-precision-matmul",
+                   help="Make bf16 matmuls reduce in full precision "
+                        "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False)."),
+            value("--exit-signal", type=int, default=15, choices=SIGNALS,
+                  help="The signal --exit-signal-handler catches (default 15, SIGTERM)."),
+            value("--wandb-entity", help="Weights & Biases entity (team or user) of --wandb-project's run."),
+            value("--logging-level", type=int,
+                  help="Level of the Python root logger (logging.DEBUG = 10, INFO = 20, ...); not given: unchanged."),
+            switch("--use-dist-ckpt", dest="use_dist_ckpt_deprecated",
+                   help="Deprecated: --ckpt-format torch_dist (the default)."),
+            value("--dist-ckpt-format", dest="dist_ckpt_format_deprecated",
+                  help="Deprecated: --ckpt-format FORMAT."),
+            value("--start-eval-at-iter", type=int,
+                  help="No periodic evaluation before this iteration (--eval-interval's evaluations start there)."),
+        ),
+        group="training",
+    ),
     Block(
         IMPLEMENTED,
         "Megatron-LM's YAML form of the configuration (yaml_args.py)",
@@ -95,12 +121,28 @@ BLOCKS = (
     ),
     Block(
         IMPLEMENTED,
+        "Llama 4 (megatron/core/transformer/attention.py, moe/moe_layer.py)",
+        names("""--qk-l2-norm --moe-apply-probs-on-input""") + (
+            value("--no-rope-freq", type=layer_pattern,
+                  help="Layers without rotary embeddings: every N-th layer (counted from 1), or a 0/1 list expression "
+                       "per layer (1 = no RoPE); Llama 4: 4."),
+        ),
+        group="network size",
+    ),
+    Block(
+        IMPLEMENTED,
         "multi-latent attention (megatron/core/transformer/multi_latent_attention.py) and YaRN rotary embeddings",
         names("""--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim
               --v-head-dim --rope-type --rotary-scaling-factor --mscale --mscale-all-dim
               --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
               --yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int"""),
         group="model",
+    ),
+    Block(
+        IMPLEMENTED,
+        "multi-token prediction (megatron/core/transformer/multi_token_prediction.py)",
+        names("""--mtp-num-layers --mtp-loss-scaling-factor"""),
+        group="transformer configuration",
     ),
     Block(
         IMPLEMENTED,

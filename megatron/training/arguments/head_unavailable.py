@@ -10,7 +10,6 @@ from megatron.training.arguments.registry import Block, ValueRule, both, names, 
 from megatron.training.arguments.registry import OptionClass as C
 
 NOT_AVAILABLE = C.NOT_AVAILABLE
-SIGNALS = tuple(range(1, 32)) + (34, 64)  # HEAD's --exit-signal choices
 
 BLOCKS = (
     Block(
@@ -25,27 +24,16 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "multi-token prediction (MTP) is being implemented",
+        "these multi-token prediction variants (one repeated layer, detached heads, hidden-state mixing, hybrid or "
+        "standalone MTP stages) are not part of this library",
         (
-            value("--mtp-num-layers", type=int),
-            value("--mtp-loss-scaling-factor", type=float, default=0.1),
             switch("--mtp-use-repeated-layer"),
             switch("--mtp-detach-heads"),
             switch("--mtp-hsm"),
             value("--mtp-hybrid-override-pattern"),
             switch("--mtp-standalone"),
         ),
-        group="transformer configuration", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
-        "Llama 4's no-RoPE layers, QK L2 norm and routing weights on the expert input are being implemented",
-        (
-            value("--no-rope-freq", type=layer_pattern),
-            switch("--qk-l2-norm"),
-            switch("--moe-apply-probs-on-input"),
-        ),
-        group="network size", pending=True,
+        group="transformer configuration",
     ),
     Block(
         NOT_AVAILABLE,
@@ -562,15 +550,14 @@ BLOCKS = (
             value("--pipeline-model-parallel-layout"),
             switch("--account-for-embedding-in-pipeline-split"),
             switch("--account-for-loss-in-pipeline-split"),
-            value("--num-virtual-stages-per-pipeline-rank", type=int),
         ),
         group="distributed init",
     ),
     Block(
         NOT_AVAILABLE,
         "these model features (multimodal or relative position embeddings, module specs from the command line, "
-        "batch-invariant kernels, tensor-parallel weight shards, hybrid context parallelism, GTP rematerialisation, "
-        "the config logger) are not part of this library",
+        "batch-invariant kernels, tensor-parallel weight shards, hierarchical or hybrid context parallelism, GTP "
+        "rematerialisation, the config logger, embedding init std, logit dtype) are not part of this library",
         names("""--hierarchical-context-parallel-sizes""") + (
             value("--mrope-section", type=int, nargs="+"),
             value("--relative-attention-num-buckets", type=int, default=32),
@@ -588,21 +575,20 @@ BLOCKS = (
             switch("--gtp-expert-remat-nccl-ub"),
             value("--config-logger-dir", default=""),
             value("--embedding-init-method-std", type=float),
-            switch("--disable-bf16-reduced-precision-matmul"),
             value("--output-logit-dtype", choices=("bf16", "fp32"), dest="logit_dtype"),
         ),
         group="transformer configuration",
     ),
     Block(
         NOT_AVAILABLE,
-        "these training-loop features (batch-size decrease, GPU sniff tests, freezing, WSD decay, signal choice, fp32 "
-        "local accumulation by name, energy / progress / device-memory logs) are not part of this library",
+        "these training-loop features (batch-size decrease, GPU sniff tests, freezing, WSD decay, fp32 local "
+        "accumulation by name, weight decay of the QK norms, energy / progress / device-memory logs, chakra traces) "
+        "are not part of this library",
         (
             switch("--decrease-batch-size-if-needed"),
             switch("--apply-wd-to-qk-layernorm"),
             value("--no-weight-decay-cond-type", choices=("apply_wd_to_qk_layernorm",)),
             value("--gpu-sniff-test-interval", type=int),
-            value("--exit-signal", type=int, default=15, choices=SIGNALS),
             switch("--exit-signal-handler-for-dataloader"),
             switch("--exit-signal-handler-for-training"),
             switch("--freeze-all-layers"),
@@ -617,8 +603,6 @@ BLOCKS = (
             value("--log-memory-interval", type=int),
             switch("--log-device-memory-used"),
             switch("--log-energy"),
-            value("--wandb-entity"),
-            value("--logging-level", type=int),
             switch("--pytorch-profiler-collect-shapes"),
             switch("--pytorch-profiler-collect-callstack"),
             switch("--pytorch-profiler-collect-chakra"),
@@ -654,8 +638,6 @@ BLOCKS = (
             value("--replication-factor", type=int, default=2),
             switch("--verify-integrity"),
             value("--override-ckpt-iteration", type=int),
-            switch("--use-dist-ckpt", dest="use_dist_ckpt_deprecated"),
-            value("--dist-ckpt-format", dest="dist_ckpt_format_deprecated"),
         ),
         group="checkpointing",
     ),
@@ -664,7 +646,6 @@ BLOCKS = (
         "these data features (multiple or named validation sets, evaluation batch sizes, data-args files, phase "
         "transitions, fill-in-the-middle, sub-sampling) are not part of this library",
         names("""--sample-rate""") + (
-            value("--start-eval-at-iter", type=int),
             value("--eval-global-batch-size", type=int),
             value("--eval-micro-batch-size", type=int),
             switch("--test-mode"),

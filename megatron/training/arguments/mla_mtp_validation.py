@@ -5,8 +5,8 @@
   builds no model-level rotary embedding (``--cache-mla-latents`` and ``--mla-down-proj-fusion`` are refused by the
   option registry).
 * ``--rope-type yarn`` without multi-latent attention is refused (use ``--position-embedding-type yarn``).
-* ``--mtp-num-layers N``: megatron-core models, ``--position-embedding-type rope`` or ``none``;
-  ``--mtp-use-repeated-layer``, ``--mtp-detach-heads`` and ``--mtp-hsm`` are not implemented: one line each.
+* ``--mtp-num-layers N``: megatron-core models, ``--position-embedding-type rope`` or ``none`` (its other variants are
+  refused by the option registry).
 """
 from __future__ import annotations
 
@@ -16,10 +16,6 @@ from megatron.training.errors import ConfigurationError
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigurationError(message)
-
-
-def _not_implemented(flag: str, what: str) -> None:
-    raise ConfigurationError(f"{flag}: {what} is not implemented in this library; drop {flag}")
 
 
 def validate_mla_and_mtp(args) -> None:
@@ -52,8 +48,3 @@ def validate_mla_and_mtp(args) -> None:
         _require(not legacy, "--mtp-num-layers needs the megatron-core models: drop --use-legacy-models")
         _require(args.position_embedding_type in ("rope", "none"),
                  f"--mtp-num-layers needs --position-embedding-type rope or none, got {args.position_embedding_type}")
-        for flag, dest, what in (("--mtp-use-repeated-layer", "mtp_use_repeated_layer", "one MTP layer repeated at "
-                                  "every depth"), ("--mtp-detach-heads", "mtp_detach_heads", "MTP heads detached from "
-                                  "the main model"), ("--mtp-hsm", "mtp_hsm", "hidden-state mixing across MTP depths")):
-            if getattr(args, dest):
-                _not_implemented(flag, what)

@@ -50,7 +50,7 @@ import argparse
 import enum
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 from megatron.training.errors import ConfigurationError
 
@@ -200,12 +200,6 @@ def _help(block: Block) -> str:
     return block.note
 
 
-def option_flags(entry: Entry, parser: argparse.ArgumentParser) -> List[str]:
-    """Every spelling of ``entry``'s option in ``parser``."""
-    action = parser._option_string_actions.get(entry.flag)
-    return list(action.option_strings) if action is not None else [entry.flag]
-
-
 def _defaults(parser: argparse.ArgumentParser) -> Dict[str, Any]:
     """What ``parser`` puts in the namespace when no option is given (the first action of a dest sets it)."""
     return vars(parser.parse_known_args([])[0])
@@ -298,4 +292,4 @@ def names(text: str) -> Tuple[str, ...]:
 
 __all__ = ["Block", "Entry", "Opt", "OptionClass", "ValueRule", "add_registry_options", "both", "class_counts",
            "entries", "head_entries", "log_performance_only", "names", "negated", "no_or_disable",
-           "refuse_not_available", "switch", "value", "value_rules", "option_flags"]
+           "refuse_not_available", "switch", "value", "value_rules"]

@@ -104,12 +104,23 @@ def args_from_transformer_config(config, **overrides):
         value = getattr(config, dest, None) if dest in fields else None
         if dest in fields and (value is not None or default is None):
             setattr(args, dest, value)
+    # Config fields no flag sets (e.g. a Hugging Face bridge's qk_l2_norm_rope_layers_only) travel in the args too
+    # when they differ from their default: core_transformer_config_from_args copies them back.
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if (field.name not in vars(args) and field.default is not dataclasses.MISSING
+                and isinstance(value, (bool, int, float, str, tuple, list)) and value != field.default):
+            setattr(args, field.name, value)
     gated, act = config.gated_linear_unit, config.activation_func
     from megatron.core.activations import quick_gelu
 
     args.swiglu = gated and act is F.silu
     args.quick_geglu = gated and act is quick_gelu
     args.num_experts = config.num_moe_experts
+    if not getattr(config, "multi_latent_attention", False):  # the --yarn-* flags (see _yarn_fields)
+        args.yarn_original_max_position_embeddings = config.original_max_position_embeddings
+        args.yarn_beta_fast, args.yarn_beta_slow = config.beta_fast, config.beta_slow
+        args.yarn_correction_range_round_to_int = config.yarn_correction_range_round_to_int
     args.group_query_attention = config.num_query_groups != config.num_attention_heads
     args.add_position_embedding = config.add_position_embedding and config.position_embedding_type == "learned_absolute"
     args.seq_length = args.encoder_seq_length = config.max_position_embeddings

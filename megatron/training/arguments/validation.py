@@ -80,7 +80,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_sequence_parallel(args)
     _validate_features(args)
     validate_mla_and_mtp(args)
-    validate_model_variants(args)  # gpt-oss / Llama 4 flags (model_variants.py)
+    validate_model_variants(args, lambda message: _log(args, message))  # gpt-oss / Llama 4 flags
     _validate_per_token_loss(args)
     _validate_decoupled_lr(args)
     _validate_param_gather(args)
@@ -156,6 +156,12 @@ def _apply_deprecations(args):
     for dest, (flag, instead) in _REMOVED_FLAGS.items():
         _require(getattr(args, dest) is None, f"{flag} is no longer valid: {instead}")
         delattr(args, dest)
+    deprecated_format = getattr(args, "dist_ckpt_format_deprecated", None)
+    if getattr(args, "use_dist_ckpt_deprecated", False) or deprecated_format is not None:
+        fmt = deprecated_format or "torch_dist"
+        _require(fmt in ("torch_dist", "torch"), f"--dist-ckpt-format {fmt}: use --ckpt-format torch_dist or torch")
+        _log(args, f"--use-dist-ckpt / --dist-ckpt-format are deprecated: using --ckpt-format {fmt}")
+        args.ckpt_format = fmt
     _require(not args.checkpoint_activations,
              "--checkpoint-activations is no longer valid: use --recompute-activations, or, for more control, "
              "--recompute-granularity and --recompute-method")
@@ -250,6 +256,19 @@ def _validate_step_batch_size_schedule(args):
 
 
 def _set_virtual_pipeline_size(args):
+    stages_per_rank = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if stages_per_rank is not None:  # today's spelling: the number of virtual stages, not their layer count
+        _require(args.num_layers_per_virtual_pipeline_stage is None,
+                 "--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage both set the "
+                 "interleaved schedule: pass only one")
+        _require(args.num_layers is not None and stages_per_rank > 0,
+                 "--num-virtual-stages-per-pipeline-rank needs --num-layers and a value > 0")
+        stages = args.transformer_pipeline_model_parallel_size * stages_per_rank
+        _require(args.num_layers % stages == 0,
+                 f"--num-layers ({args.num_layers}) must be divisible by pipeline stages "
+                 f"({args.transformer_pipeline_model_parallel_size}) x --num-virtual-stages-per-pipeline-rank "
+                 f"({stages_per_rank})")
+        args.num_layers_per_virtual_pipeline_stage = args.num_layers // stages
     per_stage = args.num_layers_per_virtual_pipeline_stage
     if per_stage is None:
         args.virtual_pipeline_model_parallel_size = None

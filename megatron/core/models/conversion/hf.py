@@ -232,7 +232,8 @@ def llama_style_config_to_hf(config: TransformerConfig) -> Optional[dict]:
     ``config`` is not a Llama-style decoder (RMSNorm, RoPE without interleaving or YaRN, a SwiGLU MLP)."""
     if not (config.normalization == "RMSNorm" and config.position_embedding_type == "rope" and
             config.gated_linear_unit and config.activation_func is F.silu and not config.rotary_interleaved
-            and config.rotary_percent == 1.0 and not config.layernorm_zero_centered_gamma):
+            and config.rotary_percent == 1.0 and not config.layernorm_zero_centered_gamma
+            and not config.multi_latent_attention):
         return None
     return dict(hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
                 num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups,

@@ -8,14 +8,15 @@ Every bridge works on megatron-core state-dict names (``decoder.layers.{i}....``
   -> the :class:`TransformerConfig` computing what the Hugging Face model computes;
 * ``to_megatron(hf_state_dict, hf_config, padded_vocab_size)`` / ``to_hf(state_dict, hf_config)`` -> the weights;
 * ``config_to_hf(config)`` -> ``(model_type, HF config fields without the vocabulary)`` when a TransformerConfig
-  (of a model trained here) is of the family, else None: the export of a checkpoint with no Hugging Face config.
+  (of a model trained here) is of the family, else None: the export of a checkpoint with no Hugging Face config;
+* ``config_kwargs_from_weights(hf_config, weight names)`` (optional) -> config overrides the file's weights imply.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
-from megatron.core.models.conversion import hf, hf_gpt_oss, hf_moe, hf_qwen
+from megatron.core.models.conversion import hf, hf_deepseek, hf_gpt_oss, hf_llama4, hf_moe, hf_qwen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,8 @@ class HFBridge:
     to_megatron: Callable
     to_hf: Callable
     config_to_hf: Optional[Callable] = None
+    # (hf_config, weight names) -> TransformerConfig overrides the weights imply (e.g. MTP layers the file lacks).
+    config_kwargs_from_weights: Optional[Callable] = None
 
 
 def _mcore(to_megatron, to_hf):
@@ -54,8 +57,16 @@ _BRIDGES = [
              hf_qwen.to_hf, hf_qwen.config_to_hf),
     HFBridge("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", hf_qwen.config_to_megatron, hf_qwen.to_megatron,
              hf_qwen.to_hf, hf_qwen.config_to_hf),
+    HFBridge("deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Config", hf_deepseek.config_to_megatron,
+             hf_deepseek.to_megatron, hf_deepseek.to_hf, hf_deepseek.config_to_hf,
+             hf_deepseek.config_kwargs_from_weights),
+    HFBridge("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", hf_deepseek.config_to_megatron,
+             hf_deepseek.to_megatron, hf_deepseek.to_hf, hf_deepseek.config_to_hf,
+             hf_deepseek.config_kwargs_from_weights),
     HFBridge("gpt_oss", "GptOssForCausalLM", "GptOssConfig", hf_gpt_oss.config_to_megatron, hf_gpt_oss.to_megatron,
              hf_gpt_oss.to_hf, hf_gpt_oss.config_to_hf),
+    HFBridge("llama4_text", "Llama4ForCausalLM", "Llama4TextConfig", hf_llama4.config_to_megatron,
+             hf_llama4.to_megatron, hf_llama4.to_hf, hf_llama4.config_to_hf),
 ]
 BRIDGES: Dict[str, HFBridge] = {b.model_type: b for b in _BRIDGES}
 

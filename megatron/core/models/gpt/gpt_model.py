@@ -23,22 +23,28 @@ class LanguageModule(MegatronModule):
     """Shared-embedding handling of megatron-core language models (tied weight lives in ``output_layer`` on
     the last stage)."""
 
+    # The last stage's embedding copy for multi-token prediction (GPTModel sets it); a stage holding it also uses it
+    # as the tied output weight.
+    mtp_process = False
+
     def shared_embedding_or_output_weight(self):
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
         return None
 
     def setup_embeddings_and_output_layer(self):
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if self.post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
-        if not self.share_embeddings_and_output_weights:
+        # The first and last stage hold one weight twice when it is tied, or when MTP needs the embedding there.
+        if not (self.share_embeddings_and_output_weights or getattr(self.config, "mtp_num_layers", None)):
             return
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-            self.shared_embedding_or_output_weight().zero_out_wgrad = True
+            if self.share_embeddings_and_output_weights:
+                self.shared_embedding_or_output_weight().zero_out_wgrad = True
             return
         if parallel_state.is_pipeline_first_stage() and self.pre_process and not self.post_process:
             self.shared_embedding_or_output_weight().shared_embedding = True
@@ -60,14 +66,19 @@ class GPTModel(LanguageModule):
     ``rope_scaling_factor``, ``rotary_seq_len_interpolation_factor``; megatron-core's defaults unless set).
 
     ``forward(input_ids [b, s], position_ids [b, s], attention_mask, decoder_input=None, labels=None,
-    inference_params=None)`` -> logits ``[b, s, V/tp]``, or the per-token loss ``[b, s]`` with ``labels``.
+    inference_params=None, loss_mask=None)`` -> logits ``[b, s, V/tp]``, or the per-token loss ``[b, s]`` with
+    ``labels``. With ``config.mtp_num_layers`` the last stage also holds the multi-token prediction block (``mtp``,
+    ``mtp_block_spec`` or built from the decoder's last layer spec) and an embedding copy; with labels its losses
+    (weighted by ``loss_mask``) train it without entering the returned loss
+    (:mod:`megatron.core.transformer.multi_token_prediction`).
     """
 
     def __init__(self, config, transformer_layer_spec: ModuleSpec, vocab_size: int, max_sequence_length: int,
                  pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: str = None, rotary_percent: float = None, rotary_base: int = None,
-                 rope_scaling: bool = None, rope_scaling_factor: float = None, seq_len_interpolation_factor=None):
+                 rope_scaling: bool = None, rope_scaling_factor: float = None, seq_len_interpolation_factor=None,
+                 mtp_block_spec=None):
         super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         # Position-embedding settings not passed come from the config's fields of the same meaning (whose defaults
         # are megatron-core's defaults of these arguments).
@@ -80,8 +91,6 @@ class GPTModel(LanguageModule):
         if position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise ValueError("position_embedding_type must be 'learned_absolute', 'rope', 'yarn' or 'none', "
                              f"got {position_embedding_type!r}")
-        if config.mtp_num_layers:
-            raise NotImplementedError("multi-token prediction (mtp_num_layers) is not implemented yet")
         self.transformer_layer_spec = transformer_layer_spec
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -92,7 +101,14 @@ class GPTModel(LanguageModule):
         self.position_embedding_type = position_embedding_type
         self.model_type = ModelType.encoder_or_decoder
 
-        if self.pre_process:
+        # Multi-token prediction on the last (virtual) stage, which then holds the embedding too.
+        self.mtp_process = bool(config.mtp_num_layers) and post_process
+        if self.mtp_process:
+            if mtp_block_spec is None:
+                from megatron.core.transformer.multi_token_prediction import get_gpt_mtp_block_spec
+
+                mtp_block_spec = get_gpt_mtp_block_spec(config, transformer_layer_spec)
+        if self.pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
                                                     position_embedding_type=position_embedding_type)
         # Multi-latent attention owns its rotary embedding (of the d_r rotary channels): none at the model level.
@@ -112,11 +128,16 @@ class GPTModel(LanguageModule):
                 correction_range_round_to_int=config.yarn_correction_range_round_to_int)
         self.decoder = TransformerBlock(config, spec=transformer_layer_spec, pre_process=self.pre_process,
                                         post_process=self.post_process)
+        if self.mtp_process:
+            from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+            self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec)
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
                 skip_bias_add=False, gather_output=not self.parallel_output,
-                skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
+                skip_weight_param_allocation=((self.pre_process or self.mtp_process)
+                                              and self.share_embeddings_and_output_weights),
                 reuse_cpu_output_buffer=True)
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
@@ -139,7 +160,7 @@ class GPTModel(LanguageModule):
         return hidden.size(0) * (tp if self.config.sequence_parallel else 1) * cp
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, inference_params=None,
-                packed_seq_params=None, extra_block_kwargs=None):
+                packed_seq_params=None, extra_block_kwargs=None, loss_mask=None):
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
@@ -155,6 +176,15 @@ class GPTModel(LanguageModule):
         if not self.post_process:
             return hidden_states
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if self.mtp_process and labels is not None and self.training:
+            # The MTP depths' losses ride on the main hidden states (MTPLossAutoScaler): not in the returned loss.
+            from megatron.core.transformer.multi_token_prediction import process_mtp_loss
+
+            mtp_hidden = self.mtp(input_ids, position_ids, hidden_states, attention_mask, self.embedding,
+                                  rotary_pos_emb)
+            hidden_states = process_mtp_loss(self.mtp, hidden_states, mtp_hidden, labels, loss_mask,
+                                             lambda h: self.output_layer(h, weight=output_weight)[0],
+                                             self.compute_language_model_loss)
         logits, _ = self.output_layer(hidden_states, weight=output_weight)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
