@@ -49,8 +49,10 @@ def parse(argv):
     if tool.help:
         pre.print_help()
         sys.exit(0)
-    # Sequence parallelism validates this variable on GPU machines; a report never launches kernels.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # Sequence parallelism validates this variable on GPU machines (FSDP wants it above 1); a report never launches
+    # kernels.
+    fsdp = any(flag in megatron_argv for flag in ("--use-torch-fsdp2", "--use-megatron-fsdp"))
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "8" if fsdp else "1")
     args = parse_args(argv=megatron_argv)
     if tool.world_size is not None:
         if tool.world_size < 1:
