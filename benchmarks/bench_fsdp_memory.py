@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
+import tempfile
 import types
 from datetime import timedelta
 
@@ -28,20 +28,12 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 KINDS = ("weights", "grads", "optimizer")
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def worker(rank, world, port, opts, strategy, out):
+def worker(rank, world, rendezvous, opts, strategy, out):
     torch.set_num_threads(1)
     devnull = os.open(os.devnull, os.O_WRONLY)  # the library's log lines would interleave with the table
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                                          timeout=timedelta(minutes=5))
     import torch.nn.functional as F
 
@@ -103,8 +95,8 @@ class _null:
 def measure(opts, strategy, dp):
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, dp, port, opts, strategy, out)) for r in range(dp)]
+    rendezvous = os.path.join(tempfile.mkdtemp(prefix="bench_fsdp_memory_"), "store")  # a FileStore: no free port
+    procs = [ctx.Process(target=worker, args=(r, dp, rendezvous, opts, strategy, out)) for r in range(dp)]
     for p in procs:
         p.start()
     results = [out.get(timeout=600) for _ in procs]

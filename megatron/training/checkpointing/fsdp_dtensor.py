@@ -34,7 +34,7 @@ from megatron.core.transformer.fsdp_dtensor_checkpoint import (MODEL_PREFIX, OPT
 from megatron.training.checkpointing import protocol
 from megatron.training.checkpointing.protocol import CheckpointError
 from megatron.training.checkpointing.rng import get_rng_state, set_rng_state
-from megatron.training.checkpointing.torch_dcp import CHECKPOINT_VERSION, rng_key
+from megatron.training.checkpointing.torch_dcp import CHECKPOINT_VERSION, locate_dcp, rng_key
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
 
@@ -270,22 +270,13 @@ def _apply_strictness(request, stored, directory, args):
 
 def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
     """Collective: load the fsdp_dtensor checkpoint the tracker of ``--load`` names; return its iteration."""
-    import torch.distributed.checkpoint as dcp
-
     args = get_args()
     load_dir = getattr(args, load_arg)
-    if not protocol.checkpoint_exists(load_dir) and getattr(args, "ckpt_step", None) is None:
-        print_rank_0(f"WARNING: no checkpoint in {load_dir} ({protocol.TRACKER_BASENAME} missing): training from "
-                     "random initialization")
+    found = locate_dcp(args, load_arg, optimizer)
+    if found is None:
         return 0
-    _, release, directory = protocol.locate(load_dir, getattr(args, "ckpt_step", None))
-    if not os.path.isfile(os.path.join(directory, ".metadata")):
-        raise CheckpointError(f"{directory} is not a DCP checkpoint (no .metadata): pass the --ckpt-format it was "
-                              "saved in")
-    finetune = bool(args.finetune) or release
-    load_optim = optimizer is not None and not finetune and not args.no_load_optim
+    directory, stored, finetune, load_optim = found
     _check_engine(model)
-    stored = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     if not any(k.startswith(MODEL_PREFIX) for k in stored):
         raise CheckpointError(f"{directory} holds no model.module.* keys: it is not an fsdp_dtensor checkpoint")
     if load_optim and not any(k.startswith(OPTIMIZER_STATE_PREFIX) for k in stored):

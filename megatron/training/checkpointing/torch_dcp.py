@@ -71,23 +71,33 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
     print_rank_0("  successfully saved checkpoint at iteration {:7d} to {}".format(iteration, args.save))
 
 
-def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
-    """Collective: load the torch_dcp checkpoint the tracker of ``--load`` names; return its iteration."""
-    args = get_args()
+def locate_dcp(args, load_arg, optimizer):
+    """(directory, its stored DCP keys, finetune, load the optimizer) of the checkpoint ``--load`` names, or None
+    when there is none (Megatron then trains from scratch)."""
     load_dir = getattr(args, load_arg)
     if not protocol.checkpoint_exists(load_dir) and getattr(args, "ckpt_step", None) is None:
         print_rank_0(f"WARNING: no checkpoint in {load_dir} ({protocol.TRACKER_BASENAME} missing): training from "
                      "random initialization")
-        return 0
+        return None
     _, release, directory = protocol.locate(load_dir, getattr(args, "ckpt_step", None))
     if not os.path.isfile(os.path.join(directory, ".metadata")):
         raise CheckpointError(f"{directory} is not a DCP checkpoint (no .metadata): pass the --ckpt-format it was "
                               "saved in")
-    chunk = _chunk(model)
     finetune = bool(args.finetune) or release
-    load_optim = optimizer is not None and not finetune and not args.no_load_optim
-    state = _state(chunk, optimizer, args, 0, opt_param_scheduler, 0, load_optim)
     stored = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    return directory, stored, finetune, optimizer is not None and not finetune and not args.no_load_optim
+
+
+def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
+    """Collective: load the torch_dcp checkpoint the tracker of ``--load`` names; return its iteration."""
+    args = get_args()
+    load_dir = getattr(args, load_arg)
+    found = locate_dcp(args, load_arg, optimizer)
+    if found is None:
+        return 0
+    directory, stored, finetune, load_optim = found
+    chunk = _chunk(model)
+    state = _state(chunk, optimizer, args, 0, opt_param_scheduler, 0, load_optim)
     if f"rng_state.{rng_key()}" not in stored or finetune or args.no_load_rng:
         state.pop("rng_state")
     if load_optim and not any(k.startswith("optimizer.") for k in stored):
