@@ -18,7 +18,7 @@ import torch
 
 from megatron.core.dist_checkpointing.sharded_io import LocalShard, save_sharded
 from megatron.core.models.conversion.keys import legacy_to_mcore
-from megatron.training.checkpointing import dist_keys
+from megatron.training.checkpointing import dist_hybrid, dist_keys
 from megatron.training.checkpointing.dist_state import CHECKPOINT_VERSION, METADATA, DistCheckpointError, safe_args
 from megatron.training.checkpointing.torch_dist import load_full_checkpoint
 from tools.checkpoint.legacy_io import ConversionError, is_t5, read_tracker, stack_layer_counts
@@ -53,10 +53,11 @@ def load_dist(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
         raise ConversionError(f"{iter_dir}/common.pt holds no 'args': the converter needs the model's shape")
     args = copy.deepcopy(args)
     args.use_mcore_models = True  # the names below are megatron-core's
-    full = unstack(ckpt["model"])
     info = {"iteration": ckpt.get("iteration", iteration), "release": release,
             "tp": getattr(args, "tensor_model_parallel_size", 1), "pp": getattr(args, "pipeline_model_parallel_size", 1)}
-    return full, args, info
+    if getattr(args, "hybrid_layer_pattern", None):  # per-layer keys (dist_hybrid)
+        return dist_hybrid.disk_to_full(ckpt["model"], hybrid_layers(args)), args, info
+    return unstack(ckpt["model"]), args, info
 
 
 def unstack(stacked: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -81,6 +82,30 @@ def unstack(stacked: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return full
 
 
+def hybrid_layers(args) -> str:
+    """The layer symbols of a hybrid model's ``args`` (its pattern without pipeline boundaries)."""
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import parse_hybrid_pattern
+
+    return parse_hybrid_pattern(args.hybrid_layer_pattern).layers
+
+
+def _hybrid_state(full, args) -> dict:
+    """{key: LocalShard or [None]} of a hybrid model (dist_hybrid's keys, one chunk per tensor)."""
+    import types
+
+    from megatron.core.ssm.mamba_mixer import mamba_dims
+
+    dims = mamba_dims(types.SimpleNamespace(
+        hidden_size=args.hidden_size, mamba_head_dim=args.mamba_head_dim, mamba_num_groups=args.mamba_num_groups,
+        mamba_num_heads=args.mamba_num_heads, mamba_state_dim=args.mamba_state_dim, tensor_model_parallel_size=1))
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    stored = dist_hybrid.full_to_disk(full, hybrid_layers(args), dims, tied)
+    state = {key: LocalShard(v.contiguous(), tuple(v.shape), (0,) * v.dim()) for key, v in stored.items()}
+    for key in dist_hybrid.extra_state_keys(stored, getattr(args, "num_experts", None) or 0):
+        state[key] = [None]
+    return state
+
+
 def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: int, iteration: int,
               release: bool = False, optimizer: Optional[Dict[str, Dict[str, torch.Tensor]]] = None,
               common: Optional[dict] = None, objects: Optional[dict] = None) -> None:
@@ -88,6 +113,11 @@ def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: i
     ``optimizer`` ({kind: {name: tensor}}, megatron-core names) is stacked the same way under
     ``optimizer.state.<kind>.<key>``, ``common`` is added to common.pt, ``objects`` ({key: value}) are written as
     DCP objects (the RNG states)."""
+    if getattr(args, "hybrid_layer_pattern", None):
+        if optimizer:
+            raise ConversionError("hybrid (Mamba) checkpoints convert with their model state only")
+        _write(_hybrid_state(full, args), args, save_dir, tp, pp, iteration, release)
+        return
     t5 = is_t5(full)
     if not getattr(args, "use_mcore_models", False):
         full = legacy_to_mcore(full, "t5" if t5 else "gpt")
@@ -96,20 +126,7 @@ def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: i
         stacked = stack(tensors, args, t5, extra_state=False)
         state.update({f"optimizer.state.{kind}.{key}": value for key, value in stacked.items()})
     state.update(objects or {})
-    iter_dir = os.path.join(save_dir, "release" if release else "iter_{:07d}".format(iteration))
-    os.makedirs(iter_dir, exist_ok=True)
-    save_sharded(state, iter_dir, no_dist=True)
-    out_args = safe_args(args)
-    out_args.tensor_model_parallel_size, out_args.pipeline_model_parallel_size = tp, pp
-    out_args.ckpt_format = "torch_dist"
-    torch.save({"args": out_args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                "num_floating_point_operations_so_far": 0.0,
-                "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
-                **(common or {})}, os.path.join(iter_dir, "common.pt"))
-    with open(os.path.join(iter_dir, "metadata.json"), "w") as f:
-        json.dump(METADATA, f)
-    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("release" if release else str(iteration))
+    _write(state, args, save_dir, tp, pp, iteration, release, common)
 
 
 def stack(full: Dict[str, torch.Tensor], args, t5: bool, extra_state: bool = True) -> Dict[str, object]:
@@ -164,3 +181,21 @@ def stack(full: Dict[str, torch.Tensor], args, t5: bool, extra_state: bool = Tru
                 for e in range(num_experts):
                     state[dist_keys.expert_extra_state_key(block, linear, layer, e, num_layers, num_experts)] = [None]
     return state
+
+
+def _write(state, args, save_dir, tp, pp, iteration, release, common: Optional[dict] = None) -> None:
+    """The shards, common.pt (args, version, iteration, and ``common``), metadata.json and the tracker file."""
+    iter_dir = os.path.join(save_dir, "release" if release else "iter_{:07d}".format(iteration))
+    os.makedirs(iter_dir, exist_ok=True)
+    save_sharded(state, iter_dir, no_dist=True)
+    out_args = safe_args(args)
+    out_args.tensor_model_parallel_size, out_args.pipeline_model_parallel_size = tp, pp
+    out_args.ckpt_format = "torch_dist"
+    torch.save({"args": out_args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                "num_floating_point_operations_so_far": 0.0,
+                "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
+                **(common or {})}, os.path.join(iter_dir, "common.pt"))
+    with open(os.path.join(iter_dir, "metadata.json"), "w") as f:
+        json.dump(METADATA, f)
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release" if release else str(iteration))
