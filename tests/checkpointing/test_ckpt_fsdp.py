@@ -2,13 +2,13 @@
 fsdp_dtensor (--use-megatron-fsdp), exact resume, loads across strategies and layouts, and
 tools/checkpoint/convert.py between them and torch_dist with the next losses of the resumed runs.
 
-Every run trains 4 iterations of a tiny SwiGLU GPT (fp32, mock data) and the checkpointing ones save at iteration
-2, so a run is both the straight reference and the source of a resume for iterations 3 and 4:
+Every run trains 3 iterations of a tiny SwiGLU GPT (fp32, a small random-token corpus) and the checkpointing ones save
+at iteration 2, so a run is both the straight reference and the source of a resume for iteration 3:
 
 * torch_dcp (FSDP2) and fsdp_dtensor (optim_grads_params, MoE EP=2) resume bit-exactly;
 * an fsdp_dtensor checkpoint of the bucketed ZeRO-1 (optim) at DP=4 resumes under ZeRO-2 at TP=2 x DP=2;
 * torch_dist (plain DDP) -> fsdp_dtensor resumed by Megatron-FSDP, torch_dist -> torch_dcp resumed by FSDP2, and
-  fsdp_dtensor (MoE) -> torch_dist resumed by DDP, each within 1e-6 of the source run's own iterations 3 and 4;
+  fsdp_dtensor (MoE) -> torch_dist resumed by DDP, each within 1e-6 of the source run's own iteration 3;
 * the fsdp_dtensor files use Megatron's layout: ``model.module.`` keys per layer, gated fc1 split into ``_w`` /
   ``_v``, global expert indices, optimizer state under ``optimizer.state.module.module.module.``, RNG keyed
   ``"(0, 0)"``, and their tensors equal the converted torch_dist checkpoint's.
@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from helpers.ckpt_helpers import losses, run_leg
+from helpers.data_support import random_token_corpus
 from helpers.dist_harness import run_distributed
 
 REL_TOL = 1e-6
-TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-layers", "2",
-        "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "4", "--log-interval", "1",
+TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--split", "100,0,0", "--num-layers", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "3", "--log-interval", "1",
         "--eval-iters", "0", "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion",
         "--swiglu"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--disable-bias-linear"]
@@ -43,10 +44,10 @@ def _convert(loader, saver, src, dst):
     torch.distributed.barrier()
 
 
-def body(root):
+def body(root, data):
     def run(name, extra, load=None):
         save = ["--save", os.path.join(root, name), "--save-interval", "2"] if load is None else []
-        result = losses(run_leg(TINY + extra + save + (["--load", load] if load else []))[0])
+        result = losses(run_leg(TINY + ["--data-path", data] + extra + save + (["--load", load] if load else []))[0])
         if load is None and torch.distributed.get_rank() == 0:  # resume (and convert) iteration 2's checkpoint
             with open(os.path.join(root, name, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write("2")
@@ -76,7 +77,8 @@ def body(root):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt_fsdp"))
-    return run_distributed(body, 4, root, timeout=600)[-1], root
+    data = random_token_corpus(os.path.join(root, "tokens"), 128)
+    return run_distributed(body, 4, root, data, timeout=600)[-1], root
 
 
 def _rel(a, b):
@@ -87,13 +89,13 @@ def _rel(a, b):
 def test_resume_loads_and_conversions(results):
     out, _ = results
     for name in ("ddp", "dcp", "zero3_moe", "zero1"):
-        assert sorted(out[name]) == [1, 2, 3, 4], (name, out[name])
+        assert sorted(out[name]) == [1, 2, 3], (name, out[name])
     exact = {"dcp_resumed": "dcp", "zero3_moe_resumed": "zero3_moe"}
     close = {"zero1_as_zero2_tp2": "zero1", "ddp_as_fsdp_dtensor": "ddp", "ddp_as_dcp": "ddp",
              "zero3_moe_as_dist": "zero3_moe"}
     for resumed, source in {**exact, **close}.items():
-        assert sorted(out[resumed]) == [3, 4], (resumed, out[resumed])
-        for it in (3, 4):
+        assert sorted(out[resumed]) == [3], (resumed, out[resumed])
+        for it in (3,):
             got, want = out[resumed][it], out[source][it]
             print(f"{resumed} iteration {it}: {got:.9f} vs {source} {want:.9f} (rel {_rel(got, want):.1e})")
             if resumed in exact:
