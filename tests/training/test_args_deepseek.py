@@ -127,8 +127,7 @@ DEEPSEEK_CONFS = {  # Megatron-LM HEAD's model configurations (tests/data/head_m
 @pytest.mark.parametrize("name", sorted(DEEPSEEK_CONFS))
 def test_deepseek_and_kimi_configurations_validate_unchanged(clean_env, name):
     """Megatron-LM's DeepSeek-R1 / DeepSeek-V2-Lite / Kimi-K2 MODEL_ARGS, word for word, parse and validate (they
-    stopped at argparse before: --multi-latent-attention ...; Kimi-K2 validates without its tokenizer option
-    --trust-remote-code, refused in one line) and their values reach the MLATransformerConfig."""
+    stopped at argparse before: --multi-latent-attention ...) and their values reach the MLATransformerConfig."""
     from helpers.model_confs import model_args
 
     from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -136,16 +135,8 @@ def test_deepseek_and_kimi_configurations_validate_unchanged(clean_env, name):
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.arguments.transformer_config import core_transformer_config_from_args
 
-    from megatron.training.errors import ConfigurationError
-
-    argv = list(model_args(name))
-    args = parse_args(add_modelopt_args, argv=argv)  # every configuration parses unchanged
+    args = parse_args(add_modelopt_args, argv=list(model_args(name)))
     args.world_size = 1
-    if "--trust-remote-code" in argv:  # Kimi-K2's tokenizer option (remote tokenizer code): not in this library
-        with pytest.raises(ConfigurationError, match="^--trust-remote-code: not available"):
-            validate_args(args)
-        args = parse_args(add_modelopt_args, argv=[a for a in argv if a != "--trust-remote-code"])
-        args.world_size = 1
     config = core_transformer_config_from_args(validate_args(args))
     assert isinstance(config, MLATransformerConfig)
     got = {field: getattr(config, field) for field in DEEPSEEK_CONFS[name]}
