@@ -88,8 +88,10 @@ def read_torch_dist(iter_dir: str) -> FullState:
     from tools.checkpoint.dist_io import unstack
 
     ckpt = load_full_checkpoint(iter_dir)
-    kinds = {kind: unstack(tensors) for kind, tensors in ckpt["optimizer_state"].items()}
-    model = unstack(ckpt["model"])
+    if ckpt.get("args") is None:
+        raise ConversionError(f"{iter_dir}/common.pt holds no 'args': the converter needs the model's shape")
+    kinds = {kind: unstack(tensors, ckpt["args"]) for kind, tensors in ckpt["optimizer_state"].items()}
+    model = unstack(ckpt["model"], ckpt["args"])
     for main in ("fp32_param", "param"):  # the fp32 master weights are the model here
         if main in kinds:
             model.update({k: v.float() for k, v in kinds.pop(main).items()})
