@@ -1,7 +1,8 @@
 """Offline reader and writer of Megatron-LM ``torch_dist`` checkpoints for tools/checkpoint/convert.py.
 
 The reader returns the full (unsharded) megatron-core state dict: stacked layer tensors ``[L, ...]`` are split back
-into ``decoder.layers.{i}.…`` with the module names of megatron.training.checkpointing.dist_keys. The writer does
+into ``decoder.layers.{i}.…`` with the module names of megatron.training.checkpointing.dist_keys (unstacked layers of
+a heterogeneous stack and MTP depths are read under their own keys, experts along their expert axis). The writer does
 the reverse in one process: every tensor is one chunk covering its whole global shape (the format is
 TP/PP-independent), plus an empty ``_extra_state`` object per linear layer, ``common.pt`` (args, checkpoint_version
 3.0, iteration, content_metadata), ``metadata.json`` and the tracker file. No optimizer or RNG state is written.
@@ -27,6 +28,11 @@ from tools.checkpoint.legacy_io import ConversionError, is_t5, read_tracker, sta
 _EXPERT_KEY = re.compile(r"^((?:decoder|encoder)\.layers)\.mlp\.experts\.experts\.(linear_fc[12]\.(?:weight|bias))$")
 _LOCAL_EXPERT_NAME = re.compile(r"^((?:decoder|encoder)\.layers)\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\."
                                 r"(linear_fc[12]\.(?:weight|bias))$")
+# An unstacked layer's experts (a heterogeneous stack's layer, an MTP depth): [E, ...] under the layer's own key.
+_UNSTACKED_EXPERT_KEY = re.compile(r"^((?:decoder|encoder)\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)"
+                                   r"\.mlp\.experts\.experts\.(linear_fc[12]\.(?:weight|bias))$")
+_UNSTACKED_EXPERT_NAME = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.local_experts\.(\d+)\."
+                                    r"(linear_fc[12]\.(?:weight|bias))$")
 
 
 def is_dist_checkpoint(load_dir: str) -> bool:
@@ -59,9 +65,18 @@ def load_dist(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
         return dist_hybrid.disk_to_full(ckpt["model"], hybrid_layers(args)), args, info
     full = {}
     t5 = any(".cross_attention." in key for key in ckpt["model"])
+    layout = dist_keys.layout_of(args)
     for key, value in ckpt["model"].items():
         if t5 and key in dist_keys.T5_ALIAS_KEYS:
             continue  # megatron-core T5's second copy of embedding.position_embeddings / lm_head.output_layer.bias
+        unstacked = _UNSTACKED_EXPERT_KEY.match(key)
+        if unstacked:  # [E, ...] -> SequentialMLP names (EP = 1)
+            for e in range(value.shape[0]):
+                full[f"{unstacked.group(1)}.mlp.experts.local_experts.{e}.{unstacked.group(2)}"] = value[e].clone()
+            continue
+        if key.startswith("mtp.layers.") or re.match(r"^(?:decoder|encoder)\.layers\.\d+\.", key):
+            full[dist_keys.module_name(key, None, layout)] = value  # an unstacked layer's tensor
+            continue
         expert = _EXPERT_KEY.match(key)
         if expert:  # [L, E, ...] -> SequentialMLP names (EP = 1)
             for layer in range(value.shape[0]):
@@ -70,7 +85,7 @@ def load_dist(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
                         value[layer, e].clone()
         elif ".layers." in key:
             for layer in range(value.shape[0]):
-                full[dist_keys.module_name(key, layer)] = value[layer].clone()
+                full[dist_keys.module_name(key, layer, layout)] = value[layer].clone()
         else:
             full[key] = value
     return full, args, info
@@ -110,22 +125,35 @@ def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: i
     if not getattr(args, "use_mcore_models", False):
         full = legacy_to_mcore(full, "t5" if t5 else "gpt")
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    layout = dist_keys.layout_of(args)
     counts = {prefix[:-1]: n for prefix, n in stack_layer_counts(args, full).items()}  # 'decoder.layers' -> L
     stacked: Dict[str, Dict[int, torch.Tensor]] = {}
     state = {}
     experts: Dict[str, Dict[Tuple[int, int], torch.Tensor]] = {}
+    unstacked_experts: Dict[str, Dict[int, torch.Tensor]] = {}
     for name, value in full.items():
         if name.endswith("_extra_state") or (t5 and name.startswith(dist_keys.T5_ALIASES)):
             continue
         m = _LOCAL_EXPERT_NAME.match(name)
+        if m and layout.per_layer:  # expert e of layer i -> [E, ...] under the layer's own key
+            unstacked_experts.setdefault(f"{m.group(1)}.{m.group(2)}.mlp.experts.experts.{m.group(4)}", {})[
+                int(m.group(3))] = value
+            continue
         if m:  # expert e of layer i -> [L, E, ...] under Megatron's expert key
             experts.setdefault(f"{m.group(1)}.mlp.experts.experts.{m.group(4)}", {})[
                 (int(m.group(2)), int(m.group(3)))] = value
             continue
-        key, layer = dist_keys.disk_key(name, 0, tied)
+        m = _UNSTACKED_EXPERT_NAME.match(name)
+        if m:  # an MTP depth's expert e
+            unstacked_experts.setdefault(f"{m.group(1)}.mlp.experts.experts.{m.group(3)}", {})[int(m.group(2))] = value
+            continue
+        key, layer = dist_keys.disk_key(name, 0, tied, layout)
         if layer is None:
             if key not in state:
                 state[key] = LocalShard(value.contiguous(), tuple(value.shape), (0,) * value.dim())
+                extra = dist_keys.unstacked_extra_state_key(key)
+                if extra is not None:
+                    state[extra] = [None]
         else:
             stacked.setdefault(key, {})[layer] = value
     if t5:  # megatron-core's T5Model reads (and writes) its aliases too
@@ -157,6 +185,15 @@ def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: i
             for layer in range(num_layers):
                 for e in range(num_experts):
                     state[dist_keys.expert_extra_state_key(block, linear, layer, e, num_layers, num_experts)] = [None]
+    for key, pieces in unstacked_experts.items():
+        num_experts = 1 + max(pieces)
+        if sorted(pieces) != list(range(num_experts)):
+            raise ConversionError(f"{key}: expected experts 0..{num_experts - 1}, found {sorted(pieces)}")
+        value = torch.stack([pieces[e] for e in range(num_experts)])
+        state[key] = LocalShard(value, tuple(value.shape), (0,) * value.dim())
+        if key.endswith(".weight"):
+            for e in range(num_experts):
+                state[dist_keys.unstacked_extra_state_key(key, e, num_experts)] = [None]
     _write(state, args, save_dir, tp, pp, iteration, release)
 
 
