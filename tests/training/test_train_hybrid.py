@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
-from helpers.hybrid_helpers import HF_VOCAB, hf_to_torch_dist, ids, tiny_hf_nemotron_h
+from helpers.hybrid_helpers import HF_VOCAB, hf_to_torch_dist, ids, tiny_corpus, tiny_hf_nemotron_h
 from helpers.train_helpers import run_pretrain
 
 BLOCKS = ["linear_attention", "full_attention", "moe", "mlp", "linear_attention", "full_attention", "mlp",
@@ -19,7 +19,7 @@ BLOCKS = ["linear_attention", "full_attention", "moe", "mlp", "linear_attention"
 PATTERN = "M*E-M*-M"
 
 
-def _hybrid_args(dist, pattern):
+def _hybrid_args(dist, data, pattern):
     return ["--hybrid-layer-pattern", pattern, "--hidden-size", "32", "--num-attention-heads", "4",
             "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "8", "--ffn-hidden-size", "48",
             "--squared-relu", "--normalization", "RMSNorm", "--disable-bias-linear",
@@ -30,11 +30,12 @@ def _hybrid_args(dist, pattern):
             "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32",
             "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
             "--moe-token-dispatcher-type", "alltoall", "--seq-length", "16", "--max-position-embeddings", "64",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(HF_VOCAB), "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(HF_VOCAB), "--data-path", data,
+            "--split", "100,0,0",
             "--make-vocab-size-divisible-by", "64",  # 128 rows at TP 1 and 2: the zero rows count in the loss
             "--load", dist, "--ckpt-format", "torch_dist", "--finetune", "--no-load-optim", "--no-load-rng",
             "--train-iters", "2",
-            "--log-interval", "1", "--lr-warmup-iters", "0"]
+            "--log-interval", "1", "--lr-warmup-iters", "0", "--eval-iters", "0"]
 
 
 LAYOUTS = {
@@ -79,11 +80,11 @@ def _tp2_logits_error(dist, hf_config, tokens, reference):
         ps.destroy_model_parallel()
 
 
-def hybrid_body(dist, hf_config, tokens, reference, names):
+def hybrid_body(dist, data, hf_config, tokens, reference, names):
     out = {"tp2_logits_err": _tp2_logits_error(dist, hf_config, tokens, reference)}
     for name in names:
         extra, pattern = LAYOUTS[name]
-        records = run_pretrain("pretrain_mamba", _hybrid_args(dist, pattern) + extra)
+        records = run_pretrain("pretrain_mamba", _hybrid_args(dist, data, pattern) + extra)
         out[name] = [(r["iteration"], r["loss"]) for r in records]
     return out
 
@@ -96,13 +97,14 @@ def checkpoint(tmp_path_factory):
     with torch.no_grad():
         reference = model(tokens).logits
     config = {k: v for k, v in cfg.to_dict().items() if k not in ("id2label", "label2id")}
-    return hf_to_torch_dist(model, str(tmp_path_factory.mktemp("hybrid"))), config, tokens, reference
+    root = str(tmp_path_factory.mktemp("hybrid"))
+    return hf_to_torch_dist(model, root), tiny_corpus(root), config, tokens, reference
 
 
 @pytest.mark.timeout(400)
 def test_hybrid_tp2_logits_and_training_layouts(checkpoint):
-    dist, config, tokens, reference = checkpoint
-    results = run_distributed(hybrid_body, 4, dist, config, tokens, reference, list(LAYOUTS), timeout=380)
+    dist, data, config, tokens, reference = checkpoint
+    results = run_distributed(hybrid_body, 4, dist, data, config, tokens, reference, list(LAYOUTS), timeout=380)
     errors = [r.pop("tp2_logits_err") for r in results]
     print(f"NemotronH logits at TP=2 + SP vs transformers: max rel err {max(errors):.2e}")
     assert max(errors) <= 1e-5, errors

@@ -675,6 +675,10 @@ class DuplicatedLinear(torch.nn.Module):
             self.register_parameter("bias", None)
         self.fp8_meta = _fp8_meta_for(config)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The whole weight (and bias) replicated over TP, with megatron-core's empty ``_extra_state`` object."""
+        return _linear_sharded_state_dict(self, prefix, sharded_offsets, metadata, {})
+
     def forward(self, input_: torch.Tensor):
         bias = self.bias if not self.skip_bias_add else None
         output = linear_with_grad_accumulation_and_async_allreduce(

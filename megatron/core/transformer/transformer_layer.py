@@ -44,6 +44,10 @@ class TransformerLayerSubmodules:
 # local GPT / BERT / T5 specs map them the same way).
 LOCAL_NORM_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
                        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+# Multi-latent attention layers (Transformer Engine's spec): the input norm stays a module of its own, the latent
+# norms are fused into the up projections, and the pre-MLP norm into a dense MLP's fc1 (an MoE layer keeps it).
+MLA_NORM_KEYS_MAP = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                     "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
 
 
 def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None) -> int:

@@ -232,15 +232,46 @@ def _read_tracker(load_dir, ckpt_step):
                                   f"{text!r}") from None
 
 
+def _norm_aliases():
+    """(Transformer Engine's fused name, megatron-core's local-spec module name) of the same norm tensor: the
+    layer specs' key maps (LOCAL_NORM_KEYS_MAP, MLA_NORM_KEYS_MAP) read backwards."""
+    from megatron.core.transformer.transformer_layer import LOCAL_NORM_KEYS_MAP, MLA_NORM_KEYS_MAP
+
+    return tuple((f"{fused}{kind}", f"{module}{kind}") for module, fused in {**LOCAL_NORM_KEYS_MAP,
+                                                                           **MLA_NORM_KEYS_MAP}.items()
+                 for kind in ("weight", "bias"))
+
+
+def stored_alias(key: str, stored) -> Optional[str]:
+    """The key under which ``stored`` (a checkpoint's keys) holds ``key``'s tensor when it was written with the other
+    of Transformer Engine's fused norm names and megatron-core's local-spec module names; None when it has neither."""
+    for fused, module in _norm_aliases():
+        for mine, theirs in ((fused, module), (module, fused)):
+            if mine in key:
+                other = key.replace(mine, theirs)
+                if other in stored:
+                    return other
+    return None
+
+
 def load_sharded_checked(request, directory, strictness="assume_ok_unexpected", shape_mismatch=()):
     """Collective: read the storage-level ``request`` from ``directory`` after the strictness checks; one-line
     errors that name the directory and the key."""
     stored = read_metadata_checked(directory, DistCheckpointError)
+    for k in [k for k in request if "._extra_state/" in k and k not in stored]:
+        del request[k]  # an empty object (no FP8 metadata) that an older writer left out
+    # Norms a megatron-core local spec stored under its module names (q_layernorm ...) are read from there.
+    aliases = {k: stored_alias(k, stored) for k in request if k not in stored}
+    aliases = {mine: theirs for mine, theirs in aliases.items() if theirs is not None}
+    for mine, theirs in aliases.items():
+        request[theirs] = request.pop(mine)
     check_request(request, stored, directory, strictness, DistCheckpointError)
     try:
         load_sharded(request, directory, allow_shape_mismatch=shape_mismatch)
     except ShardingError as e:
         raise DistCheckpointError(f"torch_dist checkpoint {directory}: {e}") from e
+    for mine, theirs in aliases.items():
+        request[mine] = request.pop(theirs)
     return request
 
 
