@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Union
 
-from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
 
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import IdentityFuncOp, IdentityOp, ModuleSpec, build_module
+from megatron.core.transformer.utils import apply_sharded_keys_map
 from megatron.core.utils import make_viewless_tensor
 
 
@@ -46,11 +46,8 @@ class MambaLayer(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """The default (every submodule's) with the spec's ``sharded_state_dict_keys_map`` applied to the keys."""
-        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if self.sharded_state_dict_keys_map:
-            apply_prefix_mapping(out, {f"{prefix}{old}": f"{prefix}{new}"
-                                       for old, new in self.sharded_state_dict_keys_map.items()})
-        return out
+        return apply_sharded_keys_map(super().sharded_state_dict(prefix, sharded_offsets, metadata), prefix,
+                                      self.sharded_state_dict_keys_map)
 
     def forward(self, hidden_states, attention_mask=None, inference_params=None, rotary_pos_emb=None, **unused):
         out_with_bias = self.mixer(self.norm(hidden_states), inference_params=inference_params)

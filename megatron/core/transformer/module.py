@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
-                                             sharded_state_dict_default)
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, own_and_children_sharded_state_dict
 
 _FLOAT_TYPES = (torch.float32,)
 _HALF_TYPES = (torch.float16,)
@@ -85,18 +84,9 @@ class MegatronModule(torch.nn.Module):
         ``partition_dim``), then every child's ``sharded_state_dict`` under ``prefix + name + '.'`` with the same
         ``sharded_offsets`` (modules without one: :func:`sharded_state_dict_default`). Dict keys are this module's
         state-dict names; each leaf's ``key`` is the global checkpoint key."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        tp_group = getattr(self, "tp_group", None)
-        own = {}
-        self._save_to_state_dict(own, "", keep_vars=True)
-        axis_map = {name: t.partition_dim for name, t in own.items()
-                    if getattr(t, "tensor_model_parallel", False) and getattr(t, "partition_dim", -1) >= 0}
-        out = make_sharded_tensors_for_checkpoint(own, prefix, axis_map, sharded_offsets, tp_group=tp_group,
-                                                  dp_cp_group=metadata["dp_cp_group"])
-        for name, module in self.named_children():
-            out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
-                                                  tp_group=tp_group))
-        return out
+        return own_and_children_sharded_state_dict(self, prefix, sharded_offsets,
+                                                   ensure_metadata_has_dp_cp_group(metadata),
+                                                   getattr(self, "tp_group", None))
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a flat state dict or Megatron's nested checkpoint layout (see flatten_checkpoint_state_dict).

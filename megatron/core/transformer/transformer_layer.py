@@ -13,7 +13,6 @@ from typing import Dict, Union
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
 from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
 from megatron.core.transformer.attention import ParallelAttention, SelfAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType, LayerType
@@ -22,6 +21,7 @@ from megatron.core.transformer.mlp import MLP, ParallelMLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import FusedLayerNorm, get_norm
 from megatron.core.transformer.spec_utils import IdentityFuncOp, IdentityOp, ModuleSpec, build_module
+from megatron.core.transformer.utils import apply_sharded_keys_map
 from megatron.core.utils import make_viewless_tensor
 
 @dataclass
@@ -162,11 +162,8 @@ class ParallelTransformerLayer(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """The default (every submodule's) with the spec's ``sharded_state_dict_keys_map`` applied to the keys."""
-        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if self.sharded_state_dict_keys_map:
-            apply_prefix_mapping(out, {f"{prefix}{old}": f"{prefix}{new}"
-                                       for old, new in self.sharded_state_dict_keys_map.items()})
-        return out
+        return apply_sharded_keys_map(super().sharded_state_dict(prefix, sharded_offsets, metadata), prefix,
+                                      self.sharded_state_dict_keys_map)
 
     def _mlp_forward(self, layernorm_output):
         """The MLP (dense or MoE); under selective recompute with ``mlp`` / ``moe`` listed, only its input is kept

@@ -17,6 +17,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.activations import erf_gelu, openai_gelu  # noqa: F401  (megatron-core's path)
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
 from megatron.core.fusions.fused_layer_norm import param_device
 from megatron.core.fusions.fused_softmax import attention_mask_func  # noqa: F401  (megatron-core's path)
 from megatron.core.utils import (make_sharded_object_for_checkpoint, make_sharded_tensor_for_checkpoint,  # noqa: F401
@@ -81,6 +82,13 @@ def sharded_state_dict_default(module: torch.nn.Module, prefix: str = "",
         return module.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
     # A plain module: its own tensors, then its children the same way (a ModuleList of MegatronModules keeps their
     # declarations).
+    return own_and_children_sharded_state_dict(module, prefix, sharded_offsets, metadata, tp_group)
+
+
+def own_and_children_sharded_state_dict(module: torch.nn.Module, prefix: str, sharded_offsets, metadata: dict,
+                                        tp_group=None) -> ShardedStateDict:
+    """``module``'s own parameters and persistent buffers (split over TP along ``partition_dim`` when marked
+    tensor-parallel, replicated otherwise), then each child's :func:`sharded_state_dict_default`."""
     own = {}
     module._save_to_state_dict(own, "", keep_vars=True)
     axis_map = {name: t.partition_dim for name, t in own.items()
@@ -90,3 +98,11 @@ def sharded_state_dict_default(module: torch.nn.Module, prefix: str = "",
     for name, child in module.named_children():
         out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata, tp_group))
     return out
+
+
+def apply_sharded_keys_map(sharded_state_dict: ShardedStateDict, prefix: str, keys_map: dict) -> ShardedStateDict:
+    """Rename the checkpoint keys under ``prefix`` by a layer spec's ``sharded_state_dict_keys_map`` ({old key
+    prefix: new key prefix}, relative to ``prefix``); returns the dict."""
+    if keys_map:
+        apply_prefix_mapping(sharded_state_dict, {f"{prefix}{old}": f"{prefix}{new}" for old, new in keys_map.items()})
+    return sharded_state_dict
