@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
-from helpers.models_helpers import causal_mask, single_rank  # noqa: F401  (fixture)
+from helpers.models_helpers import causal_mask, single_rank, spread_moe_weights  # noqa: F401  (fixture)
 from helpers.numerics import rel_err
 
 S, B, VOCAB = 12, 2, 96
@@ -52,14 +52,8 @@ def tiny_hf(family: str):
                                                    "original_max_position_embeddings": 16, "mscale": 0.707,
                                                    "mscale_all_dim": 0.707}, **common)
         model = transformers.DeepseekV2ForCausalLM(cfg)
+    spread_moe_weights(model, expert_std=0.1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "gate.weight" in name:
-                p.normal_(0, 0.5)
-            elif "experts" in name:
-                p.normal_(0, 0.1)
         for name, buf in model.named_buffers():
             if "e_score_correction_bias" in name:
                 buf.normal_(0, 0.2)
@@ -234,7 +228,8 @@ def test_deepseek_converter_round_trip_through_torch_dist(tmp_path, single_rank)
             convert.convert(convert.get_args(["--model-type", "GPT", "--loader", loader, "--saver", saver,
                                               "--load-dir", a, "--save-dir", b]))
         stored = load_full_checkpoint(os.path.join(dist, "release"))["model"]
-        assert "decoder.layers.0.input_layernorm.weight" in stored and "decoder.layers.1.pre_mlp_layernorm.weight" in stored
+        assert "decoder.layers.0.input_layernorm.weight" in stored
+        assert "decoder.layers.1.pre_mlp_layernorm.weight" in stored
         assert stored["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].shape == (8, 32, 32)
         assert "decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight" in stored
         assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in stored

@@ -203,7 +203,7 @@ def shards(entry: Entry, num_layers: int, tp_size: int, tp_rank: int, gated: boo
         shape[dim] *= tp_size
     out = []
     for piece, off in pieces:
-        if entry.expert is not None and entry.layer is None:  # a per-layer expert key (heterogeneous or hybrid stacks, MTP)
+        if entry.expert is not None and entry.layer is None:  # per-layer experts (heterogeneous / hybrid stacks, MTP)
             out.append(LocalShard(piece.unsqueeze(0), (entry.num_experts, *shape), (entry.expert, *off)))
         elif entry.expert is not None:
             out.append(LocalShard(piece.unsqueeze(0).unsqueeze(0), (num_layers, entry.num_experts, *shape),
