@@ -176,10 +176,10 @@ def main(argv=None):
           f"{args.heads} heads, q_lora {args.q_lora_rank}, kv_lora {args.kv_lora_rank}, qk {args.qk_head_dim}+"
           f"{args.qk_pos_emb_head_dim}, v {args.v_head_dim}; fp32, {args.threads} threads; median of {args.rounds} "
           f"alternating rounds, each the median of {args.iters} steps")
-    print(f"{'implementation':<44} {'ms':>9} {'tokens/s':>10} {'vs ours':>8}")
+    print(f"{'implementation':<50} {'ms':>9} {'tokens/s':>10} {'vs ours':>8}")
     for name, ms in (("ours (MLASelfAttention)", ours_ms), ("megatron-core 0.16.1 MLASelfAttention (SDPA core)",
                                                               oracle_ms)):
-        print(f"{name:<44} {ms:>9.1f} {tokens / ms * 1e3:>10.0f} {ours_ms / ms:>8.2f}")
+        print(f"{name:<50} {ms:>9.1f} {tokens / ms * 1e3:>10.0f} {ours_ms / ms:>8.2f}")
     print(f"outputs: max |diff| {diff:.2e}")
 
 
