@@ -3,7 +3,8 @@
 Each configuration is set up the way pretrain_gpt.py does it (initialize_megatron + setup_model_and_optimizer)
 on 2 gloo ranks, one optimizer step materialises Adam's state, and the storage of every tensor the model, the
 DDP gradient buffers and the optimizer own is summed (each storage once). The theoretical numbers come from the
-same validated args through megatron.training.theoretical_memory.
+same validated args through megatron.training.theoretical_memory (the storages are counted by
+megatron.core.distributed.memory).
 """
 from __future__ import annotations
 
@@ -39,23 +40,9 @@ CONFIGS = {
 }
 
 
-def _storages(tensors, seen):
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
-
-
 def measure_body(configs):
-    import torch
-
     from megatron.core import parallel_state as ps
+    from megatron.core.distributed.memory import resident_state_bytes
     from megatron.training import global_vars
     from megatron.training.initialize import initialize_megatron
     from megatron.training.theoretical_memory import report_theoretical_memory
@@ -72,16 +59,9 @@ def measure_body(configs):
             for p in chunk.parameters():
                 p.main_grad.add_(1e-3)  # any gradient: the step only has to create Adam's state
         optimizer.step()
-        seen = set()
         params = list(p for chunk in model for p in chunk.parameters())
-        weights = _storages(params, seen)
-        grads = _storages([buf.grad_data for chunk in model for buf in chunk.param_and_grad_buffers], seen)
-        inner = optimizer.optimizer
-        opt_tensors = [p for g in inner.param_groups for p in g["params"]]
-        opt_tensors += [p.grad for p in opt_tensors]
-        opt_tensors += [v for state in inner.state.values() for v in state.values()
-                        if torch.is_tensor(v) and v.numel() > 1]
-        optimizer_bytes = _storages(opt_tensors, seen)
+        held = resident_state_bytes(model, optimizer)  # every storage once: weights, grads, optimizer
+        weights, grads, optimizer_bytes = held["weights"], held["grads"], held["optimizer"]
         stage = ps.get_pipeline_model_parallel_rank()
         args.model_name = "gpt"
         report = report_theoretical_memory(args)

@@ -109,7 +109,8 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
         num_layers, _, tied = model_layout(chunk, args)
         if dist_hybrid.is_hybrid(chunk):  # per-layer keys, never stacked
             out.append(dist_hybrid.hybrid_entries(
-                chunk, tied, lambda name, value, param: _expert_entries(chunk, name, value, param, 0)))
+                chunk, tied, lambda name, value, param: _expert_entries(chunk, name, value, param, 0,
+                                                                        dist_keys.DEFAULT_LAYOUT)))
             continue
         offset = _layer_offset(num_layers)
         t5_blocks = _t5_blocks(chunk)
