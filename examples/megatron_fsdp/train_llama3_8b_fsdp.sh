@@ -49,14 +49,6 @@ TP_SIZE=${TP_SIZE:-1}
 CP_SIZE=${CP_SIZE:-1}
 SEQ_LENGTH=${SEQ_LENGTH:-8192}
 
-DISTRIBUTED_ARGS=(
-    --nproc_per_node "$GPUS_PER_NODE"
-    --nnodes "$NNODES"
-    --node_rank "$NODE_RANK"
-    --master_addr "$MASTER_ADDR"
-    --master_port "$MASTER_PORT"
-)
-
 MODEL_ARGS=(
     --use-mcore-models
     --num-layers 32
@@ -151,14 +143,6 @@ EVAL_AND_LOGGING_ARGS=(
     --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
 )
 
-echo "launching pretrain_gpt.py with FSDP=$FSDP: $NNODES node(s) x $GPUS_PER_NODE process(es), node rank $NODE_RANK," \
-     "master $MASTER_ADDR:$MASTER_PORT"
-# shellcheck disable=SC2086  # MEGATRON_EXTRA_ARGS is a list of flags: split it on spaces
-torchrun "${DISTRIBUTED_ARGS[@]}" "$MEGATRON_DIR/pretrain_gpt.py" \
-    "${MODEL_ARGS[@]}" \
-    "${TRAINING_ARGS[@]}" \
-    "${FSDP_ARGS[@]}" \
-    "${MODEL_PARALLEL_ARGS[@]}" \
-    "${DATA_ARGS[@]}" \
-    "${EVAL_AND_LOGGING_ARGS[@]}" \
-    "$@" ${MEGATRON_EXTRA_ARGS:-}
+echo "FSDP=$FSDP"
+launch_pretrain_gpt "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${FSDP_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" \
+    "${DATA_ARGS[@]}" "${EVAL_AND_LOGGING_ARGS[@]}" "$@"

@@ -5,7 +5,8 @@ tools/checkpoint/convert.py between them and torch_dist with the next losses of 
 Every run trains 3 iterations of a tiny SwiGLU GPT (fp32, a small random-token corpus) and the checkpointing ones save
 at iteration 2, so a run is both the straight reference and the source of a resume for iteration 3:
 
-* torch_dcp (FSDP2) and fsdp_dtensor (optim_grads_params, MoE EP=2) resume bit-exactly;
+* torch_dcp (FSDP2, --torch-fsdp2-no-reshard-after-forward) and fsdp_dtensor (optim_grads_params, MoE EP=2)
+  resume bit-exactly;
 * an fsdp_dtensor checkpoint of the bucketed ZeRO-1 (optim) at DP=4 resumes under ZeRO-2 at TP=2 x DP=2;
 * torch_dist (plain DDP) -> fsdp_dtensor resumed by Megatron-FSDP, torch_dist -> torch_dcp resumed by FSDP2, and
   fsdp_dtensor (MoE) -> torch_dist resumed by DDP, each within 1e-6 of the source run's own iteration 3;
@@ -29,7 +30,7 @@ TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--split", "
         "--swiglu"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--disable-bias-linear"]
 DDP = ["--ckpt-format", "torch_dist"]
-FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dcp"]
+FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dcp", "--torch-fsdp2-no-reshard-after-forward"]
 
 
 def _mfsdp(strategy):
@@ -128,3 +129,25 @@ def test_fsdp_dtensor_layout_matches_converted_torch_dist(results):
     adam = dist["optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight"]
     name = "optimizer.state.module.module.module.decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
     assert torch.equal(adam[0, 3], ours[name + ".exp_avg"])
+
+
+@pytest.mark.parametrize("strict,strictness", [(True, "assume_ok_unexpected"), (False, "log_all"),
+                                               (False, "raise_all")])
+def test_fsdp_dtensor_strict_loading(strict, strictness, capsys):
+    """A model key the checkpoint lacks: an error naming it (strict, the default); with
+    --no-strict-fsdp-dtensor-load the key is skipped (reported per --dist-ckpt-strictness; raise_* still raises)."""
+    from types import SimpleNamespace
+
+    from megatron.training.checkpointing.fsdp_dtensor import _apply_strictness
+    from megatron.training.checkpointing.protocol import CheckpointError
+
+    request = {"model.module.a.weight": 1, "model.module.b.weight": 2, "iteration": None}
+    stored = {"model.module.a.weight": object(), "iteration": object()}
+    args = SimpleNamespace(strict_fsdp_dtensor_load=strict, dist_ckpt_strictness=strictness)
+    if strict or strictness == "raise_all":
+        with pytest.raises(CheckpointError, match="model.module.b.weight" if strict else "lacks 1 model key"):
+            _apply_strictness(request, stored, "ckpt/iter_0000002", args)
+        return
+    _apply_strictness(request, stored, "ckpt/iter_0000002", args)
+    assert sorted(request) == ["iteration", "model.module.a.weight"]
+    assert "lacks 1 model key(s), left as initialised: model.module.b.weight" in capsys.readouterr().out

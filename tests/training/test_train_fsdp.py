@@ -1,9 +1,9 @@
 """Fully sharded data parallelism (--use-torch-fsdp2, --use-megatron-fsdp with its four strategies) against the
 unsharded DDP run, on 4 gloo ranks in one launch.
 
-For each layout (DP=4; TP=2 x DP=2 with sequence parallelism; MoE EP=2 x DP=2 with 4 experts) the per-iteration
-losses and grad norms of 10 iterations of every sharded run (the bucketed no_shard / optim at DP=4, the FSDP2
-strategies at every layout) equal the plain DDP run's within 1e-6 relative (fp32,
+For each layout (DP=4; TP=2 x DP=2 with sequence parallelism; MoE EP=2 x DP=2 with 4 experts; CP=2 x DP=2, where
+FSDP shards over the 4 DP x CP ranks) the per-iteration losses and grad norms of 10 iterations of every sharded run
+(the bucketed no_shard / optim at DP=4, the FSDP2 strategies at DP=4, TP x DP and EP x DP, ZeRO-3 with CP) equal the plain DDP run's within 1e-6 relative (fp32,
 same initial weights, a small random-token corpus); ``--use-torch-fsdp2`` is not allowed with expert parallelism (Megatron's rule). The runs
 also record how the model was wrapped: the FSDP2 strategies hold DTensor parameters whose local blocks add up to
 about a quarter (DP=4) / half (DP=2) of the unsharded parameter count, the bucketed strategies (no_shard, optim)
@@ -35,15 +35,16 @@ def _mfsdp(strategy):
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-LAYOUTS = {"dp4": [], "tp2_dp2": TP2, "ep2_dp2": MOE}
+LAYOUTS = {"dp4": [], "tp2_dp2": TP2, "ep2_dp2": MOE, "cp2_dp2": ["--context-parallel-size", "2"]}
 RUNS = []
 for layout, extra in LAYOUTS.items():
     RUNS.append((layout, "ddp", extra))
-    if layout != "ep2_dp2":
+    if layout in ("dp4", "tp2_dp2"):
         RUNS.append((layout, "torch_fsdp2", extra + FSDP2))
     # no_shard and optim are our DDP and distributed optimizer (tests/training/test_train_layouts.py and
     # test_train_moe_parity.py compare those at TP=2 and EP=2): here at DP=4, the FSDP2 engine at every layout.
-    RUNS += [(layout, s, extra + _mfsdp(s)) for s in (STRATEGIES if layout == "dp4" else STRATEGIES[2:])]
+    strategies = {"dp4": STRATEGIES, "cp2_dp2": STRATEGIES[3:]}.get(layout, STRATEGIES[2:])
+    RUNS += [(layout, s, extra + _mfsdp(s)) for s in strategies]
 
 
 def _run_recording(extra, data):

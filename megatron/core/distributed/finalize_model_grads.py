@@ -8,8 +8,8 @@ with ``--overlap-grad-reduce`` it is already running when backward ends):
    fed with different tokens under sequence parallelism (``param.sequence_parallel``: layer-norm weights
    and biases, row-parallel biases);
 3. all-reduce over the embedding group the gradient of the word embedding tied between the first and the
-   last pipeline stage (or copied to the last stage for multi-token prediction) (and of the position embedding between the first and the split stage of an
-   encoder-decoder pipeline);
+   last pipeline stage, or copied to the last stage for multi-token prediction (and of the position embedding
+   between the first and the split stage of an encoder-decoder pipeline);
 4. with ``--calculate-per-token-loss`` (``num_tokens`` given): the step's token count ``n`` of the last
    pipeline stage is broadcast over the pipeline group and summed over the data-parallel group, and every
    gradient is multiplied by ``1/n`` (DDP then reduces with a plain SUM, no ``1/|DP|`` pre-scaling), so the

@@ -109,7 +109,8 @@ def yarn_inv_freq(dim: int, rotary_base: float, scaling_factor: float, original_
                   beta_fast: float, beta_slow: float, round_to_int: bool = True) -> torch.Tensor:
     """YaRN's per-pair frequencies ``f_i`` (module docstring), fp32 ``[dim / 2]``."""
     def correction_dim(rotations):
-        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rotary_base))
+        ratio = original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(ratio) / (2 * math.log(rotary_base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     if round_to_int:

@@ -34,7 +34,7 @@ from megatron.core.transformer.fsdp_dtensor_checkpoint import (MODEL_PREFIX, OPT
 from megatron.training.checkpointing import protocol
 from megatron.training.checkpointing.protocol import CheckpointError
 from megatron.training.checkpointing.rng import get_rng_state, set_rng_state
-from megatron.training.checkpointing.torch_dcp import CHECKPOINT_VERSION, locate_dcp, rng_key
+from megatron.training.checkpointing.torch_dcp import CHECKPOINT_VERSION, finish_load, locate_dcp, rng_key
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
 
@@ -299,15 +299,7 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
             print_rank_0(f"WARNING: {directory} has no RNG state for (pp, tp) = {rng_key()}: using "
                          f"{next(iter(rngs))}'s")
         set_rng_state(rngs.get(rng_key(), next(iter(rngs.values()))), False, directory)
-    args.num_floating_point_operations_so_far = 0 if finetune else request.get(
-        "num_floating_point_operations_so_far", 0)
-    iteration = 0 if finetune else int(request["iteration"])
-    if not finetune and request.get("args") is not None:
-        args.consumed_train_samples = getattr(request["args"], "consumed_train_samples", 0)
-        args.consumed_valid_samples = getattr(request["args"], "consumed_valid_samples", 0)
-    torch.distributed.barrier()
-    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
-    return iteration
+    return finish_load(args, request, finetune, load_dir)
 
 
 def _restore(chunk, optimizer, blocks: List[ParamBlock], loaded):

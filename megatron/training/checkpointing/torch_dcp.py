@@ -72,8 +72,8 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
 
 
 def locate_dcp(args, load_arg, optimizer):
-    """(directory, its stored DCP keys, finetune, load the optimizer) of the checkpoint ``--load`` names, or None
-    when there is none (Megatron then trains from scratch)."""
+    """(directory, its stored DCP keys, finetune, load the optimizer) of the checkpoint ``--load`` (``load_arg``)
+    names, or None when there is none (Megatron then trains from scratch)."""
     load_dir = getattr(args, load_arg)
     if not protocol.checkpoint_exists(load_dir) and getattr(args, "ckpt_step", None) is None:
         print_rank_0(f"WARNING: no checkpoint in {load_dir} ({protocol.TRACKER_BASENAME} missing): training from "
@@ -117,12 +117,17 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
             opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
     if "rng_state" in state:
         set_rng_state(state["rng_state"][rng_key()], False, directory)
-    args.num_floating_point_operations_so_far = 0 if finetune else state["num_floating_point_operations_so_far"]
-    iteration = 0 if finetune else int(state["iteration"])
-    if not finetune:
-        ckpt_args = state["args"]
-        args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
-        args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
+    return finish_load(args, state, finetune, load_dir)
+
+
+def finish_load(args, loaded: dict, finetune: bool, load_dir) -> int:
+    """After a DCP load: the run's counters from the checkpoint's (none when fine-tuning), a barrier, the log line;
+    returns the iteration to resume from."""
+    args.num_floating_point_operations_so_far = 0 if finetune else loaded.get("num_floating_point_operations_so_far", 0)
+    iteration = 0 if finetune else int(loaded["iteration"])
+    if not finetune and loaded.get("args") is not None:
+        args.consumed_train_samples = getattr(loaded["args"], "consumed_train_samples", 0)
+        args.consumed_valid_samples = getattr(loaded["args"], "consumed_valid_samples", 0)
     torch.distributed.barrier()
     print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
     return iteration

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.multi_token_prediction import get_gpt_mtp_block_spec  # noqa: F401  (megatron-core's path)
+from megatron.core.transformer.multi_token_prediction import get_gpt_mtp_block_spec  # noqa: F401  (megatron-core)
 from megatron.core.transformer.norms import FusedLayerNorm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules

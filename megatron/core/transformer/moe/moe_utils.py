@@ -182,29 +182,40 @@ def apply_router_token_dropping(routing_probs: torch.Tensor, routing_map: torch.
     return final_probs, final_map
 
 
-class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Attach an auxiliary loss to an activation: identity forward; backward also sends
-    ``main_loss_backward_scale`` into the aux loss (set by the pipeline schedule per step, Megatron's API)."""
+def loss_auto_scaler(name: str, doc: str):
+    """An autograd Function attaching an auxiliary loss to an activation: identity forward; backward also sends the
+    class's ``main_loss_backward_scale`` (set by the pipeline schedule per step with ``set_loss_scale``; 1 when
+    unset) into the loss, so the loss trains without being added to the reported one. One class per kind of loss
+    (MoE router losses, multi-token prediction), each with its own scale."""
 
-    main_loss_backward_scale: torch.Tensor = None
+    class Scaler(torch.autograd.Function):
+        main_loss_backward_scale: torch.Tensor = None
 
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor):
-        ctx.save_for_backward(aux_loss)
-        return output
+        @staticmethod
+        def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor):
+            ctx.save_for_backward(aux_loss)
+            return output
 
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        if scale is None:
-            scale = torch.ones((), device=aux_loss.device)
-        return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device, aux_loss.dtype)
+        @staticmethod
+        def backward(ctx, grad_output: torch.Tensor):
+            (aux_loss,) = ctx.saved_tensors
+            scale = Scaler.main_loss_backward_scale
+            if scale is None:
+                scale = torch.ones((), device=aux_loss.device)
+            return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device, aux_loss.dtype)
 
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor):
-        """Scale of the aux-loss gradient relative to the main loss (loss scale / number of micro-batches)."""
-        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale).detach().reshape(())
+        @staticmethod
+        def set_loss_scale(scale: torch.Tensor):
+            """Scale of the loss's gradient relative to the main loss."""
+            Scaler.main_loss_backward_scale = torch.as_tensor(scale).detach().reshape(())
+
+    Scaler.__name__ = Scaler.__qualname__ = name
+    Scaler.__doc__ = doc
+    return Scaler
+
+
+MoEAuxLossAutoScaler = loss_auto_scaler(
+    "MoEAuxLossAutoScaler", "Attach a router loss to an activation (Megatron's API; scale = loss scale / micro-batches).")
 
 
 # ---------------------------------------------------------------------------------------- permutation
