@@ -34,6 +34,8 @@ from typing import List, Optional
 
 import torch
 
+from megatron.core.tensor_parallel.mappings import all_to_all  # noqa: F401  (the MoE dispatch's)
+
 
 # ------------------------------------------------------------------------------------------------ routing
 
@@ -306,20 +308,6 @@ class _ReduceScatterFirstDim(torch.autograd.Function):
         return _AllGatherFirstDim.apply(grad.contiguous(), ctx.group, ctx.sizes), None, None
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-        torch.distributed.all_to_all_single(out, x.contiguous(), output_split_sizes=list(output_splits),
-                                            input_split_sizes=list(input_splits), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _AllToAll.apply(grad.contiguous(), ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
-
-
 def gather_along_first_dim(x: torch.Tensor, group, sizes: Optional[List[int]] = None) -> torch.Tensor:
     """Autograd-aware all-gather over ``group`` (``sizes``: rows per rank, default all equal)."""
     world = _group_size(group)
@@ -336,10 +324,3 @@ def reduce_scatter_along_first_dim(x: torch.Tensor, group, sizes: Optional[List[
         return x
     sizes = list(sizes) if sizes is not None else [x.shape[0] // world] * world
     return _ReduceScatterFirstDim.apply(x, group, sizes)
-
-
-def all_to_all(group, x: torch.Tensor, output_splits: List[int], input_splits: List[int]) -> torch.Tensor:
-    """Autograd-aware ``all_to_all_single`` with uneven splits (backward swaps the splits)."""
-    if _group_size(group) == 1:
-        return x
-    return _AllToAll.apply(x, group, list(output_splits), list(input_splits))
