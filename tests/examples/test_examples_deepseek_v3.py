@@ -27,9 +27,10 @@ from helpers.examples_helpers import iteration_lines, run_script, script_env
 pytestmark = pytest.mark.timeout(600)
 TOL = 1e-5
 SHRUNK = dict(GPUS_PER_NODE=2, TP=1, EP=2, NUM_LAYERS=2, HIDDEN_SIZE=32, FFN_HIDDEN_SIZE=64, NUM_HEADS=4,
-              Q_LORA_RANK=16, KV_LORA_RANK=8, QK_HEAD_DIM=8, QK_POS_EMB_HEAD_DIM=4, V_HEAD_DIM=8, NUM_EXPERTS=8, MOE_FFN_HIDDEN_SIZE=16,
-              MOE_LAYER_FREQ="[0]*1+[1]*1", TOPK=4, NUM_GROUPS=4, GROUP_TOPK=2, SEQ_LENGTH=32, VOCAB_SIZE=128,
-              MICRO_BATCH_SIZE=2, GLOBAL_BATCH_SIZE=4, TRAIN_ITERS=3, LR="1e-3", LR_WARMUP_ITERS=1, SAVE_INTERVAL=1,
+              Q_LORA_RANK=16, KV_LORA_RANK=8, QK_HEAD_DIM=8, QK_POS_EMB_HEAD_DIM=4, V_HEAD_DIM=8, NUM_EXPERTS=8,
+              MOE_FFN_HIDDEN_SIZE=16, MOE_LAYER_FREQ="[0]*1+[1]*1", TOPK=4, NUM_GROUPS=4, GROUP_TOPK=2,
+              SEQ_LENGTH=32, VOCAB_SIZE=128, MICRO_BATCH_SIZE=2, GLOBAL_BATCH_SIZE=4, TRAIN_ITERS=3, LR="1e-3",
+              LR_WARMUP_ITERS=1, SAVE_INTERVAL=1,
               PRECISION_ARGS="", MEGATRON_EXTRA_ARGS="--padded-vocab-size 256 --distributed-backend gloo "
                                                     "--num-workers 0 --eval-iters 1 --eval-interval 1000")
 KEYS = ("lm loss", "mtp_1 loss", "seq_load_balancing_loss")
