@@ -146,33 +146,32 @@ def _dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def pg_size(pg_collection: Optional[ProcessGroupCollection], name: str) -> int:
-    """Size of the group ``name`` (:func:`pg_group`); parallel_state's size getters (and their overrides) without a
-    collection group; 1 where there is no group."""
+def _size_or_rank(pg_collection: Optional[ProcessGroupCollection], name: str, which: int) -> int:
+    """``which`` 0: the size of the group ``name`` (1 where there is none); 1: this rank's index in it (0)."""
+    default = (1, 0)[which]
     group = None if pg_collection is None else getattr(pg_collection, name)
     if group is None:
         getters = _mpu_size_rank(name)
         if getters is not None:
             try:
-                return getters[0]() or 1
+                return getters[which]() or default
             except AssertionError:
-                return 1
+                return default
         group = mpu_group(name)
-    return torch.distributed.get_world_size(group=group) if group is not None and _dist_ready() else 1
+    if group is None or not _dist_ready():
+        return default
+    return (torch.distributed.get_world_size, torch.distributed.get_rank)[which](group=group)
+
+
+def pg_size(pg_collection: Optional[ProcessGroupCollection], name: str) -> int:
+    """Size of the group ``name`` (:func:`pg_group`); parallel_state's size getters (and their overrides) without a
+    collection group; 1 where there is no group."""
+    return _size_or_rank(pg_collection, name, 0)
 
 
 def pg_rank(pg_collection: Optional[ProcessGroupCollection], name: str) -> int:
     """This rank's index in the group ``name`` (see :func:`pg_size`); 0 where there is no group."""
-    group = None if pg_collection is None else getattr(pg_collection, name)
-    if group is None:
-        getters = _mpu_size_rank(name)
-        if getters is not None:
-            try:
-                return getters[1]() or 0
-            except AssertionError:
-                return 0
-        group = mpu_group(name)
-    return torch.distributed.get_rank(group=group) if group is not None and _dist_ready() else 0
+    return _size_or_rank(pg_collection, name, 1)
 
 
 def is_pp_first_stage_of(pg_collection: Optional[ProcessGroupCollection], ignore_virtual: bool = False) -> bool:

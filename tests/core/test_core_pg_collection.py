@@ -222,3 +222,30 @@ def test_untested_groups_are_refused(single_rank):
     for name, build in builders.items():
         with pytest.raises(NotImplementedError, match=f"{name} communicates over parallel_state's pp, cp group"):
             build()
+
+
+def test_schedule_hands_its_groups_to_finalize_and_refuses_shape_hooks(single_rank):
+    """The schedule passes its ``pg_collection`` and ``force_all_reduce`` on to ``finalize_model_grads_func`` and
+    refuses megatron-core's ``adjust_tensor_shapes_fn`` (one line naming it)."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    model = torch.nn.Linear(4, 1)
+    model.config = tiny_config()
+    model.set_input_tensor = lambda tensor: None
+    calls = []
+    model.config.finalize_model_grads_func = lambda models, **kw: calls.append((models, kw))
+    x = torch.ones(2, 4)
+
+    def forward_step(data_iterator, model):
+        out = model(x).sum()
+        return out, lambda output: (output, torch.tensor(1), {"loss": output.detach()})
+
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    common = dict(forward_step_func=forward_step, data_iterator=iter([None]), model=model, num_microbatches=1,
+                  seq_length=1, micro_batch_size=2)
+    forward_backward_no_pipelining(**common, pg_collection=pgs, force_all_reduce=True)
+    assert calls == [([model], {"pg_collection": pgs, "force_all_reduce": True})]
+    assert float(model.bias.grad) == pytest.approx(2.0)
+    with pytest.raises(NotImplementedError, match=r"forward_backward_no_pipelining\(adjust_tensor_shapes_fn=\.\.\.\)"):
+        forward_backward_no_pipelining(**common, adjust_tensor_shapes_fn=lambda r, s: (r, s))

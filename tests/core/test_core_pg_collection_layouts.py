@@ -5,7 +5,8 @@ On 4 gloo ranks, two layouts of one tiny MoE GPT (2 layers, 4 experts top-2 with
 dispatcher, RoPE, sequence parallelism, tied embeddings):
 
 * ``tp2-pp2-ep2``: TP 2 x PP 2 (1F1B over 2 micro-batches, the tied embedding all-reduced over ``embd``), EP 2;
-* ``tp2-cp2-ep2``: TP 2 x CP 2 (ring attention, each CP rank's rotary angles and tokens), EP 2 (expert DP 2).
+* ``tp2-cp2-ep2``: TP 2 x CP 2 (ring attention, each CP rank's rotary angles and tokens), EP 2 (expert DP 2), the
+  distributed optimizer (sharded over DP x CP and expert DP).
 
 Each layout runs twice: (a) ``parallel_state.initialize_model_parallel`` with those sizes and no collection anywhere;
 (b) parallel_state initialised with every size 1 (four data-parallel replicas of a one-rank model) and the layout's
@@ -14,7 +15,9 @@ to GPTModel, DistributedDataParallel, get_megatron_optimizer, the schedule (its 
 finalize_model_grads) and ``get_batch_on_this_cp_rank``. Two optimizer steps each (Adam, clipping 1.0). The
 independent reference is the whole model (every size 1, no collection): (b)'s per-micro-batch losses (the CP ranks'
 parts added) and gradient norms equal its own within 2e-5 at both steps (step 2's loss checks step 1's update); and
-every rank must see the same losses, gradient norms and parameters in (a) and (b). If any module still reached
+every rank must see the same losses, gradient norms and parameters in (a) and (b). (b) then saves
+``model.sharded_state_dict()`` with ``dist_checkpointing.save`` (replicas and expert shards from the collection's
+groups); loaded into the whole model it gives the whole run's trained weights (< 1e-4; the weights are ~0.05). If any module still reached
 parallel_state's (size-1) groups, run (b) would train another model: unsplit heads or vocabulary, no pipeline
 exchange, no expert all-to-all, no CP ring.
 """
@@ -24,8 +27,9 @@ import torch
 from helpers.dist_harness import run_distributed
 
 SEQ, MICRO_BATCH, MICRO_BATCHES, VOCAB = 16, 2, 2, 64
-LAYOUTS = {"tp2-pp2-ep2": dict(tp=2, cp=1, pp=2, ep=2), "tp2-cp2-ep2": dict(tp=2, cp=2, pp=1, ep=2)}
-WHOLE = dict(tp=1, cp=1, pp=1, ep=1)
+LAYOUTS = {"tp2-pp2-ep2": dict(tp=2, cp=1, pp=2, ep=2, dist_opt=False),
+           "tp2-cp2-ep2": dict(tp=2, cp=2, pp=1, ep=2, dist_opt=True)}
+WHOLE = dict(tp=1, cp=1, pp=1, ep=1, dist_opt=False)
 
 
 def _config(layout):
@@ -88,30 +92,42 @@ def _set_global_weights(model):
             sh.data.copy_(full[index])
 
 
-def _train(layout, pgs):
-    """Two optimizer steps; (per-step reported loss sums and token counts, grad norms, final parameters)."""
+def _build(layout, pgs):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import pg_rank, pg_size
+
+    pp_rank, pp_size = pg_rank(pgs, "pp"), pg_size(pgs, "pp")
+    return GPTModel(_config(layout), get_gpt_layer_local_spec(num_experts=4), VOCAB, SEQ, pre_process=pp_rank == 0,
+                    post_process=pp_rank == pp_size - 1, share_embeddings_and_output_weights=True,
+                    pg_collection=pgs)
+
+
+def _train(layout, pgs, save_dir=None):
+    """Two optimizer steps; (per-step reported loss sums and token counts, grad norms, final parameters). With
+    ``save_dir``: then ``dist_checkpointing.save(model.sharded_state_dict(), save_dir)``."""
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core import dist_checkpointing
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
     from megatron.core.process_groups_config import pg_rank, pg_size
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    config = _config(layout)
     torch.manual_seed(7)
     tensor_parallel.model_parallel_cuda_manual_seed(7, tp_rank=pg_rank(pgs, "tp"), ep_rank=pg_rank(pgs, "ep"),
                                                     etp_rank=pg_rank(pgs, "expt_tp"))
     pp_rank, pp_size = pg_rank(pgs, "pp"), pg_size(pgs, "pp")
-    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=4), VOCAB, SEQ, pre_process=pp_rank == 0,
-                     post_process=pp_rank == pp_size - 1, share_embeddings_and_output_weights=True,
-                     pg_collection=pgs)
+    model = _build(layout, pgs)
+    config = model.config
     _set_global_weights(model)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model, pg_collection=pgs)
+    dist_opt = layout["dist_opt"]  # sharded over the collection's dp_cp / expt_dp groups
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt), model,
+                                  pg_collection=pgs)
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [ddp],
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0,
+                                                       use_distributed_optimizer=dist_opt), [ddp],
                                        pg_collection=pgs)
     g = torch.Generator().manual_seed(11)
     batches = [torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g) for _ in range(2 * MICRO_BATCHES)]
@@ -131,7 +147,7 @@ def _train(layout, pgs):
         return losses, loss_func
 
     schedule = get_forward_backward_func(pp_size=pp_size)
-    out = {"losses": [], "grad_norms": []}
+    out = {"losses": [], "grad_norms": [], "optimizer": type(optimizer).__name__}
     for step in range(2):
         optimizer.zero_grad()
         ddp.zero_grad_buffer()
@@ -143,12 +159,17 @@ def _train(layout, pgs):
         _, grad_norm, _ = optimizer.step()
         out["grad_norms"].append(grad_norm)
     out["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if save_dir is not None:
+        dist_checkpointing.save(model.sharded_state_dict(), save_dir)
     # Which part of the whole loss this rank reports: the last stage's, one TP rank of each CP rank's tokens.
     out["reports_part"] = pp_rank == pp_size - 1 and pg_rank(pgs, "tp") == 0
     return out
 
 
-def body():
+def body(ckpt_root):
+    import os
+
+    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     # The independent reference: the whole model (no model parallelism; four identical data-parallel replicas).
@@ -164,7 +185,10 @@ def body():
 
         ps.initialize_model_parallel(1, 1)
         assert ps.get_data_parallel_world_size() == torch.distributed.get_world_size()
-        through_collection = _train(layout, _collection(layout))
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(os.path.join(ckpt_root, name))
+        torch.distributed.barrier()
+        through_collection = _train(layout, _collection(layout), save_dir=os.path.join(ckpt_root, name))
         ps.destroy_model_parallel()
 
         a, b = through_mpu, through_collection
@@ -173,13 +197,23 @@ def body():
             "names": sorted(a["params"]) == sorted(b["params"]),
             "param_diff": max(float((a["params"][k] - b["params"][k]).abs().max()) for k in a["params"]),
             "moved": max(float(v.abs().sum()) for v in a["params"].values()) > 0,
-            "reports_part": b["reports_part"]}
+            "reports_part": b["reports_part"], "optimizers": (a["optimizer"], b["optimizer"])}
+
+    # The checkpoints the collection layouts wrote, loaded into the whole model: the whole run's trained weights.
+    ps.initialize_model_parallel(1, 1)
+    for name in LAYOUTS:
+        model = _build(WHOLE, None)
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), os.path.join(ckpt_root, name)))
+        loaded = dict(model.named_parameters())
+        results[name]["ckpt_vs_whole"] = (sorted(loaded) == sorted(whole["params"]), max(
+            float((loaded[k] - whole["params"][k]).abs().max()) for k in whole["params"]))
+    ps.destroy_model_parallel()
     return results
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(body, 4, timeout=240)
+def results(tmp_path_factory):
+    return run_distributed(body, 4, str(tmp_path_factory.mktemp("pg_layouts")), timeout=240)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -195,6 +229,11 @@ def test_collection_groups_train_like_the_whole_model(results, layout):
         assert summed == pytest.approx(whole["losses"][step], rel=2e-5)
     for per_rank in results:
         assert per_rank[layout]["grad_norms"][1] == pytest.approx(whole["grad_norms"], rel=2e-5)
+        same_names, diff = per_rank[layout]["ckpt_vs_whole"]
+        print(f"{layout}: its torch_dist checkpoint loaded into the whole model vs the whole run's weights: {diff:.1e}")
+        # Adam's two steps amplify the fp32 rounding differences of the layouts to ~1e-5; a misplaced shard or
+        # replica would be off by the weights' scale (0.05).
+        assert same_names and diff < 1e-4
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -205,6 +244,8 @@ def test_collection_groups_train_like_parallel_state(results, layout):
               f"vs {r['grad_norms'][1]}, max parameter difference {r['param_diff']:.1e}")
         (loss_a, loss_b), (norm_a, norm_b) = r["losses"], r["grad_norms"]
         assert r["names"] and len(norm_a) == 2
+        expected = "DistributedOptimizer" if LAYOUTS[layout]["dist_opt"] else "FP32Optimizer"
+        assert r["optimizers"] == (expected, expected)
         for step in range(2):
             assert loss_a[step] == pytest.approx(loss_b[step], rel=1e-6, abs=1e-6)
         assert norm_a == pytest.approx(norm_b, rel=1e-6)

@@ -301,15 +301,23 @@ def _zero_tokens() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device.current_device())
 
 
-def _finalize(config, models, forward_only, total_num_tokens, pg_collection=None):
+def _finalize(config, models, forward_only, total_num_tokens, pg_collection=None, force_all_reduce=False):
     """Call ``config.finalize_model_grads_func``, with the step's token count under per-token loss (and the
-    schedule's ``pg_collection`` when it was given one)."""
+    schedule's ``pg_collection`` / ``force_all_reduce`` when it was given them)."""
     if not forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
         args = [models, total_num_tokens.clone()] if config.calculate_per_token_loss else [models]
-        if pg_collection is not None:
-            config.finalize_model_grads_func(*args, pg_collection=pg_collection)
-        else:
-            config.finalize_model_grads_func(*args)
+        kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
+        if force_all_reduce:
+            kwargs["force_all_reduce"] = True
+        config.finalize_model_grads_func(*args, **kwargs)
+
+
+def _refuse_shape_hook(adjust_tensor_shapes_fn, schedule: str) -> None:
+    """megatron-core's ``adjust_tensor_shapes_fn`` (heterogeneous stage shapes) is not implemented: refused.
+    ``first_val_step`` (Transformer Engine's FP8 weight caching during validation) changes no result here."""
+    if adjust_tensor_shapes_fn is not None:
+        raise NotImplementedError(f"{schedule}(adjust_tensor_shapes_fn=...) is not implemented: every stage "
+                                  "exchanges get_tensor_shapes()'s shapes")
 
 
 def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[Iterator, List[Iterator]],
@@ -320,6 +328,7 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
                                    p2p_communicator: Optional[P2PCommunicator] = None, pg_collection=None,
                                    force_all_reduce: bool = False):
     """All micro-batches on one stage; gradients are reduced only during the last backward pass."""
+    _refuse_shape_hook(adjust_tensor_shapes_fn, "forward_backward_no_pipelining")
     model = _single(model, "model")
     data_iterator = _single(data_iterator, "data_iterator")
     config = get_model_config(model)
@@ -345,7 +354,7 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     total_num_tokens += num_tokens.to(total_num_tokens.device)
     if not forward_only:
         backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config, after_split=False)
-    _finalize(config, [model], forward_only, total_num_tokens, pg_collection)
+    _finalize(config, [model], forward_only, total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store
 
 
@@ -399,6 +408,7 @@ def forward_backward_pipelining_without_interleaving(
         collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None, adjust_tensor_shapes_fn=None,
         p2p_communicator: Optional[P2PCommunicator] = None, pg_collection=None, force_all_reduce: bool = False):
     """1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards (see module docstring)."""
+    _refuse_shape_hook(adjust_tensor_shapes_fn, "forward_backward_pipelining_without_interleaving")
     model = _single(model, "model")
     data_iterator = _single(data_iterator, "data_iterator")
     config = get_model_config(model)
@@ -479,7 +489,7 @@ def forward_backward_pipelining_without_interleaving(
             input_tensor_grad = bwd(input_tensor, output_tensor, output_tensor_grad)
             p2p.send_backward(input_tensor_grad, first)
     grad_sync.enable()
-    _finalize(config, [model], forward_only, total_num_tokens, pg_collection)
+    _finalize(config, [model], forward_only, total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store
 
 
@@ -490,6 +500,7 @@ def forward_backward_pipelining_with_interleaving(
         adjust_tensor_shapes_fn=None, p2p_communicator: Optional[P2PCommunicator] = None, pg_collection=None,
         force_all_reduce: bool = False):
     """Interleaved 1F1B over ``len(model)`` virtual stages per rank (see module docstring)."""
+    _refuse_shape_hook(adjust_tensor_shapes_fn, "forward_backward_pipelining_with_interleaving")
     if not isinstance(model, list) or not isinstance(data_iterator, list):
         raise RuntimeError("the interleaved schedule needs a list of model chunks and a list of data iterators")
     if len(model) != len(data_iterator):
@@ -653,5 +664,5 @@ def forward_backward_pipelining_with_interleaving(
     for toggle in toggles:
         toggle.enable()
     set_chunk(0)
-    _finalize(config, model, forward_only, total_num_tokens, pg_collection)
+    _finalize(config, model, forward_only, total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store

@@ -87,7 +87,7 @@ def _linear_sharded_state_dict(module, prefix, sharded_offsets, metadata, axis_m
     """A tensor-parallel layer's sharded state: its state dict with ``axis_map``'s tensors split over TP (the rest,
     e.g. a row-parallel bias or FP8 scaling state, replicated) plus megatron-core's empty ``_extra_state`` object."""
     dp_cp_group = (metadata or {}).get("dp_cp_group")
-    tp_group = getattr(module, "tp_group", None)
+    tp_group = getattr(module, "tp_group", None) or (metadata or {}).get("tp_group")
     state = module.state_dict(prefix="", keep_vars=True)
     state["_extra_state"] = None  # megatron-core's linear layers always carry one (no FP8 metadata here)
     return make_sharded_tensors_for_checkpoint(state, prefix, {k: v for k, v in axis_map.items() if k in state},

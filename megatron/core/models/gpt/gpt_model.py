@@ -77,9 +77,12 @@ class LanguageModule(MegatronModule):
         may have another padded size on load."""
         if sharded_offsets:
             raise ValueError("a language model takes no sharded_offsets")
-        if self.pg_collection is not None and self.pg_collection.dp_cp is not None and \
-                "dp_cp_group" not in (metadata or {}):
-            metadata = {**(metadata or {}), "dp_cp_group": self.pg_collection.dp_cp}  # replicas over its own DP x CP
+        # A model built from a pg_collection: replicas over its DP x CP group, and over its TP group for the tensors
+        # every TP rank holds whole (norms, routers), in the modules that do not carry a TP group themselves.
+        for name, field in (("dp_cp_group", "dp_cp"), ("tp_group", "tp")):
+            group = group_of(self.pg_collection, field)
+            if group is not None and name not in (metadata or {}):
+                metadata = {**(metadata or {}), name: group}
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         embedding_key = f"{prefix}embedding.word_embeddings.weight"

@@ -103,9 +103,10 @@ class MoELayer(BaseMoELayer):
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         for name in ("fc1_latent_proj", "fc2_latent_proj"):
             if hasattr(self, name):
+                metadata = ensure_metadata_has_dp_cp_group(metadata)
                 out.update(make_sharded_tensors_for_checkpoint(
                     {"_extra_state": None}, f"{prefix}{name}.", {}, sharded_offsets,
-                    dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]))
+                    tp_group=metadata.get("tp_group"), dp_cp_group=metadata["dp_cp_group"]))
         return out
 
     def forward(self, hidden_states: torch.Tensor):
