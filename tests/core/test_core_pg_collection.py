@@ -145,6 +145,10 @@ def test_use_mpu_process_groups_and_unknown_names(single_rank):
     assert pgs.dp_cp is ps.get_data_parallel_group(with_context_parallel=True)
     some = ProcessGroupCollection.use_mpu_process_groups(["tp", "dp"])
     assert some.tp is pgs.tp and some.pp is None  # unset fields read as None
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    moe = get_default_pg_collection()
+    assert moe.ep is ps.get_expert_model_parallel_group() and moe.tp_dp_cp is pgs.tp_dp_cp and moe.pp is None
     with pytest.raises(ValueError, match="invalid process groups requested: \\['bogus'\\]"):
         ProcessGroupCollection.use_mpu_process_groups(["tp", "bogus"])
     with pytest.raises(ValueError, match="no field bogus"):
