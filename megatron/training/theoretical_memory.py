@@ -21,12 +21,15 @@ MoE layers (``--num-experts``, ``--moe-layer-freq``) replace the dense MLP by th
 state is sharded over the expert data-parallel group. Activations are counted as for the dense MLP.
 Parameter counts follow this library's GPT/BERT layers exactly (biases, LayerNorm/RMSNorm, GQA, SwiGLU, tied or
 untied output layer, learned position embeddings), so weights, gradients and optimizer state can be compared
-with what a built model and optimizer hold (tests/training/test_train_theoretical_memory.py).
+with what a built model and optimizer hold: :func:`measured_state_bytes` sums the storages they really own
+(tests/training/test_train_theoretical_memory.py, --fake-process-group's rank report).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, Iterable, List
+
+import torch
 
 MB = 1024.0 * 1024.0
 GB = 1024.0 * MB
@@ -256,3 +259,34 @@ def report_theoretical_memory(args, distributed_optimizer=None, recompute=None) 
         weights=[n * per_param["weights"] for n in params], grads=[n * per_param["grads"] for n in params],
         optimizer=optimizer,
         activations=[activation_bytes(args, s, recompute) for s in range(pp)], bytes_per_param=per_param)
+
+
+def _storage_bytes(tensors: Iterable, seen: set) -> int:
+    """Bytes of the storages behind ``tensors``, each storage counted once (across calls sharing ``seen``)."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = storage._cdata  # the storage itself: views share it (also on the meta device, where data_ptr is 0)
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def measured_state_bytes(model_chunks, optimizer) -> Dict[str, int]:
+    """What a built rank really holds, in bytes: the model's parameter storages ("weights"; the DDP parameter buffer
+    when parameters live in one), the DDP gradient buffers ("grads"), and the optimizer's own tensors (fp32 main
+    parameters and their gradients, Adam's moments: "optimizer"). Each storage counts once, in the first of these
+    three it appears in. Adam's state exists after the first step (or ``DistributedOptimizer._ensure_state``)."""
+    seen: set = set()
+    params = [p for chunk in model_chunks for p in chunk.parameters()]
+    weights = _storage_bytes(params, seen)
+    grads = _storage_bytes([buf.grad_data for chunk in model_chunks
+                            for buf in getattr(chunk, "param_and_grad_buffers", [])], seen)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    opt = [p for group in inner.param_groups for p in group["params"]]
+    opt += [p.grad for p in opt]
+    opt += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.numel() > 1]
+    return {"weights": weights, "grads": grads, "optimizer": _storage_bytes(opt, seen)}

@@ -147,8 +147,11 @@ def deterministic_expert_init(model, layer_offset: int):
                 module.weight2.copy_(torch.cat([w.t() for w in fc2s], dim=0))
 
 
-def run_pretrain(entry: str, extra_args, record_model=False):
-    """Run ``pretrain`` of ``entry`` with GPT_ARGS + extra_args; return the per-iteration records."""
+def run_pretrain(entry: str, extra_args, record_model=False, deterministic=True):
+    """Run ``pretrain`` of ``entry`` with GPT_ARGS + extra_args; return the per-iteration records.
+
+    ``deterministic=False`` keeps the model's own initialisation from ``--seed`` (as ``pretrain_gpt.py`` run as a
+    script), instead of the layout-independent one of :func:`deterministic_init`."""
     from megatron.core import parallel_state as ps
     from megatron.training import global_vars
     from megatron.training import training as training_mod
@@ -172,7 +175,8 @@ def run_pretrain(entry: str, extra_args, record_model=False):
 
     def provider(pre_process=True, post_process=True):
         model = original_provider(pre_process=pre_process, post_process=post_process)
-        deterministic_init(model, num_layers)
+        if deterministic:
+            deterministic_init(model, num_layers)
         return model
 
     training_mod.training_log = recording_log

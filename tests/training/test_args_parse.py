@@ -155,7 +155,7 @@ def test_parser_shape(clean_env, capsys):
     assert parser.description == "Megatron-LM Arguments" and parser.allow_abbrev is False
     titles = [g.title for g in parser._action_groups[2:]]
     assert titles == ["network size", "regularization", "training", "initialization", "learning rate",
-                      "checkpointing", "mixed precision", "distributed", "validation", "data and dataloader",
+                      "checkpointing", "mixed precision", "distributed", "rerun engine", "validation", "data and dataloader",
                       "autoresume", "biencoder", "vision", "moe", "logging", "inference", "Transformer-Engine", "retro"]
     with pytest.raises(SystemExit) as exc:  # no abbreviations: --num-lay is unknown
         parse_args(argv=["--num-lay", "2"])

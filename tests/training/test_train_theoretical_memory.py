@@ -39,26 +39,11 @@ CONFIGS = {
 }
 
 
-def _storages(tensors, seen):
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
-
-
 def measure_body(configs):
-    import torch
-
     from megatron.core import parallel_state as ps
     from megatron.training import global_vars
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.theoretical_memory import report_theoretical_memory
+    from megatron.training.theoretical_memory import measured_state_bytes, report_theoretical_memory
     from megatron.training.training import setup_model_and_optimizer
     from helpers.train_helpers import load_entry_point
 
@@ -72,21 +57,14 @@ def measure_body(configs):
             for p in chunk.parameters():
                 p.main_grad.add_(1e-3)  # any gradient: the step only has to create Adam's state
         optimizer.step()
-        seen = set()
+        measured = measured_state_bytes(model, optimizer)
         params = list(p for chunk in model for p in chunk.parameters())
-        weights = _storages(params, seen)
-        grads = _storages([buf.grad_data for chunk in model for buf in chunk.param_and_grad_buffers], seen)
-        inner = optimizer.optimizer
-        opt_tensors = [p for g in inner.param_groups for p in g["params"]]
-        opt_tensors += [p.grad for p in opt_tensors]
-        opt_tensors += [v for state in inner.state.values() for v in state.values()
-                        if torch.is_tensor(v) and v.numel() > 1]
-        optimizer_bytes = _storages(opt_tensors, seen)
         stage = ps.get_pipeline_model_parallel_rank()
         args.model_name = "gpt"
         report = report_theoretical_memory(args)
         results[name] = {
-            "measured": (weights, grads, optimizer_bytes), "numel": sum(p.numel() for p in params),
+            "measured": (measured["weights"], measured["grads"], measured["optimizer"]),
+            "numel": sum(p.numel() for p in params),
             "theory": (report.weights[stage], report.grads[stage], report.optimizer[stage]),
             "theory_numel": report.params[stage], "bytes_per_param": report.bytes_per_param,
         }

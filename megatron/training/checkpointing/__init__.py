@@ -21,6 +21,9 @@ from megatron.training.checkpointing.protocol import (ASIDE_SUFFIX, STAGING_SUFF
                                                       CheckpointError, agree_on_save_step, check_checkpoint_args,
                                                       checkpoint_exists, describe_save_error,
                                                       get_checkpoint_tracker_filename, locate, read_metadata)
+from megatron.training.checkpointing.rerun_state import KEY as RERUN_KEY
+from megatron.training.checkpointing.rerun_state import gather_rerun_state
+from megatron.training.checkpointing.rerun_state import pending as pending_rerun
 from megatron.training.checkpointing.rng import get_rng_state
 from megatron.training.checkpointing.torch_format import (CHECKPOINT_VERSION, MODEL_BASENAME,
                                                           find_checkpoint_rank_0, get_checkpoint_name,
@@ -41,13 +44,20 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     args = get_args()
     if num_floating_point_operations_so_far is None:
         num_floating_point_operations_so_far = getattr(args, "num_floating_point_operations_so_far", 0)
-    if args.ckpt_format == "torch_dist":
-        from megatron.training.checkpointing import torch_dist
-        return torch_dist.save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
-    if getattr(args, "ckpt_format", "torch") != "torch":
+    if getattr(args, "fake_process_group", False):
+        print_rank_0(f"--fake-process-group: not saving checkpoint {iteration} to {args.save} (this process is one "
+                     "rank of a simulated job: its values are meaningless and the other ranks' files would be missing)")
+        return
+    if args.ckpt_format not in ("torch", "torch_dist"):
         raise CheckpointError(f"--ckpt-format {args.ckpt_format} is not supported by this saver; "
                               "use --ckpt-format torch")
-    return torch_format.save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
+    rerun = gather_rerun_state()  # every rank's rerun state machine (checkpointing/rerun_state.py)
+    if args.ckpt_format == "torch_dist":
+        from megatron.training.checkpointing import torch_dist
+        return torch_dist.save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                               {RERUN_KEY: rerun})
+    return torch_format.save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                             {RERUN_KEY: rerun if pending_rerun(rerun) else None})
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):

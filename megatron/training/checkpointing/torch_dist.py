@@ -47,6 +47,8 @@ from megatron.training.checkpointing.dist_state import (CHECKPOINT_VERSION, META
                                                         tp_size_rank)
 from megatron.training.checkpointing.dist_strictness import check_request, read_metadata_checked
 from megatron.training.checkpointing.protocol import agree_on_save_step, check_checkpoint_args, run_step
+from megatron.training.checkpointing.rerun_state import KEY as RERUN_KEY
+from megatron.training.checkpointing.rerun_state import restore_rerun_state
 from megatron.training.checkpointing.rng import get_rng_state, set_rng_state
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0, unwrap_model
@@ -117,8 +119,9 @@ def _rng_key():
                              parallel_state.get_tensor_model_parallel_world_size())
 
 
-def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0):
-    """Collective: write checkpoint ``iteration`` under ``--save`` in the torch_dist format."""
+def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0, extra_common=None):
+    """Collective: write checkpoint ``iteration`` under ``--save`` in the torch_dist format. ``extra_common``: more
+    entries for ``common.pt`` (the rerun state machine's)."""
     global _pending, _async_group
     args = get_args()
     finalize_async_save()
@@ -145,6 +148,7 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
         if opt_param_scheduler is not None:
             common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     common["content_metadata"] = content
+    common.update({k: v for k, v in (extra_common or {}).items() if v is not None})
     if not args.no_save_rng and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         sharded[_rng_key()] = [get_rng_state(False)]  # Megatron's object payload: the list of local objects
     buffer = io.BytesIO()
@@ -292,6 +296,8 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
         optimizer.reload_model_params()
     if load_rng:
         set_rng_state(request[rng][0], False, directory)
+    if not finetune:
+        restore_rerun_state(common.get(RERUN_KEY), directory)
     torch.distributed.barrier()
     print_rank_0("  successfully loaded checkpoint from {} at iteration {}".format(load_dir, iteration))
     return iteration
