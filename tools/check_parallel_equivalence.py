@@ -339,6 +339,7 @@ class Checker:
         self.checkpoints: Dict[str, str] = {}
         self.references: Dict[str, list] = {}
         self.runs = 0
+        self.last_error = ""
 
     def _argv(self, combo: Combination, load: str) -> List[str]:
         return MODEL + ["--train-iters", str(self.iterations), "--load", load, "--finetune", *combo.train_flags()]
@@ -366,6 +367,7 @@ class Checker:
             reference = self.reference(combo)
             per_rank = self.pool.run("train", self._argv(combo, self._checkpoint(combo.reference())), combo.world())
         except RuntimeError as e:
+            self.last_error = str(e)
             first = str(e).splitlines()[0]
             return f"invalid: {first}" if "ConfigurationError" in first else f"crash: {first}"
         last = per_rank[-1]  # the loss is reported on the last pipeline stage
@@ -443,6 +445,8 @@ def main(argv=None) -> int:
                     continue
                 failures += 1
                 print(f"    {failure}", flush=True)
+                if opts.repro and failure.startswith("crash"):
+                    print(checker.last_error, flush=True)  # the failing rank's traceback and output
                 if not opts.no_shrink and not opts.repro:
                     small, why = checker.shrink(combo, failure)
                     print(f"    shrunk to world {small.world()}: {why}\n    reproducer: {reproducer(small)}",
