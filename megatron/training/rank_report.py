@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Dict, List
+import re
+import shlex
+from typing import Dict, List, Optional
 
 import torch
 
@@ -112,3 +114,20 @@ def build_rank(argv: List[str], rank: int, world_size: int, model_provider, mode
         global_vars.destroy_global_vars()
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+
+
+def script_options(path: str, values: Optional[Dict[str, str]] = None) -> List[str]:
+    """The flags a launch script of examples/ hands to its training script: the words of its ``options=( ... )``
+    array, ``$VAR`` / ``"$VAR"`` replaced by ``values[VAR]`` (a missing variable is an error)."""
+    text = open(path).read()
+    found = re.search(r"^options=\(\n(.*?)^\)", text, re.S | re.M)
+    if found is None:
+        raise ValueError(f"{path}: no options=( ... ) array")
+    values = values or {}
+
+    def fill(match):
+        if match.group(1) not in values:
+            raise KeyError(f"{path} uses ${match.group(1)}: give its value")
+        return shlex.quote(values[match.group(1)]) if values[match.group(1)] else ""
+
+    return shlex.split(re.sub(r"\"?\$(\w+)\"?", fill, found.group(1)), comments=True)

@@ -14,9 +14,6 @@
 """
 import os
 import re
-import shlex
-import subprocess
-import sys
 
 from helpers.examples_helpers import REPO, install_fake, run_script, script_env
 
@@ -25,11 +22,11 @@ GPT2 = os.path.join(REPO, "data", "tokenizers", "gpt2")
 
 def script_options(tmp_path):
     """The ``options=( ... )`` array of examples/pretrain_gpt3_175B.sh, its variables filled in; mock data."""
-    text = open(os.path.join(REPO, "examples", "pretrain_gpt3_175B.sh")).read()
-    body = re.search(r"^options=\(\n(.*?)^\)", text, re.S | re.M).group(1)
-    values = {"DATASET": "", "VOCAB_FILE": f"{GPT2}/vocab.json", "MERGE_FILE": f"{GPT2}/merges.txt",
-              "CHECKPOINT_PATH": str(tmp_path / "ckpt"), "TENSORBOARD_DIR": str(tmp_path / "tb")}
-    words = shlex.split(re.sub(r"\"?\$(\w+)\"?", lambda m: values[m.group(1)], body), comments=True)
+    from megatron.training.rank_report import script_options as read_options
+
+    words = read_options(os.path.join(REPO, "examples", "pretrain_gpt3_175B.sh"), {
+        "DATASET": "", "VOCAB_FILE": f"{GPT2}/vocab.json", "MERGE_FILE": f"{GPT2}/merges.txt",
+        "CHECKPOINT_PATH": str(tmp_path / "ckpt"), "TENSORBOARD_DIR": str(tmp_path / "tb")})
     words.remove("--data-path")
     # GPT-3's vocabulary of 50257 (the shipped GPT-2 files hold an 8192-token subset).
     return words + ["--mock-data", "--use-distributed-optimizer", "--tokenizer-type", "NullTokenizer",
