@@ -6,6 +6,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.post_training.arguments import add_modelopt_args
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.datasets_provider import gpt_train_valid_test_datasets_provider
@@ -19,12 +20,17 @@ def model_provider(pre_process=True, post_process=True):
     print_rank_0("building GPT model ...")
     if not args.use_legacy_models:
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec,
+            get_gpt_layer_local_spec,
+            get_gpt_mtp_block_spec,
+        )
 
         if args.num_experts:
             layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
         else:
-            layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)
+            layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm,
+                                                  multi_latent_attention=args.multi_latent_attention)
         return GPTModel(config=config, transformer_layer_spec=layer_spec,
                         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                         pre_process=pre_process, post_process=post_process,
@@ -33,7 +39,8 @@ def model_provider(pre_process=True, post_process=True):
                         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                         rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
                         rope_scaling_factor=args.rope_scaling_factor,
-                        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor)
+                        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+                        mtp_block_spec=get_gpt_mtp_block_spec(config, layer_spec))
     from megatron.legacy.model import GPTModel
 
     return GPTModel(config, num_tokentypes=0, parallel_output=True, pre_process=pre_process,
@@ -78,7 +85,9 @@ def forward_step(data_iterator, model):
     timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
     timers("batch-generator").stop()
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    # Multi-token prediction weights its losses with the loss mask (megatron-core models).
+    extra = {"loss_mask": loss_mask} if get_args().mtp_num_layers else {}
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, **extra)
     return output_tensor, partial(loss_func, loss_mask)
 
 
@@ -89,8 +98,9 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 
 @exit_on_configuration_error()
 def main():
+    # Megatron-LM adds its ModelOpt flags here when ModelOpt is installed; they need no ModelOpt in this library.
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+             extra_args_provider=add_modelopt_args, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
 
 
 if __name__ == "__main__":

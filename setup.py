@@ -52,6 +52,7 @@ INSTALL_REQUIRES = [
     "tokenizers>=0.15",
     "tiktoken>=0.7",  # --tokenizer-type TikTokenizer
     "pybind11>=2.10",
+    "pyyaml>=5.1",  # --yaml-cfg
 ]
 
 EXTRAS = {

@@ -6,9 +6,12 @@ Tasks: ``WIKITEXT103`` (perplexity) and ``LAMBADA`` (accuracy) evaluate a GPT ch
 the task, its flags and every data file's rows are checked (``validate_task_args``): a mistake stops with one
 ``error:`` line naming the flag, file and line.
 
-Checkpoints: the tasks read and write the ``torch`` format by default (Megatron's format when these tasks were
-written; ``--ckpt-format torch_dist`` still works for the zero-shot GPT tasks). The finetuned classifiers are
-legacy models and need ``--ckpt-format torch``.
+Checkpoints: the format of ``--load`` / ``--pretrained-checkpoint`` is read from the directory
+(``--auto-detect-ckpt-format`` is on for the tasks), so the ``torch_dist`` checkpoints ``pretrain_gpt.py`` writes by
+default, and 2023 ``torch`` ones, load as they are. ``--ckpt-format`` (the format of saves) defaults to what the
+task's model writes: ``torch_dist`` for the zero-shot GPT tasks, as in ``pretrain_gpt.py``; ``torch`` for the finetuned
+classifiers and ``--use-legacy-models`` GPTs (legacy models, which read and write only that format: a ``torch_dist``
+BERT is converted first with ``tools/checkpoint/convert.py``, the error says how).
 """
 from __future__ import annotations
 
@@ -50,10 +53,7 @@ def get_tasks_args(parser):
                        help="Answer matching logic type")
     group.add_argument("--faiss-topk-retrievals", type=int, default=100, help="Number of blocks to use as top-k "
                                                                               "during retrieval")
-    # finetune for retriever
-    group.add_argument("--eval-micro-batch-size", type=int, default=None,
-                       help="Eval Batch size per model instance (local batch size). Global batch size is local "
-                            "batch size times data parallel size.")
+    # finetune for retriever (--eval-micro-batch-size is one of Megatron's own options now)
     group.add_argument("--train-with-neg", action="store_true",
                        help="Whether to use negative examples during model training")
     group.add_argument("--train-hard-neg", type=int, default=0,
@@ -63,9 +63,15 @@ def get_tasks_args(parser):
                        help="Av.rank validation: how many hard negatives to take from each question pool")
     group.add_argument("--val-av-rank-other-neg", type=int, default=30,
                        help="Av.rank validation: how many other negatives to take from each question pool")
-    # The 2023 tasks wrote Megatron's one-file-per-rank checkpoints (the only format then).
-    parser.set_defaults(ckpt_format="torch")
+    # Loads detect the format; --ckpt-format is left unset here and defaults to the task model's (task_ckpt_format).
+    parser.set_defaults(auto_detect_ckpt_format=True, ckpt_format=None)
     return parser
+
+
+def task_ckpt_format(args) -> str:
+    """The format the task's model saves by default: ``torch`` for the legacy models (the finetuned classifiers,
+    ``--use-legacy-models``), ``torch_dist`` otherwise (pretrain_gpt.py's default)."""
+    return "torch" if args.task in FINETUNE_TASKS or args.use_legacy_models else "torch_dist"
 
 
 def _check_files(flag, paths, check):
@@ -111,10 +117,6 @@ def _validate_zeroshot(args):
         if get_detokenizer(args.valid_data[0]) is None:
             raise ConfigurationError(f"--valid-data {args.valid_data[0]}: the WIKITEXT103 detokenizer is chosen by "
                                      "the file name, which must contain 'wiki', 'ptb' or 'lambada'")
-    if args.load is not None and args.ckpt_format == "torch" and not args.auto_detect_ckpt_format \
-            and _holds_torch_dist(args.load):
-        raise ConfigurationError(f"--load {args.load} is a torch_dist checkpoint: pass --ckpt-format torch_dist (or "
-                                 "--auto-detect-ckpt-format); tasks/main.py defaults to the torch format")
     if args.overlapping_eval < 1 or (args.seq_length is not None and args.overlapping_eval > args.seq_length):
         raise ConfigurationError(f"--overlapping-eval {args.overlapping_eval} must be between 1 and --seq-length "
                                  f"({args.seq_length})")
@@ -136,7 +138,7 @@ def _validate_finetune(args):
     if args.epochs is None or args.epochs < 0:
         raise ConfigurationError(f"--epochs: --task {args.task} finetunes for --epochs N epochs (0: evaluate only); "
                                  f"got {args.epochs}")
-    if args.ckpt_format != "torch":
+    if args.ckpt_format not in (None, "torch"):
         raise ConfigurationError(f"--ckpt-format {args.ckpt_format}: the {args.task} classifier is a legacy model "
                                  "(megatron.legacy.model); use --ckpt-format torch")
     for flag, path in (("--pretrained-checkpoint", args.pretrained_checkpoint), ("--load", args.load)):
@@ -172,14 +174,21 @@ def _validate_finetune(args):
     _check_files("--valid-data", args.valid_data, check)
 
 
-def main(argv=None):
-    """Parse and check the flags, initialise Megatron, run the task."""
+def initialize_task(argv=None) -> None:
+    """Parse and check the task flags (before any process group), then ``initialize_megatron`` with them."""
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_megatron
 
+    args = parse_args(get_tasks_args, argv=argv)
+    validate_task_args(args)
+    initialize_megatron(extra_args_provider=get_tasks_args, args_defaults={"ckpt_format": task_ckpt_format(args)},
+                        argv=argv)
+
+
+def main(argv=None):
+    """Parse and check the flags, initialise Megatron, run the task."""
     with exit_on_configuration_error():
-        validate_task_args(parse_args(get_tasks_args, argv=argv))
-        initialize_megatron(extra_args_provider=get_tasks_args, argv=argv)
+        initialize_task(argv)
     from megatron.training.global_vars import get_args
 
     task = get_args().task

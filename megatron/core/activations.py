@@ -1,5 +1,5 @@
 """Activation functions selected by flags: ``--openai-gelu`` (tanh GeLU), ``--onnx-safe`` (erf GeLU),
-``--squared-relu``."""
+``--squared-relu``, ``--quick-geglu`` (quick GeLU, gated)."""
 from __future__ import annotations
 
 import torch
@@ -18,3 +18,8 @@ def erf_gelu(x: torch.Tensor) -> torch.Tensor:
 
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(F.relu(x), 2)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(1.702 x)``, the sigmoid approximation of GeLU (gpt-oss's gate, ``--quick-geglu``)."""
+    return x * torch.sigmoid(1.702 * x)

@@ -1,3 +1,6 @@
+"""Enums of the library, defined once at the bottom of ``megatron.core`` so that every layer (fusions, transformer,
+models) can import them; ``megatron.core.transformer.enums`` re-exports the transformer ones under megatron-core's
+path."""
 import enum
 
 
@@ -6,3 +9,35 @@ class ModelType(enum.Enum):
     encoder_and_decoder = 2
     retro_encoder = 3
     retro_decoder = 4
+
+
+class LayerType(enum.Enum):
+    encoder = 1
+    decoder = 2
+    retro_encoder = 3
+    retro_decoder = 4
+    retro_decoder_with_retriever = 5
+
+
+class AttnType(enum.Enum):
+    self_attn = 1
+    cross_attn = 2
+
+
+class AttnMaskType(enum.Enum):
+    """Legacy values 1-2; megatron-core's further names. Every type honours an explicit boolean mask (True =
+    masked); ``causal`` alone builds the triangular mask when none is given."""
+    padding = 1
+    causal = 2
+    no_mask = 3
+    padding_causal = 4
+    arbitrary = 5
+
+
+class AttnBackend(enum.Enum):
+    """Attention implementation choice (megatron-core's ``--attention-backend``)."""
+    flash = 1
+    fused = 2
+    unfused = 3
+    local = 4
+    auto = 5

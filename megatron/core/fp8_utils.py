@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from megatron.core import device
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise")

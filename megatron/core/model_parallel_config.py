@@ -6,6 +6,8 @@ from typing import Callable, List, Optional
 
 import torch
 
+from megatron.core.config_cli import flag
+
 
 @dataclass
 class ModelParallelConfig:
@@ -16,21 +18,25 @@ class ModelParallelConfig:
     """
 
     # Model parallelism
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = flag(1, "Tensor model parallel size.")
+    pipeline_model_parallel_size: int = flag(1, "Pipeline model parallel size.")
     virtual_pipeline_model_parallel_size: Optional[int] = None
-    sequence_parallel: bool = False
+    sequence_parallel: bool = flag(False, "Shard layer-norm and dropout activations along the sequence over "
+                                          "tensor-parallel ranks.")
     # Mixture of experts: experts split over EP ranks, each expert's weights over ETP ranks (None: = TP).
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: Optional[int] = None
+    expert_model_parallel_size: int = flag(1, "Expert model parallel size (EP).")
+    expert_tensor_parallel_size: Optional[int] = flag(None, "Tensor parallel size of the experts "
+                                                            "(--tensor-model-parallel-size if not given).")
 
     # Initialization
-    perform_initialization: bool = True
-    use_cpu_initialization: bool = False
+    perform_initialization: bool = flag(True, "Skip weight initialisation (weights come from a checkpoint).",
+                                              arg_names=("--no-initialization",))
+    use_cpu_initialization: bool = flag(False, "Initialise full weights on the CPU, then slice (same weights for "
+                                               "every layout).", default=None)
 
     # Training
-    fp16: bool = False
-    bf16: bool = False
+    fp16: bool = flag(False, "Run the model in fp16.")
+    bf16: bool = flag(False, "Run the model in bfloat16.")
     params_dtype: torch.dtype = torch.float32
     timers: Optional[Callable] = None
 
@@ -48,7 +54,8 @@ class ModelParallelConfig:
     overlap_p2p_comm: bool = False
     batch_p2p_comm: bool = True
     batch_p2p_sync: bool = True
-    use_ring_exchange_p2p: bool = False
+    use_ring_exchange_p2p: bool = flag(False, "Use ring exchange for pipeline communication (custom PyTorch builds "
+                                              "only).")
     deallocate_pipeline_outputs: bool = False
     no_sync_func: Optional[Callable] = None
     grad_sync_func: Optional[Callable] = None
@@ -58,12 +65,15 @@ class ModelParallelConfig:
     finalize_model_grads_func: Optional[Callable] = None
     # --calculate-per-token-loss: the loss function's (loss_sum, num_tokens) are not normalised per
     # micro-batch; finalize_model_grads divides the gradients by the step's global token count instead.
-    calculate_per_token_loss: bool = False
+    calculate_per_token_loss: bool = flag(False, "Normalise the loss by the number of non-padded tokens of the whole "
+                                                 "global batch (instead of averaging per-micro-batch token means).")
 
     # Context parallelism (--context-parallel-size): ranks of one CP group each hold 1/CP of every sequence (see
     # megatron/core/transformer/context_parallel.py). Hierarchical CP (a2a+p2p) is not implemented.
-    context_parallel_size: int = 1
-    hierarchical_context_parallel_sizes: Optional[List[int]] = None
+    context_parallel_size: int = flag(1, "Context parallel size: ranks that split each sequence "
+                                         "(docs/context_parallel.md).")
+    hierarchical_context_parallel_sizes: Optional[List[int]] = flag(
+        None, "Sizes of the two context-parallel levels of a2a+p2p (their product is the CP size).")
 
     def __post_init__(self):
         if self.sequence_parallel:

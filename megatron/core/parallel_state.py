@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron.core.rank_grid import RankGenerator, embedding_ranks_of, expert_rank_generator
-from megatron.core.utils import GlobalMemoryBuffer
+from megatron.core.global_memory_buffer import GlobalMemoryBuffer
 
 # Process groups of this rank.
 _TENSOR_MODEL_PARALLEL_GROUP = None

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import math
-import operator
-from functools import reduce
 from typing import Callable
 
 import torch
 
-from megatron.core import device as _device
+from megatron.core.global_memory_buffer import GlobalMemoryBuffer  # noqa: F401  (megatron-core's path)
 
 
 def ensure_divisibility(numerator: int, denominator: int) -> None:
@@ -82,6 +80,21 @@ def get_batch_on_this_cp_rank(batch: dict) -> dict:
     return out
 
 
+_LOGGED = set()
+
+
+def log_once(key: str, message: str) -> None:
+    """Print ``message`` the first time ``key`` is seen in this process (on rank 0 only): which implementation of
+    a fused op, attention or optimizer was chosen."""
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_rank() != 0:
+            return
+    print(f"> {message}", flush=True)
+
+
 def print_rank_0(message) -> None:
     """Print on global rank 0 only (or always, without torch.distributed or under --fake-process-group, where this
     process is the only one)."""
@@ -109,26 +122,6 @@ def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.
         return torch.nn.init.normal_(tensor, mean=0.0, std=std)
 
     return init_
-
-
-class GlobalMemoryBuffer:
-    """Reusable scratch tensors keyed by (name, dtype), grown on demand.
-
-    Used by sequence parallelism for the all-gather output so that every layer does not allocate a new
-    full-sequence buffer.
-    """
-
-    def __init__(self):
-        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-    def get_tensor(self, tensor_shape, dtype: torch.dtype, name: str) -> torch.Tensor:
-        required = reduce(operator.mul, tensor_shape, 1)
-        key = (name, dtype)
-        buf = self.buffer.get(key)
-        if buf is None or buf.numel() < required:
-            buf = torch.empty(required, dtype=dtype, device=_device.current_device(), requires_grad=False)
-            self.buffer[key] = buf
-        return buf[0:required].view(*tensor_shape)
 
 
 def _kernel_make_viewless_tensor(inp: torch.Tensor, requires_grad: bool) -> torch.Tensor:

@@ -16,6 +16,8 @@ def add_text_generate_args(parser):
     group.add_argument("--prompt", type=str, action="append", default=None,
                        help="tools/generate_text.py: a prompt to complete (repeat for several).")
     group.add_argument("--greedy", action="store_true", help="tools/generate_text.py: argmax decoding.")
+    # The checkpoint's format is read from --load (torch_dist, pretrain_gpt.py's default, or torch).
+    parser.set_defaults(auto_detect_ckpt_format=True)
     return parser
 
 

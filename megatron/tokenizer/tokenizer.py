@@ -14,7 +14,8 @@ from megatron.tokenizer.sentencepiece_tokenizers import (
     _SentencePieceTokenizer,
 )
 from megatron.tokenizer.tiktoken_tokenizer import _TikTokenizer
-from megatron.tokenizer.vocab_padding import null_tokenizer_vocab_size, vocab_size_with_padding
+from megatron.tokenizer.vocab_padding import (null_tokenizer_vocab_size, resolve_padded_vocab_size,
+                                              vocab_size_with_padding)
 
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
                    "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
@@ -70,10 +71,12 @@ def build_tokenizer(args) -> MegatronTokenizer:
     else:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
                          f"{', '.join(TOKENIZER_TYPES)}")
-    if getattr(args, "padded_vocab_size", None) is None:
-        args.padded_vocab_size = vocab_size_with_padding(
-            tokenizer.vocab_size, getattr(args, "make_vocab_size_divisible_by", 128) or 128,
-            getattr(args, "tensor_model_parallel_size", 1) or 1, rank=rank)
+    # --padded-vocab-size is used as given (checked to hold the vocabulary); else padded by
+    # --make-vocab-size-divisible-by x TP (megatron.core.vocab_padding).
+    args.padded_vocab_size = resolve_padded_vocab_size(
+        tokenizer.vocab_size, getattr(args, "make_vocab_size_divisible_by", 128) or 128,
+        getattr(args, "tensor_model_parallel_size", 1) or 1, getattr(args, "padded_vocab_size", None),
+        getattr(args, "pad_vocab_size", True), rank=rank)
     return tokenizer
 
 

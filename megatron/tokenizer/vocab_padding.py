@@ -1,8 +1,8 @@
 """Vocabulary sizes: padding (implemented in :mod:`megatron.core.vocab_padding`) and the unpadded size that
 ``--vocab-size`` stands for."""
-from megatron.core.vocab_padding import vocab_size_with_padding
+from megatron.core.vocab_padding import resolve_padded_vocab_size, vocab_size_with_padding
 
-__all__ = ["vocab_size_with_padding", "null_tokenizer_vocab_size", "unpadded_vocab_size"]
+__all__ = ["vocab_size_with_padding", "resolve_padded_vocab_size", "null_tokenizer_vocab_size", "unpadded_vocab_size"]
 
 
 def null_tokenizer_vocab_size(vocab_size: int) -> int:

@@ -201,7 +201,9 @@ def get_train_valid_test_num_samples(args=None) -> List[int]:
         train_samples = args.train_samples
     else:
         train_samples = args.train_iters * args.global_batch_size
-    eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    # One evaluation every --eval-interval iterations plus the one after training (only that one without it).
+    eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_interval else 1
+    eval_iters = eval_runs * args.eval_iters
     test_iters = args.eval_iters
     return [train_samples, eval_iters * args.global_batch_size, test_iters * args.global_batch_size]
 
@@ -229,7 +231,8 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
             raise ValueError("only backward compatiblity support for iteration-based training")
         args.consumed_train_samples = iteration * args.global_batch_size
     if iteration > 0 and getattr(args, "consumed_valid_samples", 0) == 0 and getattr(args, "train_samples", None) is None:
-        args.consumed_valid_samples = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+        evaluations = iteration // args.eval_interval if args.eval_interval else 0
+        args.consumed_valid_samples = evaluations * args.eval_iters * args.global_batch_size
 
     train_loader = valid_loader = test_loader = None
     reads_data = getattr(build_train_valid_test_datasets_provider, "is_distributed", False) or \

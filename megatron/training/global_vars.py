@@ -7,6 +7,7 @@ Tests reset everything with :func:`destroy_global_vars`.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from megatron.training.dist_signal_handler import DistributedSignalHandler
@@ -104,7 +105,7 @@ def set_global_variables(args, build_tokenizer=True):
     _set_adlr_autoresume(args)
     _set_timers(args)
     if args.exit_signal_handler:
-        _set_signal_handler()
+        _set_signal_handler(getattr(args, "exit_signal", 15))
 
 
 def set_args(args):
@@ -185,10 +186,11 @@ def _set_timers(args):
     _GLOBAL_TIMERS = Timers(args.timing_log_level, args.timing_log_option)
 
 
-def _set_signal_handler():
+def _set_signal_handler(sig=15):
+    """--exit-signal-handler: catch --exit-signal (SIGTERM by default)."""
     global _GLOBAL_SIGNAL_HANDLER
     _ensure_var_is_not_initialized(_GLOBAL_SIGNAL_HANDLER, "signal handler")
-    _GLOBAL_SIGNAL_HANDLER = DistributedSignalHandler().__enter__()
+    _GLOBAL_SIGNAL_HANDLER = DistributedSignalHandler(signal.Signals(sig)).__enter__()
 
 
 def destroy_global_vars():

@@ -42,6 +42,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
         load_args_from_checkpoint(args)
 
     validate_args(args, args_defaults)
+    _apply_process_settings(args)
     set_global_variables(args)
     setup_rerun_state_machine(args)
     _check_data_files(args)
@@ -64,6 +65,16 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     finish_mpu_init()
     _init_autoresume()
     return None
+
+
+def _apply_process_settings(args):
+    """--logging-level (the Python root logger's level) and --disable-bf16-reduced-precision-matmul."""
+    import logging
+
+    if getattr(args, "logging_level", None) is not None:
+        logging.getLogger().setLevel(args.logging_level)
+    if getattr(args, "disable_bf16_reduced_precision_matmul", False):
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
 def _check_data_files(args):

@@ -29,6 +29,7 @@ from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.datasets_provider import build_train_valid_test_data_iterators
 from megatron.training.fault_injection import ENV_VAR as FAULT_INJECT_ENV_VAR
 from megatron.training.global_vars import (
+    get_adlr_autoresume,
     get_args,
     get_num_microbatches,
     get_signal_handler,
@@ -205,6 +206,9 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     for chunk in model:
         chunk.to(device.current_device())
 
+    if wrap_with_ddp and _fsdp2_engine(args):
+        # FSDP2 keeps fp32 main weights as its shards and casts for compute itself (no Float16Module).
+        return [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
     if args.fp16 or args.bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -212,14 +216,28 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
 
     if not wrap_with_ddp:
         return model
+    model = [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
+    if args.data_parallel_random_init:
+        for chunk in model:
+            chunk.broadcast_params()
+    return model
+
+
+def _fsdp2_engine(args) -> bool:
+    """Whether the model is sharded by FSDP2 (--use-torch-fsdp2, or Megatron-FSDP's optim_grads[_params])."""
+    return args.use_torch_fsdp2 or (args.use_megatron_fsdp and args.data_parallel_sharding_strategy in
+                                    ("optim_grads", "optim_grads_params"))
+
+
+def _wrap_data_parallel(args, chunk, index):
+    """One model chunk in its data-parallel wrapper: torch DDP, our DDP (buckets), FSDP2 or Megatron-FSDP."""
+    config = get_model_config(chunk)
     if args.DDP_impl == "torch":
         from megatron.core.distributed.torch_ddp import TorchDistributedDataParallel
 
-        return [TorchDistributedDataParallel(chunk, process_group=parallel_state.get_data_parallel_group(
+        return TorchDistributedDataParallel(chunk, process_group=parallel_state.get_data_parallel_group(
             with_context_parallel=True))
-                for chunk in model]
-
-    ddp_config = DistributedDataParallelConfig(
+    kwargs = dict(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
@@ -229,13 +247,23 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         # check_for_nan_in_grad stays off: --check-for-nan-in-loss-and-grad is train_step's NumericalGuard, which
         # makes every rank agree before stopping.
     )
+    if args.use_torch_fsdp2:
+        from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+        from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
+            TorchFullyShardedDataParallelConfig)
+
+        kwargs.update(use_distributed_optimizer=False, reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+        return TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(**kwargs), chunk)
+    if args.use_megatron_fsdp:
+        from megatron.core.distributed.fsdp import FullyShardedDataParallel
+
+        kwargs.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+                      overlap_param_gather=args.overlap_param_gather and args.data_parallel_sharding_strategy == "optim")
+        return FullyShardedDataParallel(config, DistributedDataParallelConfig(**kwargs), chunk,
+                                        disable_bucketing=index > 0)
     # Only the first chunk is bucketed: later chunks' backward passes finish last anyway.
-    model = [DistributedDataParallel(get_model_config(chunk), ddp_config, chunk, disable_bucketing=(i > 0))
-             for i, chunk in enumerate(model)]
-    if args.data_parallel_random_init:
-        for chunk in model:
-            chunk.broadcast_params()
-    return model
+    return DistributedDataParallel(config, DistributedDataParallelConfig(**kwargs), chunk,
+                                   disable_bucketing=index > 0)
 
 
 def get_optimizer_param_scheduler(optimizer):
@@ -361,6 +389,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             loss_reduced[key] = numerator / denominator
         # Megatron's MoE metrics (load_balancing_loss, z_loss, ...) are shown like the loss keys.
         loss_reduced.update({key: torch.tensor(value) for key, value in moe_losses.items()})
+        if args.mtp_num_layers:  # mtp_{k} loss per depth, as Megatron logs it
+            from megatron.core.transformer.multi_token_prediction import reduce_mtp_losses
+
+            mtp = reduce_mtp_losses(model, get_num_microbatches())
+            loss_reduced.update({key: torch.tensor(value) for key, value in mtp.items()})
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
 
@@ -370,6 +403,8 @@ def _moe_losses(model, config):
     from megatron.core.transformer.moe.moe_layer import reduce_moe_losses
 
     num_moe_layers = sum(config.is_moe_layer(i + 1) for i in range(config.num_layers))
+    if config.mtp_num_layers and config.is_moe_layer(config.num_layers):  # MTP depths copy the last decoder layer
+        num_moe_layers += config.mtp_num_layers
     return reduce_moe_losses(model, get_num_microbatches(), num_moe_layers,
                              per_layer_logging=config.moe_per_layer_logging)
 
@@ -444,8 +479,15 @@ def _wandb_run(args):
     except ImportError:
         print_rank_last("--wandb-project is set but wandb is not installed: not logging to Weights & Biases")
         return None
-    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=args.wandb_save_dir or None,
+    return wandb.init(project=args.wandb_project, entity=getattr(args, "wandb_entity", None),
+                      name=args.wandb_exp_name or None, dir=args.wandb_save_dir or None,
                       config=vars(args))
+
+
+def periodic_evaluation_due(args, iteration: int) -> bool:
+    """Evaluate after this iteration: every --eval-interval iterations, from --start-eval-at-iter on."""
+    start = getattr(args, "start_eval_at_iter", None) or 0
+    return bool(args.eval_interval) and iteration % args.eval_interval == 0 and iteration >= start
 
 
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
@@ -511,7 +553,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         if machine.mode == RerunMode.REPORT_DETERMINISM_STATS and iteration % args.log_interval == 0:
             print_rank_last(machine.stats_report())
 
-        if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+        if args.adlr_autoresume and iteration % args.adlr_autoresume_interval == 0:
+            check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler)
+        if args.do_valid and periodic_evaluation_due(args, iteration):
             manual_gc.before_eval()
             _param_gather_hooks(model, enabled=False)
             evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
@@ -565,6 +609,24 @@ def _param_gather_hooks(model, enabled: bool):
             chunk.enable_forward_pre_hook()
         else:
             chunk.disable_forward_pre_hook()
+
+
+def check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler) -> None:
+    """--adlr-autoresume, every --adlr-autoresume-interval iterations: when the cluster asks the job to stop, save
+    (with --save), ask for a resume (rank 0) and exit, as Megatron does."""
+    args = get_args()
+    autoresume = get_adlr_autoresume()
+    torch.distributed.barrier()
+    if not autoresume.termination_requested():
+        return
+    if args.save:
+        _param_gather_hooks(model, enabled=False)
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+    print_rank_0(">>> autoresume termination request found!")
+    if torch.distributed.get_rank() == 0:
+        autoresume.request_resume()
+    print_rank_0(">>> training terminated. Returning")
+    _exit()
 
 
 def _save_or_exit(iteration, model, optimizer, opt_param_scheduler) -> None:

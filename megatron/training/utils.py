@@ -52,13 +52,16 @@ def calc_params_l2_norm(model) -> float:
     if not isinstance(model, list):
         model = [model]
     sq = torch.zeros(1, dtype=torch.float64, device=_device())
+    # Fully sharded chunks (FSDP2) hold disjoint blocks of every parameter over DP: sum over the world.
+    sharded = any(getattr(chunk, "uses_fully_shard", False) for chunk in model)
     for chunk in model:
         for param in chunk.parameters():
             if getattr(param, "shared", False) and not parallel_state.is_pipeline_first_stage(ignore_virtual=True):
                 continue  # the tied output copy of the embedding is counted on the first stage
-            if param_is_not_tensor_parallel_duplicate(param):
-                sq += param.detach().double().pow(2).sum()
-    torch.distributed.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+            if param_is_not_tensor_parallel_duplicate(param) or (sharded and not getattr(param, "allreduce", True)):
+                local = param.to_local() if hasattr(param, "to_local") else param
+                sq += local.detach().double().pow(2).sum()
+    torch.distributed.all_reduce(sq, group=None if sharded else parallel_state.get_model_parallel_group())
     return sq.sqrt().item()
 
 

@@ -38,10 +38,11 @@ def test_torch_dist_loader_and_saver(tmp_path):
     from megatron.training.checkpointing import load_args_from_checkpoint
     args, ckpt_args = load_args_from_checkpoint(argparse.Namespace(load=dist, ckpt_step=None))
     assert (args.num_layers, args.hidden_size, args.num_query_groups, args.swiglu) == (2, 64, 4, True)
-    _convert("--loader", "torch_dist", "--saver", "legacy", "--load-dir", dist, "--save-dir", via,
-             "--target-tensor-parallel-size", "2")
-    _convert("--loader", "hf", "--saver", "legacy", "--load-dir", src, "--save-dir", direct,
-             "--target-tensor-parallel-size", "2")
+    # No --loader: the converter detects torch_dist, then Hugging Face, from the directory.
+    _convert("--saver", "legacy", "--load-dir", dist, "--save-dir", via, "--target-tensor-parallel-size", "2")
+    _convert("--saver", "legacy", "--load-dir", src, "--save-dir", direct, "--target-tensor-parallel-size", "2")
+    from tools.checkpoint.convert import detect_loader
+    assert (detect_loader(dist), detect_loader(src), detect_loader(via)) == ("torch_dist", "hf", "legacy")
     from megatron.core.models.conversion.keys import legacy_to_mcore
     for rank in ("mp_rank_00", "mp_rank_01"):
         a = torch.load(os.path.join(via, "release", rank, "model_optim_rng.pt"), weights_only=False)["model"]

@@ -28,6 +28,8 @@ ROUTING = {
     "scaling_factor": dict(topk=2, scaling_factor=2.5),
     "group_limited_softmax": dict(topk=2, num_groups=4, group_topk=2),
     "group_limited_sigmoid": dict(topk=4, num_groups=4, group_topk=2, score_function="sigmoid", scaling_factor=2.0),
+    "deepseek_v3": dict(topk=4, num_groups=4, group_topk=2, score_function="sigmoid", scaling_factor=2.5,
+                        expert_bias="bias", use_pre_softmax=True),
 }
 DROPPING = {
     "probs_cf1": ("softmax_top2", 1.0, "probs", False),
@@ -36,6 +38,14 @@ DROPPING = {
     "probs_pad": ("softmax_top2", 1.0, "probs", True),
     "position_pad_cf15": ("sigmoid_top2", 1.5, "position", True),
 }
+
+# DeepSeek-V3's routing flags on a tiny router (hidden 16, 8 experts), bf16 parameters, fp32 routing.
+DEEPSEEK_ROUTER = dict(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=E, moe_router_topk=4,
+                       moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2,
+                       moe_router_topk_scaling_factor=2.5, moe_router_enable_expert_bias=True,
+                       moe_router_pre_softmax=True, moe_router_dtype="fp32",
+                       moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01, bf16=True,
+                       params_dtype=torch.bfloat16, add_bias_linear=False)
 
 ORACLE = r"""
 import sys, torch
@@ -87,6 +97,38 @@ for k in (1, 2):
         _, idx = torch.topk(chosen, k=k, dim=1)
         rmap = torch.zeros_like(logits).int().scatter(1, idx, 1).bool()
         out[f"sinkhorn_routing_{k}_{training}"] = (scores * rmap, rmap)
+# seq_aux_loss on sigmoid scores (DeepSeek-V3): the aux scores are sigmoid normalised over the experts.
+rmap, scores = m.compute_routing_scores_for_aux_loss(logits, 2, "sigmoid")
+seq_scores, seq_map = scores.reshape(s, -1), rmap.reshape(s, -1)
+out["seq_aux_loss_sigmoid"] = m.switch_load_balancing_loss_func(seq_scores, seq_map.sum(0), s, 2, logits.shape[1],
+                                                                0.02) / b / 0.02
+# DeepSeek-V3's router as the 0.16.1 TopKRouter class runs it on CPU (a few torch.cuda calls stubbed, a 1-rank gloo
+# group): sigmoid scores, 4 groups of which 2 are kept, top-4, scaling 2.5, expert bias, bf16 parameters with the
+# gating GEMM and routing in fp32 (--moe-router-dtype fp32), seq_aux_loss; probs, map, input gradient, logged loss,
+# expert-bias token counts.
+import os, tempfile
+torch.cuda.current_device = lambda: "cpu"
+torch.cuda.is_available = lambda: False
+if not hasattr(m, "te_general_gemm"):  # defined only when Transformer Engine imports
+    m.te_general_gemm = None
+fd, init = tempfile.mkstemp(); os.close(fd); os.remove(init)
+torch.distributed.init_process_group("gloo", init_method="file://" + init, rank=0, world_size=1)
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel(1, 1)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.moe.router import TopKRouter
+cfg = TransformerConfig(**cases["deepseek_router_config"])
+from megatron.core.process_groups_config import ProcessGroupCollection
+router = TopKRouter(cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+router.set_layer_number(1)
+router.weight.data.copy_(cases["router_weight"])
+router.expert_bias.copy_(cases["expert_bias"])
+x = cases["router_input"].clone().requires_grad_(True)
+probs, rmap = router(x)
+(probs.float() * cases["weights"]).sum().backward()
+tracker = m.get_moe_layer_wise_logging_tracker()
+out["deepseek_router"] = dict(probs=probs.detach(), map=rmap, grad=x.grad, counts=router.local_tokens_per_expert.clone(),
+                              seq_aux=tracker["seq_load_balancing_loss"]["values"][0].clone())
 # The aux-loss-free bias update, one process: its all-reduce over the TP x DP x CP group is the identity.
 torch.distributed.all_reduce = lambda tensor, group=None, **kw: None
 m.parallel_state.get_tensor_and_data_parallel_group = lambda **kw: None
@@ -104,7 +146,9 @@ def oracle_results(tmp_path_factory):
              "seq_batch": (SEQ, BATCH),
              # Token counts of 3 routers (one at its mean, where the sign is 0) and their biases before the update.
              "counts": torch.tensor([[5., 9., 2., 8.], [6., 6., 6., 6.], [0., 12., 3., 9.]]),
-             "bias_before": torch.randn(3, 4, generator=g)}
+             "bias_before": torch.randn(3, 4, generator=g),
+             "deepseek_router_config": DEEPSEEK_ROUTER, "router_weight": torch.randn(E, 16, generator=g),
+             "router_input": torch.randn(SEQ, BATCH, 16, generator=g).to(torch.bfloat16)}
     torch.save(cases, tmp / "cases.pt")
     run_oracle(["-c", ORACLE, tmp / "cases.pt", tmp / "out.pt"], cwd=tmp, timeout=240)
     return cases, torch.load(tmp / "out.pt")
@@ -238,3 +282,41 @@ def test_sinkhorn_routing_matches_megatron_core(oracle_results, topk, training):
     assert rel_err(probs, ref_probs) <= TOL
     if training:  # the balanced choice differs from plain top-k of the scores on these logits
         assert not torch.equal(rmap, ref[f"sinkhorn_routing_{topk}_False"][1])
+
+
+def test_seq_aux_loss_on_sigmoid_scores_matches_megatron_core(oracle_results, single_rank):
+    """seq_aux_loss with sigmoid routing (DeepSeek-V3): the logged value equals megatron-core's formula."""
+    cases, ref = oracle_results
+    router = _router(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.02,
+                     moe_router_score_function="sigmoid")
+    router.routing(cases["logits"].clone().requires_grad_(True), SEQ, BATCH)
+    ours = router.tracked_losses["seq_load_balancing_loss"]
+    assert rel_err(ours, ref["seq_aux_loss_sigmoid"]) <= TOL, (ours, ref["seq_aux_loss_sigmoid"])
+
+
+def test_deepseek_v3_router_matches_megatron_core_topkrouter(oracle_results, single_rank):
+    """The whole TopKRouter with DeepSeek-V3's flags (--moe-router-score-function sigmoid, --moe-router-num-groups,
+    --moe-router-group-topk, --moe-router-topk-scaling-factor, expert bias, --moe-router-dtype fp32 with bf16 weights,
+    seq_aux_loss) against megatron-core 0.16.1's class on the same weights and bf16 input: the probabilities (fp32, as
+    the routing runs in fp32), the map, the input gradient, the logged seq_load_balancing_loss and the bias counts."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cases, ref = oracle_results
+    router = TopKRouter(TransformerConfig(**DEEPSEEK_ROUTER), layer_number=1).train()
+    with torch.no_grad():
+        router.weight.copy_(cases["router_weight"])
+        router.expert_bias.copy_(cases["expert_bias"])
+    x = cases["router_input"].clone().requires_grad_(True)
+    probs, rmap = router(x)
+    (probs.float() * cases["weights"]).sum().backward()
+    theirs = ref["deepseek_router"]
+    assert router.weight.dtype == torch.bfloat16 and probs.dtype == theirs["probs"].dtype == torch.float32
+    assert torch.equal(rmap, theirs["map"]) and int(rmap.sum()) == T * 4
+    assert rel_err(probs, theirs["probs"]) <= TOL
+    assert x.grad.dtype == theirs["grad"].dtype and rel_err(x.grad, theirs["grad"]) <= 1e-2  # bf16 input gradient
+    assert torch.equal(router.local_tokens_per_expert, theirs["counts"])
+    ours_seq = router.tracked_losses["seq_load_balancing_loss"]
+    assert rel_err(ours_seq, theirs["seq_aux"]) <= TOL, (ours_seq, theirs["seq_aux"])
+    # Group-limited: every token's experts lie in at most 2 of the 4 groups of 2.
+    assert int(rmap.view(T, 4, 2).any(-1).sum(-1).max()) <= 2

@@ -12,6 +12,7 @@ from helpers.models_helpers import causal_mask, single_rank, tiny_config  # noqa
 
 from megatron.core import activations
 from megatron.core.fusions import fused_bias_dropout, fused_bias_gelu
+from megatron.core import utils as core_utils
 from megatron.core.fusions import fused_kernels
 from megatron.core.transformer.dot_product_attention import CoreAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -149,7 +150,7 @@ def test_missing_optional_packages_raise_clear_errors(single_rank):
 
 
 def test_fast_path_choice_is_logged_once(single_rank, capsys):
-    fused_kernels._LOGGED.clear()
+    core_utils._LOGGED.clear()
     sdpa, explicit = _attention_pair(AttnMaskType.causal)
     q = torch.randn(4, 1, 4, 8)
     for _ in range(2):

@@ -157,8 +157,6 @@ def test_qk_layernorm_normalises_queries_and_keys(clean_env, single_rank):
         w.view(cfg.num_attention_heads, 3, cfg.kv_channels, -1)[:, 2].div_(7.0)  # leave V as it was
         after = model(ids, pos, mask)
     assert torch.allclose(before, after, atol=1e-4)
-    with pytest.raises(ValueError, match="qk_layernorm"):
-        tiny_config(tp=2, qk_layernorm=True)
 
 
 # ----------------------------------------------------------------------- implementation / model family

@@ -15,6 +15,7 @@ from helpers.numerics import rel_err
 from helpers.dist_harness import run_distributed
 from helpers.models_helpers import single_rank, tiny_config  # noqa: F401  (fixture)
 
+from megatron.core import utils as core_utils
 from megatron.core.fusions import fused_kernels
 from megatron.core.fusions.fused_cross_entropy import GRADIENT, LOCAL_STATISTICS, fused_vocab_parallel_cross_entropy
 from megatron.core.fusions import fused_bias_gelu
@@ -122,7 +123,7 @@ def test_compiled_kernels_match_plain_formulas_fp32(single_rank, monkeypatch):
 def test_plain_kernels_match_formulas_fp32_and_bf16(single_rank, monkeypatch, capsys):
     """The default CPU path (plain, logged with its reason): fp32 tight, bf16 against the fp32 formula."""
     monkeypatch.delenv(fused_kernels.COMPILE_ON_CPU_ENV, raising=False)
-    fused_kernels._LOGGED.clear()
+    core_utils._LOGGED.clear()
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         for name, (fused, ref, inputs, op) in _kernel_cases(dtype).items():
             _check(fused, lambda *t: ref(*[x.float() for x in t]), inputs, tol)
@@ -198,7 +199,7 @@ def test_compile_failure_falls_back_with_reason(monkeypatch, capsys):
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(torch, "compile", broken)
-    fused_kernels._LOGGED.clear()
+    core_utils._LOGGED.clear()
     assert torch.equal(op(torch.ones(2)), torch.full((2,), 2.0)) and op.last_choice == "plain"
     assert "using plain test op: torch.compile failed: RuntimeError: no C++ compiler found" in capsys.readouterr().out
     assert math.isclose(float(op(torch.ones(1))), 2.0) and op.last_choice == "plain"

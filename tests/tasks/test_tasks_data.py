@@ -18,7 +18,7 @@ from tasks.data_utils import build_tokens_types_paddings_from_ids, clean_text
 from tasks.glue.data import name_from_datapath, read_tsv
 from tasks.glue.mnli import MNLIDataset
 from tasks.glue.qqp import QQPDataset
-from tasks.main import get_tasks_args, validate_task_args
+from tasks.main import get_tasks_args, task_ckpt_format, validate_task_args
 from tasks.race.data import RaceDataset, name_from_datapath as race_name
 from tasks.zeroshot_gpt.datasets import _LambadaDataset, _LMDataset
 from tasks.zeroshot_gpt.detokenizer import get_detokenizer, ptb_detokenizer, wikitext_detokenizer
@@ -201,8 +201,6 @@ def test_task_flag_errors(tmp_path):
                   f"--pretrained-checkpoint {dist} is a torch_dist checkpoint; the QQP classifier (a legacy model) "
                   f"loads the torch format: convert it with python tools/checkpoint/convert.py --model-type BERT "
                   f"--loader torch_dist --saver legacy --load-dir {dist} --save-dir {dist}_torch"))
-    cases.append((["--task", "WIKITEXT103", "--valid-data", str(wiki), "--load", str(dist)],
-                  f"--load {dist} is a torch_dist checkpoint: pass --ckpt-format torch_dist"))
     plain = tmp_path / "held_out.txt"
     plain.write_text("x")
     cases.append((["--task", "WIKITEXT103", "--valid-data", str(plain)], "--valid-data " + str(plain) + ": the "
@@ -211,6 +209,12 @@ def test_task_flag_errors(tmp_path):
         with pytest.raises(ConfigurationError) as e:
             validate_task_args(parse_args(get_tasks_args, argv=argv))
         assert str(e.value).startswith(message), (argv, str(e.value))
+    # A zero-shot task loads the torch_dist checkpoint pretrain_gpt.py writes by default: its format is detected.
+    args = parse_args(get_tasks_args, argv=["--task", "WIKITEXT103", "--valid-data", str(wiki), "--load", str(dist)])
+    validate_task_args(args)
+    assert args.auto_detect_ckpt_format and args.ckpt_format is None
+    assert task_ckpt_format(args) == "torch_dist"
+    assert task_ckpt_format(parse_args(get_tasks_args, argv=["--task", "MNLI"])) == "torch"
 
 
 def test_unknown_task_one_line_from_the_command_line():

@@ -33,12 +33,9 @@ WIKI = (" = Valkyria Chronicles = \n \n The game 's first release , in 2011 , so
 
 
 def _init(argv):
-    from megatron.training.initialize import initialize_megatron
-    from tasks.main import get_tasks_args, validate_task_args
-    from megatron.training.arguments import parse_args
+    from tasks.main import initialize_task
 
-    validate_task_args(parse_args(get_tasks_args, argv=argv))
-    initialize_megatron(extra_args_provider=get_tasks_args, argv=argv)
+    initialize_task(argv)
 
 
 def _reset():
@@ -114,10 +111,12 @@ def _body(tmp):
     wiki = os.path.join(tmp, "wiki.test.tokens")
     ckpt = os.path.join(tmp, "ckpt")
     results = {}
-    # ---- phase A: GPT-2 BPE; WikiText perplexity with and without overlap; strict LAMBADA
+    # ---- phase A: GPT-2 BPE; WikiText perplexity with and without overlap; strict LAMBADA. No --ckpt-format: the
+    # checkpoint is torch_dist, as pretrain_gpt.py writes by default, and the task detects that format when loading.
     _init(MODEL + GPT2 + ["--task", "WIKITEXT103", "--valid-data", wiki, "--overlapping-eval", "8",
-                          "--save", ckpt, "--load", ckpt, "--ckpt-format", "torch"])
+                          "--save", ckpt, "--load", ckpt])
     args, tokenizer = get_args(), get_tokenizer()
+    results["format"] = (args.ckpt_format, args.auto_detect_ckpt_format)
     model = get_model(model_provider, wrap_with_ddp=False)
     save_checkpoint(1, model, None, None)
     plain = unwrap_model(model[0]).eval()
@@ -161,7 +160,12 @@ def _body(tmp):
                 f.write(json.dumps({"text": " ".join(map(str, c + t))}) + "\n")
     torch.distributed.barrier()
     args.valid_data = [null_lambada]
-    fields, line = _parse(_run_main(), "LAMBADA")
+    # This checkpoint is in the torch format; evaluate as a run with the default --ckpt-format (torch_dist) would:
+    # the format is detected from the directory.
+    args.ckpt_format = "torch_dist"
+    output = _run_main()
+    results["detected"] = "--auto-detect-ckpt-format:" in output and "holds a torch checkpoint" in output
+    fields, line = _parse(output, "LAMBADA")
     results["null"] = dict(fields=fields, line=line, hand=_hand_lambada(plain, passages), n=len(passages))
     _reset()
     return results
@@ -176,6 +180,8 @@ def test_zeroshot_wikitext_and_lambada_match_hand_computation(tmp_path):
             f.write(json.dumps({"text": f"She walked along the path for {i + 2} hours and then saw the {w}"}) + "\n")
     results = run_distributed(_body, 2, str(tmp_path), timeout=200)
     res = results[1]  # the last rank prints
+    # The zero-shot tasks save torch_dist by default (pretrain_gpt.py's default) and detect the format of --load.
+    assert res["format"] == ("torch_dist", True)
     for stride in (8, SEQ):
         r = res[f"wiki{stride}"]
         f = r["fields"]
@@ -193,6 +199,7 @@ def test_zeroshot_wikitext_and_lambada_match_hand_computation(tmp_path):
     assert s["multi"] >= 2  # some last words are several BPE tokens: all of them must be right
     assert float(s["fields"]["number correct"]) == s["hand"]
     assert float(s["fields"]["total examples"]) == s["n"]
+    assert results[0]["detected"]  # rank 0 says which format it found
     n = res["null"]
     print(n["line"])
     assert n["hand"] == 4  # passages 1, 2, 4, 5 end with the argmax token (0, 3, 6 do not)

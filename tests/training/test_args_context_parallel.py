@@ -22,7 +22,7 @@ from megatron.training.errors import ConfigurationError
     ("--context-parallel-size 2 --use-legacy-models --ckpt-format torch", 2, "drop --use-legacy-models"),
     ("--context-parallel-size 2 --reset-attention-mask", 2, "supports causal attention only"),
     ("--context-parallel-size 2 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 1", 2,
-     "--cp-comm-type a2a+p2p: hierarchical (all-to-all inside, ring across) context parallelism is not implemented"),
+     "--hierarchical-context-parallel-sizes: not available in this library"),
 ])
 def test_bad_context_parallel_flags(clean_env, extra, world, message):
     with pytest.raises(ConfigurationError) as error:

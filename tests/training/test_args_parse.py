@@ -3,13 +3,17 @@
 argument groups, argv / extra-args handling, and the arguments table."""
 import argparse
 import importlib
+import re
 
 import pytest
 from helpers.args_test_helpers import BASE_ARGV, clean_env, validated  # noqa: F401  (fixture)
 
 from megatron.training.arguments import build_parser, format_args_table, parse_args
 
-# dest -> Megatron's default, from Megatron-LM's arguments.py (not read back from our parser).
+# dest -> Megatron's default, from Megatron-LM's arguments.py (not read back from our parser). Where today's Megatron-LM
+# changed a 2023 default (recompute_num_layers, apply_query_key_layer_scaling, overlap_p2p_comm, local_rank, lazy_mpu_init,
+# eval_interval, split, inference_batch_times_seqlen_threshold; --apply-layernorm-1p's dest), today's is expected (the
+# README's migration section lists them).
 EXPECTED_DEFAULTS = {
     # network size
     "num_layers": None, "encoder_num_layers": None, "decoder_num_layers": None, "hidden_size": None,
@@ -17,7 +21,7 @@ EXPECTED_DEFAULTS = {
     "num_query_groups": 1, "max_position_embeddings": None, "position_embedding_type": "learned_absolute",
     "use_rotary_position_embeddings": False, "rotary_percent": 1.0, "rotary_seq_len_interpolation_factor": None,
     "add_position_embedding": True, "make_vocab_size_divisible_by": 128, "layernorm_epsilon": 1e-5,
-    "apply_layernorm_1p": False, "apply_residual_connection_post_layernorm": False, "openai_gelu": False,
+    "layernorm_zero_centered_gamma": False, "apply_residual_connection_post_layernorm": False, "openai_gelu": False,
     "squared_relu": False, "swiglu": False, "onnx_safe": None, "bert_binary_head": True, "num_experts": None,
     "untie_embeddings_and_output_weights": False, "embedding_weights_in_fp32": False,
     # regularization
@@ -27,7 +31,7 @@ EXPECTED_DEFAULTS = {
     # training
     "micro_batch_size": None, "batch_size": None, "global_batch_size": None, "rampup_batch_size": None,
     "recompute_activations": False, "recompute_granularity": None, "distribute_saved_activations": False,
-    "recompute_method": None, "recompute_num_layers": 1, "profile": False, "profile_step_start": 10,
+    "recompute_method": None, "recompute_num_layers": None, "profile": False, "profile_step_start": 10,
     "profile_step_end": 12, "profile_ranks": [], "checkpoint_activations": False, "train_iters": None,
     "train_samples": None, "log_interval": 100, "exit_interval": None, "exit_duration_in_mins": None,
     "exit_signal_handler": False, "tensorboard_dir": None, "masked_softmax_fusion": True, "bias_gelu_fusion": True,
@@ -48,19 +52,19 @@ EXPECTED_DEFAULTS = {
     # mixed precision
     "fp16": False, "bf16": False, "loss_scale": None, "initial_loss_scale": 2 ** 32, "min_loss_scale": 1.0,
     "loss_scale_window": 1000, "hysteresis": 2, "fp32_residual_connection": False,
-    "apply_query_key_layer_scaling": True, "attention_softmax_in_fp32": False,
+    "apply_query_key_layer_scaling": False, "attention_softmax_in_fp32": False,
     "accumulate_allreduce_grads_in_fp32": False, "fp16_lm_cross_entropy": False,
     # distributed
     "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "pipeline_model_parallel_split_rank": None,
-    "model_parallel_size": None, "num_layers_per_virtual_pipeline_stage": None, "overlap_p2p_comm": False,
+    "model_parallel_size": None, "num_layers_per_virtual_pipeline_stage": None, "overlap_p2p_comm": True,
     "distributed_backend": "nccl", "distributed_timeout_minutes": 10, "DDP_impl": "local",
     "use_contiguous_buffers_in_local_ddp": True, "scatter_gather_tensors_in_pipeline": True,
-    "use_ring_exchange_p2p": False, "local_rank": None, "lazy_mpu_init": None, "use_cpu_initialization": None,
+    "use_ring_exchange_p2p": False, "local_rank": 0, "lazy_mpu_init": False, "use_cpu_initialization": None,
     "empty_unused_memory_level": 0, "standalone_embedding_stage": False, "use_distributed_optimizer": False,
     # validation
-    "eval_iters": 100, "eval_interval": 1000, "skip_train": False,
+    "eval_iters": 100, "eval_interval": None, "skip_train": False,
     # data
-    "data_path": None, "split": "969, 30, 1", "train_data_path": None, "valid_data_path": None,
+    "data_path": None, "split": None, "train_data_path": None, "valid_data_path": None,
     "test_data_path": None, "data_cache_path": None, "mock_data": False, "vocab_size": None, "vocab_file": None,
     "merge_file": None, "vocab_extra_ids": 0, "seq_length": None, "encoder_seq_length": None,
     "decoder_seq_length": None, "retriever_seq_length": 256, "sample_rate": 1.0, "mask_prob": 0.15,
@@ -86,7 +90,7 @@ EXPECTED_DEFAULTS = {
     "log_validation_ppl_to_tensorboard": False, "log_memory_to_tensorboard": False,
     "log_world_size_to_tensorboard": False,
     # inference
-    "inference_batch_times_seqlen_threshold": 512, "max_tokens_to_oom": 12000, "output_bert_embeddings": False,
+    "inference_batch_times_seqlen_threshold": -1, "max_tokens_to_oom": 12000, "output_bert_embeddings": False,
     "bert_embedder_type": "megatron",
     # transformer engine
     "fp8": None, "fp8_margin": 0, "fp8_interval": 1, "fp8_amax_history_len": 1, "fp8_amax_compute_algo": "most_recent",
@@ -154,9 +158,11 @@ def test_parser_shape(clean_env, capsys):
     parser = build_parser()
     assert parser.description == "Megatron-LM Arguments" and parser.allow_abbrev is False
     titles = [g.title for g in parser._action_groups[2:]]
-    assert titles == ["network size", "regularization", "training", "initialization", "learning rate",
-                      "checkpointing", "mixed precision", "distributed", "rerun engine", "validation", "data and dataloader",
-                      "autoresume", "biencoder", "vision", "moe", "logging", "inference", "Transformer-Engine", "retro"]
+    assert titles[:20] == ["network size", "regularization", "training", "initialization", "learning rate",
+                           "checkpointing", "mixed precision", "distributed", "rerun engine", "validation",
+                           "data and dataloader", "autoresume", "biencoder", "vision", "moe", "mla", "logging",
+                           "inference", "Transformer-Engine", "retro"]
+    assert "rl" in titles[20:] and "In-process restart" in titles[20:]  # HEAD's other groups, from the registry
     with pytest.raises(SystemExit) as exc:  # no abbreviations: --num-lay is unknown
         parse_args(argv=["--num-lay", "2"])
     assert exc.value.code == 2
@@ -216,7 +222,9 @@ def test_validate_prints_table_on_rank_0_only(clean_env, capsys):
     assert "  num_layers ...................................... 4" in rows
     assert "  DDP_impl ........................................ local" in rows
     assert rows == sorted(rows, key=str.lower)
-    assert all(len(r.split(" ")[2]) + len(r.split(" ")[3]) == 48 for r in rows)  # name + dots = 48 chars
+    # name + dots = 48 chars (Megatron's format; a longer name gets no dots)
+    assert all(len(name) + len(dots) == max(48, len(name))
+               for name, dots in (re.match(r"  (\S+) (\.*) ", r).groups() for r in rows))
     assert "using world size: 1, data-parallel-size: 1, tensor-model-parallel size: 1, " \
            "pipeline-model-parallel size: 1 " in out
 

@@ -257,7 +257,7 @@ def test_global_singletons(clean_env, capsys, tmp_path):
         global_vars.get_args()
 
     try:
-        finish = initialize_megatron(argv=BASE_ARGV + ["--lazy-mpu-init", "1", "--tensor-model-parallel-size", "1"])
+        finish = initialize_megatron(argv=BASE_ARGV + ["--lazy-mpu-init", "--tensor-model-parallel-size", "1"])
         assert callable(finish) and global_vars.get_args().use_cpu_initialization is True
         assert ps.get_tensor_model_parallel_world_size() == 1
     finally:

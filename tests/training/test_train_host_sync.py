@@ -134,16 +134,12 @@ def test_steady_state_iterations_do_not_sync_host_and_device():
     assert "clip_grads.py" in fp16_sites and "optimizer.py" in fp16_sites, fp16_sites
 
 
-def test_cuda_graph_flags_error_clearly(clean_env):
-    """CUDA graphs are not implemented: the flags say so (and on CPU that a CUDA device is needed)."""
-    import pytest
-
+def test_cuda_graph_flags_are_performance_only(clean_env, capsys):
+    """CUDA graphs are not captured: the flags are accepted and the log says once that the layers run eagerly."""
     from helpers.args_test_helpers import validated
-    from megatron.core import device
-    from megatron.training.errors import ConfigurationError
 
     for flag in ("--enable-cuda-graph", "--external-cuda-graph"):
-        expected = "not implemented" if device.cuda_available() else f"{flag} needs a CUDA device"
-        with pytest.raises(ConfigurationError, match=expected):
-            validated(flag, world_size=1)
+        assert getattr(validated(flag, world_size=1), flag[2:].replace("-", "_"))
+        out = capsys.readouterr().out
+        assert out.count(f"{flag}: performance only here; CUDA graphs are not captured") == 1, out
     assert not validated("", world_size=1).enable_cuda_graph  # off by default

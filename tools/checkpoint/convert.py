@@ -5,12 +5,15 @@
         --load-dir ckpt_tp2_pp2 --save-dir ckpt_tp1_pp1 \\
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 [--true-vocab-size 50257]
 
-``torch_dist`` (Megatron-LM's distributed format, any source TP/PP) can be loader and saver too.
+``torch_dist`` (Megatron-LM's distributed format, any source TP/PP) can be loader and saver too. Without
+``--loader`` the format is detected from ``--load-dir`` (``detect_loader``).
 ``--model-type T5``: encoder and decoder stacks (legacy or megatron-core names), any source TP/PP/split rank; the
 torch saver writes PP=1 (any TP), the torch_dist saver a checkpoint that loads with any TP/PP/split rank.
 Loaders: ``legacy`` (aliases ``megatron``, ``core``, ``mcore``: Megatron ``torch``-format checkpoints with any
-TP/PP, legacy or megatron-core model names) and ``hf`` (a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE
-directory; the MoE models convert to and from ``torch_dist``, whose expert tensors load under any EP/TP/PP). Savers:
+TP/PP, legacy or megatron-core model names) and ``hf`` (a Hugging Face directory of a family of the bridge table
+``megatron.core.models.conversion.hf_registry``: GPT-2, Llama incl. Llama 3.x RoPE scaling, Mixtral, Qwen2-MoE,
+Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE; the MoE models convert to and from ``torch_dist``, whose expert tensors load
+under any EP/TP/PP). Savers:
 ``legacy`` (aliases as above; any target TP/PP) and ``hf`` (config.json + model.safetensors). Unlike Megatron
 the loader and saver run in one process and exchange the full state dict directly (no queue). The written
 torch checkpoints hold ``args``, ``checkpoint_version``, ``iteration`` and ``model`` (no optimizer or RNG state):
@@ -38,8 +41,9 @@ def get_args(argv=None):
                                                  "import/export)", allow_abbrev=False)
     parser.add_argument("--model-type", type=str, required=True, choices=["GPT", "BERT", "T5"],
                         help="Type of the model")
-    parser.add_argument("--loader", type=str, default="legacy",
-                        help="legacy (megatron, core, mcore: the torch format), torch_dist or hf")
+    parser.add_argument("--loader", type=str, default=None,
+                        help="legacy (megatron, core, mcore: the torch format), torch_dist or hf; detected from "
+                             "--load-dir when not given")
     parser.add_argument("--saver", type=str, default="legacy",
                         help="legacy (megatron, core, mcore: the torch format), torch_dist or hf")
     parser.add_argument("--load-dir", type=str, required=True, help="Directory to load the model checkpoint from")
@@ -58,7 +62,27 @@ def get_args(argv=None):
     return parser.parse_args(argv)
 
 
+def detect_loader(load_dir: str) -> str:
+    """The loader for what ``load_dir`` holds (as --auto-detect-ckpt-format does for training): ``torch_dist`` (the
+    tracker's checkpoint directory has metadata.json), ``legacy`` (a torch-format checkpoint), ``hf`` (config.json
+    and no tracker file)."""
+    from tools.checkpoint.dist_io import is_dist_checkpoint
+
+    if is_dist_checkpoint(load_dir):
+        return "torch_dist"
+    if os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
+        return "legacy"
+    if os.path.isfile(os.path.join(load_dir, "config.json")):
+        return "hf"
+    raise ConversionError(f"--load-dir {load_dir} holds no checkpoint this converter reads (no "
+                          "latest_checkpointed_iteration.txt, no Hugging Face config.json): check the path, or pass "
+                          "--loader")
+
+
 def convert(args):
+    if args.loader is None:
+        args.loader = detect_loader(args.load_dir)
+        print(f"--loader not given: {args.load_dir} holds a {args.loader} checkpoint", flush=True)
     loader, saver = args.loader.lower(), args.saver.lower()
     if loader not in _LEGACY_NAMES + ("hf", "torch_dist"):
         raise ConversionError(f"--loader {args.loader}: supported loaders are legacy (megatron, core, mcore), "
@@ -67,8 +91,8 @@ def convert(args):
         raise ConversionError(f"--saver {args.saver}: supported savers are legacy (megatron, core, mcore), "
                               "torch_dist and hf")
     if "hf" in (loader, saver) and args.model_type != "GPT":
-        raise ConversionError("Hugging Face import/export supports --model-type GPT (GPT-2, Llama, Mixtral, Qwen2-MoE) "
-                              "only")
+        raise ConversionError("Hugging Face import/export supports --model-type GPT only (the decoder families of "
+                              "megatron.core.models.conversion.hf_registry)")
     if loader == "hf" and saver == "hf":
         raise ConversionError("--loader hf --saver hf converts nothing; use a legacy saver or loader on one side")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):

@@ -6,6 +6,8 @@ from typing import Optional
 
 # Elements per bucket when --overlap-grad-reduce is on and no bucket size is given.
 DEFAULT_BUCKET_SIZE = 40_000_000
+# Megatron-FSDP's sharding strategies, from nothing sharded (DDP) to everything (ZeRO-3).
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass
@@ -26,6 +28,13 @@ class DistributedDataParallelConfig:
         forward pass (forward pre-hooks, bucket by bucket) instead of right after the optimizer step.
     align_param_gather: with overlap_param_gather and an interleaved pipeline, the schedule launches each
         chunk's all-gathers (``config.param_sync_func``) and the hooks only wait (no "dispatch next").
+    use_megatron_fsdp: the model is wrapped in Megatron-FSDP
+        (:class:`megatron.core.distributed.fsdp.FullyShardedDataParallel`, ``--use-megatron-fsdp``).
+    data_parallel_sharding_strategy: what Megatron-FSDP shards over the DP x CP ranks: ``no_shard`` (DDP),
+        ``optim`` (ZeRO-1: optimizer state and main weights), ``optim_grads`` (ZeRO-2: also the gradients),
+        ``optim_grads_params`` (ZeRO-3: also the weights). The dataclass default is ``no_shard``, the command line's
+        ``optim_grads_params``, as in Megatron.
+    num_distributed_optimizer_instances: more than 1 (hybrid sharding over an outer DP dimension) is refused.
     """
 
     grad_reduce_in_fp32: bool = False
@@ -35,12 +44,21 @@ class DistributedDataParallelConfig:
     check_for_nan_in_grad: bool = False
     overlap_param_gather: bool = False
     align_param_gather: bool = False
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    num_distributed_optimizer_instances: int = 1
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"DistributedDataParallelConfig.bucket_size must be positive, got {self.bucket_size}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("DistributedDataParallelConfig.overlap_param_gather needs use_distributed_optimizer")
+        if self.data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"DistributedDataParallelConfig.data_parallel_sharding_strategy must be one of "
+                             f"{SHARDING_STRATEGIES}, got {self.data_parallel_sharding_strategy!r}")
+        if self.num_distributed_optimizer_instances != 1:
+            raise ValueError("DistributedDataParallelConfig.num_distributed_optimizer_instances > 1 (hybrid sharded "
+                             "data parallelism) is not implemented in this library")
 
     def effective_bucket_size(self, disable_bucketing: bool = False) -> Optional[int]:
         """Elements per bucket, or None for one bucket per buffer (no overlap, or bucketing disabled)."""

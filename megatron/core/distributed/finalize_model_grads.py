@@ -8,7 +8,7 @@ with ``--overlap-grad-reduce`` it is already running when backward ends):
    fed with different tokens under sequence parallelism (``param.sequence_parallel``: layer-norm weights
    and biases, row-parallel biases);
 3. all-reduce over the embedding group the gradient of the word embedding tied between the first and the
-   last pipeline stage (and of the position embedding between the first and the split stage of an
+   last pipeline stage (or copied to the last stage for multi-token prediction) (and of the position embedding between the first and the split stage of an
    encoder-decoder pipeline);
 4. with ``--calculate-per-token-loss`` (``num_tokens`` given): the step's token count ``n`` of the last
    pipeline stage is broadcast over the pipeline group and summed over the data-parallel group, and every
@@ -19,7 +19,8 @@ with ``--overlap-grad-reduce`` it is already running when backward ends):
    the counts restart from zero;
 6. with ``--moe-router-load-balancing-type global_aux_loss``: the routers' running global-batch counts restart.
 
-Gradients are read from ``param.main_grad`` (our DDP buffers; ``.grad`` when there is none).
+Gradients are read from ``param.main_grad`` (our DDP buffers; ``.grad`` when there is none; this rank's block of
+a DTensor ``.grad`` under fully sharded data parallelism).
 """
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ from megatron.core import parallel_state
 
 def _main_grad(param):
     grad = getattr(param, "main_grad", None)
-    return grad if grad is not None else param.grad
+    grad = grad if grad is not None else param.grad
+    if grad is not None and hasattr(grad, "to_local"):  # a DTensor (FSDP2): its local block
+        grad = grad.to_local()
+    return grad
 
 
 def unwrap_model_chunk(module):
@@ -90,7 +94,9 @@ def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
         else:  # the decoder's first stage at the split rank holds the embedding in its first chunk
             chunk = model[0]
         inner = unwrap_model_chunk(chunk)
-        if getattr(inner, "share_embeddings_and_output_weights", False):
+        # Tied weights, or the last stage's embedding copy that multi-token prediction uses.
+        if (getattr(inner, "share_embeddings_and_output_weights", False)
+                or getattr(getattr(inner, "config", None), "mtp_num_layers", None)):
             weight = inner.shared_embedding_or_output_weight()
             grad = _main_grad(weight)
             if grad is None:

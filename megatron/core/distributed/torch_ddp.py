@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.transformer.fusions import log_once
+from megatron.core.utils import log_once
 
 
 def _disable_gradient_accumulation_fusion(module: torch.nn.Module) -> bool:

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import device
-from megatron.core.fusions.fused_kernels import compile_blocker, compiled, log_once
+from megatron.core.fusions.fused_kernels import compile_blocker, compiled
+from megatron.core.utils import log_once
 
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, prob: float,

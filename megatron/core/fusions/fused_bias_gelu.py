@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fusions.fused_kernels import compile_blocker, compiled, log_once
+from megatron.core.fusions.fused_kernels import compile_blocker, compiled
+from megatron.core.utils import log_once
 
 
 def bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from megatron.core.parallel_state import (
 )
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.utils import VocabUtility
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
 
 
 def _local_statistics(logits: torch.Tensor, logits_max: torch.Tensor, target: torch.Tensor, vocab_start: int,

@@ -23,19 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-_LOGGED = set()
-
-
-def log_once(key: str, message: str) -> None:
-    """Print ``message`` the first time ``key`` is seen in this process (on rank 0 only)."""
-    if key in _LOGGED:
-        return
-    _LOGGED.add(key)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_rank() != 0:
-            return
-    print(f"> {message}", flush=True)
-
+from megatron.core.utils import log_once
 
 NO_COMPILE_ENV = "MEGATRON_NO_COMPILE_FUSIONS"
 COMPILE_ON_CPU_ENV = "MEGATRON_COMPILE_FUSIONS_ON_CPU"
@@ -147,12 +135,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotary(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``freqs.shape[-1]`` channels of ``t`` ("rotate half" layout); pass the rest through."""
+def rotary(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
+    """Rotate the first ``freqs.shape[-1]`` channels of ``t`` ("rotate half" layout); pass the rest through.
+    ``mscale`` multiplies cos and sin (YaRN's attention concentration; 1 otherwise)."""
     rot_dim = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos = torch.cos(freqs).to(t.dtype)
-    sin = torch.sin(freqs).to(t.dtype)
+    cos = (torch.cos(freqs) * mscale).to(t.dtype)
+    sin = (torch.sin(freqs) * mscale).to(t.dtype)
     t_rot = (t_rot * cos) + (_rotate_half(t_rot) * sin)
     return torch.cat((t_rot, t_pass), dim=-1)
 
@@ -163,12 +152,12 @@ def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
-def rotary_interleaved(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def rotary_interleaved(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
     """:func:`rotary` for the interleaved layout (``freqs`` holds each angle twice in adjacent channels)."""
     rot_dim = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos = torch.cos(freqs).to(t.dtype)
-    sin = torch.sin(freqs).to(t.dtype)
+    cos = (torch.cos(freqs) * mscale).to(t.dtype)
+    sin = (torch.sin(freqs) * mscale).to(t.dtype)
     t_rot = (t_rot * cos) + (_rotate_pairs(t_rot) * sin)
     return torch.cat((t_rot, t_pass), dim=-1)
 

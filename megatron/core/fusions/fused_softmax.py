@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from megatron.core.fusions.fused_kernels import log_once
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.utils import log_once
+from megatron.core.enums import AttnMaskType
 
 
 def attention_mask_func(attention_scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ from megatron.core.optimizer.clip_grads import (
     get_grad_norm_fp32,
 )
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from megatron.core.transformer.fusions import log_once
+from megatron.core.utils import log_once
 from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
@@ -31,6 +32,7 @@ __all__ = [
     "Float16OptimizerWithFloat16Params",
     "FP32Optimizer",
     "DistributedOptimizer",
+    "FullyShardedOptimizer",
     "MegatronGradScaler",
     "ConstantGradScaler",
     "DynamicGradScaler",
@@ -141,7 +143,10 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     """Build the optimizer for ``model_chunks`` (a list of DDP-wrapped chunks, or plain modules for fp32).
 
     fp32 -> FP32Optimizer; fp16/bf16 -> Float16OptimizerWithFloat16Params; --use-distributed-optimizer ->
-    DistributedOptimizer (any precision). Every group starts at ``lr * lr_mult`` and
+    DistributedOptimizer (any precision); chunks sharded by FSDP2 (``uses_fully_shard``) -> FullyShardedOptimizer.
+    Megatron-FSDP's bucketed strategies decide for themselves: ``optim`` -> DistributedOptimizer, ``no_shard`` ->
+    the plain optimizer (Megatron forces --use-distributed-optimizer on with Megatron-FSDP). Every group starts at
+    ``lr * lr_mult`` and
     ``weight_decay * wd_mult``; the OptimizerParamScheduler updates them from then on.
     """
     if not isinstance(model_chunks, (list, tuple)):
@@ -166,7 +171,11 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     else:
         inner = _sgd(param_groups, config, on_cuda)
 
-    if config.use_distributed_optimizer:
+    if any(getattr(chunk, "uses_fully_shard", False) for chunk in model_chunks):
+        return FullyShardedOptimizer(inner, config, model_chunks)
+    strategies = {getattr(chunk, "data_parallel_sharding_strategy", None) for chunk in model_chunks}
+    use_distributed = config.use_distributed_optimizer if strategies == {None} else strategies == {"optim"}
+    if use_distributed:
         return DistributedOptimizer(inner, config, _grad_scaler(config), model_chunks)
     if config.fp16 or config.bf16:
         return Float16OptimizerWithFloat16Params(inner, config, _grad_scaler(config))

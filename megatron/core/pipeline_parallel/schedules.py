@@ -104,6 +104,8 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
 
     if getattr(config, "num_moe_experts", None) is not None:  # on every stage: each holds router losses
         _set_moe_aux_loss_scale(num_microbatches, config)
+    if getattr(config, "mtp_num_layers", None):
+        _set_mtp_loss_scale(num_microbatches, config)
     num_tokens = torch.zeros((), dtype=torch.int64)
     if parallel_state.is_pipeline_last_stage():
         if not collect_non_loss_data:
@@ -156,6 +158,19 @@ def _set_moe_aux_loss_scale(num_microbatches, config):
     if not config.calculate_per_token_loss:
         scale = scale * parallel_state.get_context_parallel_world_size() / num_microbatches
     MoEAuxLossAutoScaler.set_loss_scale(scale)
+
+
+def _set_mtp_loss_scale(num_microbatches, config):
+    """Multi-token prediction losses get the main loss's backward scale: loss scale / micro-batches (the loss scale
+    alone with ``calculate_per_token_loss``); no context-parallel factor."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    scale = torch.ones(1, device=device.current_device())
+    if config.grad_scale_func is not None:
+        scale = config.grad_scale_func(scale)
+    if not config.calculate_per_token_loss:
+        scale = scale / num_microbatches
+    MTPLossAutoScaler.set_loss_scale(scale)
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):

@@ -3,6 +3,7 @@ from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_ent
 from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
+    DuplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_tensor_model_parallel_attributes,
@@ -40,6 +41,7 @@ __all__ = [
     "broadcast_data",
     # layers.py
     "ColumnParallelLinear",
+    "DuplicatedLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "set_tensor_model_parallel_attributes",

@@ -28,7 +28,7 @@ from torch.nn.parameter import Parameter
 
 from megatron.core import device, parallel_state
 from megatron.core.fp8_utils import Fp8Meta, fp8_dgrad, fp8_forward, fp8_recipe_from_config, fp8_wgrad
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.parallel_state import (
     get_global_memory_buffer,
@@ -597,3 +597,40 @@ class RowParallelLinear(torch.nn.Module):
             output = output_
             output_bias = self.bias
         return output, output_bias
+
+
+class DuplicatedLinear(torch.nn.Module):
+    """``Y = XA + b`` with the whole weight on every tensor-parallel rank (Transformer Engine's
+    ``parallel_mode='duplicated'``), applied to the rank's own input: under sequence parallelism each rank
+    projects its own tokens and the weight is marked ``sequence_parallel`` so that its gradient is summed over the
+    TP group; without it every rank computes the same product. Multi-latent attention's down projections.
+    Returns ``(output, bias_or_None)``."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: Callable,
+                 bias: bool = False, skip_bias_add: bool = False):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.skip_bias_add = skip_bias_add
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
+        # Drawn in full from the default generator (the same on every TP rank), like a CPU-initialised master weight.
+        weight = torch.empty(output_size, input_size, dtype=torch.float32)
+        if config.perform_initialization:
+            init_method(weight)
+        self.weight = Parameter(weight.to(device=_param_device(config), dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, False, 0, 1)
+        setattr(self.weight, "sequence_parallel", sequence_parallel)
+        if bias:
+            self.bias = Parameter(torch.zeros(output_size, device=_param_device(config), dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.bias, False, 0, 1)
+            setattr(self.bias, "sequence_parallel", sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+        self.fp8_meta = _fp8_meta_for(config)
+
+    def forward(self, input_: torch.Tensor):
+        bias = self.bias if not self.skip_bias_add else None
+        output = linear_with_grad_accumulation_and_async_allreduce(
+            input=input_, weight=self.weight, bias=bias, gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            async_grad_allreduce=False, sequence_parallel=False, fp8_meta=self.fp8_meta)
+        return output, (self.bias if self.skip_bias_add else None)

@@ -3,7 +3,7 @@
 ``ParallelAttention`` is the one implementation, built with megatron-core's submodule names (``linear_qkv``,
 ``linear_q``/``linear_kv``, ``linear_proj``); megatron-core's ``SelfAttention`` / ``CrossAttention`` are the
 same class. The legacy class saves and loads Megatron's names (``query_key_value``, ``dense`` ...) through the one
-table of :mod:`megatron.core.models.conversion.keys`, so legacy checkpoints and megatron-core state dicts map key
+table of :mod:`megatron.core.transformer.legacy_names`, so legacy checkpoints and megatron-core state dicts map key
 for key.
 
 Fused QKV layout (per TP partition): the output of ``query_key_value`` viewed as ``[sq, b, ng, (np/ng + 2) * hn]``
@@ -20,10 +20,11 @@ from typing import Optional, Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.conversion.keys import install_legacy_state_dict_names
+from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
+from megatron.core.transformer.attention_variants import l2_norm
 from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary import apply_rotary_pos_emb
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -96,6 +97,12 @@ class ParallelAttention(MegatronModule):
         if naming == "legacy":  # Megatron's legacy checkpoint names, at the state-dict boundary only
             install_legacy_state_dict_names(self, "attention")
         self.recompute_core_attention = config.recomputes("core_attn")
+        # YaRN (--position-embedding-type yarn) multiplies cos and sin by its attention concentration.
+        self.rope_mscale = 1.0
+        if config.position_embedding_type == "yarn":
+            from megatron.core.transformer.rotary import yarn_concentration
+
+            self.rope_mscale = yarn_concentration(config.rotary_scaling_factor, config.mscale, config.mscale_all_dim)
 
         query_projection_size = config.kv_channels * config.num_attention_heads
         kv_projection_size = config.kv_channels * config.num_query_groups
@@ -128,6 +135,9 @@ class ParallelAttention(MegatronModule):
         else:
             self.core_attention = CoreAttention(self.layer_number, config, attn_mask_type)
 
+        # Llama 4: no rotary embedding in this layer (--no-rope-freq), the weightless QK L2 norm (--qk-l2-norm).
+        self.no_rope = config.is_no_rope_layer(self.layer_number)
+        self.qk_l2_norm = config.qk_l2_norm and not (config.qk_l2_norm_rope_layers_only and self.no_rope)
         # --qk-layernorm: one norm (config.normalization) over each head's hn channels of the queries / keys.
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
@@ -135,6 +145,12 @@ class ParallelAttention(MegatronModule):
 
             self.q_layernorm = get_norm(config, hidden_size=self.hidden_size_per_attention_head)
             self.k_layernorm = get_norm(config, hidden_size=self.hidden_size_per_attention_head)
+            if world_size > 1:
+                # One weight shared by all heads, which the TP ranks split: each rank's gradient covers its own
+                # heads only, so finalize_model_grads sums it over TP (as for sequence-parallel norms).
+                for norm in (self.q_layernorm, self.k_layernorm):
+                    for param in norm.parameters():
+                        param.sequence_parallel = True
 
         if self.use_flash_attn:
             self.core_attention_flash = FlashSelfAttention(
@@ -199,6 +215,11 @@ class ParallelAttention(MegatronModule):
         if self.q_layernorm is not None:
             query_layer = self.q_layernorm(query_layer)
             key_layer = self.k_layernorm(key_layer)
+        if self.qk_l2_norm:
+            query_layer = l2_norm(query_layer, self.config.layernorm_epsilon)
+            key_layer = l2_norm(key_layer, self.config.layernorm_epsilon)
+        if self.no_rope:
+            rotary_pos_emb = None
 
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb,) * 2
@@ -225,9 +246,9 @@ class ParallelAttention(MegatronModule):
             rope_fusion = self.config.apply_rope_fusion
             interleaved = self.config.rotary_interleaved
             query_layer = apply_rotary_pos_emb(query_layer, q_pos_emb[: query_layer.size(0)], fused=rope_fusion,
-                                               interleaved=interleaved)
+                                               interleaved=interleaved, mscale=self.rope_mscale)
             key_layer = apply_rotary_pos_emb(key_layer, k_pos_emb[: key_layer.size(0)], fused=rope_fusion,
-                                             interleaved=interleaved)
+                                             interleaved=interleaved, mscale=self.rope_mscale)
 
         if self.use_flash_attn:
             groups = query_layer.size(2) // key_layer.size(2)

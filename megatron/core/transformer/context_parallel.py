@@ -243,9 +243,9 @@ def context_parallel_attention(query, key, value, *, group, global_ranks: List[i
                                dropout_rng=None):
     """Attention of this CP rank's queries over the keys and values of the whole CP group.
 
-    ``query [s, b, np, hn]``, ``key``/``value [s, b, ng, hn]`` hold this rank's ``s = S / CP`` tokens in the order
-    of :func:`megatron.core.utils.context_parallel_chunk_indices`; ``np`` must be a multiple of ``ng``
-    (grouped-query attention: K and V travel un-repeated). Returns ``[s, b, np * hn]`` in the queries' dtype.
+    ``query [s, b, np, hn]``, ``key [s, b, ng, hn]``, ``value [s, b, ng, hv]`` hold this rank's ``s = S / CP`` tokens
+    in the order of :func:`megatron.core.utils.context_parallel_chunk_indices`; ``np`` must be a multiple of ``ng``
+    (grouped-query attention: K and V travel un-repeated). Returns ``[s, b, np * hv]`` in the queries' dtype.
     ``dropout`` is applied to the block probabilities (under ``dropout_rng``, a context manager, if given).
     """
     if comm_type not in CP_COMM_TYPES_IMPLEMENTED:
@@ -254,18 +254,24 @@ def context_parallel_attention(query, key, value, *, group, global_ranks: List[i
     s, b, np_, hn = query.shape
     if s % 2 != 0:
         raise ValueError(f"a context-parallel rank holds two equal chunks; got {s} local tokens")
-    if key.shape != value.shape or np_ % key.size(2) != 0:
+    if key.shape[:-1] != value.shape[:-1] or key.size(-1) != hn or np_ % key.size(2) != 0:
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit query {tuple(query.shape)}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
+    hv = value.size(-1)
+    if hv != hn:
+        # Multi-latent attention: value heads of another width. Zero padding to a common width leaves q.k and the
+        # weighted sum of the values unchanged; the extra output channels are dropped below.
+        width = max(hn, hv)
+        query, key, value = (torch.nn.functional.pad(x, (0, width - x.size(-1))) for x in (query, key, value))
     repeat = np_ // key.size(2)
     with dropout_rng if dropout_rng is not None else contextlib.nullcontext():
         if comm_type == "a2a":
             out = _a2a_attention(query, key, value, scale, causal, group, dropout)
-            return out.to(query.dtype).reshape(s, b, np_ * hn)
+            return out[..., :hv].to(query.dtype).reshape(s, b, np_ * hv)
         q = query.permute(1, 2, 0, 3).float()
         kv = torch.stack([key, value])
         if comm_type == "p2p":
             out = _p2p_attention(q, kv, scale, causal, group, global_ranks, dropout, repeat)
         else:
             out = _all_gather_attention(q, kv, scale, causal, group, dropout, repeat)
-    return out.to(query.dtype).permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+    return out[..., :hv].to(query.dtype).permute(2, 0, 1, 3).reshape(s, b, np_ * hv)

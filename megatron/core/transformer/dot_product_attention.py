@@ -26,9 +26,11 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask
+from megatron.core.transformer.attention_variants import attention_with_sinks, window_mask
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.fusions.fused_layer_norm import param_device
 from megatron.core.utils import divide
 
 _CAUSAL_CHECK_CACHE = {}
@@ -66,7 +68,8 @@ class CoreAttention(MegatronModule):
     attention) are repeated to match.
     """
 
-    def __init__(self, layer_number, config, attn_mask_type=AttnMaskType.padding, attention_dropout=None):
+    def __init__(self, layer_number, config, attn_mask_type=AttnMaskType.padding, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None):
         super().__init__(config=config)
         self.fp16 = config.fp16
         self.bf16 = config.bf16
@@ -83,16 +86,20 @@ class CoreAttention(MegatronModule):
                      "torch SDPA (flash / memory-efficient kernels eligible on CUDA) where the mask allows, "
                      "explicit masked softmax otherwise"))
 
-        projection_size = config.kv_channels * config.num_attention_heads
+        # Query/key and value head sizes (multi-latent attention: k_channels = d_n + d_r, v_channels = d_v).
+        k_channels = k_channels if k_channels is not None else config.kv_channels
+        v_channels = v_channels if v_channels is not None else config.kv_channels
         world_size = parallel_state.get_tensor_model_parallel_world_size()
-        self.hidden_size_per_partition = divide(projection_size, world_size)
-        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.hidden_size_per_partition = divide(v_channels * config.num_attention_heads, world_size)
+        self.hidden_size_per_attention_head = k_channels
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
+        # The scores are q.k * softmax_scale (default 1/sqrt(k_channels)).
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels)
 
         # Query-key layer scaling divides the scores by the layer number in the (fp16) GEMM and multiplies
         # them back in the fp32 softmax, which keeps deep fp16 models from overflowing.
         coeff = None
-        self.norm_factor = math.sqrt(self.hidden_size_per_attention_head)
+        self.norm_factor = math.sqrt(k_channels) if softmax_scale is None else 1.0 / softmax_scale
         if self.apply_query_key_layer_scaling:
             coeff = self.layer_number
             self.norm_factor *= coeff
@@ -102,6 +109,7 @@ class CoreAttention(MegatronModule):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.attention_dropout = torch.nn.Dropout(dropout)
 
+        self._init_attention_variants(config, world_size)
         self.cp_size = config.context_parallel_size
         comm = config.cp_comm_type if config.cp_comm_type is not None else "p2p"
         self.cp_comm_type = comm if isinstance(comm, str) else comm[self.layer_number - 1]
@@ -109,6 +117,30 @@ class CoreAttention(MegatronModule):
             log_once(f"attention_cp:{self.cp_comm_type}",
                      f"attention: context parallel over {self.cp_size} ranks, --cp-comm-type {self.cp_comm_type}, "
                      "pure PyTorch (megatron.core.transformer.context_parallel; Transformer Engine not used)")
+
+    def _init_attention_variants(self, config, world_size: int) -> None:
+        """Attention sinks and the sliding window of this layer (:mod:`.attention_variants`)."""
+        self.softmax_type = config.softmax_type
+        self.window = config.window_size if config.is_window_attention_layer(self.layer_number) else None
+        if self.softmax_type == "learnable":
+            # One logit per head: the full [heads] vector from the global generator (the same on every TP rank),
+            # then this rank's heads, so every TP size starts from the same model.
+            full = torch.zeros(config.num_attention_heads, dtype=torch.float32)
+            if config.perform_initialization:
+                config.init_method(full)
+            rank = parallel_state.get_tensor_model_parallel_rank() if world_size > 1 else 0
+            local = full.chunk(world_size)[rank].to(dtype=config.params_dtype, device=param_device(config))
+            self.softmax_offset = torch.nn.Parameter(local.contiguous())
+            tensor_parallel.set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif self.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(self.num_attention_heads_per_partition,
+                                                               device=param_device(config)), persistent=False)
+        else:
+            self.softmax_offset = None
+        if config.context_parallel_size > 1 and (self.window is not None or self.softmax_offset is not None):
+            raise ValueError(f"context parallelism (--context-parallel-size {config.context_parallel_size}) with "
+                             f"{'--window-size' if self.window is not None else '--softmax-type ' + self.softmax_type}"
+                             " is not implemented: the ring attention has no window or sink")
 
     # ------------------------------------------------------------------------------------------- dispatch
     def _dropout_rng(self):
@@ -139,7 +171,7 @@ class CoreAttention(MegatronModule):
         return context_parallel_attention(
             query_layer, key_layer, value_layer, group=parallel_state.get_context_parallel_group(),
             global_ranks=parallel_state.get_context_parallel_global_ranks(), comm_type=self.cp_comm_type,
-            causal=causal, softmax_scale=1.0 / math.sqrt(self.hidden_size_per_attention_head),
+            causal=causal, softmax_scale=self.softmax_scale,
             dropout=self.attention_dropout if dropout_p > 0.0 else None,
             dropout_rng=self._dropout_rng() if dropout_p > 0.0 else None)
 
@@ -150,11 +182,49 @@ class CoreAttention(MegatronModule):
         if groups > 1:
             key_layer = key_layer.repeat_interleave(groups, dim=2)
             value_layer = value_layer.repeat_interleave(groups, dim=2)
+        if self.window is not None or self.softmax_offset is not None:
+            return self._variant_forward(query_layer, key_layer, value_layer, attention_mask)
         if self.use_sdpa(attention_mask):
             log_once("attention_sdpa", "attention: torch.nn.functional.scaled_dot_product_attention (SDPA)")
             return self._sdpa_forward(query_layer, key_layer, value_layer, attention_mask)
         log_once("attention_unfused", "attention: explicit masked softmax (unfused)")
         return self._explicit_forward(query_layer, key_layer, value_layer, attention_mask)
+
+    # ------------------------------------------------------------------------------- window and sinks
+    def _variant_mask(self, attention_mask, sq: int, sk: int, device):
+        """Boolean mask (True = hidden) of the causal structure, the given mask and this layer's window."""
+        hidden = None
+        if self.attn_mask_type == AttnMaskType.causal:
+            hidden = causal_mask(sq, sk, device)[0, 0]
+        if attention_mask is not None:
+            given = attention_mask.bool()
+            hidden = given if hidden is None else hidden | given
+        if self.window is not None:
+            window = window_mask(sq, sk, self.window, device)
+            hidden = window if hidden is None else hidden | window
+        return hidden
+
+    def _variant_forward(self, query_layer, key_layer, value_layer, attention_mask):
+        """Sliding window (SDPA with the band mask, or the explicit path) and/or attention sinks (explicit softmax
+        with the sink column, attention_variants.attention_with_sinks)."""
+        sq, b, np_, hn = query_layer.shape
+        sk = key_layer.size(0)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query_layer, key_layer, value_layer))
+        hidden = self._variant_mask(attention_mask, sq, sk, q.device)
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        rng = self._dropout_rng() if dropout_p > 0.0 else contextlib.nullcontext()
+        if self.softmax_offset is not None:
+            log_once(f"attention_sinks:{self.softmax_type}", f"attention: --softmax-type {self.softmax_type} sinks, "
+                     "explicit softmax with a sink column (attention_variants.attention_with_sinks)"
+                     + (f", sliding window {self.window}" if self.window is not None else ""))
+            with rng:
+                out = attention_with_sinks(q, k, v, hidden, self.softmax_offset, self.attention_dropout)
+        else:
+            log_once("attention_window", f"attention: sliding window {self.window} as a boolean mask, torch SDPA")
+            with rng:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden, dropout_p=dropout_p,
+                                                     scale=1.0 / math.sqrt(hn))
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
     # ----------------------------------------------------------------------------------- explicit path
     def _explicit_forward(self, query_layer, key_layer, value_layer, attention_mask):
@@ -176,11 +246,12 @@ class CoreAttention(MegatronModule):
         with self._dropout_rng():
             attention_probs = self.attention_dropout(attention_probs)
 
-        value_layer = value_layer.reshape(sk, b * np_, hn)
+        hv = value_layer.size(-1)
+        value_layer = value_layer.reshape(sk, b * np_, hv)
         attention_probs = attention_probs.view(b * np_, sq, sk)
         context_layer = torch.bmm(attention_probs, value_layer.transpose(0, 1))
-        context_layer = context_layer.view(b, np_, sq, hn).permute(2, 0, 1, 3).contiguous()
-        return context_layer.view(sq, b, np_ * hn)
+        context_layer = context_layer.view(b, np_, sq, hv).permute(2, 0, 1, 3).contiguous()
+        return context_layer.view(sq, b, np_ * hv)
 
     # --------------------------------------------------------------------------------------- SDPA path
     def _sdpa_forward(self, query_layer, key_layer, value_layer, attention_mask):
@@ -210,18 +281,23 @@ class CoreAttention(MegatronModule):
         rng = self._dropout_rng() if dropout_p > 0.0 else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal,
-                                                 scale=1.0 / math.sqrt(hn))
+                                                 scale=self.softmax_scale)
         if fully_masked is not None:
             out = torch.where(fully_masked, v.mean(dim=-2, keepdim=True).to(out.dtype), out)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 class DotProductAttention(CoreAttention):
-    """megatron-core's name and signature: ``DotProductAttention(config, layer_number, attn_mask_type, ...)``."""
+    """megatron-core's name and signature: ``DotProductAttention(config, layer_number, attn_mask_type, attention_type,
+    attention_dropout, softmax_scale, ...)``; ``k_channels`` / ``v_channels`` (Transformer Engine's, used by
+    multi-latent attention) give query/key and value head sizes that differ from ``kv_channels``."""
 
     def __init__(self, config, layer_number: int = 1, attn_mask_type=AttnMaskType.padding, attention_type=None,
-                 attention_dropout=None):
-        super().__init__(layer_number, config, attn_mask_type, attention_dropout=attention_dropout)
+                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None):
+        super().__init__(layer_number, config, attn_mask_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, k_channels=k_channels, v_channels=v_channels)
+        if cp_comm_type is not None:  # this layer's --cp-comm-type (megatron-core passes it per layer)
+            self.cp_comm_type = cp_comm_type
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None):
         if packed_seq_params is not None:

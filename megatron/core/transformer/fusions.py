@@ -13,6 +13,6 @@ from megatron.core.fusions.fused_kernels import (  # noqa: F401
     NO_COMPILE_ENV,
     compile_blocker,
     compiled,
-    log_once,
 )
+from megatron.core.utils import log_once  # noqa: F401
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask  # noqa: F401

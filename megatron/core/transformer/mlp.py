@@ -14,12 +14,30 @@ import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
 from megatron.core.fusions import fused_kernels
-from megatron.core.models.conversion.keys import install_legacy_state_dict_names
+from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
 from megatron.core.activations import erf_gelu, openai_gelu, squared_relu
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+def glu_activation(config):
+    """The gated unit of ``config`` on fc1's output ``[a | l]`` (halves of the last dimension):
+    ``act(min(a, c)) * (clamp(l, -c, c) + offset)`` with ``c = activation_func_clamp_value`` (no clamp when None) and
+    ``offset = glu_linear_offset``; SwiGLU is ``act = silu`` with neither, gpt-oss ``quick_gelu`` with c = 7,
+    offset 1 (Hugging Face GptOss's gate)."""
+    act, offset, clamp = config.activation_func, config.glu_linear_offset, config.activation_func_clamp_value
+
+    def glu(x):
+        gate, linear = torch.chunk(x, 2, dim=-1)
+        if clamp is not None:
+            gate, linear = gate.clamp(max=clamp), linear.clamp(-clamp, clamp)
+        if offset:
+            linear = linear + offset
+        return act(gate) * linear
+
+    return glu
 
 
 def swiglu_ffn_hidden_size(hidden_size: int) -> int:
@@ -64,15 +82,14 @@ class ParallelMLP(MegatronModule):
         self.gated = config.gated_linear_unit
         if self.gated:
             act = config.activation_func
-
-            def glu(x):
-                x = torch.chunk(x, 2, dim=-1)
-                return act(x[0]) * x[1]
-
-            self.activation_func = glu
+            self.activation_func = glu_activation(config)
+            plain = not config.glu_linear_offset and config.activation_func_clamp_value is None
             # --bias-swiglu-fusion (config.bias_activation_fusion): bias add + silu(a) * b in one kernel.
-            self.bias_swiglu_fusion = bool(config.bias_activation_fusion) and act is F.silu
+            self.bias_swiglu_fusion = bool(config.bias_activation_fusion) and act is F.silu and plain
             name = f"gated {getattr(act, '__name__', 'activation')} (swiglu when silu)"
+            if not plain:
+                name += (f", linear offset {config.glu_linear_offset}, clamp {config.activation_func_clamp_value} "
+                         "(plain PyTorch)")
             if self.bias_swiglu_fusion:
                 name = "fused bias-swiglu"
         elif config.openai_gelu:

@@ -15,6 +15,18 @@ Context parallelism: a rank holds the positions of ``context_parallel_chunk_indi
 ``rope_scaling`` (Llama-3.x) rescales ``inv_freq`` with ``factor`` (8 by default), low/high frequency factors 1 and
 4 and an original context of 8192 tokens: with wavelength ``w = 2 pi / f``, ``w < 8192/4`` keeps ``f``,
 ``w > 8192/1`` gives ``f / factor``, in between ``s = (8192 / w - 1) / (4 - 1)`` and ``f' = (1 - s) f / factor + s f``.
+
+YaRN (``YarnRotaryEmbedding``; multi-latent attention and ``--position-embedding-type yarn``), with rotary dim ``d``,
+base ``theta``, factor ``s``, original context ``L_o`` and ``beta_fast`` / ``beta_slow``:
+
+* ``e_i = theta^(-2i/d)`` (extrapolation), ``p_i = e_i / s`` (interpolation), ``i < d/2``;
+* ``c(r) = d ln(L_o / (2 pi r)) / (2 ln theta)``; ``lo = c(beta_fast)``, ``hi = c(beta_slow)`` (floored / ceiled when
+  rounding to integers), clamped to ``[0, d-1]``; ``ramp_i = clamp((i - lo) / (hi - lo), 0, 1)`` (``hi += 0.001``
+  when equal) and ``f_i = p_i ramp_i + e_i (1 - ramp_i)``: fast dimensions keep their frequency, slow ones are
+  interpolated;
+* cos and sin are multiplied by the concentration ``g(s, mscale) / g(s, mscale_all_dim)`` with
+  ``g(s, m) = 1 + 0.1 m ln s`` for ``s > 1`` (else 1); multi-latent attention also scales its softmax by
+  ``g(s, mscale_all_dim)^2`` (:func:`yarn_get_mscale`).
 """
 from __future__ import annotations
 
@@ -26,18 +38,18 @@ import torch
 from megatron.core.fusions import fused_kernels
 from megatron.core.utils import context_parallel_chunk_indices
 
-_LLAMA3_LOW_FREQ_FACTOR = 1.0
-_LLAMA3_HIGH_FREQ_FACTOR = 4.0
-_LLAMA3_ORIGINAL_CONTEXT = 8192
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_CONTEXT = 8192
 
 
 def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float = 8.0) -> torch.Tensor:
     """Llama-3.x frequency scaling of ``inv_freq`` (see the module docstring for the formula)."""
-    low_wavelen = _LLAMA3_ORIGINAL_CONTEXT / _LLAMA3_LOW_FREQ_FACTOR
-    high_wavelen = _LLAMA3_ORIGINAL_CONTEXT / _LLAMA3_HIGH_FREQ_FACTOR
+    low_wavelen = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_LOW_FREQ_FACTOR
+    high_wavelen = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_HIGH_FREQ_FACTOR
     wavelen = 2 * math.pi / inv_freq
-    smooth = (_LLAMA3_ORIGINAL_CONTEXT / wavelen - _LLAMA3_LOW_FREQ_FACTOR) / (
-        _LLAMA3_HIGH_FREQ_FACTOR - _LLAMA3_LOW_FREQ_FACTOR)
+    smooth = (LLAMA3_ORIGINAL_CONTEXT / wavelen - LLAMA3_LOW_FREQ_FACTOR) / (
+        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR)
     smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     out = torch.where(wavelen > low_wavelen, inv_freq / factor, smoothed)
     return torch.where(wavelen < high_wavelen, inv_freq, out)
@@ -78,6 +90,60 @@ class RotaryEmbedding(torch.nn.Module):
         return emb[:, None, None, :]
 
 
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN's ``g(s, m) = 1 + 0.1 m ln s`` for ``s > 1``, else 1."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_concentration(scale: float, mscale: float, mscale_all_dim: float) -> float:
+    """The factor YaRN multiplies cos and sin by: ``g(s, mscale) / g(s, mscale_all_dim)``."""
+    return yarn_get_mscale(scale, mscale) / yarn_get_mscale(scale, mscale_all_dim)
+
+
+def yarn_inv_freq(dim: int, rotary_base: float, scaling_factor: float, original_max_position_embeddings: int,
+                  beta_fast: float, beta_slow: float, round_to_int: bool = True) -> torch.Tensor:
+    """YaRN's per-pair frequencies ``f_i`` (module docstring), fp32 ``[dim / 2]``."""
+    def correction_dim(rotations):
+        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rotary_base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    interpolation = extrapolation / scaling_factor
+    return interpolation * ramp + extrapolation * (1 - ramp)
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """megatron-core's ``YarnRotaryEmbedding(kv_channels, rotary_percent=1.0, rotary_interleaved=False,
+    seq_len_interpolation_factor=None, rotary_base=10000, scaling_factor=1.0, original_max_position_embeddings=4096,
+    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0, correction_range_round_to_int=True)``;
+    ``forward(max_seq_len, offset=0)`` returns ``(angles [s, 1, 1, d], concentration)`` (module docstring).
+    ``rotary_percent`` is not applied to the YaRN frequencies (as in megatron-core)."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_interleaved: bool = False,
+                 seq_len_interpolation_factor: Optional[float] = None, rotary_base: float = 10000,
+                 scaling_factor: float = 1.0, original_max_position_embeddings: int = 4096, beta_fast: float = 32.0,
+                 beta_slow: float = 1.0, mscale: float = 1.0, mscale_all_dim: float = 0.0,
+                 correction_range_round_to_int: bool = True, **unused):
+        if rotary_interleaved:
+            raise ValueError("YaRN rotary embeddings do not support rotary_interleaved (--rotary-interleaved)")
+        super().__init__(kv_channels, 1.0, False, seq_len_interpolation_factor, rotary_base)
+        self.scaling_factor = scaling_factor
+        self.mscale = yarn_concentration(scaling_factor, mscale, mscale_all_dim)
+        self.inv_freq = yarn_inv_freq(kv_channels, rotary_base, scaling_factor, original_max_position_embeddings,
+                                      beta_fast, beta_slow, correction_range_round_to_int)
+
+    def forward(self, max_seq_len: int, offset: int = 0):
+        return super().forward(max_seq_len, offset), self.mscale
+
+
 def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int = 0, cp_size: Optional[int] = None,
                                 cp_rank: Optional[int] = None) -> torch.Tensor:
     """The rows of the full-sequence angles ``pos_emb`` that this context-parallel rank's tokens have (see the
@@ -94,12 +160,15 @@ def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int = 0, cp_size
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, fused: bool = False,
-                         interleaved: bool = False) -> torch.Tensor:
+                         interleaved: bool = False, mscale: float = 1.0) -> torch.Tensor:
     """Rotate the first ``freqs.shape[-1]`` channels of ``t`` (``[s, b, np, hn]``); pass the rest through.
 
     ``fused`` (``config.apply_rope_fusion``, ``--no-rope-fusion`` turns it off) runs the torch.compile'd
     kernel where one can be used (see :mod:`megatron.core.fusions.fused_kernels`); the math is the same.
-    ``interleaved`` (``config.rotary_interleaved``) selects RoFormer's pair layout.
+    ``interleaved`` (``config.rotary_interleaved``) selects RoFormer's pair layout; ``mscale`` (YaRN's
+    concentration) multiplies cos and sin.
     """
     op = fused_kernels.ROTARY_INTERLEAVED if interleaved else fused_kernels.ROTARY
-    return op(t, freqs.to(t.device), fused=fused, flag_hint="--no-rope-fusion")
+    if mscale == 1.0:
+        return op(t, freqs.to(t.device), fused=fused, flag_hint="--no-rope-fusion")
+    return op(t, freqs.to(t.device), mscale, fused=fused, flag_hint="--no-rope-fusion")

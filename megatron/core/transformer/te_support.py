@@ -1,7 +1,7 @@
 """Transformer Engine (``--transformer-impl transformer_engine``): imported lazily, with a clear error."""
 from __future__ import annotations
 
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
 
 
 def require_transformer_engine():

@@ -17,7 +17,8 @@ from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import get_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_layer import NoopTransformerLayer, ParallelTransformerLayer, TransformerLayer
+from megatron.core.transformer.transformer_layer import (NoopTransformerLayer, ParallelTransformerLayer, TransformerLayer,
+                                                         default_layer_submodules)
 from megatron.core.utils import make_viewless_tensor
 
 
@@ -248,10 +249,8 @@ class TransformerBlock(ParallelTransformer):
 
     def __init__(self, config, spec: ModuleSpec = None, post_layer_norm: bool = True, pre_process: bool = True,
                  post_process: bool = True, *, role: Optional[str] = None, **unused):
-        if spec is None:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-            spec = get_gpt_layer_local_spec()
+        if spec is None:  # the local causal layer (what get_gpt_layer_local_spec() builds)
+            spec = ModuleSpec(module=TransformerLayer, submodules=default_layer_submodules(AttnMaskType.causal))
         if isinstance(spec, TransformerBlockSubmodules):
             post_layer_norm = post_layer_norm and spec.layer_norm is not None
             if all(layer_spec is spec.layer_specs[0] for layer_spec in spec.layer_specs):

@@ -3,7 +3,7 @@
 ``ParallelTransformerLayer`` (Megatron's legacy API) and megatron-core's ``TransformerLayer`` (spec-built) are
 one class with megatron-core's submodule names (``input_layernorm``, ``self_attention``,
 ``pre_cross_attn_layernorm``, ``cross_attention``, ``pre_mlp_layernorm``, ``mlp``); the legacy class saves and
-loads Megatron's legacy names through the one table of :mod:`megatron.core.models.conversion.keys`.
+loads Megatron's legacy names through the one table of :mod:`megatron.core.transformer.legacy_names`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Union
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.models.conversion.keys import install_legacy_state_dict_names
+from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
 from megatron.core.transformer.attention import ParallelAttention, SelfAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType, LayerType
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add, get_bias_dropout_add_func
@@ -110,6 +110,14 @@ class ParallelTransformerLayer(MegatronModule):
         from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
         self.recompute_mlp = config.recomputes("moe" if isinstance(self.mlp, BaseMoELayer) else "mlp")
+        self.recompute_layernorm = config.recomputes("layernorm")
+
+    def _norm(self, norm, x):
+        """A norm of the layer; under selective recompute with ``layernorm`` listed only its input is kept and the
+        norm runs again in backward (its fp32 statistics are not stored)."""
+        if not (self.recompute_layernorm and self.training and torch.is_grad_enabled()) or isinstance(norm, IdentityOp):
+            return norm(x)
+        return tensor_parallel.checkpoint(norm, False, x)
 
     def _mlp_forward(self, layernorm_output):
         """The MLP (dense or MoE); under selective recompute with ``mlp`` / ``moe`` listed, only its input is kept
@@ -142,20 +150,21 @@ class ParallelTransformerLayer(MegatronModule):
         if retriever_input is not None or retriever_output is not None:
             raise NotImplementedError("retro layers are not implemented")
         # Self attention.
-        layernorm_output = self.input_layernorm(hidden_states)
+        layernorm_output = self._norm(self.input_layernorm, hidden_states)
         attention_output, attention_bias = self.self_attention(
             layernorm_output, attention_mask, inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
         residual = layernorm_output if self.apply_residual_connection_post_layernorm else hidden_states
         layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "self_attention")
 
-        layernorm_output = (self.pre_cross_attn_layernorm if self.has_cross_attention else self.pre_mlp_layernorm)(layernorm_input)
+        layernorm_output = self._norm(self.pre_cross_attn_layernorm if self.has_cross_attention
+                                      else self.pre_mlp_layernorm, layernorm_input)
 
         if self.has_cross_attention:
             attention_output, attention_bias = self.cross_attention(
                 layernorm_output, enc_dec_attn_mask, encoder_output)
             residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input
             layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "cross_attention")
-            layernorm_output = self.pre_mlp_layernorm(layernorm_input)
+            layernorm_output = self._norm(self.pre_mlp_layernorm, layernorm_input)
 
         mlp_output, mlp_bias = self._mlp_forward(layernorm_output)
         residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input

@@ -1,10 +1,14 @@
 """Megatron-LM's command line: ``parse_args``, ``validate_args``, ``core_transformer_config_from_args``.
 
-One module per family of argument groups (``model_args``, ``training_args``, ``system_args``, ``task_args``),
-the checks and derived values in ``validation``, the table printout in ``printing``.
+One module per family of argument groups (``model_args``, ``training_args``, ``system_args``, ``task_args``; the
+"transformer configuration" group generated from the dataclass configs in ``config_args``; every other option of
+Megatron-LM HEAD from the registry, ``registry``), the checks and derived values in ``validation``, the table
+printout in ``printing``, ``docs/arguments.md`` from ``arguments_doc``.
 """
+from megatron.training.arguments.config_args import _add_transformer_config_args  # noqa: F401
 from megatron.training.arguments.model_args import (  # noqa: F401
     _add_initialization_args,
+    _add_mla_args,
     _add_moe_args,
     _add_network_size_args,
     _add_regularization_args,

@@ -9,38 +9,44 @@ from __future__ import annotations
 import argparse
 
 
-def _attn_backend(name: str):
-    """``--attention-backend NAME`` -> megatron.core's ``AttnBackend`` member of that name (Megatron's type)."""
-    from megatron.core.transformer.enums import AttnBackend
-
+def int_pair(value: str):
+    """``"127,0"`` or ``"(127,0)"`` -> ``(127, 0)`` (HEAD's type of ``--window-size``)."""
     try:
-        return AttnBackend[name]
-    except KeyError:
-        raise argparse.ArgumentTypeError(
-            f"invalid choice {name!r} (choose from {', '.join(b.name for b in AttnBackend)})") from None
+        return tuple(int(v) for v in value.strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by a comma, e.g. 127,0; got {value!r}") from None
+
+
+def layer_pattern(value: str):
+    """An int N, or a Python list expression of 0/1 per layer such as ``"([0]+[1]*23)"`` (HEAD's per-layer
+    frequency options: ``--moe-layer-freq``, ``--no-rope-freq``, ``--window-attn-skip-freq`` ...)."""
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        pattern = _eval_layer_pattern(value)
+    except (ValueError, SyntaxError, TypeError):
+        pattern = None
+    if not isinstance(pattern, list) or not all(v in (0, 1) for v in pattern):
+        raise argparse.ArgumentTypeError(f"expected an integer or a list expression of 0/1 such as '([0]+[1]*23)', "
+                                         f"got {value!r}")
+    return pattern
 
 
 def _add_network_size_args(parser):
     group = parser.add_argument_group(title="network size")
 
-    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
     group.add_argument("--encoder-num-layers", type=int, default=None,
                        help="Number of encoder transformer layers (alternative to --num-layers).")
     group.add_argument("--decoder-num-layers", type=int, default=None, help="Number of decoder transformer layers.")
-    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
-    group.add_argument("--ffn-hidden-size", type=int, default=None,
-                       help="Hidden size of the MLP; 4 * hidden-size if not given (2/3 of that, rounded down to "
-                            "a multiple of 64, with --swiglu).")
-    group.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
-    group.add_argument("--kv-channels", type=int, default=None,
-                       help="Projection size per attention head; hidden-size // num-attention-heads if not given.")
     group.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
-    group.add_argument("--num-query-groups", type=int, default=1,
-                       help="Number of key/value groups with --group-query-attention.")
     group.add_argument("--max-position-embeddings", type=int, default=None,
                        help="Largest sequence length the position embedding supports.")
     group.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                       choices=["learned_absolute", "rope", "none"], help="Position embedding type.")
+                       choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
+                       help="Position embedding type (yarn: RoPE with YaRN frequencies, --rotary-scaling-factor; "
+                            "mrope and relative are not available).")
     group.add_argument("--use-rotary-position-embeddings", action="store_true",
                        help="Deprecated: use --position-embedding-type rope.")
     group.add_argument("--rotary-percent", type=float, default=1.0,
@@ -48,27 +54,24 @@ def _add_network_size_args(parser):
     group.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
                        help="Sequence-length interpolation factor for rotary embeddings.")
     group.add_argument("--rotary-base", type=int, default=10000, help="Base of the rotary embedding frequencies.")
-    group.add_argument("--rotary-interleaved", action="store_true",
-                       help="Rotate adjacent channel pairs (RoFormer) instead of the two halves of each head.")
     group.add_argument("--use-rope-scaling", action="store_true",
                        help="Apply Llama-3.x frequency scaling to the rotary embedding.")
     group.add_argument("--rope-scaling-factor", type=float, default=8.0,
                        help="Frequency scaling factor of --use-rope-scaling.")
-    group.add_argument("--qk-layernorm", action="store_true",
-                       help="Normalise each head's queries and keys (with --normalization) before attention.")
-    group.add_argument("--attention-backend", type=_attn_backend, default="auto",
-                       metavar="{flash,fused,unfused,local,auto}",
-                       help="Attention implementation: auto/fused/flash use torch SDPA where the mask allows, "
-                            "unfused/local the explicit masked softmax.")
+    group.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
+                       help="YaRN (--position-embedding-type yarn): original context length (4096 if not given).")
+    group.add_argument("--yarn-beta-fast", type=float, default=None,
+                       help="YaRN: rotations of the fastest kept frequency (32 if not given).")
+    group.add_argument("--yarn-beta-slow", type=float, default=None,
+                       help="YaRN: rotations of the slowest interpolated frequency (1 if not given).")
+    group.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                       help="YaRN: round the correction range to integers (the default).")
+    group.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                       dest="yarn_correction_range_round_to_int", help="YaRN: keep the correction range fractional.")
     group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
                        help="Deprecated: disable the position embedding (only with rope).")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="Pad the vocabulary to a multiple of this value times the tensor-parallel size.")
-    group.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="Layer-norm epsilon.")
-    group.add_argument("--apply-layernorm-1p", action="store_true",
-                       help="Zero-centred layer-norm gamma (weight + 1), for numerical stability.")
-    group.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
-                       help="Take the residual from after the layer norm (original BERT).")
     group.add_argument("--openai-gelu", action="store_true", help="Use OpenAI's tanh approximation of GeLU.")
     group.add_argument("--squared-relu", action="store_true", help="Use squared ReLU as the MLP activation.")
     group.add_argument("--swiglu", action="store_true", help="Use the gated SwiGLU MLP.")
@@ -84,11 +87,30 @@ def _add_network_size_args(parser):
     return parser
 
 
+def _add_mla_args(parser):
+    """Multi-latent attention sizes (Megatron-LM HEAD's "mla" group; megatron/core/transformer/multi_latent_attention.py)."""
+    group = parser.add_argument_group(title="mla")
+
+    group.add_argument("--q-lora-rank", type=int, default=None,
+                       help="Rank of the query latent (none: queries projected straight from the hidden state).")
+    group.add_argument("--kv-lora-rank", type=int, default=32, help="Rank of the key/value latent.")
+    group.add_argument("--qk-head-dim", type=int, default=128, help="Query/key head size without position embedding.")
+    group.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                       help="Query/key head size with the rotary position embedding (one shared key head).")
+    group.add_argument("--v-head-dim", type=int, default=128, help="Value head size.")
+    group.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN rotary scaling factor.")
+    group.add_argument("--mscale", type=float, default=1.0, help="YaRN mscale (attention concentration numerator).")
+    group.add_argument("--mscale-all-dim", type=float, default=0.0,
+                       help="YaRN mscale_all_dim (concentration denominator; multi-latent attention also scales its "
+                            "softmax by its square).")
+    group.add_argument("--rope-type", type=str, default=None, choices=["rope", "yarn"],
+                       help="Rotary type of multi-latent attention (yarn if not given).")
+    return parser
+
+
 def _add_regularization_args(parser):
     group = parser.add_argument_group(title="regularization")
 
-    group.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout after the attention softmax.")
-    group.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on the hidden states.")
     group.add_argument("--weight-decay", type=float, default=0.01, help="L2 weight decay coefficient.")
     group.add_argument("--start-weight-decay", type=float,
                        help="Initial weight decay with a non-constant --weight-decay-incr-style.")
@@ -110,8 +132,6 @@ def _add_initialization_args(parser):
     group.add_argument("--seed", type=int, default=1234, help="Random seed for python, numpy and torch.")
     group.add_argument("--data-parallel-random-init", action="store_true",
                        help="Initialise the model differently on each data-parallel rank.")
-    group.add_argument("--init-method-std", type=float, default=0.02,
-                       help="Standard deviation of the normal weight initialisation.")
     group.add_argument("--init-method-xavier-uniform", action="store_true",
                        help="Use Xavier uniform weight initialisation.")
     return parser
@@ -120,44 +140,9 @@ def _add_initialization_args(parser):
 def _add_transformer_engine_args(parser):
     group = parser.add_argument_group(title="Transformer-Engine")
 
-    group.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"], dest="fp8",
-                       help="FP8 format (Transformer Engine only).")
-    group.add_argument("--fp8-margin", type=int, default=0, help="Scaling margin for FP8.")
-    group.add_argument("--fp8-interval", type=int, default=1, help="Scaling update interval for FP8.")
-    group.add_argument("--fp8-amax-history-len", type=int, default=1, help="Number of steps of amax history kept.")
-    group.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
-                       help="How the FP8 amax is computed from its history.")
-    group.add_argument("--no-fp8-wgrad", action="store_false", dest="fp8_wgrad",
-                       help="Compute the weight gradients in higher precision under FP8.")
-    group.add_argument("--fp8-recipe", default="delayed", choices=["tensorwise", "delayed", "mxfp8", "blockwise",
-                                                                   "custom"],
-                       help="FP8 scaling recipe (delayed: amax history; tensorwise: current scaling; mxfp8 and "
-                            "blockwise: block scaling; custom: a user quantizer factory).")
     group.add_argument("--fp8-param-gather", action="store_true",
                        help="Keep the parameters in FP8 and all-gather them in FP8 (needs the distributed optimizer).")
-    group.add_argument("--transformer-impl", default="transformer_engine", choices=["local", "transformer_engine"],
-                       help="Which transformer implementation to use (transformer_engine falls back to local, "
-                            "with a log line, because this library builds its layers from its own modules).")
-    group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
-                       help="Normalization layer type.")
     return parser
-
-
-def _moe_layer_freq(value: str):
-    """``--moe-layer-freq``: an int N (every N-th layer is MoE) or a Python list expression of 0/1 per layer,
-    e.g. ``"([0]+[1]*23)"``."""
-    try:
-        return int(value)
-    except ValueError:
-        pass
-    try:
-        pattern = _eval_layer_pattern(value)
-    except (ValueError, SyntaxError, TypeError):
-        pattern = None
-    if not isinstance(pattern, list) or not all(v in (0, 1) for v in pattern):
-        raise argparse.ArgumentTypeError(f"--moe-layer-freq must be an integer or a list expression of 0/1 such as "
-                                         f"'([0]+[1]*23)', got {value!r}")
-    return pattern
 
 
 def _eval_layer_pattern(value: str):
@@ -185,56 +170,15 @@ def _add_moe_args(parser):
     (megatron/training/arguments/unimplemented.py)."""
     group = parser.add_argument_group(title="moe")
 
-    group.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert model parallel size (EP).")
-    group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                       help="Tensor parallel size of the experts (--tensor-model-parallel-size if not given).")
-    group.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=1,
+    group.add_argument("--moe-layer-freq", type=layer_pattern, default=1,
                        help="Every N-th layer is an MoE layer (int N), or a 0/1 list expression per layer.")
-    group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
-                       help="Hidden size of each expert's MLP (--ffn-hidden-size if not given).")
-    group.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
-                       help="Total hidden size of the shared experts (none if not given).")
-    group.add_argument("--moe-shared-expert-gate", action="store_true", help="Gate the shared experts' output.")
-    group.add_argument("--moe-shared-expert-overlap", action="store_true",
-                       help="Overlap the shared experts with the token dispatch (alltoall dispatcher only).")
-    group.add_argument("--moe-grouped-gemm", action="store_true", help="Compute the local experts with grouped GEMMs.")
     group.add_argument("--moe-use-legacy-grouped-gemm", action="store_true",
                        help="Use the legacy GroupedMLP (grouped_gemm package) for --moe-grouped-gemm.")
-    group.add_argument("--moe-layer-recompute", action="store_true", help="Recompute the MoE layers in backward.")
     group.add_argument("--moe-router-load-balancing-type", nargs="+", type=str, default="aux_loss",
-                       choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+                       choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"],
                        help="Load-balancing strategy (several: one --moe-aux-loss-coeff each).")
-    group.add_argument("--moe-router-dtype", type=str, default=None, choices=["fp32", "fp64"],
-                       help="Data type of the router's GEMM, routing and probability weighting.")
-    group.add_argument("--moe-router-fusion", action="store_true", help="Fused router kernels (Transformer Engine).")
-    group.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"],
-                       help="Router score function.")
-    group.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to (k).")
-    group.add_argument("--moe-router-pre-softmax", action="store_true",
-                       help="Softmax over all experts before the top-k selection.")
-    group.add_argument("--moe-router-num-groups", type=int, default=None, help="Expert groups (group-limited routing).")
-    group.add_argument("--moe-router-group-topk", type=int, default=None, help="Groups selected per token.")
-    group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
-                       help="Scale the top-k routing probabilities by this factor.")
-    group.add_argument("--moe-router-enable-expert-bias", action="store_true",
-                       help="Aux-loss-free load balancing with a per-expert bias (sigmoid scores only).")
-    group.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
-                       help="Update rate of the expert bias.")
     group.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
                        help="Coefficient(s) of the auxiliary load-balancing loss (0 disables it).")
-    group.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Coefficient of the router z-loss.")
-    group.add_argument("--moe-input-jitter-eps", type=float, default=None,
-                       help="Multiply the router input by U(1-eps, 1+eps).")
-    group.add_argument("--moe-per-layer-logging", action="store_true", help="Log the MoE losses of every layer.")
-    group.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
-                       choices=["allgather", "alltoall", "flex"], help="How tokens are dispatched to the experts.")
-    group.add_argument("--moe-expert-capacity-factor", type=float, default=None,
-                       help="Expert capacity factor (dropless if not given; a negative value means not given).")
-    group.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
-                       help="Pad each expert's input to its capacity (needs --moe-expert-capacity-factor).")
-    group.add_argument("--moe-token-drop-policy", type=str, default="probs", choices=["probs", "position"],
-                       help="Which tokens are dropped over capacity: lowest probability, or last positions.")
-    group.add_argument("--moe-permute-fusion", action="store_true", help="Fused token permutation (Transformer Engine).")
     return parser
 
 

@@ -11,23 +11,19 @@ from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # the one table of tok
 def _add_distributed_args(parser):
     group = parser.add_argument_group(title="distributed")
 
-    group.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor model parallel size.")
-    group.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline model parallel size.")
     group.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
                        help="Pipeline rank where the decoder starts (encoder-decoder models).")
     group.add_argument("--model-parallel-size", type=int, default=None,
                        help="Deprecated: use --tensor-model-parallel-size.")
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                        help="Layers per virtual pipeline stage (interleaved schedule).")
-    group.add_argument("--overlap-p2p-communication", action="store_true", dest="overlap_p2p_comm",
-                       help="Overlap pipeline send/receive with computation.")
-    group.add_argument("--context-parallel-size", type=int, default=1,
-                       help="Context parallel size: ranks that split each sequence (docs/context_parallel.md).")
+    group.add_argument("--overlap-p2p-communication", action="store_true", dest="overlap_p2p_comm", default=True,
+                       help="Pipeline send/receive as separate isend/irecv calls (2023 spelling; the default now).")
+    group.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
+                       help="Pipeline send/receive batched into one batch_isend_irecv call.")
     group.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
                        help="Context-parallel communication per layer (one value for all, or one per layer): "
                             "p2p, all_gather, a2a or a2a+p2p.")
-    group.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
-                       help="Sizes of the two context-parallel levels of a2a+p2p (their product is the CP size).")
     group.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],
                        help="torch.distributed backend (gloo is used whenever CUDA is not available).")
     group.add_argument("--distributed-timeout-minutes", type=float, default=10,
@@ -51,13 +47,10 @@ def _add_distributed_args(parser):
     group.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_false",
                        dest="scatter_gather_tensors_in_pipeline",
                        help="Send whole tensors between pipeline stages instead of tensor-parallel slices.")
-    group.add_argument("--use-ring-exchange-p2p", action="store_true",
-                       help="Use ring exchange for pipeline communication (custom PyTorch builds only).")
-    group.add_argument("--local_rank", type=int, default=None, help="Local rank passed by torch.distributed.launch.")
-    group.add_argument("--lazy-mpu-init", type=bool, required=False,
+    group.add_argument("--local-rank", "--local_rank", type=int, default=0,
+                       help="Local rank passed by the launcher (torchrun sets LOCAL_RANK, which wins).")
+    group.add_argument("--lazy-mpu-init", action="store_true",
                        help="Defer process-group creation to an external launcher (returns a continuation).")
-    group.add_argument("--use-cpu-initialization", action="store_true", default=None,
-                       help="Initialise full weights on the CPU, then slice (same weights for every layout).")
     group.add_argument("--empty-unused-memory-level", default=0, type=int, choices=[0, 1, 2],
                        help="Release cached accelerator memory each iteration: 0 never, 1 moderately, 2 aggressively.")
     group.add_argument("--standalone-embedding-stage", action="store_true",
@@ -127,8 +120,9 @@ def _add_data_args(parser):
 
     group.add_argument("--data-path", nargs="*", default=None,
                        help="One dataset prefix, or weights and prefixes: w1 p1 w2 p2 ...")
-    group.add_argument("--split", type=str, default="969, 30, 1",
-                       help="Train/validation/test split as comma-separated weights, e.g. '90,5,5'.")
+    group.add_argument("--split", type=str, default=None,
+                       help="Train/validation/test split as comma-separated weights, e.g. '90,5,5' ('969, 30, 1' "
+                            "with --data-path when not given, with a warning).")
     group.add_argument("--train-data-path", nargs="*", default=None, help="Training dataset prefix(es).")
     group.add_argument("--valid-data-path", nargs="*", default=None, help="Validation dataset prefix(es).")
     group.add_argument("--test-data-path", nargs="*", default=None, help="Test dataset prefix(es).")
@@ -141,6 +135,13 @@ def _add_data_args(parser):
                        dest="create_attention_mask_in_dataloader",
                        help="Samples carry no attention_mask; the model applies the causal mask itself.")
     group.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (with NullTokenizer).")
+    group.add_argument("--padded-vocab-size", type=int, default=None,
+                       help="Rows of the embedding and output layer, used as given (no padding by "
+                            "--make-vocab-size-divisible-by); must hold the tokenizer's vocabulary and divide by "
+                            "--tensor-model-parallel-size.")
+    group.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", action="store_false", dest="pad_vocab_size",
+                       help="Do not pad the vocabulary (the embedding has exactly the tokenizer's rows; they must "
+                            "divide by --tensor-model-parallel-size).")
     group.add_argument("--vocab-file", type=str, default=None, help="Vocabulary file.")
     group.add_argument("--merge-file", type=str, default=None, help="BPE merge file.")
     group.add_argument("--vocab-extra-ids", type=int, default=0,
@@ -158,7 +159,9 @@ def _add_data_args(parser):
                        help="Probability of producing a short sequence (BERT).")
     group.add_argument("--mmap-warmup", action="store_true", help="Warm up the memory-mapped dataset files.")
     group.add_argument("--num-workers", type=int, default=2, help="Data loader worker processes.")
-    group.add_argument("--tokenizer-type", type=str, default=None, choices=list(TOKENIZER_TYPES), help="Tokenizer.")
+    group.add_argument("--tokenizer-type", type=str, default=None,
+                       choices=list(TOKENIZER_TYPES) + ["MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"],
+                       help="Tokenizer (the multimodal and SFT tokenizers are not available).")
     group.add_argument("--tokenizer-model", type=str, default=None,
                        help="SentencePiece model file, Hugging Face tokenizer directory, or TikTokenizer JSON "
                             "vocabulary.")
@@ -207,26 +210,30 @@ def _add_logging_args(parser):
     group.add_argument("--no-log-learnig-rate-to-tensorboard", action="store_false",
                        dest="log_learning_rate_to_tensorboard",
                        help="Do not write the learning rate to TensorBoard (flag spelled as in Megatron-LM).")
-    group.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+    group.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                       action="store_false",
                        dest="log_loss_scale_to_tensorboard", help="Do not write the loss scale to TensorBoard.")
     group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                        help="Write the validation perplexity to TensorBoard.")
     group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write memory usage to TensorBoard.")
     group.add_argument("--log-world-size-to-tensorboard", action="store_true",
                        help="Write the world size to TensorBoard.")
-    group.add_argument("--wandb-project", type=str, default="", help="Weights & Biases project (optional; needs wandb).")
-    group.add_argument("--wandb-exp-name", type=str, default="", help="Weights & Biases run name.")
-    group.add_argument("--wandb-save-dir", type=str, default="", help="Directory for Weights & Biases files.")
+    group.add_argument("--wandb-project", type=str, default=None,
+                       help="Weights & Biases project (optional; needs wandb).")
+    group.add_argument("--wandb-exp-name", type=str, default=None, help="Weights & Biases run name.")
+    group.add_argument("--wandb-save-dir", type=str, default=None, help="Directory for Weights & Biases files.")
     return parser
 
 
 def _add_inference_args(parser):
     group = parser.add_argument_group(title="inference")
 
-    group.add_argument("--inference-batch-times-seqlen-threshold", type=int, default=512,
-                       help="Above this batch * sequence length, inference pipelines micro-batches.")
+    group.add_argument("--inference-batch-times-seqlen-threshold", type=int, default=-1,
+                       help="Above this batch * sequence length, inference pipelines micro-batches (performance "
+                            "only: generation runs the whole batch at once here).")
     group.add_argument("--max-tokens-to-oom", type=int, default=12000,
-                       help="Maximum number of tokens generated before running out of memory is likely.")
+                       help="Maximum number of tokens generated before running out of memory is likely (not "
+                            "available: no such limit here).")
     group.add_argument("--output-bert-embeddings", action="store_true", help="Output BERT embeddings.")
     group.add_argument("--bert-embedder-type", default="megatron", choices=["megatron", "huggingface"],
                        help="Which BERT embedder to use.")

@@ -20,31 +20,15 @@ def _add_training_args(parser):
                        help="Step-wise global batch size: 'THRESHOLD:BS' pairs separated by spaces or commas, "
                             "thresholds in consumed tokens with optional K/M/B/T suffixes (e.g. '0:16 2.4B:320'); "
                             "the first threshold must be 0. --global-batch-size, if given, must equal the last BS.")
-    group.add_argument("--calculate-per-token-loss", action="store_true",
-                       help="Normalise the loss by the number of non-padded tokens of the whole global batch "
-                            "(instead of averaging per-micro-batch token means).")
     group.add_argument("--manual-gc", action="store_true",
                        help="Disable Python's automatic garbage collector and collect only at the points given by "
                             "--manual-gc-interval and around evaluation, the same on every rank.")
     group.add_argument("--manual-gc-interval", type=int, default=0,
                        help="With --manual-gc: run a full gc.collect() every this many iterations (0: never).")
-    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+    group.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false", dest="manual_gc_eval",
                        help="With --manual-gc: do not collect before and after each periodic evaluation.")
     group.add_argument("--recompute-activations", action="store_true",
                        help="Recompute activations (selective granularity).")
-    group.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
-                       help="Recompute whole transformer layers (full) or the parts --recompute-modules names "
-                            "(selective).")
-    group.add_argument("--recompute-modules", nargs="*", type=str, default=None,
-                       help="With --recompute-granularity selective: what each layer recomputes in backward, any of "
-                            "core_attn (default), mlp, moe, shared_experts, moe_act (with --moe-grouped-gemm); "
-                            "layernorm and mla_up_proj are refused.")
-    group.add_argument("--distribute-saved-activations", action="store_true",
-                       help="Split recomputed activations across the tensor-parallel group.")
-    group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
-                       help="uniform: recompute groups of layers; block: recompute the first layers of each stage.")
-    group.add_argument("--recompute-num-layers", type=int, default=1,
-                       help="Layers per recompute group (uniform) or recomputed layers per stage (block).")
     group.add_argument("--profile", action="store_true",
                        help="Profile iterations --profile-step-start..--profile-step-end: nsys ranges (CUDA), or "
                             "with --use-pytorch-profiler a PyTorch profiler trace in --tensorboard-dir.")
@@ -85,29 +69,26 @@ def _add_training_args(parser):
                        help="Do not fuse the rotary position embedding into one kernel.")
     group.add_argument("--apply-rope-fusion", action="store_true", dest="apply_rope_fusion",
                        help="Fuse the rotary position embedding into one kernel (the default).")
-    group.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                       help="Fused vocab-parallel cross entropy (compiled kernels, one all-reduce).")
     group.add_argument("--enable-cuda-graph", action="store_true",
-                       help="Capture the transformer layers' forward in CUDA graphs (not implemented: errors).")
+                       help="Capture the transformer layers' forward in CUDA graphs (performance only: not captured "
+                            "here, said once in the log).")
     group.add_argument("--external-cuda-graph", action="store_true",
-                       help="CUDA graphs captured by the training script (not implemented: errors).")
+                       help="CUDA graphs captured by the training script (performance only: not captured here).")
     group.set_defaults(bias_gelu_fusion=True, bias_swiglu_fusion=True, apply_rope_fusion=True)
     group.add_argument("--use-flash-attn", action="store_true", help="Use FlashAttention when available.")
     group.add_argument("--deterministic-mode", action="store_true",
                        help="Choose code that has deterministic execution. This usually means slower execution, "
                             "but is good for debugging and testing (see megatron/training/deterministic.py).")
-    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
-                       help="Drop the biases of the linear layers.")
-    group.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
-    group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic"],
+    group.add_argument("--optimizer", type=str, default="adam",
+                       choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"],
+                       help="Optimizer (adam or sgd; the others are not available).")
+    group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic", "external"],
                        help="Single pass or cyclic data loader ('single' if not given).")
     group.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",
                        dest="async_tensor_model_parallel_allreduce",
                        help="Do not overlap the input-gradient all-reduce with the weight-gradient GEMM.")
     group.add_argument("--no-persist-layer-norm", action="store_true",
-                       help="Do not use the persistent fused layer-norm kernel.")
-    group.add_argument("--sequence-parallel", action="store_true",
-                       help="Shard layer-norm and dropout activations along the sequence over tensor-parallel ranks.")
+                       help="Do not use apex's persistent fused layer-norm kernel (performance only: never used here).")
     group.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                        help="Do not fuse weight-gradient computation with accumulation into main_grad.")
     group.add_argument("--use-legacy-models", action="store_true",
@@ -123,7 +104,8 @@ def _add_learning_rate_args(parser):
 
     group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     group.add_argument("--lr-decay-style", type=str, default="linear",
-                       choices=["constant", "linear", "cosine", "inverse-square-root"], help="Learning rate decay.")
+                       choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                       help="Learning rate decay (WSD is not available).")
     group.add_argument("--lr-decay-iters", type=int, default=None,
                        help="Iterations to decay over (--train-iters if not given).")
     group.add_argument("--lr-decay-samples", type=int, default=None,
@@ -140,9 +122,10 @@ def _add_learning_rate_args(parser):
     group.add_argument("--decoupled-min-lr", type=float, default=None,
                        help="Minimum learning rate of the input embedding and output layer weights "
                             "(--min-lr if not given).")
-    group.add_argument("--override-opt_param-scheduler", action="store_true",
+    group.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
                        help="Use the scheduler values from the flags, ignoring those in the checkpoint.")
-    group.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+    group.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                       action="store_true",
                        help="Use the scheduler values from the checkpoint, ignoring the flags.")
     return parser
 
@@ -151,7 +134,8 @@ def _add_checkpointing_args(parser):
     group = parser.add_argument_group(title="checkpointing")
 
     group.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
-    group.add_argument("--save-interval", type=int, default=None, help="Save a checkpoint every this many iterations.")
+    group.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
+                       help="Save a checkpoint every this many iterations.")
     group.add_argument("--no-save-optim", action="store_true", default=None, help="Do not save the optimizer state.")
     group.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save the RNG state.")
     group.add_argument("--load", type=str, default=None, help="Directory containing a checkpoint to load.")
@@ -159,8 +143,6 @@ def _add_checkpointing_args(parser):
     group.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load the RNG state.")
     group.add_argument("--finetune", action="store_true",
                        help="Load model weights only; reset iteration, optimizer and RNG state.")
-    group.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
-                       help="Skip weight initialisation (weights come from a checkpoint).")
     group.add_argument("--use-checkpoint-args", action="store_true",
                        help="Override model flags with those stored in the checkpoint given by --load.")
     group.add_argument("--exit-on-missing-checkpoint", action="store_true",
@@ -169,10 +151,11 @@ def _add_checkpointing_args(parser):
                        help="Load the checkpoint of this iteration instead of the one the tracker file names.")
     group.add_argument("--pretrained-checkpoint", type=str, default=None,
                        help="Checkpoint to start a finetune from when --load holds none (implies --finetune).")
-    group.add_argument("--ckpt-format", type=str, default="torch_dist", choices=["torch", "torch_dist"],
+    group.add_argument("--ckpt-format", type=str, default="torch_dist",
+                       choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
                        help="Checkpoint format: distributed, reshardable, Megatron-LM's layout (torch_dist, the "
                             "default) or one file per model-parallel rank (torch).")
-    group.add_argument("--async-save", action="store_true", default=None,
+    group.add_argument("--async-save", action="store_true",
                        help="Write torch_dist checkpoints in a background thread; finished before the next save, "
                             "a load, or the end of training.")
     group.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected",
@@ -183,7 +166,7 @@ def _add_checkpointing_args(parser):
     group.add_argument("--auto-detect-ckpt-format", action="store_true",
                        help="Load whichever format --load holds (metadata.json: torch_dist; mp_rank_*: torch), "
                             "whatever --ckpt-format says (which still decides the format of saves).")
-    group.add_argument("--ckpt-fully-parallel-save", action="store_true", dest="deprecated_ckpt_fully_parallel_save",
+    group.add_argument("--ckpt-fully-parallel-save", action="store_true", dest="ckpt_fully_parallel_save_deprecated",
                        help="Deprecated no-op (fully parallel save is the default).")
     group.add_argument("--no-ckpt-fully-parallel-save", action="store_false", dest="ckpt_fully_parallel_save",
                        help="torch_dist: accepted for Megatron compatibility; here every distinct chunk is written "
@@ -204,8 +187,6 @@ def _add_checkpointing_args(parser):
 def _add_mixed_precision_args(parser):
     group = parser.add_argument_group(title="mixed precision")
 
-    group.add_argument("--fp16", action="store_true", help="Run the model in fp16.")
-    group.add_argument("--bf16", action="store_true", help="Run the model in bfloat16.")
     group.add_argument("--loss-scale", type=float, default=None,
                        help="Static loss scale (a power of 2 helps convergence); dynamic if not given.")
     group.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="Initial dynamic loss scale.")
@@ -213,10 +194,9 @@ def _add_mixed_precision_args(parser):
     group.add_argument("--loss-scale-window", type=float, default=1000,
                        help="Iterations without overflow before the dynamic loss scale grows.")
     group.add_argument("--hysteresis", type=int, default=2, help="Hysteresis of the dynamic loss scale.")
-    group.add_argument("--fp32-residual-connection", action="store_true",
-                       help="Keep the residual connection in fp32.")
     group.add_argument("--no-query-key-layer-scaling", action="store_false", dest="apply_query_key_layer_scaling",
-                       help="Do not scale Q * K^T by 1 / layer-number.")
+                       default=False, help="Do not scale Q * K^T by 1 / layer-number (the default now; the 2023 "
+                                           "default was to scale: --apply-query-key-layer-scaling).")
     group.add_argument("--attention-softmax-in-fp32", action="store_true",
                        help="Compute the attention softmax in fp32.")
     group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
@@ -233,6 +213,7 @@ def _add_validation_args(parser):
     group = parser.add_argument_group(title="validation")
 
     group.add_argument("--eval-iters", type=int, default=100, help="Iterations per validation/test evaluation.")
-    group.add_argument("--eval-interval", type=int, default=1000, help="Evaluate every this many iterations.")
+    group.add_argument("--eval-interval", type=int, default=None,
+                       help="Evaluate every this many iterations (not given: only after training).")
     group.add_argument("--skip-train", action="store_true", help="Only evaluate; do not train.")
     return parser

@@ -1,7 +1,8 @@
-"""Flags of today's Megatron-LM whose features this library does not implement yet: some MoE variants (the flex
-dispatcher, MoE in the legacy models), the hierarchical a2a+p2p variant of context parallelism
-(p2p, all_gather and a2a are implemented), and the FP8 variants that need Transformer Engine (block-scaled recipes, FP8
-parameters; per-tensor FP8 GEMMs with --fp8-format run, see megatron/core/fp8_utils.py).
+"""Values of today's Megatron-LM flags whose features this library does not implement, when the refusal depends on
+other flags: MoE in the legacy models, the hierarchical a2a+p2p variant of context parallelism (p2p, all_gather and a2a
+are implemented), and the block-scaled FP8 recipes that need Transformer Engine (per-tensor FP8 GEMMs with
+--fp8-format run, see megatron/core/fp8_utils.py). Options that are not available whatever their neighbours say are
+refused by parse_args from the registry (registry.py).
 
 The flags parse with Megatron's types and defaults, and their values are checked as Megatron checks them; then a
 value that would need the missing feature stops with one ConfigurationError line naming the flag. A flag left at
@@ -105,15 +106,17 @@ def _validate_moe_implemented(args) -> None:
     if args.moe_router_enable_expert_bias:
         _require(args.moe_router_score_function == "sigmoid",
                  "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
-    if args.moe_token_dispatcher_type == "flex":
-        raise _not_implemented("--moe-token-dispatcher-type flex", "the DeepEP/HybridEP dispatcher",
-                               "use --moe-token-dispatcher-type alltoall or allgather")
     if args.moe_router_num_groups is not None:
         _require(args.num_experts % args.moe_router_num_groups == 0 and args.moe_router_group_topk,
                  "--moe-router-num-groups must divide --num-experts and needs --moe-router-group-topk")
-    for flag, dest in (("--moe-router-fusion", "moe_router_fusion"), ("--moe-permute-fusion", "moe_permute_fusion")):
-        if getattr(args, dest):
-            raise _not_implemented(flag, "Transformer Engine's fused MoE kernels", f"drop {flag}")
+        _require(args.moe_router_group_topk <= args.moe_router_num_groups,
+                 f"--moe-router-group-topk ({args.moe_router_group_topk}) must be <= --moe-router-num-groups "
+                 f"({args.moe_router_num_groups})")
+    else:
+        _require(args.moe_router_group_topk is None, "--moe-router-group-topk needs --moe-router-num-groups")
+    if args.moe_shared_expert_overlap:  # (Megatron's rules; the overlap itself is performance-only here)
+        _require(args.moe_token_dispatcher_type in ("alltoall", "flex"),
+                 "--moe-shared-expert-overlap needs --moe-token-dispatcher-type alltoall")
 
 
 def _validate_context_parallel(args) -> None:
@@ -125,15 +128,6 @@ def _validate_context_parallel(args) -> None:
     num_layers = args.num_layers if args.num_layers is not None else args.encoder_num_layers
     _require(len(comm) == 1 or len(comm) == num_layers,
              f"--cp-comm-type takes one value or one per layer ({num_layers}), got {len(comm)}")
-    if args.hierarchical_context_parallel_sizes is not None:
-        product = 1
-        for size in args.hierarchical_context_parallel_sizes:
-            product *= size
-        _require(product == cp, f"--hierarchical-context-parallel-sizes {args.hierarchical_context_parallel_sizes}: "
-                                f"their product must equal --context-parallel-size ({cp})")
-    if "a2a+p2p" in comm:
-        _require(args.hierarchical_context_parallel_sizes is not None,
-                 "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes")
     if cp > 1:
         seq = args.seq_length if args.seq_length is not None else args.encoder_seq_length
         world = getattr(args, "world_size", None)
@@ -154,9 +148,6 @@ def _validate_context_parallel(args) -> None:
                  "path; drop --use-flash-attn")
         _require(not args.reset_attention_mask,
                  f"--context-parallel-size {cp} supports causal attention only: drop --reset-attention-mask")
-        if "a2a+p2p" in comm:
-            raise _not_implemented("--cp-comm-type a2a+p2p", "hierarchical (all-to-all inside, ring across) context "
-                                   "parallelism", "use --cp-comm-type p2p, all_gather or a2a")
         if "a2a" in comm and args.num_attention_heads:
             heads = args.num_attention_heads // tp
             groups = (args.num_query_groups if args.group_query_attention else args.num_attention_heads) // tp
@@ -164,25 +155,15 @@ def _validate_context_parallel(args) -> None:
                      f"--cp-comm-type a2a splits the attention heads over the {cp} context-parallel ranks: the heads "
                      f"({heads}) and query groups ({groups}) per tensor-parallel rank must be divisible by "
                      f"--context-parallel-size ({cp})")
-    if args.hierarchical_context_parallel_sizes is not None:
-        raise _not_implemented(f"--hierarchical-context-parallel-sizes {args.hierarchical_context_parallel_sizes}",
-                               "hierarchical context parallelism", "drop the flag and use --cp-comm-type p2p")
 
 
 def _validate_fp8(args) -> None:
     _require(args.fp8_amax_history_len >= 1, f"--fp8-amax-history-len must be >= 1, got {args.fp8_amax_history_len}")
     _require(args.fp8_margin >= 0, f"--fp8-margin must be >= 0, got {args.fp8_margin}")
     _require(args.fp8_interval >= 1, f"--fp8-interval must be >= 1, got {args.fp8_interval}")
-    if args.fp8_param_gather:
-        _require(args.fp8 is not None, "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
-        _require(args.use_distributed_optimizer,
-                 "--fp8-param-gather needs --use-distributed-optimizer (FP8 parameters are gathered by it)")
     if args.fp8 is None:
         return
     # FP8 GEMMs run without Transformer Engine (megatron/core/fp8_utils.py) with the two per-tensor recipes.
     if args.fp8_recipe not in ("delayed", "tensorwise"):
         raise _not_implemented(f"--fp8-recipe {args.fp8_recipe}", "block-scaled FP8 recipes (Transformer Engine)",
                                "use --fp8-recipe delayed or tensorwise")
-    if args.fp8_param_gather:
-        raise _not_implemented("--fp8-param-gather", "FP8 parameters (Transformer Engine's fp8_model_init)",
-                               "drop --fp8-param-gather: the GEMMs still run in FP8")

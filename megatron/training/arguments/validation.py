@@ -16,8 +16,13 @@ import types
 import torch
 
 from megatron.core import device
-from megatron.tokenizer.vocab_padding import unpadded_vocab_size, vocab_size_with_padding
+from megatron.post_training.arguments import apply_modelopt_args
+from megatron.tokenizer.vocab_padding import resolve_padded_vocab_size, unpadded_vocab_size
+from megatron.training.arguments.fsdp_args import validate_fully_sharded
+from megatron.training.arguments.mla_mtp_validation import validate_mla_and_mtp
 from megatron.training.arguments.printing import _print_args
+from megatron.training.arguments.model_variants import validate_model_variants
+from megatron.training.arguments.registry import log_performance_only, refuse_not_available
 from megatron.training.arguments.unimplemented import validate_unimplemented_features
 from megatron.training.errors import ConfigurationError
 from megatron.training.global_vars import get_retro_args, set_retro_args
@@ -45,10 +50,15 @@ def _log(args, message: str) -> None:
 
 
 def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defaults is never mutated
+    apply_modelopt_args(args, lambda message: _log(args, message))  # the configurations' ModelOpt flags, if added
+    refuse_not_available(args)  # an option this library does not have: one line naming it (registry.py)
+    log_performance_only(args, lambda message: _log(args, message))  # once: what runs instead (registry.py)
     validate_unimplemented_features(args)  # MoE, CP > 1, FP8: checked, then stop with one line
     _validate_parallel_sizes(args)
     _apply_deprecations(args)
     _apply_defaults(args, defaults)
+    _apply_legacy_split(args)
+    validate_fully_sharded(args)  # FSDP: Megatron's rules; Megatron-FSDP turns the distributed optimizer on
     _validate_batch_sizes(args)
     _set_virtual_pipeline_size(args)
     _set_precision(args)
@@ -69,6 +79,8 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_recompute(args)
     _validate_sequence_parallel(args)
     _validate_features(args)
+    validate_mla_and_mtp(args)
+    validate_model_variants(args, lambda message: _log(args, message))  # gpt-oss / Llama 4 flags
     _validate_per_token_loss(args)
     _validate_decoupled_lr(args)
     _validate_param_gather(args)
@@ -77,10 +89,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_rerun_machine(args)
     _validate_paths(args)
 
-    unpadded = None if args.vocab_size is None else unpadded_vocab_size(args.tokenizer_type, args.vocab_size)
-    if unpadded is not None:
-        args.padded_vocab_size = vocab_size_with_padding(
-            unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, rank=args.rank)
+    _set_padded_vocab_size(args)
 
     _print_args("arguments", args)
     retro_args = get_retro_args()
@@ -88,6 +97,21 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
         retro_only = {k: v for k, v in vars(retro_args).items() if k.startswith("retro")}
         _print_args("retro arguments", types.SimpleNamespace(**retro_only, rank=args.rank))
     return args
+
+
+def _set_padded_vocab_size(args):
+    """--padded-vocab-size as given, else the vocabulary --vocab-size stands for padded by
+    --make-vocab-size-divisible-by x TP (unless --no-pad-vocab-size); tokenizers whose files define the vocabulary
+    are padded when they are built. Checked before any process group exists."""
+    unpadded = None if args.vocab_size is None else unpadded_vocab_size(args.tokenizer_type, args.vocab_size)
+    _require(args.make_vocab_size_divisible_by > 0,
+             f"--make-vocab-size-divisible-by must be > 0, got {args.make_vocab_size_divisible_by}")
+    try:
+        args.padded_vocab_size = resolve_padded_vocab_size(
+            unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, args.padded_vocab_size,
+            args.pad_vocab_size, rank=args.rank)
+    except ValueError as e:
+        raise ConfigurationError(str(e)) from None
 
 
 def _validate_parallel_sizes(args):
@@ -133,6 +157,12 @@ def _apply_deprecations(args):
     for dest, (flag, instead) in _REMOVED_FLAGS.items():
         _require(getattr(args, dest) is None, f"{flag} is no longer valid: {instead}")
         delattr(args, dest)
+    deprecated_format = getattr(args, "dist_ckpt_format_deprecated", None)
+    if getattr(args, "use_dist_ckpt_deprecated", False) or deprecated_format is not None:
+        fmt = deprecated_format or "torch_dist"
+        _require(fmt in ("torch_dist", "torch"), f"--dist-ckpt-format {fmt}: use --ckpt-format torch_dist or torch")
+        _log(args, f"--use-dist-ckpt / --dist-ckpt-format are deprecated: using --ckpt-format {fmt}")
+        args.ckpt_format = fmt
     _require(not args.checkpoint_activations,
              "--checkpoint-activations is no longer valid: use --recompute-activations, or, for more control, "
              "--recompute-granularity and --recompute-method")
@@ -150,6 +180,14 @@ def _apply_defaults(args, defaults):
                 key=key, v=value, v2=getattr(args, key)))
         else:
             setattr(args, key, value)
+
+
+def _apply_legacy_split(args):
+    # Today's --split has no default; with --data-path Megatron falls back to the 2023 one, with a warning.
+    if args.split is None and args.data_path is not None:
+        _log(args, "WARNING: Please specify --split when using --data-path. Using legacy default value of "
+                   "\"969, 30, 1\"")
+        args.split = "969, 30, 1"
 
 
 def _validate_batch_sizes(args):
@@ -219,6 +257,19 @@ def _validate_step_batch_size_schedule(args):
 
 
 def _set_virtual_pipeline_size(args):
+    stages_per_rank = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if stages_per_rank is not None:  # today's spelling: the number of virtual stages, not their layer count
+        _require(args.num_layers_per_virtual_pipeline_stage is None,
+                 "--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage both set the "
+                 "interleaved schedule: pass only one")
+        _require(args.num_layers is not None and stages_per_rank > 0,
+                 "--num-virtual-stages-per-pipeline-rank needs --num-layers and a value > 0")
+        stages = args.transformer_pipeline_model_parallel_size * stages_per_rank
+        _require(args.num_layers % stages == 0,
+                 f"--num-layers ({args.num_layers}) must be divisible by pipeline stages "
+                 f"({args.transformer_pipeline_model_parallel_size}) x --num-virtual-stages-per-pipeline-rank "
+                 f"({stages_per_rank})")
+        args.num_layers_per_virtual_pipeline_stage = args.num_layers // stages
     per_stage = args.num_layers_per_virtual_pipeline_stage
     if per_stage is None:
         args.virtual_pipeline_model_parallel_size = None
@@ -310,7 +361,7 @@ def _validate_model_shape(args):
         _require(getattr(args, dest) > 0, f"{_flag(dest)} must be > 0, got {getattr(args, dest)}")
 
     activations = [f for f, on in (("--openai-gelu", args.openai_gelu), ("--squared-relu", args.squared_relu),
-                                   ("--swiglu", args.swiglu)) if on]
+                                   ("--swiglu", args.swiglu), ("--quick-geglu", args.quick_geglu)) if on]
     _require(len(activations) <= 1, f"{' and '.join(activations)} each choose the MLP activation: pass only one")
     if args.ffn_hidden_size is None:
         if args.swiglu:
@@ -426,7 +477,8 @@ def _validate_recompute(args):
     if args.recompute_granularity == "selective" or args.moe_layer_recompute:
         from megatron.core.transformer.transformer_config import check_recompute_modules
         try:
-            check_recompute_modules(args.recompute_modules or ["core_attn"], args.moe_grouped_gemm)
+            check_recompute_modules(args.recompute_modules or ["core_attn"], args.moe_grouped_gemm,
+                                    args.multi_latent_attention)
         except ValueError as e:
             raise ConfigurationError(str(e)) from None
     elif args.recompute_modules:
@@ -437,9 +489,12 @@ def _validate_recompute(args):
                  "--recompute-method is not supported with --recompute-granularity selective (or "
                  "--recompute-activations): drop --recompute-method")
     if args.recompute_granularity == "full":
-        # (early) TransformerConfig rejects full recompute without a method.
+        # (early) TransformerConfig rejects full recompute without a method and a layer count.
         _require(args.recompute_method is not None,
                  "--recompute-granularity full needs --recompute-method uniform or block")
+        _require(args.recompute_num_layers is not None,
+                 "--recompute-granularity full needs --recompute-num-layers N (layers per recompute group with "
+                 "uniform, recomputed layers per stage with block; it has no default since Megatron-LM 0.12)")
 
 
 def _validate_sequence_parallel(args):
@@ -461,10 +516,6 @@ def _validate_sequence_parallel(args):
 def _validate_features(args):
     if not args.add_bias_linear:
         args.bias_gelu_fusion = False
-    for flag, on in (("--enable-cuda-graph", args.enable_cuda_graph), ("--external-cuda-graph", args.external_cuda_graph)):
-        if on:
-            _require(device.cuda_available(), f"{flag} needs a CUDA device (none is available): drop the flag")
-            _require(False, f"{flag}: CUDA graph capture is not implemented in this library: drop the flag")
     if args.retro_add_retriever:
         _require(not args.sequence_parallel, "--retro-add-retriever does not support --sequence-parallel")
         _require(args.pipeline_model_parallel_size == 1,

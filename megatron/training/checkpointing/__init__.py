@@ -136,9 +136,11 @@ def load_args_from_checkpoint(args, load_arg="load"):
         set_arg(name)
     for name in ("num_query_groups", "group_query_attention", "position_embedding_type", "add_position_embedding",
                  "use_rotary_position_embeddings", "rotary_percent", "add_bias_linear", "swiglu",
-                 "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization"):
+                 "untie_embeddings_and_output_weights", "layernorm_zero_centered_gamma", "normalization"):
         if hasattr(checkpoint_args, name):
             set_arg(name, force=True)
+    if hasattr(checkpoint_args, "apply_layernorm_1p"):  # the 2023 destination of --apply-layernorm-1p
+        set_arg("layernorm_zero_centered_gamma", "apply_layernorm_1p", force=True)
     # Mixture of experts (Megatron force-copies these; the dispatcher only when unset).
     set_arg("moe_token_dispatcher_type")
     for name in ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",

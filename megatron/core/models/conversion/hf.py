@@ -1,5 +1,7 @@
-"""Conversion between our model state dicts and Hugging Face ``transformers`` checkpoints (GPT-2 and Llama; the
-mixture-of-experts models Mixtral and Qwen2-MoE, whose attention is Llama's, are in :mod:`.hf_moe`).
+"""Conversion between our model state dicts and Hugging Face ``transformers`` checkpoints: GPT-2 and Llama (Llama 3.1 /
+3.2's ``llama3`` RoPE scaling = ``--use-rope-scaling --rope-scaling-factor F``). The other families are in their own
+modules (:mod:`.hf_moe`: Mixtral, Qwen2-MoE; :mod:`.hf_qwen`: Qwen2 / Qwen3 / Qwen3-MoE), all on the shared decoder
+table of :mod:`.hf_layers` and dispatched by :mod:`.hf_registry`.
 
 Our side is the full (TP=1, PP=1) state dict of the legacy ``GPTModel`` (Megatron checkpoint key names) or,
 with ``key_format='mcore'``, of megatron-core's ``GPTModel``; use :mod:`megatron.core.models.conversion.tp` to
@@ -19,26 +21,20 @@ the same attribute names).
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from megatron.core.models.conversion.hf_layers import (  # noqa: F401  (fuse_qkv, split_qkv: re-exported)
+    decoder_from_hf, decoder_to_hf, fuse_qkv, pad_vocab, split_qkv)
 from megatron.core.models.conversion.keys import legacy_to_mcore, mcore_to_legacy
+from megatron.core.transformer.rotary import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.vocab_padding import vocab_size_with_padding
 
 _P = "language_model.encoder.layers."
 _EMB = "language_model.embedding."
-
-
-def _pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
-    if weight.shape[0] > padded_vocab_size:
-        raise ValueError(f"vocabulary of {weight.shape[0]} rows does not fit padded_vocab_size={padded_vocab_size}")
-    if weight.shape[0] == padded_vocab_size:
-        return weight.clone()
-    pad = torch.zeros(padded_vocab_size - weight.shape[0], *weight.shape[1:], dtype=weight.dtype)
-    return torch.cat([weight, pad], dim=0)
 
 
 def _finish(state_dict, key_format):
@@ -53,26 +49,6 @@ def _to_legacy(state_dict, key_format):
     if key_format == "mcore":
         return mcore_to_legacy(state_dict, "gpt")
     return state_dict
-
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_query_groups: int) -> torch.Tensor:
-    """Separate Q ``[nh*hd, ...]``, K, V ``[ng*hd, ...]`` -> Megatron's fused, group-major QKV rows."""
-    hd = q.shape[0] // num_heads
-    rest = q.shape[1:]
-    q = q.reshape(num_query_groups, (num_heads // num_query_groups) * hd, *rest)
-    k = k.reshape(num_query_groups, hd, *rest)
-    v = v.reshape(num_query_groups, hd, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
-
-
-def split_qkv(qkv: torch.Tensor, num_heads: int, num_query_groups: int):
-    """Inverse of :func:`fuse_qkv`: Megatron's fused QKV rows -> (Q, K, V)."""
-    heads_per_group = num_heads // num_query_groups
-    hd = qkv.shape[0] // (num_query_groups * (heads_per_group + 2))
-    rest = qkv.shape[1:]
-    grouped = qkv.reshape(num_query_groups, (heads_per_group + 2) * hd, *rest)
-    q, k, v = torch.split(grouped, [heads_per_group * hd, hd, hd], dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 # ---------------------------------------------------------------------------------------------- GPT-2
@@ -104,7 +80,7 @@ def gpt2_hf_to_megatron(hf_state_dict: Dict[str, torch.Tensor], hf_config, padde
     sd = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in hf_state_dict.items()}
     nh, h = hf_config.n_head, hf_config.n_embd
     out = {
-        _EMB + "word_embeddings.weight": _pad_vocab(sd["wte.weight"], padded_vocab_size),
+        _EMB + "word_embeddings.weight": pad_vocab(sd["wte.weight"], padded_vocab_size),
         _EMB + "position_embeddings.weight": sd["wpe.weight"].clone(),
     }
     for i in range(hf_config.n_layer):
@@ -158,6 +134,20 @@ def gpt2_megatron_to_hf(state_dict: Dict[str, torch.Tensor], hf_config, key_form
     return out
 
 
+def gpt2_config_to_hf(config: TransformerConfig) -> Optional[Tuple[str, dict]]:
+    """``('gpt2', GPT2Config fields)`` of a GPT-2-shaped TransformerConfig (LayerNorm, learned positions, GeLU,
+    biases, tied embeddings), else None."""
+    if not (config.normalization == "LayerNorm" and config.position_embedding_type == "learned_absolute"
+            and config.add_bias_linear and not config.untie_embeddings_and_output_weights
+            and not config.gated_linear_unit and config.num_moe_experts is None and not config.qk_layernorm
+            and (config.openai_gelu or config.activation_func is F.gelu)):
+        return None
+    return "gpt2", dict(n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
+                        n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size,
+                        layer_norm_epsilon=config.layernorm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        activation_function="gelu_new" if config.openai_gelu else "gelu")
+
+
 # ---------------------------------------------------------------------------------------------- Llama
 
 def _rope_theta(hf_config) -> float:
@@ -168,14 +158,42 @@ def _rope_theta(hf_config) -> float:
     return theta
 
 
-def _rope_interpolation_factor(hf_config):
-    scaling = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None) or {}
+def rope_scaling_of(hf_config) -> dict:
+    """The Hugging Face config's ``rope_scaling`` / ``rope_parameters`` (transformers 5), ``{}`` when absent."""
+    return dict(getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None) or {})
+
+
+def rope_scaling_to_megatron(hf_config) -> dict:
+    """TransformerConfig fields of the checkpoint's RoPE scaling: ``linear`` -> position interpolation
+    (``--rotary-seq-len-interpolation-factor``); ``llama3`` (Llama 3.1 / 3.2) -> ``--use-rope-scaling
+    --rope-scaling-factor F``, whose low / high frequency factors (1, 4) and original context (8192) are fixed in
+    Megatron, so a checkpoint with others is refused."""
+    scaling = rope_scaling_of(hf_config)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
-        return None
+        return {}
     if kind == "linear":
-        return scaling["factor"]
-    raise ValueError(f"RoPE scaling {kind!r} is not supported (only linear position interpolation)")
+        return dict(rotary_seq_len_interpolation_factor=scaling["factor"])
+    if kind == "llama3":
+        fixed = dict(low_freq_factor=LLAMA3_LOW_FREQ_FACTOR, high_freq_factor=LLAMA3_HIGH_FREQ_FACTOR,
+                     original_max_position_embeddings=LLAMA3_ORIGINAL_CONTEXT)
+        other = {k: scaling.get(k) for k, v in fixed.items() if float(scaling.get(k, v)) != float(v)}
+        if other:
+            raise ValueError(f"llama3 RoPE scaling with {other}: Megatron's --use-rope-scaling fixes "
+                             f"{fixed} and only takes --rope-scaling-factor")
+        return dict(use_rope_scaling=True, rope_scaling_factor=float(scaling["factor"]))
+    raise ValueError(f"RoPE scaling {kind!r} is not supported for this model (linear, llama3)")
+
+
+def rope_scaling_to_hf(config) -> dict:
+    """Inverse of :func:`rope_scaling_to_megatron`: the ``rope_parameters`` entries of a TransformerConfig's RoPE."""
+    if config.use_rope_scaling:
+        return dict(rope_type="llama3", factor=config.rope_scaling_factor, low_freq_factor=LLAMA3_LOW_FREQ_FACTOR,
+                    high_freq_factor=LLAMA3_HIGH_FREQ_FACTOR,
+                    original_max_position_embeddings=LLAMA3_ORIGINAL_CONTEXT)
+    if config.rotary_seq_len_interpolation_factor not in (None, 1):
+        return dict(rope_type="linear", factor=float(config.rotary_seq_len_interpolation_factor))
+    return dict(rope_type="default")
 
 
 def llama_config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1,
@@ -203,78 +221,47 @@ def llama_config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128,
         padded_vocab_size=vocab_size_with_padding(hf_config.vocab_size, make_vocab_size_divisible_by,
                                                   tensor_model_parallel_size, log=False),
         max_position_embeddings=hf_config.max_position_embeddings, position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config), rotary_seq_len_interpolation_factor=_rope_interpolation_factor(hf_config),
+        rotary_base=_rope_theta(hf_config), **rope_scaling_to_megatron(hf_config),
         untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False))
     kwargs.update(config_kwargs)
     return TransformerConfig(**kwargs)
 
 
+def llama_style_config_to_hf(config: TransformerConfig) -> Optional[dict]:
+    """The Hugging Face config fields every Llama-style family shares (vocabulary excluded), or None when
+    ``config`` is not a Llama-style decoder (RMSNorm, RoPE without interleaving or YaRN, a SwiGLU MLP)."""
+    if not (config.normalization == "RMSNorm" and config.position_embedding_type == "rope" and
+            config.gated_linear_unit and config.activation_func is F.silu and not config.rotary_interleaved
+            and config.rotary_percent == 1.0 and not config.layernorm_zero_centered_gamma
+            and not config.multi_latent_attention):
+        return None
+    return dict(hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+                num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups,
+                head_dim=config.kv_channels, intermediate_size=config.ffn_hidden_size,
+                max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
+                rope_parameters=dict(rope_theta=float(config.rotary_base), **rope_scaling_to_hf(config)),
+                tie_word_embeddings=not config.untie_embeddings_and_output_weights)
+
+
+def llama_config_to_hf(config: TransformerConfig) -> Optional[Tuple[str, dict]]:
+    """``('llama', LlamaConfig fields)`` of a Llama-shaped TransformerConfig (no biases, q/k norms or experts; Llama
+    3.x RoPE scaling included), else None."""
+    common = llama_style_config_to_hf(config)
+    if common is None or config.add_bias_linear or config.add_qkv_bias or config.qk_layernorm \
+            or config.num_moe_experts is not None:
+        return None
+    return "llama", common
+
+
 def llama_hf_to_megatron(hf_state_dict: Dict[str, torch.Tensor], hf_config, padded_vocab_size: int,
                          key_format: str = "legacy") -> Dict[str, torch.Tensor]:
-    """``LlamaForCausalLM`` state dict -> our GPTModel state dict (RMSNorm, swiglu, RoPE, GQA)."""
-    sd = hf_state_dict
-    nh = hf_config.num_attention_heads
-    ng = getattr(hf_config, "num_key_value_heads", None) or nh
-    tied = getattr(hf_config, "tie_word_embeddings", False)
-    out = {_EMB + "word_embeddings.weight": _pad_vocab(sd["model.embed_tokens.weight"], padded_vocab_size)}
-    for i in range(hf_config.num_hidden_layers):
-        src, dst = f"model.layers.{i}.", f"{_P}{i}."
-        out[dst + "input_layernorm.weight"] = sd[src + "input_layernorm.weight"].clone()
-        att = src + "self_attn."
-        out[dst + "self_attention.query_key_value.weight"] = fuse_qkv(
-            sd[att + "q_proj.weight"], sd[att + "k_proj.weight"], sd[att + "v_proj.weight"], nh, ng).contiguous()
-        if att + "q_proj.bias" in sd:
-            out[dst + "self_attention.query_key_value.bias"] = fuse_qkv(
-                sd[att + "q_proj.bias"], sd[att + "k_proj.bias"], sd[att + "v_proj.bias"], nh, ng).contiguous()
-        out[dst + "self_attention.dense.weight"] = sd[att + "o_proj.weight"].clone()
-        if att + "o_proj.bias" in sd:
-            out[dst + "self_attention.dense.bias"] = sd[att + "o_proj.bias"].clone()
-        out[dst + "post_attention_layernorm.weight"] = sd[src + "post_attention_layernorm.weight"].clone()
-        mlp = src + "mlp."
-        out[dst + "mlp.dense_h_to_4h.weight"] = torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]], 0)
-        if mlp + "gate_proj.bias" in sd:
-            out[dst + "mlp.dense_h_to_4h.bias"] = torch.cat([sd[mlp + "gate_proj.bias"], sd[mlp + "up_proj.bias"]], 0)
-        out[dst + "mlp.dense_4h_to_h.weight"] = sd[mlp + "down_proj.weight"].clone()
-        if mlp + "down_proj.bias" in sd:
-            out[dst + "mlp.dense_4h_to_h.bias"] = sd[mlp + "down_proj.bias"].clone()
-    out["language_model.encoder.final_layernorm.weight"] = sd["model.norm.weight"].clone()
-    if not tied:
-        out["language_model.output_layer.weight"] = _pad_vocab(sd["lm_head.weight"], padded_vocab_size)
-    return _finish(out, key_format)
+    """``LlamaForCausalLM`` state dict -> our GPTModel state dict (RMSNorm, swiglu, RoPE, GQA; q/k/v and MLP biases
+    and q/k norms where the checkpoint has them), the tables of :mod:`.hf_layers`."""
+    out = decoder_from_hf(hf_state_dict, hf_config, padded_vocab_size)
+    return out if key_format == "mcore" else _finish(mcore_to_legacy(out, "gpt"), key_format)
 
 
 def llama_megatron_to_hf(state_dict: Dict[str, torch.Tensor], hf_config, key_format: str = "legacy") -> Dict[str, torch.Tensor]:
     """Our GPTModel state dict (Llama configuration) -> ``LlamaForCausalLM`` state dict."""
-    sd = _to_legacy(state_dict, key_format)
-    nh = hf_config.num_attention_heads
-    ng = getattr(hf_config, "num_key_value_heads", None) or nh
-    V = hf_config.vocab_size
-    out = {"model.embed_tokens.weight": sd[_EMB + "word_embeddings.weight"][:V].clone()}
-    for i in range(hf_config.num_hidden_layers):
-        src, dst = f"{_P}{i}.", f"model.layers.{i}."
-        out[dst + "input_layernorm.weight"] = sd[src + "input_layernorm.weight"].clone()
-        q, k, v = split_qkv(sd[src + "self_attention.query_key_value.weight"], nh, ng)
-        out[dst + "self_attn.q_proj.weight"], out[dst + "self_attn.k_proj.weight"] = q.clone(), k.clone()
-        out[dst + "self_attn.v_proj.weight"] = v.clone()
-        if src + "self_attention.query_key_value.bias" in sd:
-            q, k, v = split_qkv(sd[src + "self_attention.query_key_value.bias"], nh, ng)
-            out[dst + "self_attn.q_proj.bias"], out[dst + "self_attn.k_proj.bias"] = q.clone(), k.clone()
-            out[dst + "self_attn.v_proj.bias"] = v.clone()
-        out[dst + "self_attn.o_proj.weight"] = sd[src + "self_attention.dense.weight"].clone()
-        if src + "self_attention.dense.bias" in sd:
-            out[dst + "self_attn.o_proj.bias"] = sd[src + "self_attention.dense.bias"].clone()
-        out[dst + "post_attention_layernorm.weight"] = sd[src + "post_attention_layernorm.weight"].clone()
-        gate, up = torch.chunk(sd[src + "mlp.dense_h_to_4h.weight"], 2, dim=0)
-        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate.clone(), up.clone()
-        if src + "mlp.dense_h_to_4h.bias" in sd:
-            gate, up = torch.chunk(sd[src + "mlp.dense_h_to_4h.bias"], 2, dim=0)
-            out[dst + "mlp.gate_proj.bias"], out[dst + "mlp.up_proj.bias"] = gate.clone(), up.clone()
-        out[dst + "mlp.down_proj.weight"] = sd[src + "mlp.dense_4h_to_h.weight"].clone()
-        if src + "mlp.dense_4h_to_h.bias" in sd:
-            out[dst + "mlp.down_proj.bias"] = sd[src + "mlp.dense_4h_to_h.bias"].clone()
-    out["model.norm.weight"] = sd["language_model.encoder.final_layernorm.weight"].clone()
-    if "language_model.output_layer.weight" in sd:
-        out["lm_head.weight"] = sd["language_model.output_layer.weight"][:V].clone()
-    else:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
+    sd = state_dict if key_format == "mcore" else legacy_to_mcore(_to_legacy(state_dict, key_format), "gpt")
+    return decoder_to_hf(sd, hf_config)

@@ -28,11 +28,13 @@ or sliding-window attention are refused.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron.core.models.conversion.hf import llama_config_to_megatron, llama_hf_to_megatron, llama_megatron_to_hf
+from megatron.core.models.conversion.hf import (llama_config_to_megatron, llama_hf_to_megatron, llama_megatron_to_hf,
+                                                llama_style_config_to_hf)
+from megatron.core.models.conversion.hf_layers import read_hf_experts
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe")
@@ -76,19 +78,11 @@ def moe_config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128, t
 
 
 def _hf_experts(sd, prefix: str, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(fc1 [E, 2F, h] = [gate; up] per expert, fc2 [E, h, F]) of layer ``prefix``: transformers 5's fused tensors
-    or the Hub's per-expert matrices (Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen2-MoE
-    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``)."""
-    if prefix + "mlp.experts.gate_up_proj" in sd:
-        return sd[prefix + "mlp.experts.gate_up_proj"], sd[prefix + "mlp.experts.down_proj"]
+    """(fc1 [E, 2F, h], fc2 [E, h, F]) of layer ``prefix``: fused, or the Hub's per-expert matrices (Mixtral
+    ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen2-MoE ``mlp.experts.{e}.gate_proj/up_proj/down_proj``)."""
     if prefix + "block_sparse_moe.experts.0.w1.weight" in sd:
-        base, gate, up, down = prefix + "block_sparse_moe.experts.", "w1", "w3", "w2"
-    else:
-        base, gate, up, down = prefix + "mlp.experts.", "gate_proj", "up_proj", "down_proj"
-    fc1 = torch.stack([torch.cat([sd[f"{base}{e}.{gate}.weight"], sd[f"{base}{e}.{up}.weight"]], 0)
-                       for e in range(num_experts)])
-    fc2 = torch.stack([sd[f"{base}{e}.{down}.weight"] for e in range(num_experts)])
-    return fc1, fc2
+        return read_hf_experts(sd, prefix + "block_sparse_moe.", num_experts, "w1", "w3", "w2")
+    return read_hf_experts(sd, prefix + "mlp.", num_experts)
 
 
 def _without_mlps(state_dict, num_layers: int, layer_prefix: str, mlp_keys: Dict[str, Tuple[int, int]]):
@@ -161,3 +155,24 @@ def moe_megatron_to_hf(state_dict: Dict[str, torch.Tensor], hf_config) -> Dict[s
             out[dst + "shared_expert.down_proj.weight"] = state_dict[src + "shared_experts.linear_fc2.weight"].clone()
             out[dst + "shared_expert_gate.weight"] = state_dict[src + "shared_experts.gate_weight"].clone()
     return out
+
+
+def config_to_hf(config: TransformerConfig) -> Optional[Tuple[str, dict]]:
+    """``(model_type, config fields)`` of a Mixtral- or Qwen2-MoE-shaped TransformerConfig (every layer MoE with
+    softmax routing, no q/k norms), else None: a gated shared expert, q/k/v biases or pre-softmax routing make it
+    Qwen2-MoE (which needs the gated shared expert), otherwise Mixtral."""
+    common = llama_style_config_to_hf(config)
+    if (common is None or config.num_moe_experts is None or config.add_bias_linear or config.qk_layernorm
+            or config.moe_layer_freq != 1 or config.moe_router_score_function != "softmax"
+            or config.moe_router_topk_scaling_factor or config.use_rope_scaling):
+        return None
+    shared = config.moe_shared_expert_intermediate_size
+    if shared or config.add_qkv_bias or config.moe_router_pre_softmax:
+        if not (shared and config.moe_shared_expert_gate):
+            return None  # Qwen2-MoE's shared expert is gated
+        return "qwen2_moe", dict(common, intermediate_size=config.ffn_hidden_size,
+                                 moe_intermediate_size=config.moe_ffn_hidden_size, shared_expert_intermediate_size=shared,
+                                 num_experts=config.num_moe_experts, num_experts_per_tok=config.moe_router_topk,
+                                 norm_topk_prob=not config.moe_router_pre_softmax, qkv_bias=config.add_qkv_bias)
+    return "mixtral", dict(common, intermediate_size=config.moe_ffn_hidden_size, num_local_experts=config.num_moe_experts,
+                           num_experts_per_tok=config.moe_router_topk)

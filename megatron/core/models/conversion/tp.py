@@ -1,9 +1,9 @@
 """Split a full (TP=1) model state dict into tensor-parallel shards and merge shards back.
 
 Rules (those of Megatron-LM's ``tools/checkpoint`` converters): column-parallel tensors (fused QKV,
-``dense_h_to_4h`` / ``linear_fc1``, word embeddings, untied output layer, the BERT LM-head bias) are split along dim
-0; row-parallel weights (attention output ``dense`` / ``linear_proj``, ``dense_4h_to_h`` / ``linear_fc2``) along dim
-1; everything else is replicated. The fused QKV rows are grouped per query group, so contiguous chunks give each
+``dense_h_to_4h`` / ``linear_fc1``, word embeddings, untied output layer, the BERT LM-head bias, multi-latent
+attention's query and up projections, the MTP ``eh_proj``) are split along dim 0; row-parallel weights (attention
+output ``dense`` / ``linear_proj``, ``dense_4h_to_h`` / ``linear_fc2``) along dim 1; everything else is replicated. The fused QKV rows are grouped per query group, so contiguous chunks give each
 rank whole groups. With a gated MLP (swiglu) each rank's first MLP linear is ``[gate_shard; up_shard]``, so the TP=1
 tensor ``[gate; up]`` is split half by half.
 """
@@ -19,6 +19,7 @@ _COLUMN_SUFFIXES = (
     "linear_q.weight", "linear_q.bias", "linear_kv.weight", "linear_kv.bias",
     "dense_h_to_4h.weight", "dense_h_to_4h.bias", "linear_fc1.weight", "linear_fc1.bias",
     "word_embeddings.weight", "output_layer.weight", "output_layer.bias", "lm_head.bias",
+    "linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight", "eh_proj.weight",
 )
 _ROW_SUFFIXES = (
     "self_attention.dense.weight", "inter_attention.dense.weight", "linear_proj.weight",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.multi_token_prediction import get_gpt_mtp_block_spec  # noqa: F401  (megatron-core's path)
 from megatron.core.transformer.norms import FusedLayerNorm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -22,10 +23,35 @@ def get_moe_module_spec(num_experts=None, moe_grouped_gemm=False) -> ModuleSpec:
             linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))))
 
 
-def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False) -> ModuleSpec:
-    """Causal self-attention + MLP (or, with ``num_experts``, an MoE MLP) built from megatron.core's own layers."""
+def get_mla_self_attention_spec(qk_layernorm=False) -> ModuleSpec:
+    """Multi-latent attention (causal) with megatron.core's own layers: duplicated down projections,
+    column-parallel up projections, the latent norms with ``qk_layernorm``."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, DuplicatedLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import IdentityOp
+
+    norm = FusedLayerNorm if qk_layernorm else IdentityOp
+    return ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=MLASelfAttentionSubmodules(
+                          linear_q_proj=ColumnParallelLinear, linear_q_down_proj=DuplicatedLinear,
+                          linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=DuplicatedLinear,
+                          linear_kv_up_proj=ColumnParallelLinear, core_attention=DotProductAttention,
+                          linear_proj=RowParallelLinear, q_layernorm=norm, kv_layernorm=norm))
+
+
+def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+                             multi_latent_attention=False, fp8=None, moe_use_legacy_grouped_gemm=False,
+                             normalization=None, qk_l2_norm=False) -> ModuleSpec:
+    """Causal self-attention (multi-latent with ``multi_latent_attention``) + MLP (or, with ``num_experts``, an MoE
+    MLP) built from megatron.core's own layers. The norms follow ``config.normalization`` (``normalization`` is
+    accepted for megatron-core's signature, as the deprecated ``fp8``)."""
+    if qk_l2_norm:
+        raise ValueError("qk_l2_norm (--qk-l2-norm) is not implemented by this library's layer spec")
     # qk_layernorm is read from config.qk_layernorm by the attention (the same local norms either way).
     submodules = default_layer_submodules(AttnMaskType.causal)
+    if multi_latent_attention:
+        submodules.self_attention = get_mla_self_attention_spec(qk_layernorm)
     if num_experts is not None:
         submodules.mlp = get_moe_module_spec(num_experts, moe_grouped_gemm)
     return ModuleSpec(module=TransformerLayer, submodules=submodules)
@@ -38,8 +64,10 @@ def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, nor
         from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
 
         transformer_engine_layers_unavailable()
-    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm)
-    moe = get_gpt_layer_local_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm)
+    mla = config.multi_latent_attention
+    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
+    moe = get_gpt_layer_local_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
+                                   multi_latent_attention=mla)
     specs = [moe if config.is_moe_layer(i + 1) else dense for i in range(config.num_layers)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=FusedLayerNorm)  # the final norm
 

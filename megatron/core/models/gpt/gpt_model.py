@@ -10,31 +10,41 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_model import logits_or_loss
 from megatron.core.transformer.module import MegatronModule, sync_tied_weight_across_pipeline
-from megatron.core.transformer.rotary import RotaryEmbedding, get_pos_emb_on_this_cp_rank
+from megatron.core.transformer.rotary import RotaryEmbedding, YarnRotaryEmbedding, get_pos_emb_on_this_cp_rank
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 class LanguageModule(MegatronModule):
     """Shared-embedding handling of megatron-core language models (tied weight lives in ``output_layer`` on
     the last stage)."""
 
+    # The last stage's embedding copy for multi-token prediction (GPTModel sets it); a stage holding it also uses it
+    # as the tied output weight.
+    mtp_process = False
+
     def shared_embedding_or_output_weight(self):
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
         return None
 
     def setup_embeddings_and_output_layer(self):
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if self.post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
-        if not self.share_embeddings_and_output_weights:
+        # The first and last stage hold one weight twice when it is tied, or when MTP needs the embedding there.
+        if not (self.share_embeddings_and_output_weights or getattr(self.config, "mtp_num_layers", None)):
             return
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-            self.shared_embedding_or_output_weight().zero_out_wgrad = True
+            if self.share_embeddings_and_output_weights:
+                self.shared_embedding_or_output_weight().zero_out_wgrad = True
             return
         if parallel_state.is_pipeline_first_stage() and self.pre_process and not self.post_process:
             self.shared_embedding_or_output_weight().shared_embedding = True
@@ -50,22 +60,36 @@ class LanguageModule(MegatronModule):
 class GPTModel(LanguageModule):
     """``GPTModel(config, transformer_layer_spec, vocab_size, max_sequence_length, pre_process=True,
     post_process=True, fp16_lm_cross_entropy=False, parallel_output=True, share_embeddings_and_output_weights=False,
-    position_embedding_type='learned_absolute', rotary_percent=1.0, rotary_base=10000, rope_scaling=False,
-    rope_scaling_factor=8.0, seq_len_interpolation_factor=None)``.
+    position_embedding_type=None, rotary_percent=None, rotary_base=None, rope_scaling=None,
+    rope_scaling_factor=None, seq_len_interpolation_factor=None)``; the position-embedding arguments left at None
+    take the config's values (``position_embedding_type``, ``rotary_percent``, ``rotary_base``, ``use_rope_scaling``,
+    ``rope_scaling_factor``, ``rotary_seq_len_interpolation_factor``; megatron-core's defaults unless set).
 
     ``forward(input_ids [b, s], position_ids [b, s], attention_mask, decoder_input=None, labels=None,
-    inference_params=None)`` -> logits ``[b, s, V/tp]``, or the per-token loss ``[b, s]`` with ``labels``.
+    inference_params=None, loss_mask=None)`` -> logits ``[b, s, V/tp]``, or the per-token loss ``[b, s]`` with
+    ``labels``. With ``config.mtp_num_layers`` the last stage also holds the multi-token prediction block (``mtp``,
+    ``mtp_block_spec`` or built from the decoder's last layer spec) and an embedding copy; with labels its losses
+    (weighted by ``loss_mask``) train it without entering the returned loss
+    (:mod:`megatron.core.transformer.multi_token_prediction`).
     """
 
     def __init__(self, config, transformer_layer_spec: ModuleSpec, vocab_size: int, max_sequence_length: int,
                  pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
-                 position_embedding_type: str = "learned_absolute", rotary_percent: float = 1.0,
-                 rotary_base: int = 10000, rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
-                 seq_len_interpolation_factor=None):
+                 position_embedding_type: str = None, rotary_percent: float = None, rotary_base: int = None,
+                 rope_scaling: bool = None, rope_scaling_factor: float = None, seq_len_interpolation_factor=None,
+                 mtp_block_spec=None):
         super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
-        if position_embedding_type not in ("learned_absolute", "rope", "none"):
-            raise ValueError("position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
+        # Position-embedding settings not passed come from the config's fields of the same meaning (whose defaults
+        # are megatron-core's defaults of these arguments).
+        position_embedding_type = _or(position_embedding_type, config.position_embedding_type)
+        rotary_percent = _or(rotary_percent, config.rotary_percent)
+        rotary_base = _or(rotary_base, config.rotary_base)
+        rope_scaling = _or(rope_scaling, config.use_rope_scaling)
+        rope_scaling_factor = _or(rope_scaling_factor, config.rope_scaling_factor)
+        seq_len_interpolation_factor = _or(seq_len_interpolation_factor, config.rotary_seq_len_interpolation_factor)
+        if position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
+            raise ValueError("position_embedding_type must be 'learned_absolute', 'rope', 'yarn' or 'none', "
                              f"got {position_embedding_type!r}")
         self.transformer_layer_spec = transformer_layer_spec
         self.vocab_size = vocab_size
@@ -77,22 +101,43 @@ class GPTModel(LanguageModule):
         self.position_embedding_type = position_embedding_type
         self.model_type = ModelType.encoder_or_decoder
 
-        if self.pre_process:
+        # Multi-token prediction on the last (virtual) stage, which then holds the embedding too.
+        self.mtp_process = bool(config.mtp_num_layers) and post_process
+        if self.mtp_process:
+            if mtp_block_spec is None:
+                from megatron.core.transformer.multi_token_prediction import get_gpt_mtp_block_spec
+
+                mtp_block_spec = get_gpt_mtp_block_spec(config, transformer_layer_spec)
+        if self.pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
                                                     position_embedding_type=position_embedding_type)
-        if self.position_embedding_type == "rope":
+        # Multi-latent attention owns its rotary embedding (of the d_r rotary channels): none at the model level.
+        if self.position_embedding_type == "rope" and not config.multi_latent_attention:
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
                                                   rotary_interleaved=config.rotary_interleaved,
                                                   seq_len_interpolation_factor=seq_len_interpolation_factor,
                                                   rotary_base=rotary_base, rope_scaling=rope_scaling,
                                                   rope_scaling_factor=rope_scaling_factor)
+        elif self.position_embedding_type == "yarn" and not config.multi_latent_attention:
+            self.rotary_pos_emb = YarnRotaryEmbedding(
+                config.kv_channels, rotary_percent, rotary_base=rotary_base,
+                scaling_factor=config.rotary_scaling_factor,
+                original_max_position_embeddings=config.original_max_position_embeddings,
+                beta_fast=config.beta_fast, beta_slow=config.beta_slow, mscale=config.mscale,
+                mscale_all_dim=config.mscale_all_dim,
+                correction_range_round_to_int=config.yarn_correction_range_round_to_int)
         self.decoder = TransformerBlock(config, spec=transformer_layer_spec, pre_process=self.pre_process,
                                         post_process=self.post_process)
+        if self.mtp_process:
+            from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+            self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec)
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
                 skip_bias_add=False, gather_output=not self.parallel_output,
-                skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
+                skip_weight_param_allocation=((self.pre_process or self.mtp_process)
+                                              and self.share_embeddings_and_output_weights),
                 reuse_cpu_output_buffer=True)
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
@@ -115,12 +160,14 @@ class GPTModel(LanguageModule):
         return hidden.size(0) * (tp if self.config.sequence_parallel else 1) * cp
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, inference_params=None,
-                packed_seq_params=None, extra_block_kwargs=None):
+                packed_seq_params=None, extra_block_kwargs=None, loss_mask=None):
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
-        if self.position_embedding_type == "rope":
+        if hasattr(self, "rotary_pos_emb"):
             rotary_pos_emb = self.rotary_pos_emb(self._rotary_seq_len(input_ids, decoder_input, inference_params))
+            if isinstance(rotary_pos_emb, tuple):  # YaRN: (angles, concentration); attention applies the latter
+                rotary_pos_emb = rotary_pos_emb[0]
             if self.config.context_parallel_size > 1:
                 # Angles of this CP rank's positions (chunks r and 2CP-1-r), as the batch was split.
                 rotary_pos_emb = get_pos_emb_on_this_cp_rank(rotary_pos_emb, seq_dim=0)
@@ -129,6 +176,15 @@ class GPTModel(LanguageModule):
         if not self.post_process:
             return hidden_states
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if self.mtp_process and labels is not None and self.training:
+            # The MTP depths' losses ride on the main hidden states (MTPLossAutoScaler): not in the returned loss.
+            from megatron.core.transformer.multi_token_prediction import process_mtp_loss
+
+            mtp_hidden = self.mtp(input_ids, position_ids, hidden_states, attention_mask, self.embedding,
+                                  rotary_pos_emb)
+            hidden_states = process_mtp_loss(self.mtp, hidden_states, mtp_hidden, labels, loss_mask,
+                                             lambda h: self.output_layer(h, weight=output_weight)[0],
+                                             self.compute_language_model_loss)
         logits, _ = self.output_layer(hidden_states, weight=output_weight)
         if labels is None:
             return logits.transpose(0, 1).contiguous()

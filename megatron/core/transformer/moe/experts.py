@@ -22,7 +22,8 @@ from typing import List
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.fusions.fused_kernels import log_once
+from megatron.core.utils import log_once
+from megatron.core.transformer.mlp import glu_activation
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -33,13 +34,10 @@ def expert_tensor_parallel_size_and_rank():
 
 
 def expert_activation(config):
-    act = config.activation_func
+    """The experts' activation: the MLP's gated unit (offset and clamp included), or ``activation_func``."""
     if config.gated_linear_unit:
-        def glu(x):
-            gate, up = torch.chunk(x, 2, dim=-1)
-            return act(gate) * up
-        return glu
-    return act
+        return glu_activation(config)
+    return config.activation_func
 
 
 def init_expert_weights(config, local_expert_indices: List[int], num_experts: int):
@@ -114,10 +112,11 @@ class ExpertMLP(torch.nn.Module):
         h = self.linear_fc1(x)
         if self.linear_fc1.bias is not None:
             h = h + self.linear_fc1.bias
-        h = self.activation_func(h) * probs.unsqueeze(-1).to(h.dtype)
+        # The routing weight multiplies in its own precision (fp32 with --moe-router-dtype fp32), rounded once.
+        h = (self.activation_func(h) * probs.unsqueeze(-1)).to(h.dtype)
         y = self.linear_fc2(h)
         if self.linear_fc2.bias is not None:
-            y = y + self.linear_fc2.bias * probs.unsqueeze(-1).to(y.dtype)
+            y = y + (self.linear_fc2.bias * probs.unsqueeze(-1)).to(y.dtype)
         return y
 
 
@@ -207,7 +206,8 @@ class GroupedMLP(MegatronModule):
         self.recompute_activation = config.recomputes("moe_act")
 
     def _activate(self, inter, permuted_probs):
-        return self.activation_func(inter) * permuted_probs.unsqueeze(-1).to(inter.dtype)
+        # The routing weight multiplies in its own precision (fp32 with --moe-router-dtype fp32), rounded once.
+        return (self.activation_func(inter) * permuted_probs.unsqueeze(-1)).to(inter.dtype)
 
     def forward(self, permuted_tokens, tokens_per_expert, permuted_probs):
         n, h = self.num_local_experts, self.hidden_size

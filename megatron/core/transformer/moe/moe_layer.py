@@ -83,8 +83,14 @@ class MoELayer(BaseMoELayer):
             raise ValueError("During training, performance may degrade if MoE and tensor parallelism are enabled "
                              "without also enabling sequence parallelism.")
         probs, routing_map = self.router(hidden_states)
+        routed_input = hidden_states
+        if self.config.moe_apply_probs_on_input:
+            # Llama 4: the (top-1) routing weight scales the expert's input; its output is taken as it is.
+            weight = probs.sum(dim=-1).view(*hidden_states.shape[:-1], 1)
+            routed_input = hidden_states * weight.to(hidden_states.dtype)
+            probs = routing_map.to(probs.dtype)
         tokens, tokens_per_expert, permuted_probs = self.token_dispatcher.token_permutation(
-            hidden_states, probs, routing_map)
+            routed_input, probs, routing_map)
         expert_output, mlp_bias = self.experts(tokens, tokens_per_expert, permuted_probs)
         output = self.token_dispatcher.token_unpermutation(expert_output, mlp_bias)
         if self.use_shared_expert:

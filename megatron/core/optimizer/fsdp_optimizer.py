@@ -1,0 +1,96 @@
+"""The optimizer of fully sharded models (FSDP2 engine: ``--use-torch-fsdp2``, Megatron-FSDP ``optim_grads`` /
+``optim_grads_params``).
+
+The torch optimizer works on the DTensor parameters themselves: each is this rank's block of the fp32 main weight,
+its ``.grad`` the matching block of the DP-averaged gradient (FSDP2 reduce-scattered it), and Adam's state is
+created with the same sharding. So one step is the unsharded step, block by block (element-wise optimizers).
+
+Global gradient norm: ``||g||^2 = sum over ranks of the squares of the local blocks``, one all-reduce over the
+world. Every block exists once over the DP x CP ranks (dense) or the expert-DP ranks (experts); tensor-parallel
+duplicates (replicated norm weights, row-parallel biases) count on TP rank 0 only, and pipeline parallelism is not
+allowed with FSDP. Clipping multiplies every local block by ``max_norm / (norm + 1e-6)`` when that is below 1;
+zeros are counted the same way. No loss scaling: FSDP trains in fp32 or bf16 (fp16 is refused).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from megatron.core import device as _device
+from megatron.core.distributed.fsdp.sharded_module import local_tensor
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32, param_is_not_shared
+from megatron.core.optimizer.optimizer import MegatronOptimizer, _zero_grad_group_helper
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+
+def _counted_once(param) -> bool:
+    """Whether this rank's block of ``param`` counts in world-wide sums (experts: always; others: TP rank 0 of a
+    TP-replicated parameter)."""
+    if not getattr(param, "allreduce", True):
+        return True
+    return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)
+
+
+class FullyShardedOptimizer(MegatronOptimizer):
+    """``FullyShardedOptimizer(torch_optimizer, config, model_chunks)`` over the chunks' DTensor parameters."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, model_chunks: List[torch.nn.Module]):
+        super().__init__(optimizer, config)
+        if config.fp16:
+            raise ValueError("fully sharded data parallelism trains in fp32 or bf16: --fp16 is not supported")
+        self.model_chunks = model_chunks
+        self._scale = torch.ones(1, dtype=torch.float32, device=_device.current_device())
+
+    def zero_grad(self, set_to_none: bool = True):
+        for group in self.optimizer.param_groups:
+            _zero_grad_group_helper(group["params"], set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale
+
+    def get_model_parallel_group(self):
+        return None  # blocks are disjoint over DP as well: sums run over the world
+
+    def _local_grads(self, counted_only: bool) -> List[torch.Tensor]:
+        return [local_tensor(p.grad).detach() for p in self.get_parameters()
+                if p.grad is not None and (not counted_only or _counted_once(p))]
+
+    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        return self._local_grads(counted_only=True)
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        total = get_grad_norm_fp32(self.get_main_grads_for_grad_norm(), 2, None)
+        coefficient = clip_grad / (total + 1.0e-6)
+        grads = self._local_grads(counted_only=False)
+        if coefficient < 1.0 and grads:
+            torch._foreach_mul_(grads, coefficient)
+        return total
+
+    def count_zeros(self) -> int:
+        grads = self.get_main_grads_for_grad_norm()
+        total = sum((g.numel() - torch.count_nonzero(g) for g in grads),
+                    torch.zeros((), dtype=torch.int64, device=_device.current_device()))
+        total = total.reshape(1).to(torch.int64)
+        torch.distributed.all_reduce(total)
+        return int(total.item())
+
+    @torch.no_grad()
+    def step(self):
+        grad_norm, num_zeros = self._clip_and_count()
+        with self._timed("optimizer-inner-step"):
+            self._inner_step()
+        with self._timed("params-all-gather"):
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)  # optim_grads: the updated blocks, gathered whole
+        return True, grad_norm, num_zeros
+
+    def reload_model_params(self):
+        """Nothing to refresh: the parameters are the main weights."""
+
+    def state_dict(self) -> dict:
+        return self._inner_state_dict()
+
+    def load_state_dict(self, state_dict: dict):
+        self._load_inner_state_dict(state_dict)

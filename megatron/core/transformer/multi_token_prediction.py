@@ -1,0 +1,229 @@
+"""Multi-token prediction (MTP, DeepSeek-V3): ``mtp_num_layers`` = D depths after the decoder, on the last pipeline
+stage, sharing the embedding and the output layer with the main model.
+
+Depth k (1..D), from ``h_0`` = the decoder's output after its final norm and ``h_{k-1}`` the previous depth's:
+
+1. roll the token ids (and position ids) left by one more position (depth k sees the tokens shifted by k);
+2. ``e = embedding(ids_k)``;
+3. ``u = eh_proj([enorm(e); hnorm(h_{k-1})])``, ``eh_proj [h, 2h]`` column parallel without bias, its output gathered
+   over TP (and scattered again along the sequence under sequence parallelism);
+4. ``h_k = final_layernorm(transformer_layer(u))`` with the main model's mask and rotary embedding; the transformer
+   layer is built from the decoder's last layer spec (an MoE layer for DeepSeek-V3);
+5. ``logits_k = output_layer(h_k)``.
+
+Loss (:func:`process_mtp_loss`): the labels and the loss mask roll with the ids (depth k at position t predicts
+``token[t + 1 + k]``), ``l_k`` = per-token cross entropy, ``m_k`` = rolled mask, ``N_k = sum m_k`` (local). The term
+``(lambda / D) sum(m_k l_k) / max(N_k, 1)`` (with ``calculate_per_token_loss``: ``(lambda / D) sum(m_k l_k) N_0 /
+max(N_k, 1)``, ``N_0`` the unrolled mask's sum) is attached to the main hidden states by :class:`MTPLossAutoScaler`:
+it adds nothing to the reported loss but its gradient is ``main_loss_backward_scale`` (the loss scale / the number of
+micro-batches; the loss scale alone in per-token mode; no context-parallel factor, unlike the MoE aux loss). Logged
+per depth in training: ``sum(m_k l_k) / max(N_k, 1)`` summed over micro-batches, averaged over DP x CP, divided by the
+micro-batches, as ``mtp_{k} loss``; evaluation never adds it to ``lm loss``.
+
+Rolling with context parallelism (:func:`roll_tensor`): each rank holds chunks ``r`` and ``2 CP - 1 - r`` of ``2 CP``;
+each chunk is rolled and its last slot takes the first element of the globally next chunk (all-gathered over the CP
+group), the sequence's last slot gets 0: a global left roll.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Union
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+
+@dataclass
+class MultiTokenPredictionBlockSubmodules:
+    """One spec per depth: the inner transformer layer's (megatron-core's ``layer_specs``)."""
+
+    layer_specs: List[ModuleSpec] = field(default_factory=list)
+
+
+def get_mtp_layer_spec(transformer_layer_spec: ModuleSpec) -> ModuleSpec:
+    """The spec of one MTP depth around ``transformer_layer_spec``."""
+    return ModuleSpec(module=MultiTokenPredictionLayer, params={"transformer_layer_spec": transformer_layer_spec})
+
+
+def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool = False) -> Optional[MultiTokenPredictionBlockSubmodules]:
+    """megatron-core's ``get_gpt_mtp_block_spec``: D depths built from the decoder's last layer spec (``spec``: a
+    layer ``ModuleSpec`` or a ``TransformerBlockSubmodules``); None without ``config.mtp_num_layers``."""
+    if use_transformer_engine:
+        from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
+
+        transformer_engine_layers_unavailable()
+    if not config.mtp_num_layers:
+        return None
+    last = spec.layer_specs[-1] if hasattr(spec, "layer_specs") else spec
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[get_mtp_layer_spec(last)] * config.mtp_num_layers)
+
+
+# ------------------------------------------------------------------------------------------------------ rolling
+def roll_tensor(tensor: torch.Tensor, cp_group=None):
+    """``(tensor rolled left by one along its last dim with the vacated slot 0, sum of the result)``; with a context-
+    parallel group of size > 1 the roll is global over the zig-zag chunks (module docstring)."""
+    cp = torch.distributed.get_world_size(group=cp_group) if cp_group is not None else 1
+    if cp == 1:
+        rolled = torch.roll(tensor, shifts=-1, dims=-1)
+        rolled[..., -1] = 0
+        return rolled, rolled.sum()
+    rank = torch.distributed.get_rank(group=cp_group)
+    chunks = list(tensor.chunk(2, dim=-1))  # chunk r, chunk 2cp-1-r
+    heads = torch.stack([c[..., 0] for c in chunks]).contiguous()  # [2, ...]
+    gathered = [torch.empty_like(heads) for _ in range(cp)]
+    torch.distributed.all_gather(gathered, heads, group=cp_group)
+
+    def head_of(global_chunk):  # first element of global chunk j (0 past the end of the sequence)
+        if global_chunk >= 2 * cp:
+            return torch.zeros_like(heads[0])
+        if global_chunk < cp:
+            return gathered[global_chunk][0]
+        return gathered[2 * cp - 1 - global_chunk][1]
+
+    out = []
+    for chunk, global_chunk in zip(chunks, (rank, 2 * cp - 1 - rank)):
+        rolled = torch.roll(chunk, shifts=-1, dims=-1)
+        rolled[..., -1] = head_of(global_chunk + 1)
+        out.append(rolled)
+    rolled = torch.cat(out, dim=-1)
+    return rolled, rolled.sum()
+
+
+class MTPLossAutoScaler(torch.autograd.Function):
+    """Identity on the hidden states; backward also feeds ``main_loss_backward_scale`` into the MTP loss (set by the
+    pipeline schedule per step, Megatron's API)."""
+
+    main_loss_backward_scale: torch.Tensor = None
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, mtp_loss: torch.Tensor):
+        ctx.save_for_backward(mtp_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (mtp_loss,) = ctx.saved_tensors
+        scale = MTPLossAutoScaler.main_loss_backward_scale
+        if scale is None:
+            scale = torch.ones((), device=mtp_loss.device)
+        return grad_output, torch.ones_like(mtp_loss) * scale.to(mtp_loss.device, mtp_loss.dtype)
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor):
+        MTPLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale).detach().reshape(())
+
+
+# ------------------------------------------------------------------------------------------------------ modules
+class MultiTokenPredictionLayer(MegatronModule):
+    """One depth: ``forward(embedding [s, b, h], hidden_states [s, b, h], attention_mask, rotary_pos_emb) -> h_k``."""
+
+    def __init__(self, config, transformer_layer_spec: Union[ModuleSpec, type], layer_number: int = 1):
+        super().__init__(config=config)
+        from megatron.core.transformer.norms import get_norm
+
+        self.layer_number = layer_number
+        self.enorm = get_norm(config)
+        self.hnorm = get_norm(config)
+        self.eh_proj = tensor_parallel.ColumnParallelLinear(2 * config.hidden_size, config.hidden_size, config=config,
+                                                            init_method=config.init_method, bias=False,
+                                                            gather_output=False)
+        # Numbered after the decoder's layers (KV-cache and MoE-loss bookkeeping are keyed by layer number).
+        self.transformer_layer = build_module(transformer_layer_spec, config=config,
+                                              layer_number=config.num_layers + layer_number)
+        self.final_layernorm = get_norm(config)
+
+    def forward(self, embedding, hidden_states, attention_mask, rotary_pos_emb=None):
+        x = torch.cat([self.enorm(embedding), self.hnorm(hidden_states)], dim=-1)
+        x, _ = self.eh_proj(x)
+        x = tensor_parallel.gather_from_tensor_model_parallel_region(x)
+        if self.config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
+            x = tensor_parallel.scatter_to_sequence_parallel_region(x)
+        out = self.transformer_layer(x, attention_mask, rotary_pos_emb=rotary_pos_emb)
+        out = out[0] if isinstance(out, tuple) else out
+        return self.final_layernorm(out)
+
+
+class MultiTokenPredictionBlock(MegatronModule):
+    """``MultiTokenPredictionBlock(config, spec)``: the D depths (``layers.{k-1}``); ``tracked_losses`` holds each
+    depth's logged MTP loss summed over this step's micro-batches (cleared by :func:`reduce_mtp_losses`)."""
+
+    def __init__(self, config, spec: MultiTokenPredictionBlockSubmodules):
+        super().__init__(config=config)
+        self.layers = torch.nn.ModuleList([build_module(s, config=config, layer_number=k + 1)
+                                           for k, s in enumerate(spec.layer_specs)])
+        self.tracked_losses: Dict[int, torch.Tensor] = {}
+
+    def forward(self, input_ids, position_ids, hidden_states, attention_mask, embedding, rotary_pos_emb=None):
+        """``[h_1, ..., h_D]`` from the decoder output ``hidden_states`` (``embedding(input_ids, position_ids)`` is
+        the model's shared embedding)."""
+        cp_group = _cp_group(self.config)
+        outputs = []
+        for layer in self.layers:
+            input_ids, _ = roll_tensor(input_ids, cp_group)
+            position_ids, _ = roll_tensor(position_ids, cp_group)
+            e = embedding(input_ids=input_ids, position_ids=position_ids)
+            # As in the decoder: with sequence parallelism each TP rank's hidden dropout must differ.
+            with (tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel
+                  else contextlib.nullcontext()):
+                hidden_states = layer(e, hidden_states, attention_mask, rotary_pos_emb)
+            outputs.append(hidden_states)
+        return outputs
+
+    def track(self, depth: int, value: torch.Tensor):
+        self.tracked_losses[depth] = self.tracked_losses.get(depth, 0.0) + value.detach().float()
+
+
+def _cp_group(config):
+    return parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
+
+
+def process_mtp_loss(block: MultiTokenPredictionBlock, hidden_states, mtp_hidden_states, labels, loss_mask,
+                     output_logits, per_token_loss):
+    """Attach the MTP loss of every depth to the main ``hidden_states`` (module docstring) and track the logged values.
+    ``output_logits(h)`` applies the (shared) output layer, ``per_token_loss(labels, logits)`` the model's loss."""
+    config = block.config
+    depths = len(mtp_hidden_states)
+    cp_group = _cp_group(config)
+    if loss_mask is None:
+        loss_mask = torch.ones_like(labels, dtype=torch.float32)
+    loss_mask = loss_mask.float()
+    n0 = loss_mask.sum()
+    for k, h in enumerate(mtp_hidden_states):
+        labels, _ = roll_tensor(labels, cp_group)
+        loss_mask, n_k = roll_tensor(loss_mask, cp_group)
+        losses = per_token_loss(labels, output_logits(h)).float() * loss_mask
+        total = losses.sum()
+        mean = total / n_k.clamp(min=1)
+        if block.training and torch.is_grad_enabled():
+            block.track(k, mean)
+        scale = config.mtp_loss_scaling_factor / depths
+        term = scale * total * n0 / n_k.clamp(min=1) if config.calculate_per_token_loss else scale * mean
+        hidden_states = MTPLossAutoScaler.apply(hidden_states, term)
+    return hidden_states
+
+
+def mtp_blocks(model) -> List[MultiTokenPredictionBlock]:
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MultiTokenPredictionBlock)]
+
+
+def reduce_mtp_losses(model, num_microbatches: int) -> Dict[str, float]:
+    """``{'mtp_{k} loss': value}`` of the last step (module docstring), on the ranks holding an MTP block (the last
+    pipeline stage; collective over its DP x CP group); clears the tracked sums."""
+    out = {}
+    for block in mtp_blocks(model):
+        if not block.tracked_losses:
+            continue
+        first = next(iter(block.tracked_losses.values()))
+        values = torch.stack([torch.as_tensor(block.tracked_losses.get(k, 0.0), dtype=torch.float32,
+                                              device=first.device) for k in range(len(block.layers))])
+        block.tracked_losses.clear()
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        torch.distributed.all_reduce(values, group=group)
+        values /= torch.distributed.get_world_size(group=group) * num_microbatches
+        out.update({f"mtp_{k + 1} loss": float(v) for k, v in enumerate(values)})
+    return out

@@ -1,0 +1,1 @@
+"""Megatron-LM's post-training (ModelOpt) entry points: the extra command-line flags its model configurations carry."""

@@ -1,0 +1,157 @@
+"""Fully sharded data parallelism (--use-torch-fsdp2, --use-megatron-fsdp with its four strategies) against the
+unsharded DDP run, on 4 gloo ranks in one launch.
+
+For each layout (DP=4; TP=2 x DP=2 with sequence parallelism; MoE EP=2 x DP=2 with 4 experts) the per-iteration
+losses and grad norms of 10 iterations of every sharded run equal the plain DDP run's within 1e-6 relative (fp32,
+same initial weights); ``--use-torch-fsdp2`` is not allowed with expert parallelism (Megatron's rule). The runs
+also record how the model was wrapped: the FSDP2 strategies hold DTensor parameters whose local blocks add up to
+about a quarter (DP=4) / half (DP=2) of the unsharded parameter count, the bucketed strategies (no_shard, optim)
+the whole model; optim really builds the distributed optimizer. Megatron's flag checks give their one-line
+messages.
+"""
+import math
+
+import pytest
+
+from helpers.args_test_helpers import clean_env, validated  # noqa: F401 - fixture
+from helpers.dist_harness import run_distributed
+from helpers.train_helpers import run_pretrain
+
+REL_TOL = 1e-6
+TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-layers", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "10", "--log-interval", "1",
+        "--eval-iters", "0", "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion"]
+MOE = ["--swiglu", "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
+       "--moe-aux-loss-coeff", "1e-2", "--expert-model-parallel-size", "2"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dist"]
+
+
+def _mfsdp(strategy):
+    return ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--data-parallel-sharding-strategy", strategy]
+
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+LAYOUTS = {"dp4": [], "tp2_dp2": TP2, "ep2_dp2": MOE}
+RUNS = []
+for layout, extra in LAYOUTS.items():
+    RUNS.append((layout, "ddp", extra))
+    if layout != "ep2_dp2":
+        RUNS.append((layout, "torch_fsdp2", extra + FSDP2))
+    RUNS += [(layout, s, extra + _mfsdp(s)) for s in STRATEGIES]
+
+
+def _run_recording(extra):
+    """run_pretrain, also recording the wrapper, the optimizer class and this rank's parameter elements."""
+    from megatron.training import training as training_mod
+
+    seen = {}
+    original_get_model, original_setup = training_mod.get_model, training_mod.setup_model_and_optimizer
+
+    def get_model(*args, **kwargs):
+        model = original_get_model(*args, **kwargs)
+        params = list(model[0].parameters())
+        seen["wrapper"] = type(model[0]).__name__
+        seen["dtensor"] = all(type(p).__name__ == "DTensor" or hasattr(p, "to_local") for p in params)
+        seen["local_numel"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+        seen["global_numel"] = sum(p.numel() for p in params)
+        return model
+
+    def setup(*args, **kwargs):
+        model, optimizer, scheduler = original_setup(*args, **kwargs)
+        seen["optimizer"] = type(optimizer).__name__
+        return model, optimizer, scheduler
+
+    training_mod.get_model, training_mod.setup_model_and_optimizer = get_model, setup
+    try:
+        records = run_pretrain("pretrain_gpt", TINY + list(extra))
+    finally:
+        training_mod.get_model, training_mod.setup_model_and_optimizer = original_get_model, original_setup
+    seen["curve"] = [(r["loss"]["lm loss"], r["grad_norm"]) for r in records]
+    return seen
+
+
+def runs_body(runs):
+    return {(layout, name): _run_recording(extra) for layout, name, extra in runs}
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs():
+    return run_distributed(runs_body, 4, RUNS, timeout=600)
+
+
+def _worst(curve, ref):
+    return max(max(abs(a - b) / abs(b), abs(ga - gb) / gb) for (a, ga), (b, gb) in zip(curve, ref))
+
+
+@pytest.mark.timeout(700)
+def test_sharded_losses_and_grad_norms_equal_ddp(fsdp_runs):
+    last = fsdp_runs[-1]  # the last rank logs the losses
+    report = []
+    for layout in LAYOUTS:
+        ref = last[(layout, "ddp")]["curve"]
+        assert len(ref) == 10 and all(math.isfinite(x) for x, _ in ref)
+        for (lay, name), run in last.items():
+            if lay != layout or name == "ddp":
+                continue
+            worst = _worst(run["curve"], ref)
+            report.append(f"{layout}/{name}: {worst:.1e}")
+            assert len(run["curve"]) == 10 and worst <= REL_TOL, f"{layout}/{name}: {worst:.2e}\n{run['curve']}\n{ref}"
+    print("max relative difference to DDP (loss, grad norm):", "; ".join(report))
+
+
+def test_sharding_engines_and_optimizers(fsdp_runs):
+    for rank in fsdp_runs:
+        for (layout, name), run in rank.items():
+            dp = 4 if layout == "dp4" else 2
+            if name in ("torch_fsdp2", "optim_grads", "optim_grads_params"):
+                assert run["dtensor"] and run["optimizer"] == "FullyShardedOptimizer", (layout, name, run)
+                # Each DTensor holds its torch.chunk row block: about 1/DP of the rows (uneven blocks are allowed).
+                share = run["local_numel"] / run["global_numel"]
+                assert share < 1.5 / dp, (layout, name, share)
+            else:
+                assert not run["dtensor"] and run["local_numel"] == run["global_numel"], (layout, name)
+                expected = "DistributedOptimizer" if name == "optim" else "FP32Optimizer"
+                assert run["optimizer"] == expected, (layout, name, run["optimizer"])
+            wrapper = {"ddp": "DistributedDataParallel", "torch_fsdp2": "TorchFullyShardedDataParallel"}.get(name)
+            assert run["wrapper"] == (wrapper or ("_BucketedFSDP" if name in ("no_shard", "optim")
+                                                  else "_FullyShardedFSDP")), (name, run["wrapper"])
+
+
+BAD_FLAGS = [
+    ("--use-torch-fsdp2 --use-megatron-fsdp --ckpt-format fsdp_dtensor", "cannot be used together"),
+    ("--use-torch-fsdp2 --untie-embeddings-and-output-weights", "not supported with gradient accumulation fusion"),
+    ("--use-torch-fsdp2 --no-gradient-accumulation-fusion", "requires --untie-embeddings-and-output-weights"),
+    ("--use-torch-fsdp2 --no-gradient-accumulation-fusion --untie-embeddings-and-output-weights --ckpt-format torch",
+     "requires --ckpt-format torch_dist or torch_dcp"),
+    ("--use-torch-fsdp2 --no-gradient-accumulation-fusion --untie-embeddings-and-output-weights "
+     "--use-distributed-optimizer", "not supported with MCore's distributed optimizer"),
+    ("--use-torch-fsdp2 --no-gradient-accumulation-fusion --untie-embeddings-and-output-weights --fp16",
+     "not supported with fp16"),
+    ("--use-megatron-fsdp", "Megatron FSDP only supports fsdp_dtensor checkpoint format"),
+    ("--ckpt-format fsdp_dtensor", "only supported with Megatron FSDP"),
+    ("--ckpt-format torch_dcp", "only supported with --use-torch-fsdp2"),
+    ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --megatron-fsdp-version 2", "not available in this library"),
+    ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --num-distributed-optimizer-instances 2",
+     "hybrid sharded data parallelism"),
+    ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --megatron-fsdp-main-params-dtype bf16", "fp32 main weights"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD_FLAGS)
+def test_fsdp_flag_checks(clean_env, extra, message):  # noqa: F811
+    from megatron.training.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=message):
+        validated(extra, world_size=2)
+
+
+def test_fsdp_defaults_and_derived_settings(clean_env):  # noqa: F811
+    args = validated("", world_size=2)
+    assert (args.use_torch_fsdp2, args.use_megatron_fsdp, args.data_parallel_sharding_strategy,
+            args.torch_fsdp2_reshard_after_forward, args.strict_fsdp_dtensor_load, args.megatron_fsdp_version) == (
+        False, False, "optim_grads_params", True, True, 1)
+    args = validated("--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy optim_grads",
+                     world_size=2)
+    # Megatron-FSDP version 1 turns the distributed optimizer on; ZeRO-2/3 turn gradient accumulation fusion off.
+    assert args.use_distributed_optimizer and args.use_custom_fsdp and not args.gradient_accumulation_fusion
