@@ -244,6 +244,18 @@ class RerunErrorInjector:
 
 
 @dataclass
+class _Deferred:
+    """A validation call of an initial run, judged at the end of the pass (``rejected``: a bool or 0-dim tensor)."""
+    message: str
+    sequence: int
+    result: Any
+    rejected: Any
+    fatal: bool
+    tolerance: float
+    injected: Optional[str] = None
+
+
+@dataclass
 class _FailedCall:
     message: str
     sequence: int
@@ -284,6 +296,7 @@ class RerunStateMachine:
         self.suspicious_device: Optional[str] = None
         self.saved_state = None
         self.sequence: Dict[str, int] = {}
+        self.deferred: List[_Deferred] = []
         self.flags = [0] * 6
         self.events: List[str] = []  # this pass's log lines, shared with every rank at the agreement
         self.verdict = _Verdict()
@@ -335,20 +348,78 @@ class RerunStateMachine:
         self.sequence = {}
         self.flags = [0] * 6
         self.events = []
+        self.deferred = []
 
     def _agree(self) -> List[int]:
-        """MAX of every rank's flags (and everyone's events, when there are any)."""
-        if self.mode == RerunMode.DISABLED and not self.checks_requested:
-            return list(self.flags)
+        """MAX of every rank's flags over the world, after judging this pass's deferred checks: one host-device
+        synchronisation per pass (the list read back). When anything happened, everyone's log lines are shared."""
+        if self.mode == RerunMode.DISABLED and not self.checks_requested:  # no agreement: this rank alone
+            first = None
+            if self.deferred:
+                rejected = [bool(torch.as_tensor(d.rejected)) for d in self.deferred]
+                first = rejected.index(True) if any(rejected) else None
+            self._judge_deferred(first)
+            flags = list(self.flags)
+            if any(line.startswith("[fatal] ") for line in self.events):
+                flags[_REJECTED_DISABLED], self.shared_events = 1, list(self.events)
+            return flags
         flags = list(self.flags)
         flags[_EVENTS] = int(bool(self.events))
+        if _world() == 1 and not self.deferred:  # nothing on the device, nobody to agree with: no synchronisation
+            if flags[_EVENTS]:
+                self._print_everyones_events()
+            return flags
+        dev = _collective_device()
+        t = torch.tensor(flags, dtype=torch.int64, device=dev)
+        local = torch.zeros(2, dtype=torch.int64, device=dev)
+        if self.deferred:
+            rejected = torch.stack([torch.as_tensor(d.rejected, device=dev).reshape(()) for d in self.deferred]).bool()
+            if self.mode == RerunMode.DISABLED:
+                fatal = torch.tensor([d.fatal for d in self.deferred], device=dev)
+                t[_REJECTED_DISABLED] = (rejected & fatal).any().long()
+            else:
+                t[_RERUN] = torch.maximum(t[_RERUN], rejected.any().long())
+            local = torch.stack([rejected.any().long(), rejected.long().argmax()])
         if _world() > 1:
-            t = torch.tensor(flags, dtype=torch.int64, device=_collective_device())
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            flags = [int(v) for v in t.tolist()]
-        if flags[_EVENTS]:
+        values = torch.cat([t, local]).tolist()
+        flags, (any_local, first) = values[:len(flags)], values[len(flags):]
+        self._judge_deferred(int(first) if any_local else None)
+        if flags[_EVENTS] or flags[_REJECTED_DISABLED] or (
+                self.mode == RerunMode.VALIDATE_RESULTS and self.state == RerunState.INITIAL_RUN and flags[_RERUN]):
             self._print_everyones_events()
         return flags
+
+    def _judge_deferred(self, first: Optional[int]):
+        """Turn this pass's deferred checks into the failed call and the log lines (``first``: the index of the
+        first rejected one, None when none was)."""
+        deferred, self.deferred = self.deferred, []
+        if first is None:
+            return
+        rank = _rank()
+        if self.mode == RerunMode.DISABLED:
+            fatal_seen = False
+            for d in deferred:
+                if not bool(torch.as_tensor(d.rejected)):
+                    continue
+                value = _scalar(d.result)
+                self._track(RerunValidationStatus.RERUN_DISABLED, value, d.message)
+                node, dev = node_and_device()
+                line = (f"iteration {self.current_iteration}: {d.message} on rank {rank} (node {node}, device {dev}): "
+                        f"unexpected result {value:g} (--rerun-mode disabled)")
+                if d.fatal and not fatal_seen:
+                    fatal_seen = True
+                    self.events.append("[fatal] " + line)
+                elif not d.fatal:
+                    self.log("WARNING: " + line)
+            return
+        d = deferred[first]
+        value = _scalar(d.result)
+        self.failed = _FailedCall(d.message, d.sequence, value, d.fatal, d.tolerance, d.injected)
+        self._track(RerunValidationStatus.INITIAL_RUN, value, d.message)
+        self.events.append(f"[rerun] {self._where(rank)}: unexpected result {value:g} at iteration "
+                           f"{self.current_iteration}, validation call #{d.sequence} (message='{d.message}')"
+                           + (f" [injected {d.injected}]" if d.injected else ""))
 
     def _print_everyones_events(self):
         events = [self.events]
@@ -389,23 +460,20 @@ class RerunStateMachine:
         if self.state == RerunState.NOT_RUNNING_YET and self.mode != RerunMode.DISABLED:
             return  # outside the training passes (evaluation): nothing to re-run
         compare = comparison_func or compare_floats
+        if isinstance(result, torch.Tensor):
+            result = result.detach()
         sequence = self.sequence.get(message, 0) + 1
         self.sequence[message] = sequence
         rank = _rank()
         if self.mode == RerunMode.DISABLED:
-            if bool(rejection_func(result)):
-                value = _scalar(result)
-                self._track(RerunValidationStatus.RERUN_DISABLED, value, message)
-                node, dev = node_and_device()
-                line = (f"iteration {self.current_iteration}: {message} on rank {rank} (node {node}, device {dev}): "
-                        f"unexpected result {value:g} (--rerun-mode disabled)")
-                if fatal and not self.flags[_REJECTED_DISABLED]:
-                    self.flags[_REJECTED_DISABLED] = 1
-                    self.events.append("[fatal] " + line)
-                elif fatal:
-                    return
-                else:
-                    self.log("WARNING: " + line)
+            if self.state == RerunState.NOT_RUNNING_YET:  # outside a driven pass (library use): judge it now
+                self.deferred.append(_Deferred(message, sequence, result, rejection_func(result), fatal, tolerance))
+                self._judge_deferred(0 if bool(torch.as_tensor(self.deferred[0].rejected)) else None)
+                if self.events:
+                    events, self.events = self.events, []
+                    raise ResultRejectedError(events[0].removeprefix("[fatal] "))
+                return
+            self.deferred.append(_Deferred(message, sequence, result, rejection_func(result), fatal, tolerance))
             return
         if self.mode == RerunMode.REPORT_DETERMINISM_STATS:
             if self.state == RerunState.INITIAL_RUN:
@@ -417,19 +485,10 @@ class RerunStateMachine:
             return
         self._announce()
         if self.state == RerunState.INITIAL_RUN:
-            if self.failed is not None:
-                return  # one suspicious call per iteration is enough
+            # Judged at the end of the pass, all calls at once (one host-device synchronisation per pass).
             injected = self.error_injector.maybe_inject(rank)
-            if not injected and not bool(rejection_func(result)):
-                return
-            value = _scalar(result)
-            self.failed = _FailedCall(message, sequence, value, fatal, tolerance,
-                                      self.error_injector.type.value if injected else None)
-            self.flags[_RERUN] = 1
-            self._track(RerunValidationStatus.INITIAL_RUN, value, message)
-            self.events.append(f"[rerun] {self._where(rank)}: unexpected result {value:g} at iteration "
-                               f"{self.current_iteration}, validation call #{sequence} (message='{message}')"
-                               + (f" [injected {self.failed.injected}]" if injected else ""))
+            self.deferred.append(_Deferred(message, sequence, result, True if injected else rejection_func(result),
+                                           fatal, tolerance, self.error_injector.type.value if injected else None))
             return
         if self.failed is None or (message, sequence) != (self.failed.message, self.failed.sequence):
             return
