@@ -150,7 +150,8 @@ def child_probe(flags, rank):
 
 
 def run_child(kind, flags, rank):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--rank", str(rank), "--flags", json.dumps(flags)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--rank", str(rank),
+           "--flags", json.dumps(flags)]
     env = dict(os.environ, MEGATRON_FORCE_CPU=os.environ.get("MEGATRON_FORCE_CPU", "1"), OMP_NUM_THREADS="2")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
@@ -244,8 +245,8 @@ def main():
         got = measured_comm(probe["comm"])
         print("   communication per iteration, payload  probe measured   probe closed form   full size closed form")
         for key in sorted(set(at_probe) | {k for k in got if k[0] in ("tp", "pp", "dp", "embedding")}):
-            print(f"   {key[0] + ' ' + key[1]:<36}{got.get(key, 0) / MiB:12.2f} MiB {at_probe.get(key, 0) / MiB:12.2f} MiB"
-                  f" {at_full.get(key, 0) / GiB:14.2f} GiB")
+            print(f"   {key[0] + ' ' + key[1]:<36}{got.get(key, 0) / MiB:12.2f} MiB "
+                  f"{at_probe.get(key, 0) / MiB:12.2f} MiB {at_full.get(key, 0) / GiB:14.2f} GiB")
         others = {k: v for k, v in got.items() if k[0] not in ("tp", "pp", "dp", "embedding")}
         print(f"   other groups (measured): {', '.join(f'{g} {o} {v} B' for (g, o), v in sorted(others.items()))}")
 

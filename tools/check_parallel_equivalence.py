@@ -420,7 +420,10 @@ def main(argv=None) -> int:
     opts = parser.parse_args(argv)
 
     rng = random.Random(opts.seed)
-    combos = [parse_line(opts.repro)] if opts.repro else [draw(rng, opts.max_world) for _ in range(opts.num_combinations)]
+    if opts.repro:
+        combos = [parse_line(opts.repro)]
+    else:
+        combos = [draw(rng, opts.max_world) for _ in range(opts.num_combinations)]
     if opts.list:
         for c in combos:
             print(f"world {c.world()}: {c.line()}")

@@ -496,11 +496,12 @@ class RerunStateMachine:
         forced = self.error_injector.miscompare(self.failed.injected, self.state)
         diff = forced if forced is not None else compare(self.failed.result, value)
         initial = self.failed.result
+        note = f" [injected {self.failed.injected}]" if self.failed.injected else ""
         if self.state == RerunState.RERUNNING_IN_PLACE:
             if diff > tolerance:
                 self._track(RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE, value, message)
                 self.events.append(f"[rerun] {self._where(rank)}: first rerun: the unexpected result is not "
-                                   f"reproducible within the tolerance {tolerance:g} ({value:g} != {initial:g})")
+                                   f"reproducible within the tolerance {tolerance:g} ({value:g} != {initial:g}){note}")
                 self.events.append(f"[rerun] {self._where(rank)}: Possible transient error!")
                 if fatal:
                     self.flags[_EXIT] = 1
@@ -510,7 +511,7 @@ class RerunStateMachine:
                 self._track(RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE, value, message)
                 self.events.append(f"[rerun] {self._where(rank)}: first rerun: the unexpected result is reproducible "
                                    f"within the tolerance {tolerance:g} ({value:g} = {initial:g}); need to rerun on "
-                                   "a different device to verify correctness")
+                                   f"a different device to verify correctness{note}")
                 if fatal:
                     self.flags[_CHECKPOINT] = 1
         elif self.state == RerunState.RERUNNING_FROM_CHECKPOINT:
@@ -524,14 +525,15 @@ class RerunStateMachine:
                 self.events.append(f"[rerun] {self._where(rank)}: second rerun: the unexpected result is not "
                                    f"reproducible on a different device ({value:g} != {initial:g}), therefore was "
                                    f"likely incorrect; the first device (node {self.suspicious_node}, device "
-                                   f"{self.suspicious_device}) is suspect")
+                                   f"{self.suspicious_device}) is suspect{note}")
                 self.events.append(f"[rerun] {self._where(rank)}: Possible persistent error!")
                 if fatal:
                     self.flags[_EXIT] = 1
             else:
                 self._track(RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE, value, message)
                 self.events.append(f"[rerun] {self._where(rank)}: second rerun: the unexpected result is reproducible "
-                                   f"on a different device ({value:g} = {initial:g}), therefore it was likely correct")
+                                   f"on a different device ({value:g} = {initial:g}), therefore it was likely correct"
+                                   f"{note}")
                 self.events.append(f"[rerun] {self._where(rank)}: Correct result (but possible Application error) "
                                    f"({message})")
                 if fatal:

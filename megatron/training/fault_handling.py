@@ -25,7 +25,8 @@ How: ``fault_handling(args)`` wraps the body of ``pretrain`` (multi-rank runs on
   NaN check) is an orderly stop: every rank raises it after the same collective, so the handler only stops the
   watchdog and lets it propagate to the entry point, which prints the one line once.
 * Normal exit (end of ``pretrain``, or ``sys.exit`` from --exit-interval / --exit-duration-in-mins / SIGTERM, or
-  the rerun state machine's agreed exit codes 16 / 17, :class:`~megatron.training.errors.AgreedExit`) marks the rank done in the store and stops the thread, so a neighbour that finishes first is not a failure.
+  the rerun state machine's agreed exit codes 16 / 17, :class:`~megatron.training.errors.AgreedExit`) marks the
+  rank done in the store and stops the thread, so a neighbour that finishes first is not a failure.
 
 torchrun tears the other workers down itself (SIGTERM, then SIGKILL) when one exits non-zero; the failing rank has
 already printed its prefixed traceback before exiting, so the first failure is still named.

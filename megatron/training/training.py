@@ -244,8 +244,8 @@ def _wrap_data_parallel(args, chunk, index):
         bucket_size=args.ddp_bucket_size,
         overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.align_param_gather,
-        # check_for_nan_in_grad stays off: --check-for-nan-in-loss-and-grad is train_step's NumericalGuard, which
-        # makes every rank agree before stopping.
+        # check_for_nan_in_grad stays off: --check-for-nan-in-loss-and-grad is the rerun state machine's gradient
+        # check (numerical_checks.validate_grads, before finalize_model_grads), which makes every rank agree.
     )
     if args.use_torch_fsdp2:
         from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel

@@ -86,7 +86,8 @@ SLURM_PROCID=$FAKE_SRUN_PROCID SLURM_LOCALID=0 SLURM_NODEID=0 exec "$@"
 
 CUT = ("--fake-process-group --hidden-size 768 --seq-length 64 --max-position-embeddings 64 --global-batch-size 16 "
        "--rampup-batch-size 16 16 16 --train-samples 32 --lr-decay-samples 32 --lr-warmup-samples 0 --log-interval 1 "
-       "--eval-iters 0 --save-interval 100000 --use-distributed-optimizer --mock-data --tokenizer-type GPT2BPETokenizer")
+       "--eval-iters 0 --save-interval 100000 --use-distributed-optimizer --mock-data "
+       "--tokenizer-type GPT2BPETokenizer")
 
 
 def test_fake_pg_175b_rank_511_trains_through_the_script(tmp_path):

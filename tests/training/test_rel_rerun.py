@@ -124,6 +124,7 @@ def test_rel_rerun_persistent_and_correct_result_paths(tmp_path, data_path):
     assert re.search(r"found NaN in local forward loss calculation: \d+ samples, min 0\.000e\+00, median "
                      r"0\.000e\+00, mean 0\.000e\+00, max 0\.000e\+00", results[1]["log"]), results[1]["log"][-2000:]
     assert [r["loss"] for r in results[1]["stats"][1]] == [r["loss"] for r in results[1]["clean"][1]]
+    print("\n".join(line for line in log.splitlines() if line.startswith(("[rerun]", "[exiting", "skipping"))))
 
 
 def clean_body(argv):
