@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "8",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--make-vocab-size-divisible-by", "1",
          "--mock-data", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--clip-grad", "1.0",
@@ -47,12 +47,14 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
          "--log-interval", "1", "--eval-iters", "0", "--distributed-backend", "gloo", "--num-workers", "0",
          "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "2"]
 # Options that change the model or its math (the single-rank reference has them too); the rest is layout.
-MODEL_OPTIONS = ("--num-experts", "--moe-", "--fp8-", "--swiglu", "--disable-bias-linear", "--normalization",
+MODEL_OPTIONS = ("--num-layers", "--num-experts", "--swiglu", "--disable-bias-linear", "--normalization",
                  "--group-query-attention", "--num-query-groups", "--position-embedding-type")
+MODEL_PREFIXES = ("--moe-", "--fp8-")
 MOE_OPTIONS = ("--moe-", "--expert-")
 # Shrinking drops an option together with those that need it.
 DEPENDENT = {"--tensor-model-parallel-size": ("--sequence-parallel", "--expert-tensor-parallel-size"),
-             "--pipeline-model-parallel-size": ("--num-layers-per-virtual-pipeline-stage",),
+             "--pipeline-model-parallel-size": ("--num-layers-per-virtual-pipeline-stage", "--num-layers"),
+             "--num-layers-per-virtual-pipeline-stage": ("--num-layers",),
              "--context-parallel-size": ("--cp-comm-type",),
              "--recompute-granularity": ("--recompute-method", "--recompute-num-layers"),
              "--fp8-format": ("--fp8-amax-history-len", "--fp8-amax-compute-algo"),
@@ -81,13 +83,13 @@ class Combination:
 
     def reference(self) -> "Combination":
         """The same model and features on one rank."""
-        return Combination({k: v for k, v in self.options.items() if k.startswith(MODEL_OPTIONS)})
+        return Combination({k: v for k, v in self.options.items() if k in MODEL_OPTIONS or k.startswith(MODEL_PREFIXES)})
 
     def without(self, option: str) -> "Combination":
         """Without ``option`` and the options that only make sense with it (data parallelism: DP 1)."""
         gone = {option, *DEPENDENT.get(option, ())}
-        return Combination({k: v for k, v in self.options.items()
-                            if k not in gone and not (option == "--num-experts" and k.startswith(MOE_OPTIONS))})
+        return Combination({k: v for k, v in self.options.items() if k not in gone and not (
+            option == "--num-experts" and (k.startswith(MOE_OPTIONS) or k in ("--disable-bias-linear", "--swiglu")))})
 
     def train_flags(self) -> List[str]:
         return [w for o, v in self.options.items() if o != "--fuzz-dp" for w in (o, *v)]
@@ -115,15 +117,17 @@ def draw(rng: random.Random, max_world: int) -> Combination:
         dp = rng.choice([1, 1, 2, 4])
         if tp * pp * cp * dp > max_world or tp * pp * cp * dp == 1:
             continue
-        if ep > 1 and (tp * cp * dp) % ep:  # experts split over EP within the non-pipeline ranks
+        etp = rng.choice([1, tp]) if moe else tp
+        if moe and (tp * cp * dp * pp) % (etp * ep * pp):  # the expert grid: ETP x EP x expert-DP x PP
             continue
         if tp > 1:
             o["--tensor-model-parallel-size"] = (str(tp),)
-            if rng.random() < 0.5:
+            if moe or rng.random() < 0.5:  # MoE with TP needs SP: every TP rank routes its own tokens
                 o["--sequence-parallel"] = ()
         if pp > 1:
             o["--pipeline-model-parallel-size"] = (str(pp),)
         if pp == 4 and dp <= 2 and rng.random() < 0.5:  # interleaved: 8 layers = 4 stages x 2 chunks of 1
+            o["--num-layers"] = ("8",)
             o["--num-layers-per-virtual-pipeline-stage"] = ("1",)
         if cp > 1:
             o["--context-parallel-size"] = (str(cp),)
@@ -143,7 +147,7 @@ def draw(rng: random.Random, max_world: int) -> Combination:
         elif r < 0.3:
             o["--recompute-granularity"] = ("selective",)
         if moe:
-            _draw_moe(rng, o, ep, tp)
+            _draw_moe(rng, o, ep, etp, tp)
         if rng.random() < 0.15:
             o["--fp8-format"] = (rng.choice(["hybrid", "e4m3"]),)
             o["--fp8-amax-history-len"] = ("4",)
@@ -151,12 +155,15 @@ def draw(rng: random.Random, max_world: int) -> Combination:
         return Combination(o)
 
 
-def _draw_moe(rng, o, ep, tp):
+def _draw_moe(rng, o, ep, etp, tp):
     o["--num-experts"] = ("4",)
+    o["--disable-bias-linear"] = ()  # as MoE models are (grouped GEMM has no expert biases)
+    if rng.random() < 0.5:
+        o["--swiglu"] = ()
     if ep > 1:
         o["--expert-model-parallel-size"] = (str(ep),)
-    if tp > 1 and rng.random() < 0.3:
-        o["--expert-tensor-parallel-size"] = ("1",)
+    if etp != tp:
+        o["--expert-tensor-parallel-size"] = (str(etp),)
     o["--moe-ffn-hidden-size"] = ("48",)
     topk = rng.choice([1, 2])
     o["--moe-router-topk"] = (str(topk),)
