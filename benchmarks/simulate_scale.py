@@ -20,8 +20,9 @@ collective a no-op), built by the library's own set-up:
 
 The closed forms are the dense-GPT ones of docs/performance.md (tied embeddings, no sequence parallelism, 1F1B,
 the distributed optimizer), written out here; activations are Korthikanti et al.'s ``s b h (34 + 5 a s / h)`` bytes
-per layer and micro-batch in flight (megatron/training/theoretical_memory.py). A DeepSeek-V3-sized MoE layout is
-listed once multi-latent attention and multi-token prediction are in the library (``--multi-latent-attention``).
+per layer and micro-batch in flight (megatron/training/theoretical_memory.py). ``--config deepseek-v3``: DeepSeek-V3
+(MLA, 256-expert MoE, one MTP depth) with EP 64 on the same 1024 ranks: parameters and state bytes against the
+closed forms, the probe's communication per group measured (docs/performance.md has no MoE closed form).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ sys.path.insert(0, REPO)
 
 MiB, GiB = 2.0 ** 20, 2.0 ** 30
 WORLD = 1024
-ROLES = {"first stage": 0, "middle stage": 511, "last stage": 1023}
+ROLES = {"first stage": 0, "middle stage": 511, "last stage": 1023}  # GPT-3 175B, TP 8 x PP 16 x DP 8
 
 
 def gpt3_175b_flags(tmp):
@@ -149,15 +150,16 @@ def child_probe(flags, rank):
     return result
 
 
-def run_child(kind, flags, rank):
+def run_child(kind, flags, rank, materialize=False):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--rank", str(rank),
-           "--flags", json.dumps(flags)]
+           "--flags", json.dumps(flags)] + (["--materialize"] if materialize else [])
     env = dict(os.environ, MEGATRON_FORCE_CPU=os.environ.get("MEGATRON_FORCE_CPU", "1"), OMP_NUM_THREADS="2")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("SIMULATE_SCALE_RESULT "):
             return json.loads(line[len("SIMULATE_SCALE_RESULT "):])
-    raise RuntimeError(f"{kind} child for rank {rank} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"{kind} child for rank {rank} failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                       f"{proc.stderr[-3000:]}")
 
 
 # ------------------------------------------------------------------------------------------- closed forms
@@ -190,65 +192,124 @@ def fmt(x, unit=GiB):
     return f"{x / unit:10.3f}"
 
 
+# ------------------------------------------------------------------------------------------- configurations
+# DeepSeek-V3 (HEAD's conf/deepseek-ai/DeepSeek-R1.sh architecture, plus the V3 recipe's one MTP depth), on 1024
+# ranks: TP 2 with sequence parallelism, EP 64 with expert TP 1 (expert DP 16), DP 512. PP 1: the 61 layers divide by
+# no pipeline size without uneven first / last stages (--decoder-first/last-pipeline-num-layers, not available), so
+# every rank holds every layer and has one role; rank 1023 is shown as the last expert-parallel rank.
+DEEPSEEK_V3 = """--micro-batch-size 1 --bf16 --disable-bias-linear --untie-embeddings-and-output-weights
+    --position-embedding-type rope --normalization RMSNorm --swiglu --num-layers 61 --hidden-size 7168
+    --ffn-hidden-size 18432 --num-attention-heads 128 --kv-channels 128 --multi-latent-attention --kv-lora-rank 512
+    --v-head-dim 128 --q-lora-rank 1536 --qk-head-dim 128 --qk-layernorm --qk-pos-emb-head-dim 64 --num-experts 256
+    --moe-layer-freq [0]*3+[1]*58 --moe-ffn-hidden-size 2048 --moe-router-dtype fp32 --moe-router-score-function
+    sigmoid --moe-router-bias-update-rate 1e-3 --moe-router-enable-expert-bias --moe-router-topk 8
+    --moe-router-num-groups 8 --moe-router-group-topk 4 --moe-router-pre-softmax --moe-router-topk-scaling-factor 2.5
+    --moe-shared-expert-intermediate-size 2048 --moe-aux-loss-coeff 1e-4 --moe-router-load-balancing-type
+    seq_aux_loss --moe-token-dispatcher-type alltoall --moe-grouped-gemm --seq-length 4096
+    --max-position-embeddings 4096 --make-vocab-size-divisible-by 1280 --rotary-base 10000 --rotary-percent 1.0
+    --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1
+    --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 64
+    --expert-tensor-parallel-size 1 --use-distributed-optimizer --global-batch-size 8192 --train-iters 10 --lr 1e-4
+    --tokenizer-type NullTokenizer --vocab-size 129280 --mock-data""".split()
+DEEPSEEK_PROBE = ["--hidden-size", "256", "--ffn-hidden-size", "512", "--num-attention-heads", "16",
+                  "--kv-channels", "16", "--q-lora-rank", "64", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+                  "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--moe-ffn-hidden-size", "64",
+                  "--moe-shared-expert-intermediate-size", "64", "--vocab-size", "1280"]
+
+
+def _probe_batch(dp, seq):
+    return ["--seq-length", str(seq), "--global-batch-size", str(2 * dp), "--train-iters", "1", "--eval-iters", "0",
+            "--log-interval", "1"]
+
+
+def gpt3_config(opts, tmp):
+    flags = gpt3_175b_flags(tmp)
+    h = 12288 if opts.materialize else opts.probe_hidden
+    probe = flags + ["--hidden-size", str(h), "--rampup-batch-size", "16", "16", "0", "--train-samples", "16",
+                     "--lr-decay-samples", "16", "--lr-warmup-samples", "0"] + _probe_batch(8, opts.probe_seq)
+    dims = dict(s=2048, h=12288, L=96, t=8, p=16, d=8, m=1536 // 8, probe_h=h)
+    title = ("GPT-3 175B (examples/pretrain_gpt3_175B.sh + --use-distributed-optimizer): world 1024 = TP 8 x PP 16 "
+             f"x DP 8, 96 layers, hidden 12288, 96 heads, sequence 2048, bf16, vocabulary 50257\nprobe run: hidden "
+             f"{h}, sequence {opts.probe_seq}, 2 micro-batches per DP rank")
+    return title, flags, probe, ROLES, dims
+
+
+def deepseek_config(opts, tmp):
+    probe = DEEPSEEK_V3 + ([] if opts.materialize else DEEPSEEK_PROBE) + _probe_batch(512, opts.probe_seq)
+    title = ("DeepSeek-V3 (61 layers: MLA, 3 dense + 58 MoE layers of 256 experts top-8 with a shared expert, 1 MTP "
+             "depth): world 1024 = TP 2 (SP) x DP 512, EP 64, expert TP 1, sequence 4096, bf16, distributed "
+             f"optimizer\nprobe run: {'full width' if opts.materialize else 'hidden 256, 16 heads, narrow MLA and '}"
+             f"{'' if opts.materialize else 'experts'}, sequence {opts.probe_seq}, 2 micro-batches per DP rank")
+    return title, DEEPSEEK_V3, probe, {"expert-parallel rank 0": 0, "expert-parallel rank 63": 1023}, None
+
+
+CONFIGS = {"gpt3-175b": gpt3_config, "deepseek-v3": deepseek_config}
+
+
 # ------------------------------------------------------------------------------------------- main
+def report_role(role, rank, flags, probe_flags, dims, probe_seq, materialize):
+    t0 = time.time()
+    structure = run_child("structure", flags, rank)
+    probe = run_child("probe", probe_flags, rank, materialize)
+    coords = structure["coords"]
+    stage = coords["pp"][0]
+    print(f"\n== {role}: rank {rank} (tp {coords['tp'][0]}, pp {stage}, dp {coords['dp'][0]}, ep {coords['ep'][0]}, "
+          f"expert dp {coords['expert_dp'][0]}), {time.time() - t0:.0f} s")
+    print(f"   parameters held {structure['params']:,} (closed form {structure['formula_params']:,})")
+    print("   memory (GiB)                          measured   closed form")
+    for kind in ("weights", "grads", "optimizer"):
+        print(f"   {kind:<36}{fmt(structure['measured'][kind])}  {fmt(structure['theory'][kind])}")
+    print(f"   {'activations, full size (estimate)':<36}{'':>10}  {fmt(structure['activations'])}")
+    print(f"   {'activations, probe run (peak saved)':<36}{fmt(probe['activation_peak'], MiB)}  "
+          f"{fmt(probe['activations_theory'], MiB)}   (MiB)")
+    got = measured_comm(probe["comm"])
+    if dims is None:
+        print("   communication per iteration, payload (probe run, measured; no closed form for MoE / MLA)")
+        for key in sorted(got):
+            print(f"   {key[0] + ' ' + key[1]:<36}{got[key] / MiB:12.2f} MiB")
+        return
+    V = probe["padded_vocab"]
+    args = (dims["L"], V, dims["t"], dims["p"], dims["d"])
+    at_probe = closed_form_comm(probe_seq, 1, dims["probe_h"], *args, probe["micro_batches"], stage, probe["params"])
+    at_full = closed_form_comm(dims["s"], 1, dims["h"], *args, dims["m"], stage, structure["params"])
+    print("   communication per iteration, payload  probe measured   probe closed form   full size closed form")
+    for key in sorted(set(at_probe) | {k for k in got if k[0] in ("tp", "pp", "dp", "embedding")}):
+        print(f"   {key[0] + ' ' + key[1]:<36}{got.get(key, 0) / MiB:12.2f} MiB "
+              f"{at_probe.get(key, 0) / MiB:12.2f} MiB {at_full.get(key, 0) / GiB:14.2f} GiB")
+    others = {k: v for k, v in got.items() if k[0] not in ("tp", "pp", "dp", "embedding")}
+    print(f"   other groups (measured): {', '.join(f'{g} {o} {v} B' for (g, o), v in sorted(others.items()))}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="gpt3-175b", choices=["gpt3-175b"])
-    parser.add_argument("--probe-hidden", type=int, default=768, help="hidden size of the real run (no --materialize)")
+    parser.add_argument("--config", default="all", choices=["all", *CONFIGS])
+    parser.add_argument("--probe-hidden", type=int, default=768, help="GPT-3's hidden size in the real run")
     parser.add_argument("--probe-seq", type=int, default=64, help="sequence length of the real run")
     parser.add_argument("--materialize", action="store_true",
-                        help="run the probe at full width (about 10 GiB of RAM per rank for GPT-3 175B)")
-    parser.add_argument("--roles", default=",".join(ROLES), help="comma-separated roles to simulate")
+                        help="run the probe at full width (about 10 GiB of RAM per GPT-3 175B rank)")
+    parser.add_argument("--roles", default=None, help="comma-separated roles to simulate (default: all)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--flags", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args()
 
     if opts.child:
+        if opts.child == "structure" or not opts.materialize:  # a safety net on a shared machine: meta and probe
+            import resource                                      # runs need a few GiB; never take the machine down
+
+            resource.setrlimit(resource.RLIMIT_AS, (8 * 2 ** 30, resource.RLIM_INFINITY))
         flags = json.loads(opts.flags)
         result = (child_structure if opts.child == "structure" else child_probe)(flags, opts.rank)
         print("SIMULATE_SCALE_RESULT " + json.dumps(result), flush=True)
         return
-
     tmp = tempfile.mkdtemp(prefix="simulate_scale_")
-    flags = gpt3_175b_flags(tmp)
-    s_full, h_full, L, heads, t, p, d = 2048, 12288, 96, 96, 8, 16, 8
-    m_full = 1536 // (1 * d)
-    h_probe = h_full if opts.materialize else opts.probe_hidden
-    probe_flags = flags + ["--hidden-size", str(h_probe), "--seq-length", str(opts.probe_seq),
-                           "--global-batch-size", str(2 * d), "--rampup-batch-size", str(2 * d), str(2 * d), "0",
-                           "--train-samples", str(2 * d), "--lr-decay-samples", str(2 * d), "--lr-warmup-samples", "0",
-                           "--eval-iters", "0", "--log-interval", "1"]
-    print(f"GPT-3 175B (examples/pretrain_gpt3_175B.sh + --use-distributed-optimizer): world {WORLD} = TP {t} x PP {p}"
-          f" x DP {d}, {L} layers, hidden {h_full}, {heads} heads, sequence {s_full}, bf16, vocabulary 50257\n"
-          f"probe run: hidden {h_probe}, sequence {opts.probe_seq}, 2 micro-batches per DP rank; this machine: "
-          f"{os.cpu_count()} CPUs")
-    for role in opts.roles.split(","):
-        rank = ROLES[role]
-        t0 = time.time()
-        structure = run_child("structure", flags, rank)
-        probe = run_child("probe", probe_flags, rank)
-        stage = structure["coords"]["pp"][0]
-        V = probe["padded_vocab"]
-        print(f"\n== {role}: rank {rank} (tp {structure['coords']['tp'][0]}, pp {stage}, dp "
-              f"{structure['coords']['dp'][0]}), {time.time() - t0:.0f} s")
-        print(f"   parameters held {structure['params']:,} (closed form {structure['formula_params']:,})")
-        print("   memory (GiB)                          measured   closed form")
-        for kind in ("weights", "grads", "optimizer"):
-            print(f"   {kind:<36}{fmt(structure['measured'][kind])}  {fmt(structure['theory'][kind])}")
-        print(f"   {'activations, full size (estimate)':<36}{'':>10}  {fmt(structure['activations'])}")
-        print(f"   {'activations, probe run (peak saved)':<36}{fmt(probe['activation_peak'], MiB)}  "
-              f"{fmt(probe['activations_theory'], MiB)}   (MiB)")
-        m_probe = probe["micro_batches"]
-        at_probe = closed_form_comm(opts.probe_seq, 1, h_probe, L, V, t, p, d, m_probe, stage, probe["params"])
-        at_full = closed_form_comm(s_full, 1, h_full, L, V, t, p, d, m_full, stage, structure["params"])
-        got = measured_comm(probe["comm"])
-        print("   communication per iteration, payload  probe measured   probe closed form   full size closed form")
-        for key in sorted(set(at_probe) | {k for k in got if k[0] in ("tp", "pp", "dp", "embedding")}):
-            print(f"   {key[0] + ' ' + key[1]:<36}{got.get(key, 0) / MiB:12.2f} MiB "
-                  f"{at_probe.get(key, 0) / MiB:12.2f} MiB {at_full.get(key, 0) / GiB:14.2f} GiB")
-        others = {k: v for k, v in got.items() if k[0] not in ("tp", "pp", "dp", "embedding")}
-        print(f"   other groups (measured): {', '.join(f'{g} {o} {v} B' for (g, o), v in sorted(others.items()))}")
+    print(f"this machine: {os.cpu_count()} CPUs; every rank below is one process with a fake process group")
+    for name in (CONFIGS if opts.config == "all" else [opts.config]):
+        title, flags, probe_flags, roles, dims = CONFIGS[name](opts, tmp)
+        print(f"\n### {title}")
+        for role, rank in roles.items():
+            if opts.roles is None or role in opts.roles.split(","):
+                report_role(role, rank, flags, probe_flags, dims, opts.probe_seq, opts.materialize)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ from typing import List, Optional
 
 import torch
 
+from megatron.core.fake_process_group import is_fake_process_group
+
 
 # ------------------------------------------------------------------------------------------------ routing
 
@@ -300,6 +302,10 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, group, output_splits, input_splits):
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
         out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        if x.shape[0] == 0 and is_fake_process_group():
+            # --fake-process-group: the peers' token counts are copies of this rank's, so a rank can expect rows
+            # while sending none, which torch's fake backend refuses; nothing moves anyway: zeros of the right shape.
+            return out.zero_()
         torch.distributed.all_to_all_single(out, x.contiguous(), output_split_sizes=list(output_splits),
                                             input_split_sizes=list(input_splits), group=group)
         return out
