@@ -16,6 +16,10 @@ from megatron.training.errors import exit_on_configuration_error
 def model_provider(pre_process=True, post_process=True):
     """The GPT model of this pipeline stage: megatron-core's GPTModel (the legacy one with --use-legacy-models)."""
     args = get_args()
+    if args.is_hybrid_model:  # --hybrid-layer-pattern: megatron-core's MambaModel (as pretrain_mamba.py builds)
+        from megatron.training.models.hybrid import hybrid_model_provider
+
+        return hybrid_model_provider(pre_process, post_process)
     config = core_transformer_config_from_args(args)
     print_rank_0("building GPT model ...")
     if not args.use_legacy_models:

@@ -114,9 +114,11 @@ def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return init_
 
 
-def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Init method based on N(0, sigma / sqrt(2 * num_layers)), for output projections."""
-    std = sigma / math.sqrt(2.0 * num_layers)
+def scaled_init_method_normal(sigma: float, num_layers: int,
+                              multiplier: float = 2.0) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Init method based on N(0, sigma / sqrt(multiplier * num_layers)), for output projections (multiplier 2:
+    two residual branches per transformer layer; 1 for hybrid models, whose layers have one each)."""
+    std = sigma / math.sqrt(multiplier * num_layers)
 
     def init_(tensor: torch.Tensor) -> torch.Tensor:
         return torch.nn.init.normal_(tensor, mean=0.0, std=std)

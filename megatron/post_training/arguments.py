@@ -17,6 +17,9 @@ turns each into the training flag it stands for:
                                        --no-yarn-correction-range-round-to-int`` (Megatron's values; Hugging
                                        Face's gpt-oss has an original context of 4096: pass
                                        ``--yarn-original-max-position-embeddings 4096`` to match it)
+``--export-model-type``                the model class: ``GPTModel`` (the default), or ``HybridModel`` /
+                                       ``MambaModel``, which needs ``--hybrid-layer-pattern`` (the hybrid Mamba
+                                       model that pattern builds)
 =====================================  ==================================================================
 """
 from __future__ import annotations
@@ -33,6 +36,9 @@ def add_modelopt_args(parser):
     group.add_argument("--enable-gpt-oss", action="store_true",
                        help="gpt-oss's YaRN rotary embedding (factor 32; the --yarn-* flags not given take "
                             "Megatron's gpt-oss values).")
+    group.add_argument("--export-model-type", type=str, default="GPTModel",
+                       choices=["GPTModel", "MambaModel", "HybridModel"],
+                       help="The model class: GPTModel, or the hybrid Mamba model (needs --hybrid-layer-pattern).")
     return parser
 
 
@@ -55,3 +61,11 @@ def apply_modelopt_args(args, log) -> None:
     if getattr(args, "export_force_local_attention", False):
         log("--export-force-local-attention: attention is this library's local implementation (the only one it "
             "builds)")
+    if getattr(args, "export_model_type", "GPTModel") in ("MambaModel", "HybridModel"):
+        if not (args.hybrid_layer_pattern or args.hybrid_override_pattern):
+            from megatron.training.errors import ConfigurationError
+
+            raise ConfigurationError(f"--export-model-type {args.export_model_type} builds a hybrid model: pass "
+                                     "--hybrid-layer-pattern (one character per layer: M Mamba, * attention, - MLP, "
+                                     "E MoE)")
+        log(f"--export-model-type {args.export_model_type}: the hybrid Mamba model of --hybrid-layer-pattern")

@@ -57,7 +57,8 @@ def build_tokenizer(args) -> MegatronTokenizer:
     elif tokenizer_type == "GPTSentencePieceTokenizer":
         tokenizer = _GPTSentencePieceTokenizer(_require(args, "tokenizer_model", tokenizer_type))
     elif tokenizer_type == "HuggingFaceTokenizer":
-        tokenizer = _HuggingFaceTokenizer(_require(args, "tokenizer_model", tokenizer_type))
+        tokenizer = _HuggingFaceTokenizer(_require(args, "tokenizer_model", tokenizer_type),
+                                          trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
     elif tokenizer_type == "Llama2Tokenizer":
         tokenizer = _Llama2Tokenizer(_require(args, "tokenizer_model", tokenizer_type))
     elif tokenizer_type == "TikTokenizer":
@@ -94,7 +95,7 @@ class _HuggingFaceTokenizer(DictVocab, MegatronTokenizer):
     file is loaded with the ``tokenizers`` library directly.
     """
 
-    def __init__(self, pretrained_model_name_or_path: str) -> None:
+    def __init__(self, pretrained_model_name_or_path: str, trust_remote_code: bool = False) -> None:
         super().__init__(pretrained_model_name_or_path)
         path = pretrained_model_name_or_path
         if not os.path.exists(path):
@@ -117,7 +118,9 @@ class _HuggingFaceTokenizer(DictVocab, MegatronTokenizer):
             except ImportError as error:
                 raise ImportError("HuggingFaceTokenizer with a directory needs the transformers package") from error
             try:
-                self._tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+                # --trust-remote-code: a directory whose tokenizer class is its own Python code may run it.
+                self._tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                                             trust_remote_code=trust_remote_code)
             except (OSError, ValueError) as error:
                 raise ValueError(f"--tokenizer-model {path} could not be loaded as a Hugging Face tokenizer "
                                  f"directory: {error}") from None

@@ -42,6 +42,10 @@ FAMILIES = {
                     dict(num_hidden_layers=4, head_dim=8, intermediate_size=16, intermediate_size_mlp=48,
                          num_local_experts=4, interleave_moe_layer_step=1, use_qk_norm=True,
                          rope_parameters=dict(LLAMA3_ROPE, factor=16.0))),
+    # Nemotron-Mini's shape: LayerNorm 1p with biases, squared-ReLU MLP, RoPE on half of each head (head_dim 16)
+    "nemotron": ("NemotronForCausalLM", "NemotronConfig",
+                 dict(head_dim=16, intermediate_size=48, norm_eps=1e-5,
+                      rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
 }
 # Llama 4 Maverick's shape: dense and MoE layers interleaved, no QK norm (as its checkpoint)
 LLAMA4_INTERLEAVED = dict(interleave_moe_layer_step=2, use_qk_norm=False)

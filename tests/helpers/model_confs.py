@@ -67,3 +67,31 @@ def shrunk(name: str, drop=("--bf16",), **sizes) -> list:
         if argv[argv.index("--moe-router-topk") + 1] == "1":
             out[at] = "1"
     return out
+
+
+# Hybrid Mamba (Nemotron-H / Nemotron-Nano-v2 / Nemotron-3) and Nemotron-Mini (a GPT model).
+NEMOTRON_H = ["nvidia__Nemotron-H-4B-Instruct", "nvidia__Nemotron-H-8B-Base-8K", "nvidia__Nemotron-H-47B-Reasoning-128K",
+              "nvidia__Nemotron-H-56B-Base-8K", "nvidia__NVIDIA-Nemotron-Nano-9B-v2",
+              "nvidia__NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "nvidia__NVIDIA-Nemotron-3-Super-120B-A12B-BF16",
+              "nvidia__NVIDIA-Nemotron-3-Ultra-550B-A55B-BF16"]
+NEMOTRON_MINI = ["nvidia__Nemotron-Mini-4B-Instruct"]
+PATTERN_FLAGS = ("--hybrid-layer-pattern", "--hybrid-override-pattern")
+MAMBA_SHRINK = {"--mamba-num-heads": "8", "--mamba-head-dim": "8", "--mamba-num-groups": "2", "--mamba-state-dim": "8"}
+
+
+def shrunk_pattern(pattern: str) -> str:
+    """One layer of each type of ``pattern``, in the order they first appear (``M-M*-...`` -> ``M-*``)."""
+    return "".join(dict.fromkeys(pattern.replace("|", "")))
+
+
+def shrunk_hybrid(name: str, drop=("--bf16",)) -> list:
+    """:func:`shrunk` for a hybrid configuration: its pattern cut to one layer per type, the Mamba sizes of
+    MAMBA_SHRINK (appended, overriding the configuration's), the MoE latent width 16."""
+    out = shrunk(name, drop=drop)
+    for flag in PATTERN_FLAGS + ("--moe-latent-size",):
+        if flag in out:
+            at = out.index(flag) + 1
+            out[at] = "16" if flag == "--moe-latent-size" else shrunk_pattern(out[at])
+    for flag, value in MAMBA_SHRINK.items():
+        out += [flag, value]
+    return out

@@ -72,6 +72,9 @@ def _global_name(name: str, layer_offset: int, tied: bool = False) -> str:
     return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + layer_offset}.", name)
 
 
+_GATED_FC1 = ("linear_fc1.weight", "linear_fc1.bias", "dense_h_to_4h.weight", "dense_h_to_4h.bias")
+
+
 def deterministic_init(model, num_layers):
     """Give every parameter a value that depends only on its global name and this rank's TP slice."""
     from megatron.core import parallel_state as ps
@@ -86,6 +89,7 @@ def deterministic_init(model, num_layers):
         offset = ps.get_virtual_pipeline_model_parallel_rank() * (num_layers // vpp) + r * per_virtual
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
+    gated = bool(getattr(getattr(model, "config", None), "gated_linear_unit", False))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if getattr(p, "is_expert", False):
@@ -99,7 +103,11 @@ def deterministic_init(model, num_layers):
             full = torch.randn(shape, generator=g) * 0.02
             if p.dim() == 1 and "norm" in name and name.endswith("weight"):
                 full = 1.0 + 10 * full
-            if dim >= 0:
+            if dim == 0 and gated and name.endswith(_GATED_FC1):
+                # A gated fc1 is [gate; up]: each TP rank holds [gate_r; up_r] (megatron.core's swiglu split).
+                gate, up = full.chunk(2, dim=0)
+                full = torch.cat([gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]])
+            elif dim >= 0:
                 full = full.chunk(tp, dim=dim)[tp_rank]
             p.copy_(full.to(p.dtype))
     deterministic_expert_init(model, offset)
@@ -147,8 +155,9 @@ def deterministic_expert_init(model, layer_offset: int):
                 module.weight2.copy_(torch.cat([w.t() for w in fc2s], dim=0))
 
 
-def run_pretrain(entry: str, extra_args, record_model=False, deterministic=True):
-    """Run ``pretrain`` of ``entry`` with GPT_ARGS + extra_args; return the per-iteration records.
+def run_pretrain(entry: str, extra_args, record_model=False, extra_args_provider=None, deterministic=True):
+    """Run ``pretrain`` of ``entry`` with GPT_ARGS + extra_args (and the entry point's ``extra_args_provider``, e.g.
+    the ModelOpt flags); return the per-iteration records.
 
     ``deterministic=False`` keeps the model's own initialisation from ``--seed`` (as ``pretrain_gpt.py`` run as a
     script), instead of the layout-independent one of :func:`deterministic_init`."""
@@ -184,7 +193,7 @@ def run_pretrain(entry: str, extra_args, record_model=False, deterministic=True)
     sys.argv = [f"{entry}.py"] + GPT_ARGS + list(extra_args)
     try:
         module.pretrain(module.train_valid_test_datasets_provider, provider, module.ModelType.encoder_or_decoder,
-                        module.forward_step, args_defaults={})
+                        module.forward_step, extra_args_provider=extra_args_provider, args_defaults={})
     finally:
         sys.argv = argv
         training_mod.training_log = original_log

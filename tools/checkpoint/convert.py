@@ -130,6 +130,9 @@ def convert(args):
     print(f"loaded {args.load_dir}: {len(full)} tensors, TP={info['tp']} PP={info['pp']}, "
           f"iteration {'release' if info['release'] else info['iteration']}", flush=True)
 
+    if getattr(margs, "hybrid_layer_pattern", None) and (saver in _LEGACY_NAMES or loader in _LEGACY_NAMES):
+        raise ConversionError("hybrid (Mamba) checkpoints convert with --loader/--saver torch_dist or hf; the legacy "
+                              "torch format has no hybrid layout")
     if getattr(margs, "num_experts", None) and (saver in _LEGACY_NAMES or loader in _LEGACY_NAMES):
         raise ConversionError("mixture-of-experts checkpoints convert with --loader/--saver torch_dist or hf (the "
                               "torch_dist format reshards experts over EP/TP/PP on load); legacy is not supported")

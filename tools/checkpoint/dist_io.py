@@ -18,7 +18,7 @@ import torch
 
 from megatron.core.dist_checkpointing.sharded_io import LocalShard, save_sharded
 from megatron.core.models.conversion.keys import legacy_to_mcore
-from megatron.training.checkpointing import dist_keys
+from megatron.training.checkpointing import dist_hybrid, dist_keys
 from megatron.training.checkpointing.dist_state import CHECKPOINT_VERSION, METADATA, DistCheckpointError, safe_args
 from megatron.training.checkpointing.torch_dist import load_full_checkpoint
 from tools.checkpoint.legacy_io import ConversionError, is_t5, read_tracker, stack_layer_counts
@@ -53,6 +53,10 @@ def load_dist(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
         raise ConversionError(f"{iter_dir}/common.pt holds no 'args': the converter needs the model's shape")
     args = copy.deepcopy(args)
     args.use_mcore_models = True  # the names below are megatron-core's
+    info = {"iteration": ckpt.get("iteration", iteration), "release": release,
+            "tp": getattr(args, "tensor_model_parallel_size", 1), "pp": getattr(args, "pipeline_model_parallel_size", 1)}
+    if getattr(args, "hybrid_layer_pattern", None):  # per-layer keys (dist_hybrid)
+        return dist_hybrid.disk_to_full(ckpt["model"], hybrid_layers(args)), args, info
     full = {}
     t5 = any(".cross_attention." in key for key in ckpt["model"])
     for key, value in ckpt["model"].items():
@@ -69,14 +73,39 @@ def load_dist(load_dir: str) -> Tuple[Dict[str, torch.Tensor], object, dict]:
                 full[dist_keys.module_name(key, layer)] = value[layer].clone()
         else:
             full[key] = value
-    info = {"iteration": ckpt.get("iteration", iteration), "release": release,
-            "tp": getattr(args, "tensor_model_parallel_size", 1), "pp": getattr(args, "pipeline_model_parallel_size", 1)}
     return full, args, info
+
+
+def hybrid_layers(args) -> str:
+    """The layer symbols of a hybrid model's ``args`` (its pattern without pipeline boundaries)."""
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import parse_hybrid_pattern
+
+    return parse_hybrid_pattern(args.hybrid_layer_pattern).layers
+
+
+def _hybrid_state(full, args) -> dict:
+    """{key: LocalShard or [None]} of a hybrid model (dist_hybrid's keys, one chunk per tensor)."""
+    import types
+
+    from megatron.core.ssm.mamba_mixer import mamba_dims
+
+    dims = mamba_dims(types.SimpleNamespace(
+        hidden_size=args.hidden_size, mamba_head_dim=args.mamba_head_dim, mamba_num_groups=args.mamba_num_groups,
+        mamba_num_heads=args.mamba_num_heads, mamba_state_dim=args.mamba_state_dim, tensor_model_parallel_size=1))
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    stored = dist_hybrid.full_to_disk(full, hybrid_layers(args), dims, tied)
+    state = {key: LocalShard(v.contiguous(), tuple(v.shape), (0,) * v.dim()) for key, v in stored.items()}
+    for key in dist_hybrid.extra_state_keys(stored, getattr(args, "num_experts", None) or 0):
+        state[key] = [None]
+    return state
 
 
 def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: int, iteration: int,
               release: bool = False) -> None:
     """Write ``full`` (legacy or megatron-core names, per ``args.use_mcore_models``) as a torch_dist checkpoint."""
+    if getattr(args, "hybrid_layer_pattern", None):
+        _write(_hybrid_state(full, args), args, save_dir, tp, pp, iteration, release)
+        return
     t5 = is_t5(full)
     if not getattr(args, "use_mcore_models", False):
         full = legacy_to_mcore(full, "t5" if t5 else "gpt")
@@ -128,6 +157,11 @@ def save_dist(full: Dict[str, torch.Tensor], args, save_dir: str, tp: int, pp: i
             for layer in range(num_layers):
                 for e in range(num_experts):
                     state[dist_keys.expert_extra_state_key(block, linear, layer, e, num_layers, num_experts)] = [None]
+    _write(state, args, save_dir, tp, pp, iteration, release)
+
+
+def _write(state, args, save_dir, tp, pp, iteration, release) -> None:
+    """The shards, common.pt (args, version, iteration), metadata.json and the tracker file."""
     iter_dir = os.path.join(save_dir, "release" if release else "iter_{:07d}".format(iteration))
     os.makedirs(iter_dir, exist_ok=True)
     save_sharded(state, iter_dir)

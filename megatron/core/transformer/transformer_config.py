@@ -238,6 +238,29 @@ class TransformerConfig(ModelParallelConfig):
                                                "positions.", choices=("probs", "position"))
     moe_layer_recompute: bool = flag(False, "Recompute the MoE layers in backward.")
     moe_permute_fusion: bool = flag(False, "Fused token permutation (Transformer Engine).")
+    # Experts computed on a latent width (Nemotron-3): fc1_latent_proj [latent, h] before the dispatch,
+    # fc2_latent_proj [h, latent] after the combine; the router and the shared experts see the hidden states.
+    moe_latent_size: Optional[int] = flag(None, "Compute the experts on this latent width (fc1/fc2 latent "
+                                                "projections around them).")
+
+    # Hybrid Mamba models (megatron/core/ssm/): the layer pattern (one symbol per layer; megatron/core/ssm/
+    # mamba_hybrid_layer_allocation.py), the Mamba-2 mixer sizes N (state), P (head dim), G (groups), H (heads; None:
+    # 2h/P). is_hybrid_model scales the output-projection init by 1/sqrt(L) instead of 1/sqrt(2L).
+    hybrid_layer_pattern: Optional[str] = flag(
+        None, "One character per layer: M Mamba, * attention, - MLP, E MoE; | separates pipeline segments. Makes the "
+              "model hybrid; --num-layers follows from it.")
+    is_hybrid_model: bool = flag(False, "A hybrid Mamba model (needs --hybrid-layer-pattern); output projections are "
+                                        "initialised with std / sqrt(num-layers).")
+    mamba_state_dim: int = flag(128, "State dimension N of the Mamba-2 mixer.")
+    mamba_head_dim: int = flag(64, "Head dimension P of the Mamba-2 mixer.")
+    mamba_num_groups: int = flag(8, "Groups G of B and C in the Mamba-2 mixer.")
+    mamba_num_heads: Optional[int] = flag(None, "Heads H of the Mamba-2 mixer (2 x hidden-size / mamba-head-dim if "
+                                                "not given).")
+    use_mamba_mem_eff_path: bool = flag(True, "Megatron's unfused Mamba training path (the same PyTorch math here).",
+                                        arg_names=("--disable-mamba-mem-eff-path",))
+    mamba_training_ssm_states_dtype: Optional[str] = flag(
+        None, "Data type of the Mamba scan's inter-chunk states in training (fp32 if not given).",
+        choices=("fp32", "bf16"))
 
     # Today's model families (gpt-oss, Llama 4); see megatron/core/transformer/attention_variants.py for the math.
     # Gated MLPs: y = act(min(a, c)) * (clamp(l, -c, c) + glu_linear_offset), c = activation_func_clamp_value (None:
@@ -365,7 +388,8 @@ class TransformerConfig(ModelParallelConfig):
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
-            self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, max(self.num_layers, 1))
+            self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, max(self.num_layers, 1),
+                                                                      multiplier=1.0 if self.is_hybrid_model else 2.0)
 
     def _validate_moe(self):
         """megatron-core's MoE checks (the flags are also checked in validate_args, before any process group)."""

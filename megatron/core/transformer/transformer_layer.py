@@ -149,12 +149,18 @@ class ParallelTransformerLayer(MegatronModule):
                 rotary_pos_emb=None):
         if retriever_input is not None or retriever_output is not None:
             raise NotImplementedError("retro layers are not implemented")
-        # Self attention.
-        layernorm_output = self._norm(self.input_layernorm, hidden_states)
-        attention_output, attention_bias = self.self_attention(
-            layernorm_output, attention_mask, inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
-        residual = layernorm_output if self.apply_residual_connection_post_layernorm else hidden_states
-        layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "self_attention")
+        # Self attention (absent, IdentityOp, in the MLP-only layers of hybrid models).
+        if isinstance(self.self_attention, IdentityOp):
+            layernorm_input = hidden_states
+        else:
+            layernorm_output = self._norm(self.input_layernorm, hidden_states)
+            attention_output, attention_bias = self.self_attention(
+                layernorm_output, attention_mask, inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
+            residual = layernorm_output if self.apply_residual_connection_post_layernorm else hidden_states
+            layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "self_attention")
+        if isinstance(self.mlp, IdentityOp):  # the attention-only layers of hybrid models
+            return make_viewless_tensor(inp=layernorm_input, requires_grad=layernorm_input.requires_grad,
+                                        keep_graph=True)
 
         layernorm_output = self._norm(self.pre_cross_attn_layernorm if self.has_cross_attention
                                       else self.pre_mlp_layernorm, layernorm_input)

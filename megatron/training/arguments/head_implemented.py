@@ -103,6 +103,20 @@ BLOCKS = (
     ),
     Block(
         IMPLEMENTED,
+        "hybrid Mamba models (megatron/core/ssm/, megatron/core/models/mamba/, pretrain_mamba.py; docs/models.md)",
+        names("""--hybrid-layer-pattern --hybrid-override-pattern --is-hybrid-model --mamba-state-dim --mamba-head-dim
+              --mamba-num-groups --mamba-num-heads --disable-mamba-mem-eff-path --mamba-training-ssm-states-dtype
+              --moe-latent-size"""),
+        group="hybrid",
+    ),
+    Block(
+        IMPLEMENTED,
+        "a Hugging Face tokenizer directory may run its own code (transformers' trust_remote_code)",
+        names("""--trust-remote-code"""),
+        group="tokenizer",
+    ),
+    Block(
+        IMPLEMENTED,
         "gpt-oss (megatron/core/transformer/attention_variants.py, mlp.py)",
         names("""--glu-linear-offset --activation-func-clamp-value --softmax-type""") + (
             switch("--quick-geglu", help="Gated MLP whose gate's activation is quick GeLU, x * sigmoid(1.702 x) "

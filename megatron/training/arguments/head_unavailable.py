@@ -37,23 +37,6 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "hybrid Mamba models (Nemotron-H) are being implemented",
-        (
-            switch("--is-hybrid-model"),
-            value("--mamba-state-dim", type=int, default=128),
-            value("--mamba-head-dim", type=int, default=64),
-            value("--mamba-num-groups", type=int, default=8),
-            value("--mamba-num-heads", type=int),
-            negated("--disable-mamba-mem-eff-path", dest="use_mamba_mem_eff_path"),
-            value("--hybrid-layer-pattern"),
-            value("--hybrid-override-pattern"),
-            value("--mamba-training-ssm-states-dtype", choices=("fp32", "bf16")),
-            value("--moe-latent-size", type=int),
-        ),
-        group="hybrid", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
         "hybrid sharded data parallelism (an outer data-parallel dimension over the FSDP shards) is not part of "
         "this library",
         (
@@ -667,14 +650,13 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "these tokenizer options (metadata files, special-token lists, SentencePiece legacy modes, remote code, "
+        "these tokenizer options (metadata files, special-token lists, SentencePiece legacy modes, "
         "NullTokenizer ids, gigatoken) are not part of this library",
         (
             value("--tokenizer-metadata", dest="metadata_path"),
             value("--tokenizer-special-tokens", nargs="+", dest="special_tokens"),
             switch("--tokenizer-sentencepiece-legacy"),
             no_or_disable("tokenizer-sentencepiece-ignore-extra-whitespaces"),
-            switch("--trust-remote-code"),
             value("--null-tokenizer-eod-id", type=int),
             value("--null-tokenizer-pad-id", type=int, default=-1),
             switch("--use-gigatoken"),

@@ -84,6 +84,7 @@ def _add_network_size_args(parser):
                        help="Do not tie the input embedding and the output layer weights.")
     group.add_argument("--embedding-weights-in-fp32", action="store_true",
                        help="Keep the embedding weights in fp32 under mixed precision.")
+    _add_hybrid_args(group)
     return parser
 
 
@@ -180,6 +181,13 @@ def _add_moe_args(parser):
     group.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
                        help="Coefficient(s) of the auxiliary load-balancing loss (0 disables it).")
     return parser
+
+
+def _add_hybrid_args(group):
+    """Hybrid Mamba models: the deprecated alias of --hybrid-layer-pattern (the other hybrid flags are generated from
+    their TransformerConfig fields)."""
+    group.add_argument("--hybrid-override-pattern", type=str, default=None,
+                       help="Deprecated alias of --hybrid-layer-pattern.")
 
 
 def _add_retro_args(parser):

@@ -165,6 +165,8 @@ def _add_data_args(parser):
     group.add_argument("--tokenizer-model", type=str, default=None,
                        help="SentencePiece model file, Hugging Face tokenizer directory, or TikTokenizer JSON "
                             "vocabulary.")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="Let a Hugging Face tokenizer directory run its own code (transformers' trust_remote_code).")
     group.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"],
                        help="Pre-tokenisation pattern of TikTokenizer.")
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,

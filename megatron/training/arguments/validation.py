@@ -20,6 +20,7 @@ from megatron.post_training.arguments import apply_modelopt_args
 from megatron.tokenizer.vocab_padding import resolve_padded_vocab_size, unpadded_vocab_size
 from megatron.training.arguments.fsdp_args import validate_fully_sharded
 from megatron.training.arguments.mla_mtp_validation import validate_mla_and_mtp
+from megatron.training.arguments.hybrid import validate_hybrid
 from megatron.training.arguments.printing import _print_args
 from megatron.training.arguments.model_variants import validate_model_variants
 from megatron.training.arguments.registry import log_performance_only, refuse_not_available
@@ -60,6 +61,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _apply_legacy_split(args)
     validate_fully_sharded(args)  # FSDP: Megatron's rules; Megatron-FSDP turns the distributed optimizer on
     _validate_batch_sizes(args)
+    validate_hybrid(args)  # --hybrid-layer-pattern: derives --num-layers and the virtual pipeline size
     _set_virtual_pipeline_size(args)
     _set_precision(args)
 
@@ -272,7 +274,8 @@ def _set_virtual_pipeline_size(args):
         args.num_layers_per_virtual_pipeline_stage = args.num_layers // stages
     per_stage = args.num_layers_per_virtual_pipeline_stage
     if per_stage is None:
-        args.virtual_pipeline_model_parallel_size = None
+        if not args.is_hybrid_model:  # a hybrid pattern's '|' segments set it (validate_hybrid)
+            args.virtual_pipeline_model_parallel_size = None
         return
     pp = args.pipeline_model_parallel_size
     _require(pp > 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 2 "
@@ -388,7 +391,8 @@ def _validate_model_shape(args):
         _require(groups % tp == 0,
                  f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})")
     stages = args.transformer_pipeline_model_parallel_size
-    if args.pipeline_model_parallel_size > 1 and stages > 0 and args.pipeline_model_parallel_split_rank is None:
+    if args.pipeline_model_parallel_size > 1 and stages > 0 and args.pipeline_model_parallel_split_rank is None \
+            and not args.is_hybrid_model:  # (hybrid models: split by the pattern, checked in validate_hybrid)
         # (early) each pipeline stage holds the same number of transformer layers.
         _require(args.num_layers % stages == 0,
                  f"--num-layers ({args.num_layers}) must be divisible by the number of transformer pipeline "

@@ -148,6 +148,11 @@ def load_args_from_checkpoint(args, load_arg="load"):
                  "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor"):
         if hasattr(checkpoint_args, name):
             set_arg(name, force=True)
+    # Hybrid Mamba models: the layer pattern decides the model's layers, the Mamba sizes its mixers.
+    for name in ("hybrid_layer_pattern", "hybrid_override_pattern", "is_hybrid_model", "mamba_state_dim",
+                 "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "squared_relu", "moe_latent_size"):
+        if hasattr(checkpoint_args, name):
+            set_arg(name, force=True)
     if version < 3.0:
         set_arg("tensor_model_parallel_size", "model_parallel_size", force=True)
     else:

@@ -120,7 +120,9 @@ def shards(entry: Entry, num_layers: int, tp_size: int, tp_rank: int, gated: boo
         shape[dim] *= tp_size
     out = []
     for piece, off in pieces:
-        if entry.expert is not None:
+        if entry.expert is not None and entry.layer is None:  # a per-layer expert key (hybrid models)
+            out.append(LocalShard(piece.unsqueeze(0), (entry.num_experts, *shape), (entry.expert, *off)))
+        elif entry.expert is not None:
             out.append(LocalShard(piece.unsqueeze(0).unsqueeze(0), (num_layers, entry.num_experts, *shape),
                                   (entry.layer, entry.expert, *off)))
         elif entry.layer is not None:
@@ -132,7 +134,7 @@ def shards(entry: Entry, num_layers: int, tp_size: int, tp_rank: int, gated: boo
 
 def merge_loaded(entry: Entry, loaded: List[LocalShard]) -> torch.Tensor:
     """The local tensor from the chunk(s) :func:`shards` described, after they were read."""
-    lead = 2 if entry.expert is not None else (1 if entry.layer is not None else 0)
+    lead = (entry.expert is not None) + (entry.layer is not None)
     parts = [sh.data.reshape(sh.data.shape[lead:]) for sh in loaded]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 

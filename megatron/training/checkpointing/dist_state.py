@@ -30,7 +30,7 @@ from megatron.core.dist_checkpointing.sharded_io import LocalShard
 from megatron.core.models.conversion.keys import legacy_to_mcore_key
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
-from megatron.training.checkpointing import dist_keys
+from megatron.training.checkpointing import dist_hybrid, dist_keys
 from megatron.training.errors import FatalRunError
 
 CHECKPOINT_VERSION = 3.0
@@ -107,6 +107,10 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
         if len(model) > 1:
             parallel_state.set_virtual_pipeline_model_parallel_rank(i)
         num_layers, _, tied = model_layout(chunk, args)
+        if dist_hybrid.is_hybrid(chunk):  # per-layer keys, never stacked
+            out.append(dist_hybrid.hybrid_entries(
+                chunk, tied, lambda name, value, param: _expert_entries(chunk, name, value, param, 0)))
+            continue
         offset = _layer_offset(num_layers)
         t5_blocks = _t5_blocks(chunk)
         params = dict(chunk.named_parameters())
@@ -191,6 +195,11 @@ def model_sharded_state(model, args=None, for_load=False) -> Dict[str, object]:
             if e.layer is not None:
                 layers.add((e.key.split(".layers.")[0] + ".layers", e.layer, e.num_layers or num_layers))
         # Megatron expects one (empty) _extra_state object per linear layer; written by TP/DP rank 0.
+        if dist_hybrid.is_hybrid(chunk):
+            if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
+                num_experts = getattr(chunk.config, "num_moe_experts", None) or 0
+                out.update({k: [None] for k in dist_hybrid.extra_state_keys({e.key for e in entries}, num_experts)})
+            continue
         expert_dp_rank = parallel_state.get_expert_data_parallel_rank() if any(
             e.expert is not None for e in entries) else 0
         for e in entries:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
-from megatron.core.models.conversion import hf, hf_deepseek, hf_gpt_oss, hf_llama4, hf_moe, hf_qwen
+from megatron.core.models.conversion import (hf, hf_deepseek, hf_gpt_oss, hf_llama4, hf_moe, hf_nemotron,
+                                          hf_nemotron_h, hf_qwen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,11 @@ def _moe_to_megatron(sd, cfg, padded):
 
 
 _BRIDGES = [
+    # hybrid Mamba (MambaModel; config.hybrid_layer_pattern): Nemotron-H, Nemotron-Nano-v2, Nemotron-3. First, so that
+    # no decoder family below claims a hybrid config in hf_config_fields.
+    HFBridge("nemotron_h", "NemotronHForCausalLM", "NemotronHConfig", hf_nemotron_h.nemotron_h_config_to_megatron,
+             hf_nemotron_h.nemotron_h_hf_to_megatron, hf_nemotron_h.nemotron_h_megatron_to_hf,
+             hf_nemotron_h.config_to_hf),
     HFBridge("gpt2", "GPT2LMHeadModel", "GPT2Config", hf.gpt2_config_to_megatron,
              *_mcore(hf.gpt2_hf_to_megatron, hf.gpt2_megatron_to_hf), hf.gpt2_config_to_hf),
     HFBridge("llama", "LlamaForCausalLM", "LlamaConfig", hf.llama_config_to_megatron,
@@ -67,6 +73,8 @@ _BRIDGES = [
              hf_gpt_oss.to_hf, hf_gpt_oss.config_to_hf),
     HFBridge("llama4_text", "Llama4ForCausalLM", "Llama4TextConfig", hf_llama4.config_to_megatron,
              hf_llama4.to_megatron, hf_llama4.to_hf, hf_llama4.config_to_hf),
+    HFBridge("nemotron", "NemotronForCausalLM", "NemotronConfig", hf_nemotron.config_to_megatron,
+             hf_nemotron.to_megatron, hf_nemotron.to_hf, hf_nemotron.config_to_hf),
 ]
 BRIDGES: Dict[str, HFBridge] = {b.model_type: b for b in _BRIDGES}
 

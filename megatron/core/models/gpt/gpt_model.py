@@ -51,6 +51,17 @@ class LanguageModule(MegatronModule):
         is_copy = self.post_process and not self.pre_process
         sync_tied_weight_across_pipeline(self.shared_embedding_or_output_weight(), is_copy)
 
+    def _rotary_seq_len(self, input_ids, decoder_input, inference_params):
+        """Length of the full sequence: the local length x TP (with SP, for hidden states) x CP."""
+        if inference_params is not None:
+            return inference_params.max_sequence_length
+        cp = self.config.context_parallel_size
+        if input_ids is not None:
+            return input_ids.size(1) * cp
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        return hidden.size(0) * (tp if self.config.sequence_parallel else 1) * cp
+
     def compute_language_model_loss(self, labels, logits):
         """Per-token loss ``[b, s]`` from ``[s, b, V/tp]`` logits and ``[b, s]`` labels."""
         return logits_or_loss(logits, labels, self.fp16_lm_cross_entropy,
@@ -147,17 +158,6 @@ class GPTModel(LanguageModule):
             input_tensor = [input_tensor]
         assert len(input_tensor) == 1, "input_tensor should only be length 1 for gpt"
         self.decoder.set_input_tensor(input_tensor[0])
-
-    def _rotary_seq_len(self, input_ids, decoder_input, inference_params):
-        """Length of the full sequence: the local length x TP (with SP, for hidden states) x CP."""
-        if inference_params is not None:
-            return inference_params.max_sequence_length
-        cp = self.config.context_parallel_size
-        if input_ids is not None:
-            return input_ids.size(1) * cp
-        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        return hidden.size(0) * (tp if self.config.sequence_parallel else 1) * cp
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, inference_params=None,
                 packed_seq_params=None, extra_block_kwargs=None, loss_mask=None):

@@ -12,6 +12,7 @@ logged value = sum over layers / number of MoE layers.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
 
@@ -19,6 +20,7 @@ import torch
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import param_device
 from megatron.core.transformer.moe.router import LOSS_NAMES, TopKRouter, tensor_and_context_parallel_group
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -57,7 +59,14 @@ class MoELayer(BaseMoELayer):
             from megatron.core.transformer.moe.experts import SequentialMLP
 
             experts = SequentialMLP
-        self.experts = build_module(experts, self.num_local_experts, config,
+        expert_config = config
+        if config.moe_latent_size:  # experts on the latent width, between two replicated projections
+            expert_config = dataclasses.replace(config, hidden_size=config.moe_latent_size)
+            self.fc1_latent_proj = _latent_projection(config, config.hidden_size, config.moe_latent_size,
+                                                      config.init_method)
+            self.fc2_latent_proj = _latent_projection(config, config.moe_latent_size, config.hidden_size,
+                                                      config.output_layer_init_method)
+        self.experts = build_module(experts, self.num_local_experts, expert_config,
                                     local_expert_indices=self.local_expert_indices)
         dispatcher = config.moe_token_dispatcher_type
         if dispatcher == "allgather":
@@ -83,22 +92,39 @@ class MoELayer(BaseMoELayer):
             raise ValueError("During training, performance may degrade if MoE and tensor parallelism are enabled "
                              "without also enabling sequence parallelism.")
         probs, routing_map = self.router(hidden_states)
-        routed_input = hidden_states
+        routed_input = self.fc1_latent_proj(hidden_states) if self.config.moe_latent_size else hidden_states
         if self.config.moe_apply_probs_on_input:
             # Llama 4: the (top-1) routing weight scales the expert's input; its output is taken as it is.
             weight = probs.sum(dim=-1).view(*hidden_states.shape[:-1], 1)
-            routed_input = hidden_states * weight.to(hidden_states.dtype)
+            routed_input = routed_input * weight.to(routed_input.dtype)
             probs = routing_map.to(probs.dtype)
         tokens, tokens_per_expert, permuted_probs = self.token_dispatcher.token_permutation(
             routed_input, probs, routing_map)
         expert_output, mlp_bias = self.experts(tokens, tokens_per_expert, permuted_probs)
         output = self.token_dispatcher.token_unpermutation(expert_output, mlp_bias)
+        if self.config.moe_latent_size:
+            output = self.fc2_latent_proj(output)
         if self.use_shared_expert:
             if self.recompute_shared_experts and self.training and torch.is_grad_enabled():
                 output = output + tensor_parallel.checkpoint(self.shared_experts, False, hidden_states)
             else:
                 output = output + self.shared_experts(hidden_states)
         return output, None
+
+
+def _latent_projection(config, in_features: int, out_features: int, init_method) -> torch.nn.Linear:
+    """``fc1_latent_proj`` / ``fc2_latent_proj`` (``--moe-latent-size``): a bias-free linear layer replicated on the
+    tensor-parallel ranks; under sequence parallelism each rank projects its own tokens, so its gradient is
+    all-reduced over TP like a norm's (``sequence_parallel`` attribute)."""
+    layer = torch.nn.Linear(in_features, out_features, bias=False, dtype=config.params_dtype,
+                            device=param_device(config))
+    if config.perform_initialization:
+        weight = torch.empty(out_features, in_features, dtype=torch.float32)
+        init_method(weight)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+    layer.weight.sequence_parallel = config.sequence_parallel
+    return layer
 
 
 def moe_routers(model) -> List[TopKRouter]:

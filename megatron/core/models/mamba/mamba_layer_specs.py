@@ -1,0 +1,49 @@
+"""``mamba_stack_spec``: the layers of a hybrid model built from this library's own modules (megatron-core's spec is
+Transformer Engine's; the modules and their state-dict names are the same, the norms are separate modules).
+
+``M`` MambaLayer(norm, MambaMixer(in_proj column parallel, out_proj row parallel)); ``*`` TransformerLayer with
+causal self-attention only; ``-`` TransformerLayer with a dense MLP only; ``E`` TransformerLayer with an MoE MLP
+only; ``final_norm`` the config's normalization.
+"""
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.gpt_layer_specs import get_moe_module_spec
+from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.norms import FusedLayerNorm
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules, \
+    default_layer_submodules
+
+
+def _attention_only() -> TransformerLayerSubmodules:
+    full = default_layer_submodules(AttnMaskType.causal)
+    return TransformerLayerSubmodules(input_layernorm=full.input_layernorm, self_attention=full.self_attention,
+                                      self_attn_bda=full.self_attn_bda)
+
+
+def _mlp_only(mlp) -> TransformerLayerSubmodules:
+    return TransformerLayerSubmodules(pre_mlp_layernorm=FusedLayerNorm, mlp=mlp, mlp_bda=get_bias_dropout_add)
+
+
+def get_mamba_stack_spec(moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """The local hybrid stack spec (``moe_grouped_gemm``: GroupedMLP experts for ``E`` layers)."""
+    dense_mlp = default_layer_submodules(AttnMaskType.causal).mlp
+    return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
+        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+            norm=FusedLayerNorm,
+            mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
+                                                                                out_proj=RowParallelLinear)),
+            mamba_bda=get_bias_dropout_add)),
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=_attention_only()),
+        mlp_layer=ModuleSpec(module=TransformerLayer, submodules=_mlp_only(dense_mlp)),
+        moe_layer=ModuleSpec(module=TransformerLayer, submodules=_mlp_only(get_moe_module_spec(
+            moe_grouped_gemm=moe_grouped_gemm))),
+        final_norm=FusedLayerNorm))
+
+
+mamba_stack_spec = get_mamba_stack_spec()

@@ -1,0 +1,233 @@
+"""Mamba-2 mixer (megatron-core's ``MambaMixer``) in pure PyTorch, tensor-parallel as Megatron splits it.
+
+Sizes: ``H`` heads of dim ``P`` (``d_inner = H·P``; ``H = 2h/P`` unless ``mamba_num_heads`` is set), ``G`` groups of
+state dim ``N``, conv kernel ``K = 4``. On each of ``t`` tensor-parallel ranks the mixer holds ``H/t`` heads and
+``G/t`` groups. For ``u [s, b, h]`` (already normalised by the layer's pre-norm):
+
+1. ``in_proj`` (column parallel, no bias) gives, per rank, ``[z | x | B | C | dt]`` of sizes
+   ``d_inner/t, d_inner/t, GN/t, GN/t, H/t`` (the global weight is ``[z; x; B; C; dt]`` and rank ``r`` holds the
+   ``r``-th slice of each of the five blocks);
+2. ``xBC = SiLU(causal depthwise conv1d(cat(x, B, C)))`` with a bias (channels ``[x_r; B_r; C_r]``);
+3. ``Δ = softplus(dt + dt_bias)`` (no clamp), ``A = -exp(A_log)``;
+4. the selective scan of :mod:`megatron.core.ssm.ssd_chunked_scan` (chunks of 128), ``y += D x``;
+5. ``y = RMSNorm_G(y ⊙ SiLU(z)) · norm.weight``: the norm runs over each group's ``d_inner/G`` channels (eps 1e-5);
+6. ``out_proj`` (row parallel, no bias): ``(output, None)``.
+
+Initialisation (the full global tensors are drawn, then sliced, so every TP size starts from the same model):
+``in_proj`` / ``out_proj`` from the config's init methods, the conv like ``nn.Conv1d`` (uniform ±1/√K),
+``A ~ U(1, 16)``, ``dt = exp(U(ln dt_min, ln dt_max))`` clamped at ``dt_init_floor`` with
+``dt_bias = dt + ln(-expm1(-dt))`` (softplus⁻¹), ``D = 1``, norm weight 1.
+
+Megatron's training path fuses steps 2-4 and the gating into the ``mamba_ssm`` Triton kernels
+(``--disable-mamba-mem-eff-path`` turns that off); here both settings run these PyTorch ops (logged once).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.utils import log_once
+from megatron.core.ssm.ssd_chunked_scan import causal_depthwise_conv1d, ssd_chunked_scan
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+GATED_NORM_EPS = 1e-5  # megatron-core hard-codes the gated group norm's epsilon
+
+
+@dataclass
+class MambaMixerSubmodules:
+    in_proj: Union[ModuleSpec, type] = None
+    out_proj: Union[ModuleSpec, type] = None
+
+
+@dataclass(frozen=True)
+class MambaDims:
+    """The mixer's global sizes (see the module docstring)."""
+
+    hidden: int
+    heads: int
+    head_dim: int
+    groups: int
+    state: int
+
+    @property
+    def d_inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def in_proj_parts(self) -> List[Tuple[str, int]]:
+        """Global row blocks of ``in_proj.weight`` in order: z, x, B, C, dt."""
+        gn = self.groups * self.state
+        return [("z", self.d_inner), ("x", self.d_inner), ("B", gn), ("C", gn), ("dt", self.heads)]
+
+    @property
+    def conv_parts(self) -> List[Tuple[str, int]]:
+        """Global channel blocks of the conv: x, B, C."""
+        return self.in_proj_parts[1:4]
+
+
+def mamba_dims(config, hidden_size: Optional[int] = None) -> MambaDims:
+    """The mixer sizes a config describes; ValueError naming the flags when they do not fit together."""
+    h = hidden_size or config.hidden_size
+    head_dim, groups = config.mamba_head_dim, config.mamba_num_groups
+    heads = config.mamba_num_heads
+    if heads is None:
+        if (2 * h) % head_dim:
+            raise ValueError(f"--mamba-head-dim ({head_dim}) must divide 2 x --hidden-size ({2 * h}) when "
+                             "--mamba-num-heads is not given")
+        heads = 2 * h // head_dim
+    if heads % groups:
+        raise ValueError(f"the Mamba heads ({heads}) must be a multiple of --mamba-num-groups ({groups})")
+    tp = config.tensor_model_parallel_size
+    if heads % tp or groups % tp:
+        raise ValueError(f"the Mamba heads ({heads}) and --mamba-num-groups ({groups}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp})")
+    return MambaDims(h, heads, head_dim, groups, config.mamba_state_dim)
+
+
+def rank_rows(parts: List[Tuple[str, int]], tp: int, rank: int) -> torch.Tensor:
+    """Indices (into the global concatenation of ``parts``) of rank ``rank``'s slice of each block, in order."""
+    out, start = [], 0
+    for _, size in parts:
+        local = size // tp
+        out.append(torch.arange(start + rank * local, start + (rank + 1) * local))
+        start += size
+    return torch.cat(out)
+
+
+def _mark_tp(param: torch.nn.Parameter) -> None:
+    set_tensor_model_parallel_attributes(param, True, 0, 1)
+
+
+class MambaMixer(MegatronModule):
+    """``MambaMixer(config, submodules, d_model, d_conv=4, A_init_range=(1, 16), dt_min=0.001, dt_max=0.1,
+    dt_init_floor=1e-4, conv_bias=True, chunk_size=128, layer_number=None)``;
+    ``forward(hidden_states [s, b, h]) -> (output [s, b, h], None)``."""
+
+    def __init__(self, config, submodules: MambaMixerSubmodules = None, d_model: Optional[int] = None,
+                 d_conv: int = 4, A_init_range: Tuple[float, float] = (1, 16), dt_min: float = 0.001,
+                 dt_max: float = 0.1, dt_init_floor: float = 1e-4, conv_bias: bool = True, chunk_size: int = 128,
+                 layer_number: Optional[int] = None, bias: bool = False, rmsnorm: bool = True,
+                 norm_before_gate: bool = False, D_has_hdim: bool = False):
+        super().__init__(config=config)
+        if bias or not rmsnorm or norm_before_gate or D_has_hdim:
+            raise ValueError("MambaMixer implements megatron-core's defaults only: bias=False, rmsnorm=True, "
+                             "norm_before_gate=False, D_has_hdim=False")
+        submodules = submodules or MambaMixerSubmodules()
+        self.dims = dims = mamba_dims(config, d_model)
+        self.layer_number = layer_number
+        self.chunk_size = chunk_size
+        self.d_conv = d_conv
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.heads, self.groups = dims.heads // tp, dims.groups // tp
+        self.d_inner = dims.d_inner // tp
+        log_once("mamba_scan", "Mamba-2 mixer: PyTorch causal conv1d + chunked SSD scan (no mamba_ssm / "
+                 "causal_conv1d kernels); the same math with and without --disable-mamba-mem-eff-path")
+
+        in_cls = _module_class(submodules.in_proj, tensor_parallel.ColumnParallelLinear)
+        out_cls = _module_class(submodules.out_proj, tensor_parallel.RowParallelLinear)
+        in_rows = sum(size for _, size in dims.in_proj_parts)
+        self.in_proj = in_cls(dims.hidden, in_rows, config=config, init_method=_no_init, bias=False,
+                              gather_output=False, skip_bias_add=True)
+        conv_channels = sum(size for _, size in dims.conv_parts)
+        kwargs = {"dtype": config.params_dtype, "device": self.in_proj.weight.device}
+        self.conv1d = torch.nn.Conv1d(conv_channels // tp, conv_channels // tp, d_conv, groups=conv_channels // tp,
+                                      padding=d_conv - 1, bias=conv_bias, **kwargs)
+        self.A_log = torch.nn.Parameter(torch.empty(self.heads, dtype=torch.float32, device=kwargs["device"]))
+        self.D = torch.nn.Parameter(torch.empty(self.heads, dtype=torch.float32, device=kwargs["device"]))
+        self.dt_bias = torch.nn.Parameter(torch.empty(self.heads, **kwargs))
+        self.norm = _GroupRMSNorm(self.d_inner, self.groups, **kwargs)
+        self.out_proj = out_cls(dims.d_inner, dims.hidden, config=config, init_method=config.output_layer_init_method,
+                                bias=False, input_is_parallel=True, skip_bias_add=True)
+        for p in (self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias, self.norm.weight):
+            if p is not None:
+                _mark_tp(p)
+        if config.perform_initialization:
+            self._initialize(tp, tp_rank, A_init_range, dt_min, dt_max, dt_init_floor)
+
+    @torch.no_grad()
+    def _initialize(self, tp, tp_rank, A_init_range, dt_min, dt_max, dt_init_floor):
+        dims = self.dims
+        rows = rank_rows(dims.in_proj_parts, tp, tp_rank)
+        weight = torch.empty(sum(s for _, s in dims.in_proj_parts), dims.hidden, dtype=torch.float32)
+        self.config.init_method(weight)
+        self.in_proj.weight.copy_(weight[rows])
+        channels = rank_rows(dims.conv_parts, tp, tp_rank)
+        bound = 1.0 / math.sqrt(self.d_conv)  # nn.Conv1d's default for a depthwise kernel (fan-in K)
+        conv_w = torch.empty(sum(s for _, s in dims.conv_parts), 1, self.d_conv).uniform_(-bound, bound)
+        self.conv1d.weight.copy_(conv_w[channels])
+        if self.conv1d.bias is not None:
+            conv_b = torch.empty(conv_w.shape[0]).uniform_(-bound, bound)
+            self.conv1d.bias.copy_(conv_b[channels])
+        heads = slice(tp_rank * self.heads, (tp_rank + 1) * self.heads)
+        A = torch.empty(dims.heads, dtype=torch.float32).uniform_(*A_init_range)
+        self.A_log.copy_(torch.log(A)[heads])
+        dt = torch.exp(torch.rand(dims.heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = dt.clamp(min=dt_init_floor)
+        self.dt_bias.copy_((dt + torch.log(-torch.expm1(-dt)))[heads])
+        self.D.fill_(1.0)
+        self.norm.weight.fill_(1.0)
+
+    def forward(self, hidden_states: torch.Tensor, inference_params=None):
+        if inference_params is not None:
+            raise NotImplementedError("MambaMixer: incremental decoding (inference_params) is not implemented")
+        projected, _ = self.in_proj(hidden_states)                   # [s, b, local rows]
+        seq, batch = projected.shape[:2]
+        gn = self.groups * self.dims.state
+        z, xBC, dt = torch.split(projected, [self.d_inner, self.d_inner + 2 * gn, self.heads], dim=-1)
+        xBC = causal_depthwise_conv1d(xBC.permute(1, 2, 0), self.conv1d.weight, self.conv1d.bias)
+        xBC = F.silu(xBC).permute(0, 2, 1)                            # [b, s, channels]
+        x, B, C = torch.split(xBC, [self.d_inner, gn, gn], dim=-1)
+        dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, H/t]
+        A = -torch.exp(self.A_log.float())
+        y = ssd_chunked_scan(x.reshape(batch, seq, self.heads, self.dims.head_dim), dt, A,
+                             B.reshape(batch, seq, self.groups, self.dims.state),
+                             C.reshape(batch, seq, self.groups, self.dims.state), D=self.D, chunk_size=self.chunk_size,
+                             state_dtype=self._state_dtype())
+        y = y.reshape(batch, seq, self.d_inner).transpose(0, 1)        # [s, b, d_inner/t]
+        y = self.norm(y, z)
+        out, out_bias = self.out_proj(y.to(hidden_states.dtype))
+        return out, out_bias
+
+
+    def _state_dtype(self):
+        """bfloat16 for the inter-chunk states in training with --mamba-training-ssm-states-dtype bf16."""
+        if self.training and self.config.mamba_training_ssm_states_dtype == "bf16":
+            return torch.bfloat16
+        return None
+
+
+class _GroupRMSNorm(torch.nn.Module):
+    """``RMSNorm`` of ``y ⊙ SiLU(z)`` over each of ``groups`` blocks of channels, times ``weight`` (fp32 math)."""
+
+    def __init__(self, channels: int, groups: int, dtype=None, device=None):
+        super().__init__()
+        self.groups = groups
+        self.weight = torch.nn.Parameter(torch.ones(channels, dtype=dtype, device=device))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        gated = y.float() * F.silu(z.float())
+        grouped = gated.view(*gated.shape[:-1], self.groups, -1)
+        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + GATED_NORM_EPS)
+        return (normed.view_as(gated) * self.weight.float()).to(y.dtype)
+
+
+def _no_init(tensor):
+    """in_proj is initialised by the mixer from the global [z; x; B; C; dt] weight (module docstring)."""
+    return tensor
+
+
+def _module_class(spec, default):
+    if spec is None:
+        return default
+    return spec.module if isinstance(spec, ModuleSpec) else spec
+
+
+__all__ = ["MambaMixer", "MambaMixerSubmodules", "MambaDims", "mamba_dims", "rank_rows"]

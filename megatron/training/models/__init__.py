@@ -1,0 +1,1 @@
+"""Model providers the entry points share (Megatron-LM HEAD's ``megatron/training/models/``)."""
