@@ -48,6 +48,7 @@ MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "2"]
 # Options that change the model or its math (the single-rank reference has them too); the rest is layout.
 MODEL_OPTIONS = ("--num-layers", "--num-experts", "--swiglu", "--disable-bias-linear", "--normalization",
+                 "--untie-embeddings-and-output-weights", "--use-cpu-initialization",
                  "--group-query-attention", "--num-query-groups", "--position-embedding-type")
 MODEL_PREFIXES = ("--moe-", "--fp8-")
 MOE_OPTIONS = ("--moe-", "--expert-")
@@ -59,7 +60,9 @@ DEPENDENT = {"--tensor-model-parallel-size": ("--sequence-parallel", "--expert-t
              "--recompute-granularity": ("--recompute-method", "--recompute-num-layers"),
              "--fp8-format": ("--fp8-amax-history-len", "--fp8-amax-compute-algo"),
              "--overlap-grad-reduce": ("--ddp-bucket-size",),
-             "--moe-router-load-balancing-type": ("--moe-aux-loss-coeff",)}
+             "--moe-router-load-balancing-type": ("--moe-aux-loss-coeff",),
+             "--use-torch-fsdp2": ("--no-gradient-accumulation-fusion",),
+             "--use-megatron-fsdp": ("--data-parallel-sharding-strategy", "--ckpt-format")}
 
 
 @dataclass
@@ -139,6 +142,9 @@ def draw(rng: random.Random, max_world: int) -> Combination:
         if dp * cp > 1 and rng.random() < 0.3:
             o["--overlap-grad-reduce"] = ()
             o["--ddp-bucket-size"] = ("2000",)
+        fsdp = dp * cp > 1 and pp == 1 and rng.random() < 0.2
+        if fsdp:
+            _draw_fsdp(rng, o, ep)
         r = rng.random()
         if r < 0.15:
             o["--recompute-granularity"] = ("full",)
@@ -148,11 +154,27 @@ def draw(rng: random.Random, max_world: int) -> Combination:
             o["--recompute-granularity"] = ("selective",)
         if moe:
             _draw_moe(rng, o, ep, etp, tp)
-        if rng.random() < 0.15:
+        if not fsdp and rng.random() < 0.15:
             o["--fp8-format"] = (rng.choice(["hybrid", "e4m3"]),)
             o["--fp8-amax-history-len"] = ("4",)
             o["--fp8-amax-compute-algo"] = ("max",)
         return Combination(o)
+
+
+def _draw_fsdp(rng, o, ep):
+    """torch FSDP2 (EP 1) or Megatron-FSDP, without pipeline parallelism. Neither can load the shared torch_dist
+    checkpoint yet (FSDP2's DTensor parameters, Megatron-FSDP's fsdp_dtensor format), so both sides start from
+    --use-cpu-initialization (full weights drawn on the CPU, then sharded: the same for every layout without PP)."""
+    for option in ("--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size"):
+        o.pop(option, None)
+    if ep == 1 and rng.random() < 0.5:
+        o.update({"--use-torch-fsdp2": (), "--no-gradient-accumulation-fusion": (),
+                  "--untie-embeddings-and-output-weights": ()})
+    else:
+        strategy = rng.choice(["no_shard", "optim", "optim_grads", "optim_grads_params"])
+        o.update({"--use-megatron-fsdp": (), "--data-parallel-sharding-strategy": (strategy,),
+                  "--ckpt-format": ("fsdp_dtensor",)})
+    o["--use-cpu-initialization"] = ()
 
 
 def _draw_moe(rng, o, ep, etp, tp):
@@ -348,8 +370,10 @@ class Checker:
         self.runs = 0
         self.last_error = ""
 
-    def _argv(self, combo: Combination, load: str) -> List[str]:
-        return MODEL + ["--train-iters", str(self.iterations), "--load", load, "--finetune", *combo.train_flags()]
+    def _argv(self, combo: Combination) -> List[str]:
+        start = [] if "--use-cpu-initialization" in combo.options else \
+            ["--load", self._checkpoint(combo.reference()), "--finetune"]
+        return MODEL + ["--train-iters", str(self.iterations), *start, *combo.train_flags()]
 
     def _checkpoint(self, reference: Combination) -> str:
         key = reference.line()
@@ -364,7 +388,7 @@ class Checker:
         ref = combo.reference()
         key = ref.line()
         if key not in self.references:
-            self.references[key] = self.pool.run("train", self._argv(ref, self._checkpoint(ref)), 1)[0]
+            self.references[key] = self.pool.run("train", self._argv(ref), 1)[0]
         return self.references[key]
 
     def check(self, combo: Combination) -> Optional[str]:
@@ -372,7 +396,7 @@ class Checker:
         self.runs += 1
         try:
             reference = self.reference(combo)
-            per_rank = self.pool.run("train", self._argv(combo, self._checkpoint(combo.reference())), combo.world())
+            per_rank = self.pool.run("train", self._argv(combo), combo.world())
         except RuntimeError as e:
             self.last_error = str(e)
             first = str(e).splitlines()[0]

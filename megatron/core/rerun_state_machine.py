@@ -456,7 +456,9 @@ class RerunStateMachine:
     def validate_result(self, result, rejection_func: Callable[[Any], Any], message: str = "unexpected result",
                         comparison_func: Optional[Callable[[Any, Any], float]] = None, tolerance: float = 0.0,
                         fatal: bool = True) -> None:
-        """Check ``result`` (a 0-dim tensor or a number) at one validation site (module docstring)."""
+        """Check ``result`` (a 0-dim tensor or a number; a DTensor is read as this rank's local value) at one
+        validation site (module docstring)."""
+        result = getattr(result, "to_local", lambda: result)()
         if self.state == RerunState.NOT_RUNNING_YET and self.mode != RerunMode.DISABLED:
             return  # outside the training passes (evaluation): nothing to re-run
         compare = comparison_func or compare_floats

@@ -109,7 +109,9 @@ def _local_grad(param):
 
 
 def local_grad_norm(chunk) -> torch.Tensor:
-    grads = [g.detach().float() for g in map(_local_grad, chunk.parameters()) if g is not None and g.numel() > 0]
+    """L2 norm of this rank's gradients of ``chunk`` (FSDP's DTensor gradients: this rank's shards)."""
+    grads = [getattr(g, "to_local", lambda: g)() for g in map(_local_grad, chunk.parameters()) if g is not None]
+    grads = [g.detach().float() for g in grads if g.numel() > 0]
     if not grads:
         return torch.zeros((), device=device.current_device())
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

@@ -6,7 +6,8 @@ with ``megatron.core.comm_accounting.CommAccountant`` active inside ``train_step
 such as the initial parameter broadcast and the tied-embedding sync are outside). For every rank the counted
 calls and payload bytes per (process group, operation) must equal, exactly, the formulas of
 docs/performance.md ("Scaling on paper"), written out independently in ``expected_volume`` below —
-including the small terms (data broadcast over TP, the reported loss summed over DP, gradient-norm all-reduce).
+including the small terms (data broadcast over TP, the reported loss summed over DP, gradient-norm all-reduce, the
+rerun state machine's agreement).
 """
 import os
 from collections import defaultdict
@@ -115,8 +116,11 @@ def expected_volume(c, pp_rank):
             add("dp", "reduce_scatter", len(buckets), padded * G)
             add("dp", "all_gather", len(buckets), padded * P)
 
-    # --- gradient norm (--clip-grad 1.0): fp32 scalar over TP x PP, or the world with the dist. optimizer
-    add("world" if c["distopt"] else "mp", "all_reduce", 1, 4)
+    # --- gradient norm (--clip-grad 1.0): a scalar over TP x PP, or the world with the dist. optimizer; on CPU it is
+    # accumulated and reduced in fp64 (8 bytes; fp32 on GPU)
+    add("world" if c["distopt"] else "mp", "all_reduce", 1, 8)
+    # --- the rerun state machine's verdict on the iteration (--rerun-mode validate_results): 6 int64 over the world
+    add("world", "all_reduce", 1, 48)
     return {k: tuple(v) for k, v in out.items()}
 
 

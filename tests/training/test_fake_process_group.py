@@ -97,8 +97,8 @@ def test_fake_pg_175b_rank_511_trains_through_the_script(tmp_path):
                      CHECKPOINT_PATH=tmp_path / "ckpt", TENSORBOARD_DIR=tmp_path / "tb", MEGATRON_EXTRA_ARGS=CUT)
     env.pop("MASTER_ADDR", None)
     rc, out = run_script("pretrain_gpt3_175B.sh", env, timeout=240)
-    log = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
-    assert rc == 0, out + log[-5000:]
+    log = out + "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))  # the stand-in srun: stdout
+    assert rc == 0, log[-5000:]
     assert "this process is rank 511 of 1024" in log
     assert "using world size: 1024, data-parallel-size: 8, tensor-model-parallel size: 8, pipeline-model-parallel " \
            "size: 16" in log, log[:3000]
