@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_p
 from megatron.core.utils import get_model_config
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.datasets_provider import build_train_valid_test_data_iterators
+from megatron.training.errors import AgreedExit
 from megatron.training.fault_injection import ENV_VAR as FAULT_INJECT_ENV_VAR
 from megatron.training.global_vars import (
     get_adlr_autoresume,
@@ -41,7 +42,6 @@ from megatron.training.fault_handling import fault_handling, maybe_inject_fault
 from megatron.training.gc_and_profiling import IterationProfiler, ManualGC
 from megatron.training.hang_detection import ProgressTracker
 from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
-from megatron.training.errors import AgreedExit
 from megatron.training.numerical_checks import (IterationState, NumericalFaultError, ResultChecks, inject_nan_grad,
                                                 validate_grads, wrap_forward_step)
 from megatron.training.training_log import LogState, num_floating_point_operations, training_log

@@ -2,7 +2,7 @@
 
 * transient error on rank 1 of 4 under ``torchrun --max-restarts 1``: rank 1 is named ("Possible transient
   error!"), every rank exits 17, torchrun restarts the job from its last checkpoint and the losses of every iteration
-  equal a clean run's;
+  equal a clean run's (8 iterations, the error at iteration 5, the restart from iteration 4);
 * persistent error (torch_dist): checkpoint and exit 16; resumed on the same node and device: exit 16 again;
   resumed on "another device" (the device identity overridden): "Possible persistent error!", exit 17;
 * correct result (torch format, with the tracker file): 16, then "Correct result (but possible Application error)"
@@ -133,26 +133,26 @@ def clean_body(argv):
 
 @pytest.mark.timeout(300)
 def test_rel_rerun_transient_error_restarts_under_torchrun(tmp_path, data_path):
-    # 4 ranks x 1 micro-batch: 4 validations per iteration; the first injection: rank 1 at iteration 7.
-    rate = rate_for(4, 4, iteration=7, rank=1)
-    # After the restart from iteration 6 the stream starts again: its first injection would be iteration 13 > 10.
+    # 4 ranks x 1 micro-batch: 4 validations per iteration; the first injection: rank 1 at iteration 5.
+    rate = rate_for(4, 4, iteration=5, rank=1)
+    # After the restart from iteration 4 the stream starts again: its first injection would be iteration 9 > 8.
     save = str(tmp_path / "ckpt")
-    job = Job(str(tmp_path), data_path, 4, base=BASE + ["--train-iters", "10"], torchrun=True,
+    job = Job(str(tmp_path), data_path, 4, base=BASE + ["--train-iters", "8"], torchrun=True,
               torchrun_args=["--standalone", "--max-restarts", "1"],
               extra=["--save", save, "--load", save, "--save-interval", "2", "--error-injection-rate", str(rate)])
-    clean = run_distributed(clean_body, 4, ["--data-path", data_path, *BASE, "--train-iters", "10"], timeout=200)
+    clean = run_distributed(clean_body, 4, ["--data-path", data_path, *BASE, "--train-iters", "8"], timeout=200)
     codes, _ = job.wait(240)
     out = job.output()
     assert codes == [0], f"torchrun exit code {codes}\n{out[-5000:]}"
-    assert re.search(r"\[rerun\] Rank 1, node \S+, device cpu:1: unexpected result \S+ at iteration 7, validation "
+    assert re.search(r"\[rerun\] Rank 1, node \S+, device cpu:1: unexpected result \S+ at iteration 5, validation "
                      r"call #\d+ \(message='[^']+'\) \[injected transient_error\]", out), out[-5000:]
     assert "[rerun] Rank 1, node" in out and "Possible transient error!" in out
-    assert "exiting program at iteration 7 with exit code 17" in out
-    assert re.search(r"successfully loaded checkpoint from \S+ at iteration 6\b", out), out[-5000:]
+    assert "exiting program at iteration 5 with exit code 17" in out
+    assert re.search(r"successfully loaded checkpoint from \S+ at iteration 4\b", out), out[-5000:]
     losses = logged_losses(out)
     reference = {r["iteration"]: "{:.6E}".format(r["loss"]["lm loss"]) for r in clean[-1]}
-    assert sorted(losses) == list(range(1, 11)) == sorted(reference)
-    assert all("{:.6E}".format(losses[i]) == reference[i] for i in range(1, 11)), (losses, reference)
+    assert sorted(losses) == list(range(1, 9)) == sorted(reference)
+    assert all("{:.6E}".format(losses[i]) == reference[i] for i in range(1, 9)), (losses, reference)
     job.assert_no_process_left()
-    print("REL_RERUN transient on rank 1 at iteration 7, restarted from 6, losses 1-10 equal to a clean run's:",
-          [reference[i] for i in range(1, 11)])
+    print("REL_RERUN transient on rank 1 at iteration 5, restarted from 4, losses 1-8 equal to a clean run's:",
+          [reference[i] for i in range(1, 9)])
