@@ -50,7 +50,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 MODEL_OPTIONS = ("--num-layers", "--num-experts", "--swiglu", "--disable-bias-linear", "--normalization",
                  "--untie-embeddings-and-output-weights", "--use-cpu-initialization",
                  "--group-query-attention", "--num-query-groups", "--position-embedding-type")
-MODEL_PREFIXES = ("--moe-", "--fp8-")
+MODEL_PREFIXES = ("--moe-", "--fp8-", "--mtp-", "--multi-latent-attention", "--q-lora", "--kv-lora", "--qk-", "--v-head",
+                  "--rotary-")
 MOE_OPTIONS = ("--moe-", "--expert-")
 # Shrinking drops an option together with those that need it.
 DEPENDENT = {"--tensor-model-parallel-size": ("--sequence-parallel", "--expert-tensor-parallel-size"),
@@ -62,7 +63,9 @@ DEPENDENT = {"--tensor-model-parallel-size": ("--sequence-parallel", "--expert-t
              "--overlap-grad-reduce": ("--ddp-bucket-size",),
              "--moe-router-load-balancing-type": ("--moe-aux-loss-coeff",),
              "--use-torch-fsdp2": ("--no-gradient-accumulation-fusion",),
-             "--use-megatron-fsdp": ("--data-parallel-sharding-strategy", "--ckpt-format")}
+             "--use-megatron-fsdp": ("--data-parallel-sharding-strategy", "--ckpt-format"),
+             "--multi-latent-attention": ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+                                          "--v-head-dim", "--qk-layernorm", "--mtp-num-layers")}
 
 
 @dataclass
@@ -158,7 +161,44 @@ def draw(rng: random.Random, max_world: int) -> Combination:
             o["--fp8-format"] = (rng.choice(["hybrid", "e4m3"]),)
             o["--fp8-amax-history-len"] = ("4",)
             o["--fp8-amax-compute-algo"] = ("max",)
-        return Combination(o)
+        if rng.random() < 0.25:
+            _draw_mla(rng, o)
+        combo = Combination(o)
+        if refusal(combo) is None:  # the flags decide what the library supports today
+            return combo
+
+
+def _draw_mla(rng, o):
+    """Multi-latent attention (q and kv LoRA, decoupled RoPE), its latent norms, one multi-token-prediction depth."""
+    o.update({"--multi-latent-attention": (), "--q-lora-rank": ("16",), "--kv-lora-rank": ("16",),
+              "--qk-head-dim": ("8",), "--qk-pos-emb-head-dim": ("4",), "--v-head-dim": ("8",),
+              "--position-embedding-type": ("rope",), "--normalization": ("RMSNorm",)})
+    if rng.random() < 0.5:
+        o["--qk-layernorm"] = ()
+    if rng.random() < 0.5:
+        o["--mtp-num-layers"] = ("1",)
+
+
+def refusal(combo: Combination) -> Optional[str]:
+    """The one-line ConfigurationError validate_args gives for ``combo`` (None: accepted)."""
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.errors import ConfigurationError
+
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update(RANK="0", WORLD_SIZE=str(combo.world()), LOCAL_RANK="0")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args = parse_args(argv=MODEL + ["--train-iters", "1", *combo.train_flags()])
+            validate_args(args, {"tokenizer_type": "NullTokenizer"})
+        return None
+    except ConfigurationError as e:
+        return str(e)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _draw_fsdp(rng, o, ep):
@@ -481,7 +521,7 @@ def main(argv=None) -> int:
                 print(f"    {failure}", flush=True)
                 if opts.repro and failure.startswith("crash"):
                     print(checker.last_error, flush=True)  # the failing rank's traceback and output
-                if not opts.no_shrink and not opts.repro:
+                if not opts.no_shrink:
                     small, why = checker.shrink(combo, failure)
                     print(f"    shrunk to world {small.world()}: {why}\n    reproducer: {reproducer(small)}",
                           flush=True)

@@ -144,13 +144,22 @@ _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.weight([12])$")
 EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 
 
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
+
+
 def expert_entries(name: str, value: torch.Tensor, param, layer_offset: int, ep_rank: int, num_local: int,
                    num_experts: int, etp: Tuple[int, int]) -> Optional[List[Entry]]:
-    """The on-disk entries of an expert tensor (None when ``name`` is not one): one per local expert."""
+    """The on-disk entries of an expert tensor (None when ``name`` is not one): one per local expert. A decoder
+    layer's experts go to the stacked ``decoder.layers.mlp.experts.experts.*`` ``[L, E, ...]``; a multi-token
+    prediction depth's to ``mtp.layers.{k}.transformer_layer.mlp.experts.experts.*`` ``[E, ...]`` (no layer axis)."""
     m = _LAYER.match(name)
-    if not m:
-        return None
-    block, layer, rest = m.group(1), int(m.group(2)) + layer_offset, m.group(3)
+    if m:
+        block, layer, rest = m.group(1), int(m.group(2)) + layer_offset, m.group(3)
+    else:
+        m = _MTP_LAYER.match(name)
+        if not m:
+            return None
+        block, layer, rest = m.group(1), None, m.group(2)
     local = _LOCAL_EXPERT.match(rest)
     if local:
         j, linear, kind = int(local.group(1)), local.group(2), local.group(3)
