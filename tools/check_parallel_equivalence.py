@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -51,7 +52,8 @@ MODEL_OPTIONS = ("--num-layers", "--num-experts", "--swiglu", "--disable-bias-li
                  "--untie-embeddings-and-output-weights", "--use-cpu-initialization",
                  "--group-query-attention", "--num-query-groups", "--position-embedding-type")
 MODEL_PREFIXES = ("--moe-", "--fp8-", "--mtp-", "--multi-latent-attention", "--q-lora", "--kv-lora", "--qk-", "--v-head",
-                  "--rotary-")
+                  "--rotary-", "--optimizer", "--lr", "--min-lr", "--sgd-", "--adam-", "--clip-grad", "--weight-decay",
+                  "--seed")  # (and the optimizer's settings: a --repro line may change them)
 MOE_OPTIONS = ("--moe-", "--expert-")
 # Shrinking drops an option together with those that need it.
 DEPENDENT = {"--tensor-model-parallel-size": ("--sequence-parallel", "--expert-tensor-parallel-size"),
@@ -317,7 +319,8 @@ def _train(argv):
 
     def recording_log(state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, grad_norm, *rest):
         records.append({"iteration": iteration, "loss": float(loss_dict["lm loss"]) if "lm loss" in loss_dict
-                        else None, "grad_norm": None if grad_norm is None else float(grad_norm)})
+                        else None, "grad_norm": None if grad_norm is None else float(grad_norm),
+                        "other": {k: float(v) for k, v in loss_dict.items() if k != "lm loss"}})
         return original(state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, grad_norm, *rest)
 
     training.training_log, argv_before = recording_log, sys.argv
@@ -451,7 +454,11 @@ class Checker:
                     worst.append(f"iteration {ref['iteration']} {key}: {b!r} vs one rank {a!r}")
         if len(last) != len(reference):
             worst.append(f"{len(last)} iterations logged, one rank logged {len(reference)}")
-        return "; ".join(worst[:3]) if worst else None
+        if worst:  # the other logged values (MTP, MoE auxiliary losses) of the first iteration, as a hint
+            first = [f"{k} {last[0]['other'].get(k)!r} vs {v!r}" for k, v in reference[0]["other"].items()
+                     if last and abs(last[0]["other"].get(k, math.nan) - v) > rtol * abs(v)]
+            worst += [f"(iteration 1: {', '.join(first)})"] if first else []
+        return "; ".join(worst[:3] + worst[-1:] if len(worst) > 3 else worst) if worst else None
 
     def shrink(self, combo: Combination, failure: str) -> Tuple[Combination, str]:
         """Drop options one at a time (with the options that need them) while the combination still fails the same
