@@ -4,17 +4,21 @@
     python tools/check_parallel_equivalence.py --seed 7 --num-combinations 10 --max-world 4
     python tools/check_parallel_equivalence.py --repro "--tensor-model-parallel-size 2 --sequence-parallel"
 
-Each combination is drawn at random among the ones this library supports: tensor (with or without sequence)
-parallelism, pipeline parallelism (1F1B, or interleaved with virtual stages), context parallelism (p2p, a2a,
-all_gather), expert parallelism (with expert tensor parallelism) for mixture-of-experts models, data parallelism with
-or without the distributed optimizer and overlapped reduction, activation recompute (full uniform / block,
-selective), FP8 GEMMs with per-tensor delayed scaling (emulated on CPU), and the MoE routing options (top-k, score
-function, pre-softmax, load-balancing / z loss, expert bias, shared expert, grouped GEMM, token dispatcher). A tiny
-GPT (or MoE GPT) trains ``--iterations`` steps on mock data on gloo ranks, every layout starting from the same
-torch_dist checkpoint (written once per model by a single rank, loaded with ``--finetune``, resharded by the
-loader); the language-model loss and the gradient norm of every iteration are compared with the single-rank run of
-the same model and features, relative tolerance ``--rtol`` (``--fp8-rtol`` with FP8). A failure (a mismatch or a
-crash) is shrunk by dropping one option at a time while it still fails, and printed as a one-line reproducer.
+Each combination is drawn at random among the ones this library supports (``validate_args`` accepts it): tensor
+(with or without sequence) parallelism, pipeline parallelism (1F1B, or interleaved with virtual stages), context
+parallelism (p2p, a2a, all_gather), expert parallelism (with expert tensor parallelism) for mixture-of-experts
+models, data parallelism with or without the distributed optimizer and overlapped reduction, torch FSDP2 and
+Megatron-FSDP (its four sharding strategies), activation recompute (full uniform / block, selective), FP8 GEMMs with
+per-tensor delayed scaling (emulated on CPU), the MoE routing options (top-k, score function, pre-softmax,
+load-balancing / z loss, expert bias, shared expert, grouped GEMM, token dispatcher), multi-latent attention and
+multi-token prediction. A tiny GPT (or MoE GPT) trains ``--iterations`` steps on mock data on gloo ranks, every layout
+starting from the same torch_dist checkpoint (written once per model by a single rank, loaded with ``--finetune``,
+resharded by the loader; FSDP runs start from ``--use-cpu-initialization`` on both sides instead); the
+language-model loss and the gradient norm of every iteration are compared with the single-rank run of the same model
+and features (and optimizer settings), relative tolerance ``--rtol`` (``--fp8-rtol`` with FP8). A failure (a
+mismatch or a crash) is shrunk by dropping one option at a time (with the options that need it) while it still fails
+the same way, and printed as a one-line reproducer. Open bugs it found are listed in ``KNOWN_ISSUES``: a combination
+they match is reported as "known" and does not fail the run.
 
 Ranks run in a pool of persistent worker processes (gloo over 127.0.0.1), so a combination costs its training, not
 ``world`` Python start-ups; a combination that crashes or hangs has its workers replaced.
@@ -256,8 +260,14 @@ def _worker(index: int, jobs, results):
     import torch
 
     torch.set_num_threads(1)
+    parent = mp.parent_process()
     while True:
-        job = jobs.get()
+        try:
+            job = jobs.get(timeout=5.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return  # the checker was killed: do not outlive it
+            continue
         if job is None:
             return
         results.put((index, job["id"], _run_job(job, torch)))
@@ -479,6 +489,23 @@ class Checker:
         return combo, failure
 
 
+# Open bugs this tool found, not fixed yet (their owners remove an entry with the fix): a combination they match that
+# fails is reported as "known" with the description, and does not fail the run.
+KNOWN_ISSUES = [
+    (lambda c: "--mtp-num-layers" in c.options and c.size("--context-parallel-size") > 1,
+     "multi-token prediction under context parallelism: the MTP loss differs from one rank (relative 9e-6 at "
+     "iteration 1; grad norm 7e-4 at iteration 2)"),
+    (lambda c: c.options.get("--data-parallel-sharding-strategy", ("",))[0] in ("optim_grads", "optim_grads_params")
+     and c.size("--expert-model-parallel-size") > 1,
+     "Megatron-FSDP optim_grads / optim_grads_params with expert parallelism: the expert gradients are scaled unlike "
+     "one rank's (grad norm 6% low; Adam hides it, SGD's loss differs from iteration 2)"),
+]
+
+
+def known_issue(combo: Combination) -> Optional[str]:
+    return next((text for matches, text in KNOWN_ISSUES if matches(combo)), None)
+
+
 def reproducer(combo: Combination) -> str:
     return f"python tools/check_parallel_equivalence.py --repro {shlex.quote(combo.line())}"
 
@@ -506,7 +533,7 @@ def main(argv=None) -> int:
         for c in combos:
             print(f"world {c.world()}: {c.line()}")
         return 0
-    failures = refused = 0
+    failures = refused = known_count = 0
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="parallel_equivalence_") as workdir:
         pool = Pool(max(c.world() for c in combos), opts.timeout)
@@ -515,7 +542,9 @@ def main(argv=None) -> int:
             for i, combo in enumerate(combos):
                 t = time.time()
                 failure = checker.check(combo)
-                status = "ok" if failure is None else "refused" if failure.startswith("invalid") else "FAIL"
+                known = known_issue(combo)
+                status = "ok" if failure is None else "refused" if failure.startswith("invalid") else \
+                    "known" if known else "FAIL"
                 print(f"[{i + 1}/{len(combos)}] {status} world {combo.world()} ({time.time() - t:.1f} s): "
                       f"{combo.line()}", flush=True)
                 if failure is None:
@@ -523,6 +552,10 @@ def main(argv=None) -> int:
                 if status == "refused":  # the flags refuse it: the drawing should not have produced it
                     print(f"    {failure}", flush=True)
                     refused += 1
+                    continue
+                if status == "known":
+                    print(f"    {failure}\n    known issue: {known}", flush=True)
+                    known_count += 1
                     continue
                 failures += 1
                 print(f"    {failure}", flush=True)
@@ -534,8 +567,8 @@ def main(argv=None) -> int:
                           flush=True)
         finally:
             pool.close()
-    print(f"{len(combos)} combinations, {failures} failing, {refused} refused by the flags, {checker.runs} runs in "
-          f"{time.time() - start:.0f} s (seed {opts.seed})", flush=True)
+    print(f"{len(combos)} combinations, {failures} failing, {known_count} failing with a known issue, {refused} refused "
+          f"by the flags, {checker.runs} runs in {time.time() - start:.0f} s (seed {opts.seed})", flush=True)
     return 1 if failures or refused else 0
 
 

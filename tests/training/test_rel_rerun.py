@@ -1,8 +1,6 @@
-"""The rerun state machine end to end (pretrain_gpt.py on gloo ranks), driven by its error injection:
+"""The rerun state machine end to end (pretrain_gpt.py on gloo ranks), driven by its error injection (the transient
+error on rank 1 of 4 restarted by torchrun is tests/training/test_rel_restart.py):
 
-* transient error on rank 1 of 4 under ``torchrun --max-restarts 1``: rank 1 is named ("Possible transient
-  error!"), every rank exits 17, torchrun restarts the job from its last checkpoint and the losses of every iteration
-  equal a clean run's (8 iterations, the error at iteration 5, the restart from iteration 4);
 * persistent error (torch_dist): checkpoint and exit 16; resumed on the same node and device: exit 16 again;
   resumed on "another device" (the device identity overridden): "Possible persistent error!", exit 17;
 * correct result (torch format, with the tracker file): 16, then "Correct result (but possible Application error)"
@@ -10,40 +8,17 @@
 * --rerun-mode report_stats re-runs every iteration and reports zero differences on CPU, with a clean run's losses.
 
 Which rank and iteration an injection hits follows from the formula ``(randint(0, N-1) + rank) % N == 0`` with one
-random stream seeded by --seed (computed here with Python's random.Random, independently of the library).
+random stream seeded by --seed (helpers.rel_jobs.first_injection, independent of the library).
 """
-import os
-import random
 import re
 
 import pytest
 from helpers.dist_harness import run_distributed
-from helpers.rel_jobs import Job, logged_losses
+from helpers.rel_jobs import first_injection, rate_for
 from helpers.train_helpers import preprocess_corpus_slice
 
-SEED = 1234  # GPT_ARGS' --seed
 BASE = ["--num-layers", "2", "--global-batch-size", "4", "--log-interval", "1", "--eval-iters", "0",
         "--distributed-timeout-minutes", "1"]
-
-
-def first_injection(rate, world, calls_per_iteration, seed=SEED):
-    """(iteration, rank) of the first injected error: each validation call draws once until a rank is picked."""
-    rng = random.Random(seed)
-    for call in range(10000):
-        drawn = rng.randint(0, rate - 1)
-        ranks = [r for r in range(world) if (drawn + r) % rate == 0]
-        if ranks:
-            return call // calls_per_iteration + 1, ranks
-    return None, []
-
-
-def rate_for(world, calls_per_iteration, iteration, rank=None):
-    """The smallest rate whose first injection lands in ``iteration`` (on ``rank`` alone, when given)."""
-    for rate in range(2, 2000):
-        it, ranks = first_injection(rate, world, calls_per_iteration)
-        if it == iteration and (rank is None or ranks == [rank]):
-            return rate
-    raise AssertionError("no rate found")
 
 
 @pytest.fixture(scope="module")
@@ -125,34 +100,3 @@ def test_rel_rerun_persistent_and_correct_result_paths(tmp_path, data_path):
                      r"0\.000e\+00, mean 0\.000e\+00, max 0\.000e\+00", results[1]["log"]), results[1]["log"][-2000:]
     assert [r["loss"] for r in results[1]["stats"][1]] == [r["loss"] for r in results[1]["clean"][1]]
     print("\n".join(line for line in log.splitlines() if line.startswith(("[rerun]", "[exiting", "skipping"))))
-
-
-def clean_body(argv):
-    return _run(argv, deterministic=False)[1]
-
-
-@pytest.mark.timeout(300)
-def test_rel_rerun_transient_error_restarts_under_torchrun(tmp_path, data_path):
-    # 4 ranks x 1 micro-batch: 4 validations per iteration; the first injection: rank 1 at iteration 5.
-    rate = rate_for(4, 4, iteration=5, rank=1)
-    # After the restart from iteration 4 the stream starts again: its first injection would be iteration 9 > 8.
-    save = str(tmp_path / "ckpt")
-    job = Job(str(tmp_path), data_path, 4, base=BASE + ["--train-iters", "8"], torchrun=True,
-              torchrun_args=["--standalone", "--max-restarts", "1"],
-              extra=["--save", save, "--load", save, "--save-interval", "2", "--error-injection-rate", str(rate)])
-    clean = run_distributed(clean_body, 4, ["--data-path", data_path, *BASE, "--train-iters", "8"], timeout=200)
-    codes, _ = job.wait(240)
-    out = job.output()
-    assert codes == [0], f"torchrun exit code {codes}\n{out[-5000:]}"
-    assert re.search(r"\[rerun\] Rank 1, node \S+, device cpu:1: unexpected result \S+ at iteration 5, validation "
-                     r"call #\d+ \(message='[^']+'\) \[injected transient_error\]", out), out[-5000:]
-    assert "[rerun] Rank 1, node" in out and "Possible transient error!" in out
-    assert "exiting program at iteration 5 with exit code 17" in out
-    assert re.search(r"successfully loaded checkpoint from \S+ at iteration 4\b", out), out[-5000:]
-    losses = logged_losses(out)
-    reference = {r["iteration"]: "{:.6E}".format(r["loss"]["lm loss"]) for r in clean[-1]}
-    assert sorted(losses) == list(range(1, 9)) == sorted(reference)
-    assert all("{:.6E}".format(losses[i]) == reference[i] for i in range(1, 9)), (losses, reference)
-    job.assert_no_process_left()
-    print("REL_RERUN transient on rank 1 at iteration 5, restarted from 4, losses 1-8 equal to a clean run's:",
-          [reference[i] for i in range(1, 9)])
