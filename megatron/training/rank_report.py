@@ -19,7 +19,8 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron.core import device, parallel_state
-from megatron.training.theoretical_memory import GB, MB, measured_state_bytes, report_theoretical_memory
+from megatron.core.distributed.memory import resident_state_bytes
+from megatron.training.theoretical_memory import GB, MB, report_theoretical_memory
 
 STATE_KINDS = ("weights", "grads", "optimizer")
 
@@ -46,7 +47,7 @@ def rank_memory_report(args, model_chunks, optimizer) -> dict:
         "rank": torch.distributed.get_rank(), "world": torch.distributed.get_world_size(), "coords": coords,
         "params": sum(p.numel() for chunk in model_chunks for p in chunk.parameters()),
         "formula_params": theory.params[stage],
-        "measured": measured_state_bytes(model_chunks, optimizer),
+        "measured": resident_state_bytes(model_chunks, optimizer),
         "theory": {kind: getattr(theory, kind)[stage] for kind in STATE_KINDS},
         "activations": theory.activations[stage], "recompute": theory.recompute,
     }

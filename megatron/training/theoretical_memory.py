@@ -16,6 +16,23 @@ Counts, for the most loaded rank of each pipeline stage, what this library alloc
   times the micro-batches in flight on the first pipeline stage (``pp``, at most the number of micro-batches;
   ``(1 + (pp - 1) / (pp vpp))`` more with the interleaved schedule).
 
+Fully sharded data parallelism (``--use-megatron-fsdp --data-parallel-sharding-strategy S``, ``--use-torch-fsdp2``
+= ``optim_grads_params``) over ``d = DP x CP`` ranks, per parameter, with ``P`` the compute bytes (2 for fp16/bf16,
+4 for fp32) and ``M`` the optimizer's moments (8 for Adam):
+
+==================== ======== ============= ===================================================================
+strategy             weights  grads         optimizer
+==================== ======== ============= ===================================================================
+no_shard (DDP)       P        4 (or P)      M (+ 4 fp32 main with P = 2, + 4 fp32 grad copies with fp16 grads)
+optim (ZeRO-1)       P        4 (or P)      the same / d (Megatron's distributed optimizer)
+optim_grads (ZeRO-2) P        4 / d         (4 + M) / d: FSDP2's sharded fp32 parameter is the main weight
+optim_grads_params   0        4 / d         (4 + M) / d; each unit's weights are gathered just in time
+==================== ======== ============= ===================================================================
+
+so bf16 Adam gives 18, 6 + 12/d, 2 + 16/d and 16/d bytes per parameter (fp32: 16, 8 + 8/d, 4 + 16/d, 16/d); the
+transient all-gather / reduce-scatter buffers of one unit are not counted (megatron.core.distributed.memory measures
+the same three classes on a built model).
+
 Multi-latent attention (``--multi-latent-attention``) replaces the standard attention's projections by its down / up
 projections and latent norms; ``--mtp-num-layers`` adds the multi-token-prediction depths (and an embedding) to
 the last stage. MoE layers (``--num-experts``, ``--moe-layer-freq``) replace the dense MLP by the router (``E x h``), this rank's
@@ -23,15 +40,13 @@ the last stage. MoE layers (``--num-experts``, ``--moe-layer-freq``) replace the
 state is sharded over the expert data-parallel group. Activations are counted as for the dense MLP.
 Parameter counts follow this library's GPT/BERT layers exactly (biases, LayerNorm/RMSNorm, GQA, SwiGLU, tied or
 untied output layer, learned position embeddings), so weights, gradients and optimizer state can be compared
-with what a built model and optimizer hold: :func:`measured_state_bytes` sums the storages they really own
-(tests/training/test_train_theoretical_memory.py, --fake-process-group's rank report).
+with what a built model and optimizer hold (megatron.core.distributed.memory; tests/training/
+test_train_theoretical_memory.py, --fake-process-group's rank report).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List
-
-import torch
+from typing import Dict, List
 
 MB = 1024.0 * 1024.0
 GB = 1024.0 * MB
@@ -203,6 +218,7 @@ class MemoryReport:
     optimizer: List[float]
     activations: List[float]
     bytes_per_param: Dict[str, float] = field(default_factory=dict)
+    sharding: str = "no_shard"
 
     def total(self, stage: int) -> float:
         return self.weights[stage] + self.grads[stage] + self.optimizer[stage] + self.activations[stage]
@@ -216,8 +232,36 @@ class MemoryReport:
         return "\n".join(rows)
 
 
-def bytes_per_parameter(args, distributed_optimizer: bool) -> Dict[str, float]:
-    """(weights, grads, optimizer) bytes per parameter on one rank."""
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def sharding_strategy(args) -> str:
+    """What the run shards over data parallelism, in Megatron-FSDP's terms: ``--use-torch-fsdp2`` is
+    ``optim_grads_params``, ``--use-megatron-fsdp`` its ``--data-parallel-sharding-strategy``, otherwise ``optim``
+    with ``--use-distributed-optimizer`` and ``no_shard`` without."""
+    if getattr(args, "use_torch_fsdp2", False):
+        return "optim_grads_params"
+    if getattr(args, "use_megatron_fsdp", False):
+        return args.data_parallel_sharding_strategy
+    return "optim" if getattr(args, "use_distributed_optimizer", False) else "no_shard"
+
+
+def _fsdp2_bytes(args, sharding: str, d: int) -> Dict[str, float]:
+    """ZeRO-2 / ZeRO-3 on FSDP2 (module docstring): the sharded fp32 parameter is the main weight."""
+    moments = 8 if args.optimizer == "adam" else (4 if getattr(args, "sgd_momentum", 0.0) else 0)
+    weights = float(_PARAM_BYTES[_precision(args)]) if sharding == "optim_grads" else 0.0
+    return {"weights": weights, "grads": 4.0 / d, "optimizer": (4.0 + moments) / d}
+
+
+def bytes_per_parameter(args, distributed_optimizer: bool, sharding: str = None, d: int = None) -> Dict[str, float]:
+    """(weights, grads, optimizer) bytes per parameter on one rank; ``sharding`` (a Megatron-FSDP strategy)
+    overrides ``distributed_optimizer``; ``d``: the sharding group's size (default: the data-parallel size, x the
+    context-parallel size for the FSDP2 strategies)."""
+    if sharding in ("optim_grads", "optim_grads_params"):
+        dp_cp = args.data_parallel_size * (getattr(args, "context_parallel_size", 1) or 1)
+        return _fsdp2_bytes(args, sharding, d or dp_cp)
+    if sharding is not None:
+        distributed_optimizer = sharding == "optim"
     precision = _precision(args)
     param_bytes = _PARAM_BYTES[precision]
     grad_fp32 = precision == "bf16" or getattr(args, "accumulate_allreduce_grads_in_fp32", False) or precision == "fp32"
@@ -228,7 +272,7 @@ def bytes_per_parameter(args, distributed_optimizer: bool) -> Dict[str, float]:
         if not grad_fp32:
             optimizer_bytes += 4  # fp32 copies of the 16-bit gradients
     if distributed_optimizer:
-        optimizer_bytes /= args.data_parallel_size
+        optimizer_bytes /= d or args.data_parallel_size
     return {"weights": float(param_bytes), "grads": float(grad_bytes), "optimizer": float(optimizer_bytes)}
 
 
@@ -275,57 +319,30 @@ def recompute_mode(args) -> str:
     return "none"
 
 
-def report_theoretical_memory(args, distributed_optimizer=None, recompute=None) -> MemoryReport:
-    """Memory per rank for ``args``; ``distributed_optimizer`` / ``recompute`` override the flags (what-if)."""
-    if distributed_optimizer is None:
-        distributed_optimizer = bool(getattr(args, "use_distributed_optimizer", False))
+def report_theoretical_memory(args, distributed_optimizer=None, recompute=None, sharding=None) -> MemoryReport:
+    """Memory per rank for ``args``; ``distributed_optimizer`` / ``recompute`` / ``sharding`` (a Megatron-FSDP
+    strategy, module docstring) override the flags (what-if)."""
+    if sharding is None:
+        sharding = sharding_strategy(args) if distributed_optimizer is None else \
+            ("optim" if distributed_optimizer else "no_shard")
     recompute = recompute or recompute_mode(args)
-    per_param = bytes_per_parameter(args, distributed_optimizer)
+    per_param = bytes_per_parameter(args, False, sharding)
     pp = args.pipeline_model_parallel_size
     params = [stage_params(args, s) for s in range(pp)]
-    optimizer = [n * per_param["optimizer"] for n in params]
-    if distributed_optimizer and getattr(args, "num_experts", None):
+    totals = {kind: [n * per_param[kind] for n in params] for kind in ("weights", "grads", "optimizer")}
+    if sharding != "no_shard" and getattr(args, "num_experts", None):
         # Expert state is sharded over the expert data-parallel group (EDP = world / (ETP x EP x PP)).
-        world = args.data_parallel_size * args.tensor_model_parallel_size * pp
+        world = args.data_parallel_size * args.tensor_model_parallel_size * pp * \
+            (getattr(args, "context_parallel_size", 1) or 1)
         edp = world // ((getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size)
                         * (getattr(args, "expert_model_parallel_size", 1) or 1) * pp)
-        unsharded = per_param["optimizer"] * args.data_parallel_size
-        optimizer = [(n - e) * per_param["optimizer"] + e * unsharded / max(edp, 1)
-                     for n, e in zip(params, [stage_expert_params(args, s) for s in range(pp)])]
+        expert = bytes_per_parameter(args, False, sharding, d=max(edp, 1))
+        for kind in totals:
+            totals[kind] = [(n - e) * per_param[kind] + e * expert[kind]
+                            for n, e in zip(params, [stage_expert_params(args, s) for s in range(pp)])]
     return MemoryReport(
         precision=_precision(args), data_parallel_size=args.data_parallel_size,
-        distributed_optimizer=distributed_optimizer, recompute=recompute, params=params,
-        weights=[n * per_param["weights"] for n in params], grads=[n * per_param["grads"] for n in params],
-        optimizer=optimizer,
-        activations=[activation_bytes(args, s, recompute) for s in range(pp)], bytes_per_param=per_param)
-
-
-def _storage_bytes(tensors: Iterable, seen: set) -> int:
-    """Bytes of the storages behind ``tensors``, each storage counted once (across calls sharing ``seen``)."""
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        key = storage._cdata  # the storage itself: views share it (also on the meta device, where data_ptr is 0)
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
-
-
-def measured_state_bytes(model_chunks, optimizer) -> Dict[str, int]:
-    """What a built rank really holds, in bytes: the model's parameter storages ("weights"; the DDP parameter buffer
-    when parameters live in one), the DDP gradient buffers ("grads"), and the optimizer's own tensors (fp32 main
-    parameters and their gradients, Adam's moments: "optimizer"). Each storage counts once, in the first of these
-    three it appears in. Adam's state exists after the first step (or ``DistributedOptimizer._ensure_state``)."""
-    seen: set = set()
-    params = [p for chunk in model_chunks for p in chunk.parameters()]
-    weights = _storage_bytes(params, seen)
-    grads = _storage_bytes([buf.grad_data for chunk in model_chunks
-                            for buf in getattr(chunk, "param_and_grad_buffers", [])], seen)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    opt = [p for group in inner.param_groups for p in group["params"]]
-    opt += [p.grad for p in opt]
-    opt += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.numel() > 1]
-    return {"weights": weights, "grads": grads, "optimizer": _storage_bytes(opt, seen)}
+        distributed_optimizer=sharding == "optim", recompute=recompute, params=params,
+        weights=totals["weights"], grads=totals["grads"], optimizer=totals["optimizer"],
+        activations=[activation_bytes(args, s, recompute) for s in range(pp)], bytes_per_param=per_param,
+        sharding=sharding)

@@ -42,6 +42,50 @@ def _run_oracle(oracle, tmp, jobs):
     run_oracle([CHILD, jobs_file], cwd=tmp)
 
 
+# The oracle's "deepseek" model (mcore_oracle_child.DEEPSEEK), written out again: multi-latent attention with query
+# compression, latent norms and YaRN; a dense first layer then an MoE layer (sigmoid routing, expert bias, a shared
+# expert); one MTP depth.
+DEEPSEEK = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
+                qk_pos_emb_head_dim=4, v_head_dim=8, rotary_scaling_factor=4.0, original_max_position_embeddings=4,
+                mscale=1.0, mscale_all_dim=0.5, qk_layernorm=True, normalization="RMSNorm", layernorm_epsilon=1e-6,
+                add_bias_linear=False, ffn_hidden_size=96, num_moe_experts=4, moe_layer_freq=[0, 1],
+                moe_ffn_hidden_size=24, moe_router_topk=2, moe_shared_expert_intermediate_size=24,
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=0.0, mtp_num_layers=1,
+                mtp_loss_scaling_factor=0.3, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                gated_linear_unit=True, bias_activation_fusion=False, position_embedding_type="rope")
+
+
+def _deepseek_model(tp, ep):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                                  expert_model_parallel_size=ep, activation_func=torch.nn.functional.silu, **DEEPSEEK)
+    return GPTModel(config, get_gpt_decoder_block_spec(config), VOCAB, SEQ)
+
+
+def _deepseek_outputs(model):
+    """{'logits', 'mtp'} as the oracle child records them: a training-mode forward with labels (the last slot
+    masked), the main logits and each MTP depth's logged loss."""
+    from megatron.core import tensor_parallel
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 90, (2, SEQ), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    loss_mask = torch.ones(2, SEQ)
+    loss_mask[:, -1] = 0
+    model.train()
+    model(ids, pos, mask, labels=torch.roll(ids, -1, dims=1), loss_mask=loss_mask)
+    mtp = torch.stack([model.mtp.tracked_losses[k] for k in sorted(model.mtp.tracked_losses)])
+    model.mtp.tracked_losses.clear()
+    with torch.no_grad():
+        logits = model(ids, pos, mask)
+    return {"logits": tensor_parallel.gather_from_tensor_model_parallel_region(logits).float(), "mtp": mtp}
+
+
 def _our_model(style, tp, pp, ep=1):
     import torch.nn.functional as F
 
@@ -189,53 +233,92 @@ def test_megatron_core_loads_our_checkpoints(interop, style):
 MOE_LOAD_LAYOUTS = ((1, 1, 2), (1, 1, 1), (1, 2, 1))  # (TP, PP, EP) on 2 ranks
 
 
-def moe_load_body(directory):
-    from megatron.training.checkpointing import torch_dist as dc
-
-    out = {}
-    for tp, pp, ep in MOE_LOAD_LAYOUTS:
-        _setup(tp, pp, 99, ep)
-        model = _our_model("mixtral", tp, pp, ep).eval()
-        request = dc.model_sharded_state([model], for_load=True)
-        dc.load_sharded_checked(request, directory, "raise_all", [k for k in request if "word_embeddings" in k])
-        dc.apply_loaded_model([model], request)
-        out[(tp, pp, ep)] = _logits(model)
-    return out
+DEEPSEEK_LOAD_LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (TP, EP) on 2 ranks; TP = 2 with sequence parallelism
 
 
-def moe_save_body(root):
+def _save(model, directory):
     import json
 
     from megatron.core.dist_checkpointing import save_sharded
     from megatron.training.checkpointing import torch_dist as dc
 
-    directory = os.path.join(root, "ours_ep2")
-    _setup(1, 1, 4321, 2)
-    model = _our_model("mixtral", 1, 1, 2).eval()
     save_sharded(dc.model_sharded_state([model]), directory)
     if torch.distributed.get_rank() == 0:
         torch.save({}, os.path.join(directory, "common.pt"))
         with open(os.path.join(directory, "metadata.json"), "w") as f:
             json.dump(dc.METADATA, f)
     torch.distributed.barrier()
-    return _logits(model)
+
+
+def moe_body(root):
+    """One launch of our 2 ranks: load megatron-core's Mixtral-style and DeepSeek-style checkpoints at several layouts,
+    then save ours (Mixtral-style at EP = 2, DeepSeek-style at TP = 2 + SP)."""
+    from megatron.training.checkpointing import torch_dist as dc
+
+    out = {}
+    for tp, pp, ep in MOE_LOAD_LAYOUTS:
+        _setup(tp, pp, 99, ep)
+        model = _our_model("mixtral", tp, pp, ep).eval()
+        directory = os.path.join(root, "mcore_ep2")
+        request = dc.model_sharded_state([model], for_load=True)
+        dc.load_sharded_checked(request, directory, "raise_all", [k for k in request if "word_embeddings" in k])
+        dc.apply_loaded_model([model], request)
+        out[(tp, pp, ep)] = _logits(model)
+    for tp, ep in DEEPSEEK_LOAD_LAYOUTS:
+        _setup(tp, 1, 99, ep)
+        model = _deepseek_model(tp, ep)
+        request = dc.model_sharded_state([model], for_load=True)
+        dc.load_sharded_checked(request, os.path.join(root, "mcore_deepseek"), "raise_all",
+                                [k for k in request if "word_embeddings" in k])
+        dc.apply_loaded_model([model], request)
+        out[("deepseek", tp, ep)] = _deepseek_outputs(model)
+    _setup(1, 1, 4321, 2)
+    model = _our_model("mixtral", 1, 1, 2).eval()
+    _save(model, os.path.join(root, "ours_ep2"))
+    out["saved"] = _logits(model)
+    _setup(2, 1, 4321, 1)
+    model = _deepseek_model(2, 1)
+    _save(model, os.path.join(root, "ours_deepseek"))
+    out["saved deepseek"] = _deepseek_outputs(model)
+    return out
 
 
 def test_moe_checkpoints_move_both_ways_with_megatron_core(oracle, tmp_path):
     """MoE (4 experts, top-2, SequentialMLP): megatron-core at EP=2 saves, we load at EP=2, EP=1 and PP=2; we save
-    at EP=2, megatron-core loads at EP=1. Same logits (expert keys [L, E, ...], gate/up halves, _extra_state)."""
-    _run_oracle(oracle, tmp_path, [dict(mode="save", style="mixtral", tp=1, pp=1, ep=2, ckpt=tmp_path / "mcore_ep2",
-                                        out=tmp_path / "ref.pt")])
+    at EP=2, megatron-core loads at EP=1. Same logits (expert keys [L, E, ...], gate/up halves, _extra_state).
+
+    DeepSeek-style (multi-latent attention, a dense then an MoE layer, one MTP depth; the oracle child's stand-ins for
+    what megatron-core's local spec lacks on CPU): megatron-core at EP=2 saves (local-spec key names, per-layer keys
+    of the heterogeneous stack, mtp.layers.0.*), we load at TP=1, TP=2 + SP and EP=2: equal logits and MTP loss; we
+    save at TP=2 + SP (Transformer Engine's norm names), megatron-core loads it at TP=1 with its TE-spec keys: equal
+    logits and MTP loss."""
+    _run_oracle(oracle, tmp_path, [
+        dict(mode="save", style="mixtral", tp=1, pp=1, ep=2, ckpt=tmp_path / "mcore_ep2", out=tmp_path / "ref.pt"),
+        dict(mode="save", style="deepseek", tp=1, pp=1, ep=2, ckpt=tmp_path / "mcore_deepseek",
+             out=tmp_path / "ref_deepseek.pt")])
+    outputs = run_distributed(moe_body, 2, str(tmp_path), timeout=400)
+    _run_oracle(oracle, tmp_path, [
+        dict(mode="load", style="mixtral", tp=1, pp=1, ep=1, ckpt=tmp_path / "ours_ep2",
+             out=tmp_path / "mcore_from_ours.pt"),
+        dict(mode="load", style="deepseek", tp=1, pp=1, ep=1, ckpt=tmp_path / "ours_deepseek",
+             out=tmp_path / "mcore_from_ours_deepseek.pt")])
     expected = torch.load(tmp_path / "ref.pt")
-    outputs = run_distributed(moe_load_body, 2, str(tmp_path / "mcore_ep2"), timeout=280)
     report = []
     for layout in MOE_LOAD_LAYOUTS:
         err = rel_err(_last(outputs, layout), expected)
         report.append(f"mixtral megatron-core EP=2 -> ours (TP, PP, EP)={layout}: max rel diff {err:.2e}")
-    ours = next(o for o in run_distributed(moe_save_body, 2, str(tmp_path), timeout=280) if o is not None)
-    _run_oracle(oracle, tmp_path, [dict(mode="load", style="mixtral", tp=1, pp=1, ep=1, ckpt=tmp_path / "ours_ep2",
-                                        out=tmp_path / "mcore_from_ours.pt")])
+    ours = next(o["saved"] for o in outputs if o["saved"] is not None)
     err = rel_err(torch.load(tmp_path / "mcore_from_ours.pt"), ours)
     report.append(f"mixtral ours EP=2 -> megatron-core EP=1: max rel diff {err:.2e}")
+    expected = torch.load(tmp_path / "ref_deepseek.pt")
+    for tp, ep in DEEPSEEK_LOAD_LAYOUTS:
+        got = outputs[0][("deepseek", tp, ep)]
+        for what in ("logits", "mtp"):
+            err = rel_err(got[what], expected[what])
+            report.append(f"deepseek megatron-core EP=2 -> ours TP={tp} EP={ep} {what}: max rel diff {err:.2e}")
+    theirs = torch.load(tmp_path / "mcore_from_ours_deepseek.pt")
+    for what in ("logits", "mtp"):
+        err = rel_err(theirs[what], outputs[0]["saved deepseek"][what])
+        report.append(f"deepseek ours TP=2 + SP -> megatron-core TP=1 {what}: max rel diff {err:.2e}")
     print("\n".join(report))
     assert all(float(r.rsplit(" ", 1)[1]) <= TOL for r in report), "\n".join(report)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(300)
 TINY_ENV = dict(HIDDEN_SIZE=32, FFN_HIDDEN_SIZE=48, NUM_ATTENTION_HEADS=4, NUM_QUERY_GROUPS=2, KV_CHANNELS=8,
                 SEQ_LENGTH=16, MAX_POSITION_EMBEDDINGS=16, VOCAB_SIZE=100, GLOBAL_BATCH_SIZE=2, TRAIN_ITERS=2,
                 GPUS_PER_NODE=1, MEGATRON_EXTRA_ARGS="--distributed-backend gloo --num-workers 0 --eval-iters 0 "
-                                                     "--save-interval 2 --lr-warmup-iters 0")
+                                                     "--save-interval 2 --lr-warmup-iters 0 --split 100,0,0")
 
 
 def _check(rc, out, ckpt):

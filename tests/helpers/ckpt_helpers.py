@@ -65,7 +65,7 @@ def losses(records):
 def resume_case(data_path, save_dir, extra, n_iters=6, k_iters=3):
     """N iterations straight; k iterations, save and exit; a fresh pretrain resuming from the save for the rest.
     Returns this rank's records of the three legs."""
-    base = ["--data-path", data_path, "--train-iters", str(n_iters)] + list(extra)
+    base = ([] if data_path is None else ["--data-path", data_path]) + ["--train-iters", str(n_iters)] + list(extra)
     straight, _ = run_leg(base)
     first, exited = run_leg(base + ["--save", save_dir, "--save-interval", "1000", "--exit-interval", str(k_iters)])
     assert exited, "--exit-interval did not stop the first leg"

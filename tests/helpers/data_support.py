@@ -85,3 +85,13 @@ def write_indexed(prefix: str, documents, dtype=numpy.uint16) -> None:
 def read_file(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+def random_token_corpus(prefix: str, vocab: int, num_docs: int = 64, seed: int = 0) -> str:
+    """``num_docs`` documents of 20-60 random token ids below ``vocab - 1``, each ended by ``vocab - 1``, written as
+    an indexed dataset at ``prefix``: a training corpus whose sample index costs nothing (``--mock-data``'s holds
+    millions of samples). Returns the prefix (for ``--data-path``)."""
+    rng = numpy.random.default_rng(seed)
+    write_indexed(prefix, [[rng.integers(0, vocab - 1, int(n)).tolist() + [vocab - 1]]
+                           for n in rng.integers(20, 60, num_docs)])
+    return prefix

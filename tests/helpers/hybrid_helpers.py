@@ -56,5 +56,18 @@ def hf_to_torch_dist(model, directory: str) -> str:
     return dist
 
 
+def tiny_corpus(directory: str, vocab: int = HF_VOCAB) -> str:
+    """A small indexed dataset of random tokens below ``vocab`` (64 documents of 20-59 tokens, the last one EOD
+    ``vocab``); returns its prefix. Faster to index than --mock-data's 100000 synthetic documents."""
+    from helpers.data_support import write_indexed
+
+    g = torch.Generator().manual_seed(7)
+    docs = [[torch.randint(0, vocab, (int(n),), generator=g).tolist() + [vocab]]
+            for n in torch.randint(20, 60, (64,), generator=g)]
+    prefix = os.path.join(directory, "tiny_text_document")
+    write_indexed(prefix, docs)
+    return prefix
+
+
 def ids(batch: int = 2, seq: int = 12, seed: int = 3) -> torch.Tensor:
     return torch.randint(0, HF_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))

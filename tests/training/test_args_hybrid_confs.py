@@ -2,7 +2,7 @@
 Nemotron-Nano-9B-v2, Nemotron-3 Nano / Super / Ultra) and Nemotron-Mini-4B: their ``MODEL_ARGS``, word for word as
 bash passes them (tests/helpers/model_confs.py), parse with the entry point's parser (Megatron's flags plus the
 ModelOpt ones) and validate unchanged, with the values in the args and the TransformerConfig; shrunk (one layer of
-each type, tiny sizes, a null tokenizer and mock data) each trains for two iterations with its remaining flags as
+each type, tiny sizes, a null tokenizer and a small corpus) each trains for two iterations with its remaining flags as
 given (sigmoid routing with expert bias, seq_aux_loss, latent experts, grouped GEMM, alltoall, fused-kernel flags,
 RoPE on half the head for Nemotron-H 4B / 8B, LayerNorm 1p for Nemotron-Mini). Bad hybrid settings stop with one
 line naming the flag."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from helpers.args_test_helpers import clean_env, validated  # noqa: F401  (fixture)
 from helpers.dist_harness import run_distributed
+from helpers.hybrid_helpers import tiny_corpus
 from helpers.model_confs import NEMOTRON_H, NEMOTRON_MINI, model_args, shrunk, shrunk_hybrid
 from helpers.train_helpers import run_pretrain
 
@@ -85,21 +86,23 @@ def test_nemotron_configuration_validates_unchanged(clean_env, name):
         assert args.padded_vocab_size == 131072
 
 
-def train_confs_body(names):
+def train_confs_body(names, data):
     out = {}
     for name in names:
         argv = (shrunk_hybrid(name) if name in NEMOTRON_H else shrunk(name)) + [
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--padded-vocab-size", "128", "--mock-data",
-            "--train-iters", "2", "--log-interval", "1", "--ckpt-format", "torch_dist", "--lr-warmup-iters", "0"]
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--padded-vocab-size", "128",
+            "--data-path", data, "--split", "100,0,0",
+            "--train-iters", "2", "--log-interval", "1", "--ckpt-format", "torch_dist", "--lr-warmup-iters", "0",
+            "--eval-iters", "0"]
         entry = "pretrain_mamba" if name in NEMOTRON_H else "pretrain_gpt"
         out[name] = [r["loss"] for r in run_pretrain(entry, argv, extra_args_provider=add_modelopt_args)]
     return out
 
 
 @pytest.mark.timeout(300)
-def test_shrunk_configurations_train():
+def test_shrunk_configurations_train(tmp_path):
     names = NEMOTRON_H + NEMOTRON_MINI
-    runs = run_distributed(train_confs_body, 1, names, timeout=280)[0]
+    runs = run_distributed(train_confs_body, 1, names, tiny_corpus(str(tmp_path)), timeout=280)[0]
     for name in names:
         losses = [loss["lm loss"] for loss in runs[name]]
         assert len(losses) == 2 and all(0 < v < 20 for v in losses), (name, runs[name])

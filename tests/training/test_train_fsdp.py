@@ -1,24 +1,27 @@
 """Fully sharded data parallelism (--use-torch-fsdp2, --use-megatron-fsdp with its four strategies) against the
 unsharded DDP run, on 4 gloo ranks in one launch.
 
-For each layout (DP=4; TP=2 x DP=2 with sequence parallelism; MoE EP=2 x DP=2 with 4 experts) the per-iteration
-losses and grad norms of 10 iterations of every sharded run equal the plain DDP run's within 1e-6 relative (fp32,
-same initial weights); ``--use-torch-fsdp2`` is not allowed with expert parallelism (Megatron's rule). The runs
+For each layout (DP=4; TP=2 x DP=2 with sequence parallelism; MoE EP=2 x DP=2 with 4 experts; CP=2 x DP=2, where
+FSDP shards over the 4 DP x CP ranks) the per-iteration losses and grad norms of 10 iterations of every sharded run
+(the bucketed no_shard / optim at DP=4, the FSDP2 strategies at DP=4, TP x DP and EP x DP, ZeRO-3 with CP) equal the plain DDP run's within 1e-6 relative (fp32,
+same initial weights, a small random-token corpus); ``--use-torch-fsdp2`` is not allowed with expert parallelism (Megatron's rule). The runs
 also record how the model was wrapped: the FSDP2 strategies hold DTensor parameters whose local blocks add up to
 about a quarter (DP=4) / half (DP=2) of the unsharded parameter count, the bucketed strategies (no_shard, optim)
 the whole model; optim really builds the distributed optimizer. Megatron's flag checks give their one-line
 messages.
 """
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from helpers.args_test_helpers import clean_env, validated  # noqa: F401 - fixture
+from helpers.data_support import random_token_corpus
 from helpers.dist_harness import run_distributed
 from helpers.train_helpers import run_pretrain
 
 REL_TOL = 1e-6
-TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-layers", "2",
+TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--split", "100,0,0", "--num-layers", "2",
         "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "10", "--log-interval", "1",
         "--eval-iters", "0", "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion"]
 MOE = ["--swiglu", "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
@@ -32,16 +35,19 @@ def _mfsdp(strategy):
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-LAYOUTS = {"dp4": [], "tp2_dp2": TP2, "ep2_dp2": MOE}
+LAYOUTS = {"dp4": [], "tp2_dp2": TP2, "ep2_dp2": MOE, "cp2_dp2": ["--context-parallel-size", "2"]}
 RUNS = []
 for layout, extra in LAYOUTS.items():
     RUNS.append((layout, "ddp", extra))
-    if layout != "ep2_dp2":
+    if layout in ("dp4", "tp2_dp2"):
         RUNS.append((layout, "torch_fsdp2", extra + FSDP2))
-    RUNS += [(layout, s, extra + _mfsdp(s)) for s in STRATEGIES]
+    # no_shard and optim are our DDP and distributed optimizer (tests/training/test_train_layouts.py and
+    # test_train_moe_parity.py compare those at TP=2 and EP=2): here at DP=4, the FSDP2 engine at every layout.
+    strategies = {"dp4": STRATEGIES, "cp2_dp2": STRATEGIES[3:]}.get(layout, STRATEGIES[2:])
+    RUNS += [(layout, s, extra + _mfsdp(s)) for s in strategies]
 
 
-def _run_recording(extra):
+def _run_recording(extra, data):
     """run_pretrain, also recording the wrapper, the optimizer class and this rank's parameter elements."""
     from megatron.training import training as training_mod
 
@@ -60,24 +66,38 @@ def _run_recording(extra):
     def setup(*args, **kwargs):
         model, optimizer, scheduler = original_setup(*args, **kwargs)
         seen["optimizer"] = type(optimizer).__name__
+        seen["objects"] = (model, optimizer)
         return model, optimizer, scheduler
 
     training_mod.get_model, training_mod.setup_model_and_optimizer = get_model, setup
     try:
-        records = run_pretrain("pretrain_gpt", TINY + list(extra))
+        records = run_pretrain("pretrain_gpt", TINY + ["--data-path", data] + list(extra))
     finally:
         training_mod.get_model, training_mod.setup_model_and_optimizer = original_get_model, original_setup
     seen["curve"] = [(r["loss"]["lm loss"], r["grad_norm"]) for r in records]
+    # What the parameters, gradients and optimizer hold after the last step, and the formula's bytes per parameter
+    from megatron.core.distributed.memory import resident_state_bytes
+    from megatron.training.theoretical_memory import bytes_per_parameter, sharding_strategy
+
+    model, optimizer = seen.pop("objects")
+    seen["memory"] = resident_state_bytes(model, optimizer)
+    args = SimpleNamespace(fp16=False, bf16=False, optimizer="adam", sgd_momentum=0.0, data_parallel_size=4,
+                           context_parallel_size=1, accumulate_allreduce_grads_in_fp32=False,
+                           use_torch_fsdp2="--use-torch-fsdp2" in extra, use_megatron_fsdp="--use-megatron-fsdp" in extra,
+                           data_parallel_sharding_strategy=(list(extra) or [None])[-1], use_distributed_optimizer=False)
+    seen["formula"] = {k: v * seen["global_numel"] for k, v in
+                       bytes_per_parameter(args, False, sharding_strategy(args)).items()}
     return seen
 
 
-def runs_body(runs):
-    return {(layout, name): _run_recording(extra) for layout, name, extra in runs}
+def runs_body(runs, data):
+    return {(layout, name): _run_recording(extra, data) for layout, name, extra in runs}
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs():
-    return run_distributed(runs_body, 4, RUNS, timeout=600)
+def fsdp_runs(tmp_path_factory):
+    data = random_token_corpus(str(tmp_path_factory.mktemp("fsdp_data") / "tokens"), 128)
+    return run_distributed(runs_body, 4, RUNS, data, timeout=600)
 
 
 def _worst(curve, ref):
@@ -116,6 +136,21 @@ def test_sharding_engines_and_optimizers(fsdp_runs):
             wrapper = {"ddp": "DistributedDataParallel", "torch_fsdp2": "TorchFullyShardedDataParallel"}.get(name)
             assert run["wrapper"] == (wrapper or ("_BucketedFSDP" if name in ("no_shard", "optim")
                                                   else "_FullyShardedFSDP")), (name, run["wrapper"])
+
+
+def test_resident_memory_matches_the_formulas_at_dp4(fsdp_runs):
+    """Weights, gradients and optimizer state each rank holds after the last step (storages, padding included)
+    against megatron/training/theoretical_memory.py (fp32 Adam: no_shard 16 bytes per parameter, ZeRO-1 8 + 8/d,
+    ZeRO-2 4 + 16/d, ZeRO-3 16/d with d = 4), within 5% (FSDP2's row blocks and the buckets are padded)."""
+    for rank in fsdp_runs:
+        for (layout, name), run in rank.items():
+            if layout != "dp4" or name == "ddp":
+                continue
+            for kind in ("weights", "grads", "optimizer"):
+                got, want = run["memory"][kind], run["formula"][kind]
+                assert abs(got - want) <= 0.05 * want + 1, (name, kind, got, want)
+    print({name: (run["memory"], {k: int(v) for k, v in run["formula"].items()})
+           for (layout, name), run in fsdp_runs[0].items() if layout == "dp4"})
 
 
 BAD_FLAGS = [

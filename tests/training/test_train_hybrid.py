@@ -5,13 +5,17 @@
   resharded on load) gives transformers' logits (1e-5);
 * training runs of 2 iterations from that checkpoint (fp32, no dropout; sigmoid routing with expert bias,
   seq_aux_loss, alltoall dispatcher) log the same losses (1e-5 relative) at TP=1 x DP=4, TP=2 + SP x DP=2,
-  PP=2 split by the pattern's '|' (1 + 7 layers) x DP=2, TP=2 + SP x PP=2 (3 + 5 layers), and PP=4 with two virtual
-  stages per rank from 8 one-layer segments (the interleaved schedule)."""
+  PP=2 split by the pattern's '|' (1 + 7 layers) x DP=2, and PP=4 with two virtual stages per rank from 8 one-layer
+  segments (the interleaved schedule); all with the distributed optimizer. The TP=1 run saves its iterations, and a
+  TP=2 + SP x PP=2 (3 + 5 layers) run resumed from its iteration 1 (weights and optimizer state resharded, the data
+  position) logs iteration 2's loss."""
+import os
+
 import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
-from helpers.hybrid_helpers import HF_VOCAB, hf_to_torch_dist, ids, tiny_hf_nemotron_h
+from helpers.hybrid_helpers import HF_VOCAB, hf_to_torch_dist, ids, tiny_corpus, tiny_hf_nemotron_h
 from helpers.train_helpers import run_pretrain
 
 BLOCKS = ["linear_attention", "full_attention", "moe", "mlp", "linear_attention", "full_attention", "mlp",
@@ -19,7 +23,13 @@ BLOCKS = ["linear_attention", "full_attention", "moe", "mlp", "linear_attention"
 PATTERN = "M*E-M*-M"
 
 
-def _hybrid_args(dist, pattern):
+def _hybrid_args(dist, data, pattern, resume_from=None):
+    """The tiny model's flags, fine-tuned from the converted checkpoint ``dist`` (or resumed, optimizer included,
+    from iteration 1 of the training checkpoint ``resume_from``)."""
+    if resume_from is None:
+        load = ["--load", dist, "--finetune", "--no-load-optim", "--no-load-rng"]
+    else:
+        load = ["--load", resume_from, "--ckpt-step", "1"]
     return ["--hybrid-layer-pattern", pattern, "--hidden-size", "32", "--num-attention-heads", "4",
             "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "8", "--ffn-hidden-size", "48",
             "--squared-relu", "--normalization", "RMSNorm", "--disable-bias-linear",
@@ -30,19 +40,20 @@ def _hybrid_args(dist, pattern):
             "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32",
             "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
             "--moe-token-dispatcher-type", "alltoall", "--seq-length", "16", "--max-position-embeddings", "64",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(HF_VOCAB), "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(HF_VOCAB), "--data-path", data,
+            "--split", "100,0,0",
             "--make-vocab-size-divisible-by", "64",  # 128 rows at TP 1 and 2: the zero rows count in the loss
-            "--load", dist, "--ckpt-format", "torch_dist", "--finetune", "--no-load-optim", "--no-load-rng",
-            "--train-iters", "2",
-            "--log-interval", "1", "--lr-warmup-iters", "0"]
+            "--ckpt-format", "torch_dist", *load, "--train-iters", "2", "--log-interval", "1",
+            "--lr-warmup-iters", "0", "--eval-iters", "0", "--use-distributed-optimizer"]
 
 
 LAYOUTS = {
-    "tp1_dp4": ([], PATTERN),
+    "tp1_dp4": (["--save", "{save}", "--save-interval", "1"], PATTERN),  # saves iterations 1 and 2
     "tp2_sp_dp2": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], PATTERN),
     "pp2_pattern_split": (["--pipeline-model-parallel-size", "2"], "M|*E-M*-M"),
-    "tp2_sp_pp2": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                    "--pipeline-model-parallel-size", "2"], "M*E|-M*-M"),
+    # iteration 2 only: resumed from tp1_dp4's iteration 1 (weights, distributed-optimizer state, data position)
+    "tp2_sp_pp2_resumed": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                            "--pipeline-model-parallel-size", "2"], "M*E|-M*-M"),
     # 8 segments over 4 stages: the interleaved schedule with 2 virtual stages per rank (segment vp x 4 + pp)
     "pp4_vpp2_pattern": (["--pipeline-model-parallel-size", "4"], "M|*|E|-|M|*|-|M"),
 }
@@ -80,11 +91,12 @@ def _tp2_logits_error(dist, hf_config, tokens, reference):
         ps.destroy_model_parallel()
 
 
-def hybrid_body(dist, hf_config, tokens, reference, names):
+def hybrid_body(dist, data, save, hf_config, tokens, reference, names):
     out = {"tp2_logits_err": _tp2_logits_error(dist, hf_config, tokens, reference)}
     for name in names:
         extra, pattern = LAYOUTS[name]
-        records = run_pretrain("pretrain_mamba", _hybrid_args(dist, pattern) + extra)
+        argv = _hybrid_args(dist, data, pattern, resume_from=save if name.endswith("_resumed") else None)
+        records = run_pretrain("pretrain_mamba", argv + [a.replace("{save}", save) for a in extra])
         out[name] = [(r["iteration"], r["loss"]) for r in records]
     return out
 
@@ -97,27 +109,32 @@ def checkpoint(tmp_path_factory):
     with torch.no_grad():
         reference = model(tokens).logits
     config = {k: v for k, v in cfg.to_dict().items() if k not in ("id2label", "label2id")}
-    return hf_to_torch_dist(model, str(tmp_path_factory.mktemp("hybrid"))), config, tokens, reference
+    root = str(tmp_path_factory.mktemp("hybrid"))
+    return hf_to_torch_dist(model, root), tiny_corpus(root), os.path.join(root, "trained"), config, tokens, reference
 
 
 @pytest.mark.timeout(400)
 def test_hybrid_tp2_logits_and_training_layouts(checkpoint):
-    dist, config, tokens, reference = checkpoint
-    results = run_distributed(hybrid_body, 4, dist, config, tokens, reference, list(LAYOUTS), timeout=380)
+    dist, data, save, config, tokens, reference = checkpoint
+    results = run_distributed(hybrid_body, 4, dist, data, save, config, tokens, reference, list(LAYOUTS),
+                              timeout=380)
     errors = [r.pop("tp2_logits_err") for r in results]
     print(f"NemotronH logits at TP=2 + SP vs transformers: max rel err {max(errors):.2e}")
     assert max(errors) <= 1e-5, errors
     runs = results[-1]  # the last rank is on the last pipeline stage in every layout
     base = runs["tp1_dp4"]
     assert [it for it, _ in base] == [1, 2]
+    assert [it for it, _ in runs["tp2_sp_pp2_resumed"]] == [2]
+    worst = 0.0
     for name, records in runs.items():
-        assert [it for it, _ in records] == [1, 2], name
-        for (_, got), (_, want) in zip(records, base):
+        for it, got in records:
+            assert it in (1, 2), (name, it)
+            want = base[it - 1][1]
             assert set(got) == set(want), (name, got.keys())
             for key in want:
+                worst = max(worst, abs(got[key] - want[key]) / abs(want[key]))
                 assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (name, key, got[key], want[key])
-    worst = max(abs(got[k] - want[k]) / abs(want[k]) for records in runs.values()
-                for (_, got), (_, want) in zip(records, base) for k in want)
+        assert [it for it, _ in records] == ([2] if name.endswith("_resumed") else [1, 2]), name
     print({name: [round(r[1]["lm loss"], 6) for r in records] for name, records in runs.items()},
           f"max relative difference to TP=1: {worst:.1e}")
     assert base[-1][1]["lm loss"] != base[0][1]["lm loss"]  # the runs train

@@ -1,7 +1,7 @@
 """Today's transformer families train on CPU from a Hugging Face checkpoint, with losses independent of the layout.
 
 Per family, Megatron-LM HEAD's configuration file (its ``MODEL_ARGS`` word for word, shrunk: tests/helpers/model_confs.py)
-plus mock data and a NullTokenizer runs ``pretrain_gpt.py`` for two iterations from the same torch_dist checkpoint,
+plus a small token corpus and a NullTokenizer runs ``pretrain_gpt.py`` for two iterations from the same torch_dist checkpoint,
 converted with tools/checkpoint/convert.py from a tiny random ``transformers`` model of the family whose shape is the
 shrunk one. The per-iteration losses (and the router's load-balancing loss) of TP=2 + SP x PP=2 (the MoE families
 with their experts over EP=2) equal TP=1's within 1e-5 (fp32: --bf16 is left out). Llama 4 Maverick's interleaved dense / MoE layers
@@ -32,7 +32,7 @@ FAMILIES = {
 }
 SHAPE = dict(moe_shared_expert_intermediate_size=16)  # Llama 4's shared expert is as wide as an expert
 RUN = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(hf_zoo.VOCAB - 1), "--padded-vocab-size",
-       str(hf_zoo.PADDED_VOCAB), "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4",
+       str(hf_zoo.PADDED_VOCAB), "--split", "100,0,0", "--micro-batch-size", "1", "--global-batch-size", "4",
        "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3", "--min-lr", "1e-4",
        "--lr-warmup-iters", "0", "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--seed", "1234",
        "--ckpt-format", "torch_dist"]
@@ -49,13 +49,13 @@ def layouts(family):
     return {"tp1": [], "tp2_sp_pp2": parallel}
 
 
-def family_argv(family, checkpoint):
+def family_argv(family, checkpoint, data):
     if family == "llama4_maverick":
         conf, extra = "meta-llama__Llama-4-Maverick-17B-128E-Instruct", []
     else:
         conf, _, _, extra = FAMILIES[family]
     load = ["--load", checkpoint] if checkpoint else []
-    return shrunk(conf, **SHAPE) + RUN + extra + load
+    return shrunk(conf, **SHAPE) + RUN + ["--data-path", data] + extra + load
 
 
 def zoo_body(runs):
@@ -86,6 +86,19 @@ def zoo_body(runs):
 
 
 @pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """64 documents of random token ids below the vocabulary (the end-of-document id is NullTokenizer's, 95): a
+    corpus small enough that the sample index costs nothing (mock data's is millions of samples)."""
+    from helpers.data_support import write_indexed
+
+    prefix = str(tmp_path_factory.mktemp("zoo_data") / "tokens")
+    g = torch.Generator().manual_seed(0)
+    write_indexed(prefix, [[torch.randint(0, hf_zoo.VOCAB - 1, (int(n),), generator=g).tolist() + [hf_zoo.VOCAB - 1]]
+                           for n in torch.randint(20, 60, (64,), generator=g)])
+    return prefix
+
+
+@pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """family -> torch_dist checkpoint converted from a tiny HF model of the shrunk configuration's shape."""
     out = {}
@@ -99,8 +112,8 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-def test_families_train_with_layout_independent_losses(checkpoints):
-    runs = [(family, layout, family_argv(family, checkpoints.get(family)) + extra)
+def test_families_train_with_layout_independent_losses(checkpoints, data):
+    runs = [(family, layout, family_argv(family, checkpoints.get(family), data) + extra)
             for family in list(FAMILIES) + ["llama4_maverick"] for layout, extra in layouts(family).items()]
     results = run_distributed(zoo_body, 4, runs, timeout=580)[-1]  # the last rank is on the last pipeline stage
     worst = {}

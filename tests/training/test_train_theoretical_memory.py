@@ -3,7 +3,8 @@
 Each configuration is set up the way pretrain_gpt.py does it (initialize_megatron + setup_model_and_optimizer)
 on 2 gloo ranks, one optimizer step materialises Adam's state, and the storage of every tensor the model, the
 DDP gradient buffers and the optimizer own is summed (each storage once). The theoretical numbers come from the
-same validated args through megatron.training.theoretical_memory.
+same validated args through megatron.training.theoretical_memory (the storages are counted by
+megatron.core.distributed.memory).
 """
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ CONFIGS = {
 
 def measure_body(configs):
     from megatron.core import parallel_state as ps
+    from megatron.core.distributed.memory import resident_state_bytes
     from megatron.training import global_vars
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.theoretical_memory import measured_state_bytes, report_theoretical_memory
+    from megatron.training.theoretical_memory import report_theoretical_memory
     from megatron.training.training import setup_model_and_optimizer
     from helpers.train_helpers import load_entry_point
 
@@ -66,13 +68,14 @@ def measure_body(configs):
             for p in chunk.parameters():
                 p.main_grad.add_(1e-3)  # any gradient: the step only has to create Adam's state
         optimizer.step()
-        measured = measured_state_bytes(model, optimizer)
         params = list(p for chunk in model for p in chunk.parameters())
+        held = resident_state_bytes(model, optimizer)  # every storage once: weights, grads, optimizer
+        weights, grads, optimizer_bytes = held["weights"], held["grads"], held["optimizer"]
         stage = ps.get_pipeline_model_parallel_rank()
         args.model_name = "gpt"
         report = report_theoretical_memory(args)
         results[name] = {
-            "measured": (measured["weights"], measured["grads"], measured["optimizer"]),
+            "measured": (weights, grads, optimizer_bytes),
             "numel": sum(p.numel() for p in params),
             "theory": (report.weights[stage], report.grads[stage], report.optimizer[stage]),
             "theory_numel": report.params[stage], "bytes_per_param": report.bytes_per_param,

@@ -7,6 +7,9 @@
 
 ``torch_dist`` (Megatron-LM's distributed format, any source TP/PP) can be loader and saver too. Without
 ``--loader`` the format is detected from ``--load-dir`` (``detect_loader``).
+``fsdp_dtensor`` (Megatron-FSDP) and ``torch_dcp`` (PyTorch FSDP2) convert to and from ``torch_dist`` (and each
+other) with the whole training state: model (fp32 main weights), optimizer state and param groups, scheduler,
+iteration and RNG (tools/checkpoint/fsdp_io.py), so training resumes in the other format with the same next losses.
 ``--model-type T5``: encoder and decoder stacks (legacy or megatron-core names), any source TP/PP/split rank; the
 torch saver writes PP=1 (any TP), the torch_dist saver a checkpoint that loads with any TP/PP/split rank.
 Loaders: ``legacy`` (aliases ``megatron``, ``core``, ``mcore``: Megatron ``torch``-format checkpoints with any
@@ -32,6 +35,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from tools.checkpoint.legacy_io import ConversionError, load_legacy, repad_vocab, save_legacy  # noqa: E402
 
 _LEGACY_NAMES = ("legacy", "megatron", "core", "mcore")
+# The formats whose whole training state converts (tools/checkpoint/fsdp_io.py).
+_STATE_FORMATS = ("torch_dist", "fsdp_dtensor", "torch_dcp")
 # The heads tasks/ puts on BERT (megatron.legacy.model Classification and MultipleChoice).
 FINETUNED_HEADS = ("classification_head.", "multichoice_head.")
 
@@ -42,10 +47,11 @@ def get_args(argv=None):
     parser.add_argument("--model-type", type=str, required=True, choices=["GPT", "BERT", "T5"],
                         help="Type of the model")
     parser.add_argument("--loader", type=str, default=None,
-                        help="legacy (megatron, core, mcore: the torch format), torch_dist or hf; detected from "
-                             "--load-dir when not given")
+                        help="legacy (megatron, core, mcore: the torch format), torch_dist, fsdp_dtensor, torch_dcp "
+                             "or hf; detected from --load-dir when not given")
     parser.add_argument("--saver", type=str, default="legacy",
-                        help="legacy (megatron, core, mcore: the torch format), torch_dist or hf")
+                        help="legacy (megatron, core, mcore: the torch format), torch_dist, fsdp_dtensor, torch_dcp "
+                             "or hf")
     parser.add_argument("--load-dir", type=str, required=True, help="Directory to load the model checkpoint from")
     parser.add_argument("--save-dir", type=str, required=True, help="Directory to save the model checkpoint to")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=None,
@@ -71,6 +77,12 @@ def detect_loader(load_dir: str) -> str:
     if is_dist_checkpoint(load_dir):
         return "torch_dist"
     if os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
+        from tools.checkpoint.fsdp_io import detect_dcp_format, iteration_dir
+
+        found = detect_dcp_format(iteration_dir(load_dir))
+        if found is not None:
+            return found
+    if os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
         return "legacy"
     if os.path.isfile(os.path.join(load_dir, "config.json")):
         return "hf"
@@ -84,6 +96,8 @@ def convert(args):
         args.loader = detect_loader(args.load_dir)
         print(f"--loader not given: {args.load_dir} holds a {args.loader} checkpoint", flush=True)
     loader, saver = args.loader.lower(), args.saver.lower()
+    if {loader, saver} & set(_STATE_FORMATS[1:]):
+        return _convert_training_state(args, loader, saver)
     if loader not in _LEGACY_NAMES + ("hf", "torch_dist"):
         raise ConversionError(f"--loader {args.loader}: supported loaders are legacy (megatron, core, mcore), "
                               "torch_dist and hf")
@@ -155,6 +169,23 @@ def convert(args):
     else:
         save_legacy(full, margs, args.save_dir, tp, pp, info["iteration"], info["release"])
     print(f"saved TP={tp} PP={pp} checkpoint to {args.save_dir}", flush=True)
+
+
+def _convert_training_state(args, loader, saver):
+    """torch_dist <-> fsdp_dtensor <-> torch_dcp with the whole training state (tools/checkpoint/fsdp_io.py)."""
+    from tools.checkpoint.fsdp_io import convert_state
+
+    if loader not in _STATE_FORMATS or saver not in _STATE_FORMATS or loader == saver:
+        raise ConversionError(f"--loader {loader} --saver {saver}: fsdp_dtensor and torch_dcp convert to and from "
+                              f"{', '.join(f for f in _STATE_FORMATS if f not in (loader, saver))} only")
+    if args.target_tensor_parallel_size not in (None, 1) or args.target_pipeline_parallel_size not in (None, 1):
+        print("note: --target-tensor/pipeline-parallel-size are not needed: these formats load with any TP/PP "
+              "(torch_dcp with 1)", flush=True)
+    if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
+        raise ConversionError("--save-dir must differ from --load-dir (the converter never overwrites its input)")
+    state = convert_state(loader, saver, args.load_dir, args.save_dir)
+    print(f"converted {args.load_dir} ({loader}) -> {args.save_dir} ({saver}): {len(state.model)} tensors, optimizer "
+          f"state {sorted(state.optimizer) or 'none'}, iteration {state.common.get('iteration', 0)}", flush=True)
 
 
 def main(argv=None):

@@ -151,10 +151,11 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
         pass  # resolve_tensor returned a view of the destination: the reader copied into it
 
 
-def save_sharded(state_dict: Dict[str, Any], checkpoint_dir: str, process_group=None) -> None:
-    """Collective: write every rank's shards and objects under ``checkpoint_dir`` (DCP files + ``.metadata``)."""
+def save_sharded(state_dict: Dict[str, Any], checkpoint_dir: str, process_group=None, no_dist: bool = False) -> None:
+    """Collective: write every rank's shards and objects under ``checkpoint_dir`` (DCP files + ``.metadata``).
+    ``no_dist``: one process writes everything (offline tools), even where a process group exists."""
     dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(checkpoint_dir, thread_count=1),
-             planner=_ShardSavePlanner(), process_group=process_group)
+             planner=_ShardSavePlanner(), process_group=process_group, no_dist=no_dist)
 
 
 def load_sharded(state_dict: Dict[str, Any], checkpoint_dir: str, allow_shape_mismatch: Sequence[str] = (),

@@ -20,7 +20,7 @@ import torch
 from megatron.core import device as _device
 from megatron.core.distributed.fsdp.sharded_module import local_tensor
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32, param_is_not_shared
-from megatron.core.optimizer.optimizer import MegatronOptimizer, _zero_grad_group_helper
+from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
@@ -33,22 +33,15 @@ def _counted_once(param) -> bool:
     return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)
 
 
-class FullyShardedOptimizer(MegatronOptimizer):
-    """``FullyShardedOptimizer(torch_optimizer, config, model_chunks)`` over the chunks' DTensor parameters."""
+class FullyShardedOptimizer(FP32Optimizer):
+    """``FullyShardedOptimizer(torch_optimizer, config, model_chunks)`` over the chunks' DTensor parameters: the
+    fp32 optimizer's state handling (the parameters are the main weights), with norms over the shards."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, model_chunks: List[torch.nn.Module]):
         super().__init__(optimizer, config)
         if config.fp16:
             raise ValueError("fully sharded data parallelism trains in fp32 or bf16: --fp16 is not supported")
         self.model_chunks = model_chunks
-        self._scale = torch.ones(1, dtype=torch.float32, device=_device.current_device())
-
-    def zero_grad(self, set_to_none: bool = True):
-        for group in self.optimizer.param_groups:
-            _zero_grad_group_helper(group["params"], set_to_none)
-
-    def get_loss_scale(self) -> torch.Tensor:
-        return self._scale
 
     def get_model_parallel_group(self):
         return None  # blocks are disjoint over DP as well: sums run over the world
@@ -85,12 +78,3 @@ class FullyShardedOptimizer(MegatronOptimizer):
             for chunk in self.model_chunks:
                 chunk.start_param_sync(force_sync=True)  # optim_grads: the updated blocks, gathered whole
         return True, grad_norm, num_zeros
-
-    def reload_model_params(self):
-        """Nothing to refresh: the parameters are the main weights."""
-
-    def state_dict(self) -> dict:
-        return self._inner_state_dict()
-
-    def load_state_dict(self, state_dict: dict):
-        self._load_inner_state_dict(state_dict)

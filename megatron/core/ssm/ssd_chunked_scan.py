@@ -67,7 +67,7 @@ def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
         raise ValueError(f"the number of heads ({heads}) must be a multiple of the number of groups ({groups})")
     per_group = heads // groups
     dtype = _compute_dtype(x)
-    q = chunk_size
+    q = min(chunk_size, length)  # a sequence shorter than a chunk is one chunk (no identity padding to compute)
     pad = (-length) % q
     xf, dtf, Bf, Cf = (t.to(dtype) for t in (x, dt, B, C))
     if pad:  # identity steps: Δ = 0 keeps the state and adds nothing

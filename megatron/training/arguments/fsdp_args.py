@@ -30,9 +30,6 @@ def validate_fully_sharded(args) -> None:
     torch_fsdp2, megatron_fsdp = args.use_torch_fsdp2, args.use_megatron_fsdp
     _require(not (torch_fsdp2 and megatron_fsdp),
              "--use-megatron-fsdp and --use-torch-fsdp2 cannot be used together: pick one")
-    if args.ckpt_format in ("torch_dcp", "fsdp_dtensor") and (args.save or args.load):
-        raise ConfigurationError(f"--ckpt-format {args.ckpt_format}: saving and loading are not available yet in "
-                                 "this library (being implemented); train without --save / --load or use torch_dist")
     if args.init_model_with_meta_device:
         _require(torch_fsdp2 or megatron_fsdp, "--init-model-with-meta-device needs --use-megatron-fsdp or "
                                                "--use-torch-fsdp2 (a model on the meta device has no weights)")
@@ -72,6 +69,10 @@ def _validate_torch_fsdp2(args) -> None:
     _require(args.untie_embeddings_and_output_weights,
              "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
     _require(not args.fp16, "--use-torch-fsdp2 not supported with fp16 yet: use --bf16")
+    _require(args.ckpt_format != "torch_dist" or not (args.save or args.load),
+             "--use-torch-fsdp2 with --ckpt-format torch_dist checkpoints is not available yet in this library; use "
+             "--ckpt-format torch_dcp (tools/checkpoint/convert.py converts torch_dist checkpoints to torch_dcp and "
+             "back)")
     if args.ckpt_format == "torch_dcp":
         _require(args.tensor_model_parallel_size <= 1 and args.pipeline_model_parallel_size <= 1,
                  "--ckpt-format torch_dcp supports only --tensor-model-parallel-size 1 and "
@@ -85,11 +86,20 @@ def _validate_megatron_fsdp(args) -> None:
              "Megatron FSDP only supports fsdp_dtensor checkpoint format: add --ckpt-format fsdp_dtensor")
     _require(args.optimizer in ("adam", "sgd"),
              f"Megatron-FSDP supports --optimizer adam or sgd, got {args.optimizer}")
-    sharded = args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
-    if sharded:
-        _require(args.pipeline_model_parallel_size == 1,
-                 f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} with pipeline parallelism "
-                 "is not implemented yet in this library; use --pipeline-model-parallel-size 1 or no_shard / optim")
+    _require(args.pipeline_model_parallel_size == 1,
+             "--use-megatron-fsdp with pipeline parallelism is not implemented yet in this library (its fsdp_dtensor "
+             "checkpoint holds one model chunk); use --pipeline-model-parallel-size 1")
+    _require(not args.moe_grouped_gemm, "--moe-grouped-gemm with --use-megatron-fsdp is not implemented yet in this "
+                                        "library (its fsdp_dtensor checkpoint needs per-expert weights); drop it (the "
+                                        "experts run as SequentialMLP)")
+    bf16_grads = [f"--{d.replace('_', '-')} bf16" for d in ("megatron_fsdp_main_grads_dtype",
+                                                            "megatron_fsdp_grad_comm_dtype") if getattr(args, d) == "bf16"]
+    if bf16_grads and not args.grad_reduce_in_bf16:
+        args.grad_reduce_in_bf16 = True  # the gradients are reduced (and the DDP buffers kept) in bf16
+        if args.rank == 0:
+            print(f"{' and '.join(bf16_grads)}: gradients reduced in bf16 as with --grad-reduce-in-bf16 (FSDP2 "
+                  "accumulates its sharded gradients in the fp32 of the main weights)", flush=True)
+    if args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
         _require(not args.fp16, f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} with "
                                 "--fp16 is not implemented yet in this library; use --bf16")
         if args.gradient_accumulation_fusion:

@@ -4,7 +4,7 @@ Options named by their flag string are defined by the group files (``*_args.py``
 option moves here from the other two tables.
 """
 from megatron.training.arguments.model_args import int_pair, layer_pattern
-from megatron.training.arguments.registry import Block, names, negated, switch, value
+from megatron.training.arguments.registry import Block, names, negated, no_or_disable, switch, value
 from megatron.training.arguments.registry import OptionClass as C
 
 IMPLEMENTED = C.IMPLEMENTED
@@ -68,10 +68,13 @@ BLOCKS = (
             value("--megatron-fsdp-main-params-dtype", default="fp32", choices=("fp32", "bf16", "fp16", "auto"),
                   help="Megatron-FSDP main weights dtype (fp32)."),
             value("--megatron-fsdp-main-grads-dtype", default="auto", choices=("fp32", "bf16", "fp16", "auto"),
-                  help="Megatron-FSDP main gradients: auto (reduced as --accumulate-allreduce-grads-in-fp32 says, "
-                       "fp32 with --bf16) or fp32."),
+                  help="Megatron-FSDP main gradients: auto (as --accumulate-allreduce-grads-in-fp32 says, fp32 with "
+                       "--bf16), fp32, or bf16 (as --grad-reduce-in-bf16; FSDP2's sharded gradients stay fp32)."),
             value("--megatron-fsdp-grad-comm-dtype", default="auto", choices=("fp32", "fp16", "bf16", "auto"),
-                  help="Megatron-FSDP gradient communication dtype: auto (the main gradients') or fp32."),
+                  help="Megatron-FSDP gradient communication dtype: auto (the main gradients'), fp32, or bf16 (as "
+                       "--grad-reduce-in-bf16)."),
+            no_or_disable("strict-fsdp-dtensor-load", help="fsdp_dtensor: load what the checkpoint has and report "
+                          "the model keys it lacks (per --dist-ckpt-strictness) instead of stopping."),
         ),
         group="fsdp",
     ),

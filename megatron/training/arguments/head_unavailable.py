@@ -48,10 +48,9 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "meta-device initialisation and partial fsdp_dtensor loads are being implemented",
+        "meta-device initialisation is being implemented",
         (
             switch("--init-model-with-meta-device"),
-            no_or_disable("strict-fsdp-dtensor-load"),
         ),
         group="fsdp", pending=True,
     ),
@@ -685,11 +684,11 @@ VALUE_RULES = (
               "Megatron-FSDP version 2 is not part of this library (version 1, the default, is)"),
     ValueRule("--megatron-fsdp-main-params-dtype", ("bf16", "fp16", "auto"), NOT_AVAILABLE,
               "Megatron-FSDP keeps fp32 main weights here (the default)"),
-    ValueRule("--megatron-fsdp-main-grads-dtype", ("bf16", "fp16"), NOT_AVAILABLE,
-              "Megatron-FSDP gradients are reduced as --accumulate-allreduce-grads-in-fp32 says (auto, the default; "
-              "fp32 with --bf16)"),
-    ValueRule("--megatron-fsdp-grad-comm-dtype", ("bf16", "fp16"), NOT_AVAILABLE,
-              "Megatron-FSDP gradients are communicated in the main-gradient dtype (auto, the default)"),
+    ValueRule("--megatron-fsdp-main-grads-dtype", ("fp16",), NOT_AVAILABLE,
+              "Megatron-FSDP gradients are fp32 or bf16 here (fp16 gradients need --fp16, which Megatron-FSDP does "
+              "not support here)"),
+    ValueRule("--megatron-fsdp-grad-comm-dtype", ("fp16",), NOT_AVAILABLE,
+              "Megatron-FSDP gradients are communicated in fp32 or bf16 here"),
     ValueRule("--tokenizer-type", ("MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"), NOT_AVAILABLE,
               "the multimodal and SFT tokenizers are not part of this library"),
     ValueRule("--moe-router-score-function", ("sqrtsoftplus",), NOT_AVAILABLE,

@@ -509,7 +509,9 @@ def _validate_sequence_parallel(args):
         args.async_tensor_model_parallel_allreduce = False
     # The ordering guarantee matters only for CUDA streams; a CPU (gloo) run has none.
     cuda_in_use = device.cuda_available() and args.distributed_backend != "gloo"
-    if cuda_in_use and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+    # FSDP's streams need more than one connection (its own check): the ordering then comes from FSDP's events.
+    fsdp = args.use_torch_fsdp2 or args.use_megatron_fsdp
+    if cuda_in_use and not fsdp and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
         _require(not args.sequence_parallel,
                  "--sequence-parallel requires the environment variable CUDA_DEVICE_MAX_CONNECTIONS=1: export it")
         _require(not args.async_tensor_model_parallel_allreduce,

@@ -3,7 +3,8 @@
 ``--ckpt-format torch`` is Megatron-LM's one-file-per-rank layout (:mod:`.torch_format`); ``--ckpt-format
 torch_dist`` is Megatron-LM's distributed checkpoint, reshardable on load (:mod:`.torch_dist`, with its keys in
 :mod:`.dist_keys`, its model and optimizer state in :mod:`.dist_state` and its read checks in
-:mod:`.dist_strictness`). Both write through the same crash-safe save protocol (:mod:`.protocol`: staging
+:mod:`.dist_strictness`); ``torch_dcp`` (:mod:`.torch_dcp`, ``--use-torch-fsdp2``) and ``fsdp_dtensor``
+(:mod:`.fsdp_dtensor`, ``--use-megatron-fsdp``) are the DCP formats of the fully sharded models. Both write through the same crash-safe save protocol (:mod:`.protocol`: staging
 directory, fsync'ed atomic files, renames, the tracker written last, every rank agreeing on each step) and store
 the same RNG state (:mod:`.rng`). ``--auto-detect-ckpt-format`` loads whichever format the checkpoint directory
 holds (``metadata.json``: torch_dist; ``mp_rank_*`` directories: torch).
@@ -48,6 +49,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         print_rank_0(f"--fake-process-group: not saving checkpoint {iteration} to {args.save} (this process is one "
                      "rank of a simulated job: its values are meaningless and the other ranks' files would be missing)")
         return
+    if args.ckpt_format in _DCP_FORMATS:
+        return _dcp_format(args.ckpt_format).save(iteration, model, optimizer, opt_param_scheduler,
+                                                  num_floating_point_operations_so_far)
     if args.ckpt_format not in ("torch", "torch_dist"):
         raise CheckpointError(f"--ckpt-format {args.ckpt_format} is not supported by this saver; "
                               "use --ckpt-format torch")
@@ -64,10 +68,33 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     """Load ``--load`` (or ``--pretrained-checkpoint`` when ``--load`` has none) into model, optimizer, scheduler
     and RNG; set ``args.num_floating_point_operations_so_far``; return the iteration to resume from."""
     args = get_args()
-    if load_format(args, getattr(args, load_arg)) == "torch_dist":
-        from megatron.training.checkpointing import torch_dist
-        return torch_dist.load(model, optimizer, opt_param_scheduler, load_arg, strict)
+    fmt = load_format(args, getattr(args, load_arg))
+    if fmt in _DCP_FORMATS:
+        return _dcp_format(fmt).load(model, optimizer, opt_param_scheduler, load_arg, strict)
     return torch_format.load(model, optimizer, opt_param_scheduler, load_arg, strict)
+
+
+# The formats written with PyTorch DCP, each in its module (imported on first use).
+_DCP_FORMATS = ("torch_dist", "torch_dcp", "fsdp_dtensor")
+
+
+def _dcp_format(name):
+    import importlib
+
+    return importlib.import_module(f"megatron.training.checkpointing.{name}")
+
+
+def detect_format(iter_dir):
+    """The format of a checkpoint directory: torch_dist (metadata.json), fsdp_dtensor / torch_dcp (a DCP .metadata
+    without it: fsdp_dtensor's keys start with ``model.module.``), torch (mp_rank_* files), else None."""
+    if os.path.isfile(os.path.join(iter_dir, "metadata.json")):
+        return "torch_dist"
+    if os.path.isfile(os.path.join(iter_dir, ".metadata")):
+        import torch.distributed.checkpoint as dcp
+
+        keys = dcp.FileSystemReader(iter_dir).read_metadata().state_dict_metadata
+        return "fsdp_dtensor" if any(k.startswith("model.module.") for k in keys) else "torch_dcp"
+    return "torch" if torch_format.saved_layout(iter_dir) is not None else None
 
 
 def load_format(args, load_dir):
@@ -78,8 +105,7 @@ def load_format(args, load_dir):
         _, _, iter_dir = locate(load_dir, getattr(args, "ckpt_step", None))
     except CheckpointError:
         return args.ckpt_format
-    detected = "torch_dist" if os.path.isfile(os.path.join(iter_dir, "metadata.json")) else \
-        "torch" if torch_format.saved_layout(iter_dir) is not None else args.ckpt_format
+    detected = detect_format(iter_dir) or args.ckpt_format
     print_rank_0(f" --auto-detect-ckpt-format: {iter_dir} holds a {detected} checkpoint")
     return detected
 

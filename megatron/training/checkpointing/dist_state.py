@@ -109,12 +109,14 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
         num_layers, _, tied = model_layout(chunk, args)
         if dist_hybrid.is_hybrid(chunk):  # per-layer keys, never stacked
             out.append(dist_hybrid.hybrid_entries(
-                chunk, tied, lambda name, value, param: _expert_entries(chunk, name, value, param, 0)))
+                chunk, tied, lambda name, value, param: _expert_entries(chunk, name, value, param, 0,
+                                                                        dist_keys.DEFAULT_LAYOUT)))
             continue
         offset = _layer_offset(num_layers)
         t5_blocks = _t5_blocks(chunk)
         params = dict(chunk.named_parameters())
         mcore = _is_mcore(chunk)
+        layout = dist_keys.layout_of(chunk.config) if mcore and hasattr(chunk, "config") else dist_keys.DEFAULT_LAYOUT
         entries = []
         for name, value in chunk.state_dict().items():
             if value is None or name.endswith("_extra_state"):
@@ -123,7 +125,7 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
                 raise DistCheckpointError(f"model entry {name!r} is a {type(value).__name__}, not a tensor: the "
                                           "torch_dist format stores only tensors in the model state")
             if t5_blocks is None:
-                key, layer = dist_keys.disk_key(name if mcore else legacy_to_mcore_key(name), offset, tied)
+                key, layer = dist_keys.disk_key(name if mcore else legacy_to_mcore_key(name), offset, tied, layout)
                 entry_layers = None
             else:
                 core_name = name if mcore else legacy_to_mcore_key(name, "t5")
@@ -132,7 +134,7 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
                 block_offset, entry_layers = t5_blocks.get(core_name.split(".", 1)[0], (0, None))
                 key, layer = dist_keys.disk_key(core_name, block_offset, tied)
             param = params.get(name)
-            experts = _expert_entries(chunk, name, value, param, offset) if mcore else None
+            experts = _expert_entries(chunk, name, value, param, offset, layout) if mcore else None
             if experts is not None:
                 entries.extend(experts)
                 continue
@@ -147,7 +149,7 @@ def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
     return out
 
 
-def _expert_entries(chunk, name, value, param, offset):
+def _expert_entries(chunk, name, value, param, offset, layout):
     config = getattr(chunk, "config", None)
     num_experts = getattr(config, "num_moe_experts", None)
     if not num_experts or ".mlp.experts." not in name:
@@ -156,7 +158,7 @@ def _expert_entries(chunk, name, value, param, offset):
     etp = (parallel_state.get_expert_tensor_parallel_world_size() or 1,
            parallel_state.get_expert_tensor_parallel_rank() or 0)
     return dist_keys.expert_entries(name, value, param, offset, parallel_state.get_expert_model_parallel_rank() or 0,
-                                    num_experts // ep, num_experts, etp)
+                                    num_experts // ep, num_experts, etp, layout)
 
 
 def assemble(entries, fetch) -> Dict[str, torch.Tensor]:
@@ -205,10 +207,17 @@ def model_sharded_state(model, args=None, for_load=False) -> Dict[str, object]:
         for e in entries:
             if e.expert is None or e.key.endswith(".bias") or (not for_load and (e.etp[1] != 0 or expert_dp_rank)):
                 continue
+            if e.layer is None:  # an unstacked layer's (heterogeneous stack, MTP depth) experts
+                out[dist_keys.unstacked_extra_state_key(e.key, e.expert, e.num_experts)] = [None]
+                continue
             block, linear = e.key.split(".layers.")[0] + ".layers", e.key.split(".layers.")[1].rsplit(".", 1)[0]
             out[dist_keys.expert_extra_state_key(block, linear, e.layer, e.expert, num_layers, e.num_experts)] = [None]
         if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
             keys = {e.key for e in entries if e.expert is None}
+            for e in entries:
+                extra = dist_keys.unstacked_extra_state_key(e.key) if e.expert is None and e.layer is None else None
+                if extra is not None:
+                    out[extra] = [None]
             for block, layer, block_layers in sorted(layers):
                 for linear in dist_keys.LINEARS:
                     if f"{block}.{linear}.weight" in keys:

@@ -302,3 +302,28 @@ def publish(save_dir, final, staging, iteration):
     atomic_write_text(get_checkpoint_tracker_filename(save_dir), str(iteration))
     if os.path.isdir(aside):
         shutil.rmtree(aside)
+
+
+def write_staged(save_dir, iteration, write, group=None):
+    """Collective: one save by the protocol of the module docstring. ``write(staging)`` runs on every rank (it
+    writes this rank's files into the staging directory); the ranks agree after each step, so a failure on one rank
+    raises the same CheckpointError on all of them and leaves the previous checkpoint and the tracker as they were.
+    Returns the published directory."""
+    rank0 = torch.distributed.get_rank() == 0
+    final = os.path.join(save_dir, iteration_dirname(iteration))
+    staging = final + STAGING_SUFFIX
+
+    def agree(error):
+        agree_on_save_step(error, save_dir, iteration, group=group,
+                           on_failure=lambda: shutil.rmtree(staging, ignore_errors=True))
+
+    agree(run_step(lambda: prepare_save_dir(save_dir, iteration)) if rank0 else None)
+    agree(run_step(lambda: write(staging)))
+    error = None
+    if rank0:
+        def finish():
+            save_stage("all-files-written", staging)
+            publish(save_dir, final, staging, iteration)
+        error = run_step(finish)
+    agree(error)
+    return final

@@ -202,11 +202,20 @@ def load_sharded_checked(request, directory, strictness="assume_ok_unexpected", 
     """Collective: read ``request`` from ``directory`` after the strictness checks; one-line errors that name the
     directory and the key."""
     stored = read_metadata_checked(directory, DistCheckpointError)
+    for k in [k for k in request if "._extra_state/" in k and k not in stored]:
+        del request[k]  # an empty object (no FP8 metadata) that an older writer left out
+    # Norms a megatron-core local spec stored under its module names (q_layernorm ...) are read from there.
+    aliases = {k: dist_keys.stored_alias(k, stored) for k in request if k not in stored}
+    aliases = {mine: theirs for mine, theirs in aliases.items() if theirs is not None}
+    for mine, theirs in aliases.items():
+        request[theirs] = request.pop(mine)
     check_request(request, stored, directory, strictness, DistCheckpointError)
     try:
         load_sharded(request, directory, allow_shape_mismatch=shape_mismatch)
     except ShardingError as e:
         raise DistCheckpointError(f"torch_dist checkpoint {directory}: {e}") from e
+    for mine, theirs in aliases.items():
+        request[mine] = request.pop(theirs)
     return request
 
 

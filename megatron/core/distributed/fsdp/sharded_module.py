@@ -151,8 +151,8 @@ class FullyShardedModule(torch.nn.Module):
         self.module = module
         # The sharded parameters, kept here: while optim_grads holds whole weights the module's own parameters are
         # the gathered copies, whose gradients FSDP2 has already moved into these.
-        self._sharded = list(module.named_parameters())
-        for name, param in self._sharded:
+        self._sharded_params = list(module.named_parameters())
+        for name, param in self._sharded_params:
             for key, value in attributes.get(name, {}).items():
                 setattr(param, key, value)
         log_once(f"fsdp-{strategy}", f"data parallelism: torch.distributed.fsdp.fully_shard ({strategy}) over "
@@ -177,11 +177,11 @@ class FullyShardedModule(torch.nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The sharded DTensor parameters (``module.<name>``), also while optim_grads holds whole weights."""
         head = f"{prefix}.module." if prefix else "module."
-        for name, param in self._sharded:
+        for name, param in self._sharded_params:
             yield head + name, param
 
     def parameters(self, recurse: bool = True):
-        for _, param in self._sharded:
+        for _, param in self._sharded_params:
             yield param
 
     def scale_gradients(self, scaling_factor: float):
@@ -237,7 +237,7 @@ class FullyShardedModule(torch.nn.Module):
 
     def sharded_parameters(self) -> List[Tuple[str, torch.nn.Parameter]]:
         """``(name, DTensor parameter)`` of every parameter, names as in the unwrapped model."""
-        return list(self._sharded)
+        return list(self._sharded_params)
 
 
 def _outermost(modules: Iterable[torch.nn.Module], select) -> List[torch.nn.Module]:

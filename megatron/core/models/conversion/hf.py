@@ -150,7 +150,8 @@ def gpt2_config_to_hf(config: TransformerConfig) -> Optional[Tuple[str, dict]]:
 
 # ---------------------------------------------------------------------------------------------- Llama
 
-def _rope_theta(hf_config) -> float:
+def rope_theta(hf_config) -> float:
+    """RoPE's base: ``rope_theta`` (transformers 4) or ``rope_parameters['rope_theta']`` (transformers 5)."""
     theta = getattr(hf_config, "rope_theta", None)
     params = getattr(hf_config, "rope_parameters", None) or {}
     if theta is None:
@@ -221,7 +222,7 @@ def llama_config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128,
         padded_vocab_size=vocab_size_with_padding(hf_config.vocab_size, make_vocab_size_divisible_by,
                                                   tensor_model_parallel_size, log=False),
         max_position_embeddings=hf_config.max_position_embeddings, position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config), **rope_scaling_to_megatron(hf_config),
+        rotary_base=rope_theta(hf_config), **rope_scaling_to_megatron(hf_config),
         untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False))
     kwargs.update(config_kwargs)
     return TransformerConfig(**kwargs)

@@ -48,7 +48,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core.models.conversion.hf import _rope_theta, rope_scaling_of
+from megatron.core.models.conversion.hf import rope_theta, rope_scaling_of
 from megatron.core.models.conversion.hf_layers import (embeddings_from_hf, embeddings_to_hf, experts_from_hf,
                                                        experts_to_hf, gated_mlp_from_hf, gated_mlp_to_hf,
                                                        read_hf_experts)
@@ -152,7 +152,7 @@ def config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128, tenso
         padded_vocab_size=vocab_size_with_padding(hf_config.vocab_size, make_vocab_size_divisible_by,
                                                   tensor_model_parallel_size, log=False),
         max_position_embeddings=hf_config.max_position_embeddings, position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config), untie_embeddings_and_output_weights=not getattr(
+        rotary_base=rope_theta(hf_config), untie_embeddings_and_output_weights=not getattr(
             hf_config, "tie_word_embeddings", False),
         moe_layer_freq=1 if dense == 0 else [0] * dense + [1] * (layers - dense))
     if dense < layers:

@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron.core.models.conversion.hf import _rope_theta, rope_scaling_of
+from megatron.core.models.conversion.hf import rope_theta, rope_scaling_of
 from megatron.core.models.conversion.hf_layers import decoder_from_hf, decoder_to_hf, experts_from_hf, experts_to_hf
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.vocab_padding import vocab_size_with_padding
@@ -99,7 +99,7 @@ def config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128, tenso
         tensor_model_parallel_size=tensor_model_parallel_size, init_method_std=hf_config.initializer_range,
         bias_gelu_fusion=False, padded_vocab_size=vocab_size_with_padding(
             hf_config.vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size, log=False),
-        max_position_embeddings=hf_config.max_position_embeddings, rotary_base=_rope_theta(hf_config),
+        max_position_embeddings=hf_config.max_position_embeddings, rotary_base=rope_theta(hf_config),
         untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
         **_yarn_fields(hf_config))
     kwargs.update(config_kwargs)

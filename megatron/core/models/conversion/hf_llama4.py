@@ -31,7 +31,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core.models.conversion.hf import _rope_theta, rope_scaling_to_hf, rope_scaling_to_megatron
+from megatron.core.models.conversion.hf import rope_theta, rope_scaling_to_hf, rope_scaling_to_megatron
 from megatron.core.models.conversion.hf_layers import (decoder_from_hf, decoder_to_hf, experts_from_hf, experts_to_hf,
                                                        gated_mlp_from_hf, gated_mlp_to_hf)
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -89,7 +89,7 @@ def config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128, tenso
         moe_apply_probs_on_input=True,
         moe_layer_freq=1 if moe == set(range(n)) else [int(i in moe) for i in range(n)],
         qk_l2_norm=qk_norm, qk_l2_norm_rope_layers_only=qk_norm and no_rope is not None, no_rope_freq=no_rope,
-        position_embedding_type="rope", rotary_interleaved=True, rotary_base=_rope_theta(hf_config),
+        position_embedding_type="rope", rotary_interleaved=True, rotary_base=rope_theta(hf_config),
         hidden_dropout=0.0, attention_dropout=getattr(hf_config, "attention_dropout", 0.0),
         tensor_model_parallel_size=tensor_model_parallel_size, init_method_std=hf_config.initializer_range,
         bias_gelu_fusion=False, max_position_embeddings=hf_config.max_position_embeddings,

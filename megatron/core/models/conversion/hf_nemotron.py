@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from megatron.core.activations import squared_relu
-from megatron.core.models.conversion.hf import _rope_theta
+from megatron.core.models.conversion.hf import rope_theta
 from megatron.core.models.conversion.hf_layers import decoder_from_hf, decoder_to_hf, heads
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.vocab_padding import vocab_size_with_padding
@@ -60,7 +60,7 @@ def config_to_megatron(hf_config, make_vocab_size_divisible_by: int = 128, tenso
         padded_vocab_size=vocab_size_with_padding(hf_config.vocab_size, make_vocab_size_divisible_by,
                                                   tensor_model_parallel_size, log=False),
         max_position_embeddings=hf_config.max_position_embeddings, position_embedding_type="rope",
-        rotary_percent=_partial_rotary(hf_config), rotary_base=_rope_theta(hf_config),
+        rotary_percent=_partial_rotary(hf_config), rotary_base=rope_theta(hf_config),
         untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False))
     kwargs.update(config_kwargs)
     return TransformerConfig(**kwargs)

@@ -1,0 +1,153 @@
+"""Checkpoints of the fully sharded models on 4 gloo ranks, in one launch: torch_dcp (--use-torch-fsdp2) and
+fsdp_dtensor (--use-megatron-fsdp), exact resume, loads across strategies and layouts, and
+tools/checkpoint/convert.py between them and torch_dist with the next losses of the resumed runs.
+
+Every run trains 3 iterations of a tiny SwiGLU GPT (fp32, a small random-token corpus) and the checkpointing ones save
+at iteration 2, so a run is both the straight reference and the source of a resume for iteration 3:
+
+* torch_dcp (FSDP2, --torch-fsdp2-no-reshard-after-forward) and fsdp_dtensor (optim_grads_params, MoE EP=2)
+  resume bit-exactly;
+* an fsdp_dtensor checkpoint of the bucketed ZeRO-1 (optim) at DP=4 resumes under ZeRO-2 at TP=2 x DP=2;
+* torch_dist (plain DDP) -> fsdp_dtensor resumed by Megatron-FSDP, torch_dist -> torch_dcp resumed by FSDP2, and
+  fsdp_dtensor (MoE) -> torch_dist resumed by DDP, each within 1e-6 of the source run's own iteration 3;
+* the fsdp_dtensor files use Megatron's layout: ``model.module.`` keys per layer, gated fc1 split into ``_w`` /
+  ``_v``, global expert indices, optimizer state under ``optimizer.state.module.module.module.``, RNG keyed
+  ``"(0, 0)"``, and their tensors equal the converted torch_dist checkpoint's.
+"""
+import os
+
+import pytest
+import torch
+
+from helpers.ckpt_helpers import losses, run_leg
+from helpers.data_support import random_token_corpus
+from helpers.dist_harness import run_distributed
+
+REL_TOL = 1e-6
+TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--split", "100,0,0", "--num-layers", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "3", "--log-interval", "1",
+        "--eval-iters", "0", "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion",
+        "--swiglu"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--disable-bias-linear"]
+DDP = ["--ckpt-format", "torch_dist"]
+FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dcp", "--torch-fsdp2-no-reshard-after-forward"]
+
+
+def _mfsdp(strategy):
+    return ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--data-parallel-sharding-strategy", strategy]
+
+
+def _convert(loader, saver, src, dst):
+    if torch.distributed.get_rank() == 0:
+        from tools.checkpoint.convert import main
+
+        main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", src, "--save-dir", dst])
+    torch.distributed.barrier()
+
+
+def body(root, data):
+    def run(name, extra, load=None):
+        save = ["--save", os.path.join(root, name), "--save-interval", "2"] if load is None else []
+        result = losses(run_leg(TINY + ["--data-path", data] + extra + save + (["--load", load] if load else []))[0])
+        if load is None and torch.distributed.get_rank() == 0:  # resume (and convert) iteration 2's checkpoint
+            with open(os.path.join(root, name, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("2")
+        torch.distributed.barrier()
+        return result
+
+    d = lambda name: os.path.join(root, name)  # noqa: E731
+    out = {
+        "ddp": run("ddp", DDP),
+        "dcp": run("dcp", FSDP2),
+        "zero3_moe": run("zero3_moe", MOE + _mfsdp("optim_grads_params")),
+        "zero1": run("zero1", _mfsdp("optim")),
+    }
+    out["dcp_resumed"] = run("", FSDP2, load=d("dcp"))
+    out["zero3_moe_resumed"] = run("", MOE + _mfsdp("optim_grads_params"), load=d("zero3_moe"))
+    out["zero1_as_zero2_tp2"] = run("", _mfsdp("optim_grads") + ["--tensor-model-parallel-size", "2"],
+                                    load=d("zero1"))
+    _convert("torch_dist", "fsdp_dtensor", d("ddp"), d("ddp_as_fsdp_dtensor"))
+    out["ddp_as_fsdp_dtensor"] = run("", _mfsdp("optim_grads_params"), load=d("ddp_as_fsdp_dtensor"))
+    _convert("torch_dist", "torch_dcp", d("ddp"), d("ddp_as_dcp"))
+    out["ddp_as_dcp"] = run("", FSDP2, load=d("ddp_as_dcp"))
+    _convert("fsdp_dtensor", "torch_dist", d("zero3_moe"), d("zero3_moe_as_dist"))
+    out["zero3_moe_as_dist"] = run("", MOE + DDP, load=d("zero3_moe_as_dist"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt_fsdp"))
+    data = random_token_corpus(os.path.join(root, "tokens"), 128)
+    return run_distributed(body, 4, root, data, timeout=600)[-1], root
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.timeout(700)
+def test_resume_loads_and_conversions(results):
+    out, _ = results
+    for name in ("ddp", "dcp", "zero3_moe", "zero1"):
+        assert sorted(out[name]) == [1, 2, 3], (name, out[name])
+    exact = {"dcp_resumed": "dcp", "zero3_moe_resumed": "zero3_moe"}
+    close = {"zero1_as_zero2_tp2": "zero1", "ddp_as_fsdp_dtensor": "ddp", "ddp_as_dcp": "ddp",
+             "zero3_moe_as_dist": "zero3_moe"}
+    for resumed, source in {**exact, **close}.items():
+        assert sorted(out[resumed]) == [3], (resumed, out[resumed])
+        for it in (3,):
+            got, want = out[resumed][it], out[source][it]
+            print(f"{resumed} iteration {it}: {got:.9f} vs {source} {want:.9f} (rel {_rel(got, want):.1e})")
+            if resumed in exact:
+                assert got == want, (resumed, it, got, want)
+            else:
+                assert _rel(got, want) <= REL_TOL, (resumed, it, got, want)
+
+
+def test_fsdp_dtensor_layout_matches_converted_torch_dist(results):
+    from megatron.core.dist_checkpointing.sharded_io import load_full_state_dict
+
+    _, root = results
+    ours = load_full_state_dict(os.path.join(root, "zero3_moe", "iter_0000002"))
+    dist = load_full_state_dict(os.path.join(root, "zero3_moe_as_dist", "iter_0000002"))
+    layer0 = "model.module.decoder.layers.0."
+    for e in range(4):  # global expert indices over EP=2 ranks, gate / up halves of the gated fc1
+        for half in ("_w", "_v"):
+            assert f"{layer0}mlp.experts.local_experts.{e}.linear_fc1.weight{half}" in ours
+    assert f"{layer0}self_attention.linear_qkv.weight" in ours and not any("_extra_state" in k for k in ours)
+    assert "optimizer.state.module.module.module.decoder.layers.1.mlp.router.weight.exp_avg" in ours
+    assert set(ours["rng_state"]) == {"(0, 0)"} and ours["iteration"] == 2
+    # The torch_dist copy stacks layers [L, ...] and experts [L, E, ...] with fc1 as [gate; up].
+    fc1 = dist["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    for layer in range(2):
+        for e in range(4):
+            name = f"model.module.decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc1.weight"
+            assert torch.equal(fc1[layer, e], torch.cat([ours[name + "_w"], ours[name + "_v"]]))
+    qkv = dist["decoder.layers.self_attention.linear_qkv.weight"]
+    assert torch.equal(qkv[1], ours["model.module.decoder.layers.1.self_attention.linear_qkv.weight"])
+    adam = dist["optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight"]
+    name = "optimizer.state.module.module.module.decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert torch.equal(adam[0, 3], ours[name + ".exp_avg"])
+
+
+@pytest.mark.parametrize("strict,strictness", [(True, "assume_ok_unexpected"), (False, "log_all"),
+                                               (False, "raise_all")])
+def test_fsdp_dtensor_strict_loading(strict, strictness, capsys):
+    """A model key the checkpoint lacks: an error naming it (strict, the default); with
+    --no-strict-fsdp-dtensor-load the key is skipped (reported per --dist-ckpt-strictness; raise_* still raises)."""
+    from types import SimpleNamespace
+
+    from megatron.training.checkpointing.fsdp_dtensor import _apply_strictness
+    from megatron.training.checkpointing.protocol import CheckpointError
+
+    request = {"model.module.a.weight": 1, "model.module.b.weight": 2, "iteration": None}
+    stored = {"model.module.a.weight": object(), "iteration": object()}
+    args = SimpleNamespace(strict_fsdp_dtensor_load=strict, dist_ckpt_strictness=strictness)
+    if strict or strictness == "raise_all":
+        with pytest.raises(CheckpointError, match="model.module.b.weight" if strict else "lacks 1 model key"):
+            _apply_strictness(request, stored, "ckpt/iter_0000002", args)
+        return
+    _apply_strictness(request, stored, "ckpt/iter_0000002", args)
+    assert sorted(request) == ["iteration", "model.module.a.weight"]
+    assert "lacks 1 model key(s), left as initialised: model.module.b.weight" in capsys.readouterr().out
