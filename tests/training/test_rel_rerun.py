@@ -77,8 +77,8 @@ def test_rel_rerun_persistent_and_correct_result_paths(tmp_path, data_path):
     results = run_distributed(paths_body, 2, str(tmp_path), data_path, persistent_rate, correct_rate, timeout=280)
     log = results[0]["log"]
     for out in results:
-        assert out["persistent"] == [16, 16, 17], out["persistent"]
-        assert out["correct"][:2] == [16, 17] and out["correct"][2][0] == 0, out["correct"][:2]
+        assert out["persistent"] == [16, 16, 17], (out["persistent"], out["log"][-6000:])
+        assert out["correct"][:2] == [16, 17] and out["correct"][2][0] == 0, (out["correct"][:2], out["log"][-6000:])
     _, ranks = first_injection(persistent_rate, 2, 6)
     assert re.search(rf"\[rerun\] Rank {ranks[0]}, node \S+, device cpu:{ranks[0]}: unexpected result \S+ at iteration "
                      r"3, validation call #\d+ \(message='[^']+'\) \[injected persistent_error\]", log), log[-3000:]

@@ -49,17 +49,16 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         print_rank_0(f"--fake-process-group: not saving checkpoint {iteration} to {args.save} (this process is one "
                      "rank of a simulated job: its values are meaningless and the other ranks' files would be missing)")
         return
-    if args.ckpt_format in _DCP_FORMATS:
-        return _dcp_format(args.ckpt_format).save(iteration, model, optimizer, opt_param_scheduler,
-                                                  num_floating_point_operations_so_far)
-    if args.ckpt_format not in ("torch", "torch_dist"):
-        raise CheckpointError(f"--ckpt-format {args.ckpt_format} is not supported by this saver; "
-                              "use --ckpt-format torch")
     rerun = gather_rerun_state()  # every rank's rerun state machine (checkpointing/rerun_state.py)
     if args.ckpt_format == "torch_dist":
-        from megatron.training.checkpointing import torch_dist
-        return torch_dist.save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                               {RERUN_KEY: rerun})
+        return _dcp_format("torch_dist").save(iteration, model, optimizer, opt_param_scheduler,
+                                              num_floating_point_operations_so_far, {RERUN_KEY: rerun})
+    if args.ckpt_format in _DCP_FORMATS:  # torch_dcp, fsdp_dtensor (Megatron keeps the machine in torch_dist only)
+        return _dcp_format(args.ckpt_format).save(iteration, model, optimizer, opt_param_scheduler,
+                                                  num_floating_point_operations_so_far)
+    if getattr(args, "ckpt_format", "torch") != "torch":
+        raise CheckpointError(f"--ckpt-format {args.ckpt_format} is not supported by this saver; "
+                              "use --ckpt-format torch")
     return torch_format.save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                              {RERUN_KEY: rerun if pending_rerun(rerun) else None})
 
