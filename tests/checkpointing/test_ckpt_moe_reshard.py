@@ -128,21 +128,3 @@ def test_moe_torch_dist_keys_are_megatrons(legs):
                                                                     "_extra_state/")]
     assert sorted(objects) == [f"decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_{i}.{e}_2.4"
                                for i in range(2) for e in range(4)]
-
-
-def test_mtp_expert_keys_have_an_expert_axis_and_expert_tp():
-    """A multi-token-prediction depth's experts go to Megatron's ``mtp.layers.{k}.transformer_layer.mlp.experts.experts.*``
-    ``[E, ...]`` (no layer axis), sharded by expert TP, not TP: they were stored under their in-memory names and sharded
-    by TP, so a checkpoint written at one (TP, expert TP) did not load at another (found by
-    tools/check_parallel_equivalence.py: --tensor-model-parallel-size 2 --sequence-parallel --num-experts 4
-    --expert-tensor-parallel-size 1 --mtp-num-layers 1)."""
-    from megatron.training.checkpointing import dist_keys
-
-    fc1 = torch.arange(96 * 32, dtype=torch.float32).reshape(96, 32)  # gated: [gate_r; up_r] rows of F = 48
-    name = "mtp.layers.0.transformer_layer.mlp.experts.local_experts.1.linear_fc1.weight"
-    (entry,) = dist_keys.expert_entries(name, fc1, None, 0, 1, 2, 4, (1, 0))  # EP rank 1 of 2, expert TP 1
-    assert entry.key == "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"
-    assert entry.layer is None and entry.expert == 3
-    pieces = dist_keys.shards(entry, 2, 2, 1, True)  # TP 2 (rank 1) must not shard it: expert TP is 1
-    assert [(p.global_shape, p.global_offset) for p in pieces] == [((4, 96, 32), (3, 0, 0)), ((4, 96, 32), (3, 48, 0))]
-    assert torch.equal(torch.cat([p.data[0] for p in pieces]), fc1)
