@@ -116,8 +116,8 @@ def expected_volume(c, pp_rank):
             add("dp", "reduce_scatter", len(buckets), padded * G)
             add("dp", "all_gather", len(buckets), padded * P)
 
-    # --- gradient norm (--clip-grad 1.0): a scalar over TP x PP, or the world with the dist. optimizer; on CPU it is
-    # accumulated and reduced in fp64 (8 bytes; fp32 on GPU)
+    # --- gradient norm (--clip-grad 1.0): one scalar over TP x PP, or the world with the dist. optimizer; fp32 on
+    # GPUs as in Megatron, fp64 on CPU (clip_grads accumulates the sum of squares in fp64 there), so 8 bytes here
     add("world" if c["distopt"] else "mp", "all_reduce", 1, 8)
     # --- the rerun state machine's verdict on the iteration (--rerun-mode validate_results): 6 int64 over the world
     add("world", "all_reduce", 1, 48)
