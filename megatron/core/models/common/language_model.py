@@ -25,12 +25,8 @@ def get_linear_layer(rows, columns, init_method, perform_initialization=True, co
     if config is not None:
         kwargs = {"dtype": config.params_dtype, "device": param_device(config)}
         perform_initialization = config.perform_initialization
-    layer = torch.nn.Linear(rows, columns, **kwargs)
-    if perform_initialization:
-        init_method(layer.weight)
-    with torch.no_grad():
-        layer.bias.zero_()
-    return layer
+    return tensor_parallel.InitializedLinear(rows, columns, init_method, perform_initialization=perform_initialization,
+                                             **kwargs)
 
 
 def parallel_lm_logits(input_, word_embeddings_weight, parallel_output, bias=None, *, config=None):
