@@ -65,11 +65,12 @@ hf_family_args() {
 
 # torchrun pretrain_gpt.py on this node with the rendezvous of resolve_rendezvous: the flags given, then the
 # script's own command-line arguments ($SCRIPT_ARGS) and $MEGATRON_EXTRA_ARGS (argparse keeps the last value).
+# $LAUNCHER replaces torchrun (LAUNCHER=echo prints the command line instead of running it).
 launch_pretrain_gpt() {
     echo "launching pretrain_gpt.py: $NNODES node(s) x $GPUS_PER_NODE process(es), node rank $NODE_RANK," \
          "master $MASTER_ADDR:$MASTER_PORT"
     # shellcheck disable=SC2086  # MEGATRON_EXTRA_ARGS is a list of flags: split it on spaces
-    torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+    ${LAUNCHER:-torchrun} --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
         --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$MEGATRON_DIR/pretrain_gpt.py" \
         "$@" ${MEGATRON_EXTRA_ARGS:-}
 }

@@ -32,24 +32,10 @@ set -euo pipefail
 MEGATRON_DIR=${MEGATRON_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 # shellcheck source=examples/launch_helpers.sh
 source "$MEGATRON_DIR/examples/launch_helpers.sh"
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-resolve_rendezvous
-
+hf_family_setup
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/deepseek_v3}
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-MOCK}
-DATA_PATH=${DATA_PATH:-MOCK}
 NUM_LAYERS=${NUM_LAYERS:-61}
 MOE_LAYER_FREQ=${MOE_LAYER_FREQ:-[0]*3+[1]*58}
-
-DISTRIBUTED_ARGS=(
-    --nproc_per_node "$GPUS_PER_NODE"
-    --nnodes "$NNODES"
-    --node_rank "$NODE_RANK"
-    --master_addr "$MASTER_ADDR"
-    --master_port "$MASTER_PORT"
-)
 
 MODEL_ARGS=(
     --num-layers "$NUM_LAYERS"
@@ -105,14 +91,7 @@ MOE_ARGS=(
     --moe-token-dispatcher-type alltoall
 )
 
-DATA_ARGS=(
-    --split 99,1,0
-)
-if [ "$TOKENIZER_MODEL" = MOCK ] || [ "$DATA_PATH" = MOCK ]; then
-    DATA_ARGS+=(--mock-data --tokenizer-type NullTokenizer --vocab-size "${VOCAB_SIZE:-129280}")
-else
-    DATA_ARGS+=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" --data-path "$DATA_PATH")
-fi
+hf_family_args 129280 2048  # DATA_ARGS (mock data or $DATA_PATH with $TOKENIZER_MODEL); TRAINING_ARGS below
 
 # shellcheck disable=SC2206  # PRECISION_ARGS is a list of flags (or empty)
 TRAINING_ARGS=(
@@ -154,14 +133,6 @@ LOGGING_ARGS=(
     --tensorboard-dir "${CHECKPOINT_PATH}/tensorboard"
 )
 
-echo "launching pretrain_gpt.py (DeepSeek-V3): $NNODES node(s) x $GPUS_PER_NODE process(es), node rank $NODE_RANK," \
-     "master $MASTER_ADDR:$MASTER_PORT; TP ${TP:-1} PP ${PP:-1} EP ${EP:-8} CP ${CP:-1}"
-# shellcheck disable=SC2086  # MEGATRON_EXTRA_ARGS is a list of flags: split it on spaces
-${LAUNCHER:-torchrun} "${DISTRIBUTED_ARGS[@]}" "$MEGATRON_DIR/pretrain_gpt.py" \
-    "${MODEL_ARGS[@]}" \
-    "${MOE_ARGS[@]}" \
-    "${DATA_ARGS[@]}" \
-    "${TRAINING_ARGS[@]}" \
-    "${MODEL_PARALLEL_ARGS[@]}" \
-    "${LOGGING_ARGS[@]}" \
-    "$@" ${MEGATRON_EXTRA_ARGS:-}
+echo "DeepSeek-V3: TP ${TP:-1} PP ${PP:-1} EP ${EP:-8} CP ${CP:-1}"
+launch_pretrain_gpt "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" \
+    "${MODEL_PARALLEL_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"

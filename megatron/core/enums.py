@@ -11,6 +11,15 @@ class ModelType(enum.Enum):
     retro_decoder = 4
 
 
+class Fp8Recipe(str, enum.Enum):
+    """``--fp8-recipe`` values (megatron-core's enum; the string values are the flag's choices)."""
+    delayed = "delayed"
+    tensorwise = "tensorwise"
+    mxfp8 = "mxfp8"
+    blockwise = "blockwise"
+    custom = "custom"
+
+
 class LayerType(enum.Enum):
     encoder = 1
     decoder = 2

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from operator import itemgetter
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer  # noqa: F401  (megatron-core's path)
 
 
@@ -192,3 +194,518 @@ def get_model_type(model):
 
 def get_model_config(model):
     return get_attr_wrapped_model(model, "config", allow_none=False)
+
+
+# ------------------------------------------------------------------------------------ process groups and sharding
+def get_pg_rank(group=None) -> int:
+    """This rank's index in ``group`` (0 without a group or without torch.distributed)."""
+    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    return torch.distributed.get_rank(group=group)
+
+
+def get_pg_size(group=None) -> int:
+    """The size of ``group`` (1 without a group or without torch.distributed)."""
+    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1
+    return torch.distributed.get_world_size(group=group)
+
+
+def _tp_dp_ranks(tp_group, dp_cp_group):
+    """(tp rank, tp size, dp rank, dp size), each pair from its group when given, else from parallel_state (whose
+    getters also honour the rank overrides offline tools set)."""
+    from megatron.core import parallel_state
+
+    if tp_group is not None:
+        tp_rank, tp_size = get_pg_rank(tp_group), get_pg_size(tp_group)
+    else:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if dp_cp_group is not None:
+        dp_rank, dp_size = get_pg_rank(dp_cp_group), get_pg_size(dp_cp_group)
+    elif parallel_state.is_initialized():
+        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    else:
+        dp_rank, dp_size = 0, 1
+    return tp_rank, tp_size, dp_rank, dp_size
+
+
+def _is_dtensor(tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=None, prepend_offsets=(), **kwargs):
+    """A ShardedTensor of ``tensor`` split along ``tp_axis`` over the TP group (``tp_group=``, default
+    parallel_state's): ``(tp_axis + len(prepend_offsets), tp_rank, tp_size)`` after the prepended ``(axis, offset,
+    fragments)`` entries; replica id ``(0, 0, dp rank)`` over ``dp_cp_group`` by default. A DTensor (FSDP2) is its
+    local shard, further split along axis 0 by the DP rank (combined with TP when ``tp_axis`` is 0)."""
+    tp_group = kwargs.pop("tp_group", None)
+    dp_cp_group = kwargs.pop("dp_cp_group", None)
+    tp_rank, tp_size, dp_rank, dp_size = _tp_dp_ranks(tp_group, dp_cp_group)
+    prepend = len(prepend_offsets)
+    offsets = [(tp_axis + prepend, tp_rank, tp_size)]
+    dp_replica = dp_rank
+    if _is_dtensor(tensor):
+        tensor, dp_replica = tensor._local_tensor, 0
+        if tp_axis == 0:
+            offsets = [(prepend, tp_rank * dp_size + dp_rank, tp_size * dp_size)]
+        else:
+            offsets.append((prepend, dp_rank, dp_size))
+    if replica_id is None:
+        replica_id = (0, 0, dp_replica)
+    return ShardedTensor.from_rank_offsets(key, tensor, *prepend_offsets, *offsets, replica_id=replica_id,
+                                           prepend_axis_num=prepend, **kwargs)
+
+
+def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_id=None, **kwargs):
+    """A ShardedTensor of a tensor replicated over TP and DP: replica id ``(0, tp rank, dp rank)`` by default
+    (``tp_group=`` / ``dp_cp_group=``, default parallel_state's). A DTensor (FSDP2) is split along axis 0 by the DP
+    rank (the full tensor is gathered first when some rank would hold an empty shard)."""
+    tp_group = kwargs.pop("tp_group", None)
+    dp_cp_group = kwargs.pop("dp_cp_group", None)
+    tp_rank, _, dp_rank, dp_size = _tp_dp_ranks(tp_group, dp_cp_group)
+    prepend = len(prepend_offsets)
+    offsets = []
+    dp_replica = dp_rank
+    if _is_dtensor(tensor):
+        dp_replica = 0
+        if tensor.shape[0] < dp_size or tensor.shape[0] % dp_size:
+            tensor = tensor.full_tensor()
+            offsets = []
+            dp_replica = dp_rank
+        else:
+            tensor = tensor._local_tensor
+            offsets = [(prepend, dp_rank, dp_size)]
+    if replica_id is None:
+        replica_id = (0, tp_rank, dp_replica)
+    return ShardedTensor.from_rank_offsets(key, tensor, *prepend_offsets, *offsets, replica_id=replica_id,
+                                           prepend_axis_num=prepend, **kwargs)
+
+
+def _extra_state_offsets(sharded_offsets) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """(global shape, global offset) in pieces of a ShardedObject beside tensors with ``sharded_offsets``."""
+    if not sharded_offsets:
+        return (1,), (0,)
+    ordered = sorted(sharded_offsets, key=itemgetter(0))
+    axes = [axis for axis, _, _ in ordered]
+    if axes != list(range(len(axes))):
+        raise ValueError(f"sharded offsets must cover axes 0..n-1 for an object, got {sharded_offsets}")
+    return tuple(f for _, _, f in ordered), tuple(o for _, o, _ in ordered)
+
+
+def make_sharded_object_for_checkpoint(obj: Any, key: str, sharded_offsets: Iterable[Tuple[int, int, int]] = (),
+                                       replica_id=None, **kwargs) -> ShardedObject:
+    """A ShardedObject placed like tensors with ``sharded_offsets`` (one piece per layer / expert), replicated over
+    TP and DP (replica id ``(0, tp rank, dp rank)`` by default)."""
+    if replica_id is None:
+        tp_rank, _, dp_rank, _ = _tp_dp_ranks(None, None)
+        replica_id = (0, tp_rank, dp_rank)
+    shape, offset = _extra_state_offsets(tuple(sharded_offsets))
+    return ShardedObject(key, obj, shape, offset, replica_id, **kwargs)
+
+
+def make_sharded_tensors_for_checkpoint(state_dict: StateDict, prefix: str,
+                                        tensor_parallel_layers_axis_map: Optional[Dict[str, int]] = None,
+                                        sharded_offsets: Iterable[Tuple[int, int, int]] = (),
+                                        extra_state_suffix: str = "_extra_state", tp_group=None,
+                                        dp_cp_group=None) -> ShardedStateDict:
+    """``{prefix + name: ShardedTensor | ShardedObject}`` for a module's own ``state_dict``: the names in
+    ``tensor_parallel_layers_axis_map`` split over TP along their axis, ``*_extra_state`` as objects, the rest
+    replicated."""
+    axis_map = tensor_parallel_layers_axis_map or {}
+    sharded_offsets = tuple(sharded_offsets)
+    groups = dict(tp_group=tp_group, dp_cp_group=dp_cp_group)
+    out = {}
+    for name, value in state_dict.items():
+        key = f"{prefix}{name}"
+        if name.endswith(extra_state_suffix):
+            tp_rank, _, dp_rank, _ = _tp_dp_ranks(tp_group, dp_cp_group)
+            replica = (0, tp_rank, dp_rank)
+            out[key] = make_sharded_object_for_checkpoint(value, key, sharded_offsets, replica)
+        elif name in axis_map:
+            out[key] = make_tp_sharded_tensor_for_checkpoint(value, key, axis_map[name],
+                                                             prepend_offsets=sharded_offsets, **groups)
+        else:
+            out[key] = make_sharded_tensor_for_checkpoint(value, key, prepend_offsets=sharded_offsets, **groups)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- versions, decorators
+def null_decorator(*args, **kwargs):
+    """A decorator that changes nothing (``@null_decorator`` or ``@null_decorator(...)``)."""
+    if len(args) == 1 and not kwargs and callable(args[0]):
+        return args[0]
+    return lambda func: func
+
+
+class ExperimentalNotEnabledError(Exception):
+    """An experimental feature was used without ``megatron.core.config.set_experimental_flag(True)``."""
+
+
+def _experimental(kind: str, introduced_with_version: str):
+    from megatron.core import config
+
+    def decorator(obj):
+        def check(name):
+            if not config.is_experimental_enabled():
+                raise ExperimentalNotEnabledError(f"{name} is an experimental {kind} (since megatron-core "
+                                                  f"{introduced_with_version}): call "
+                                                  "megatron.core.config.set_experimental_flag(True) first")
+
+        if isinstance(obj, type):
+            original_init = obj.__init__
+
+            def __init__(self, *args, **kwargs):
+                check(obj.__name__)
+                original_init(self, *args, **kwargs)
+
+            obj.__init__ = __init__
+            return obj
+
+        def wrapper(*args, **kwargs):
+            check(obj.__name__)
+            return obj(*args, **kwargs)
+
+        wrapper.__name__, wrapper.__doc__ = obj.__name__, obj.__doc__
+        return wrapper
+
+    return decorator
+
+
+def experimental_fn(introduced_with_version: str):
+    """Decorate a function that raises :class:`ExperimentalNotEnabledError` unless experimental features are on."""
+    return _experimental("function", introduced_with_version)
+
+
+def experimental_cls(introduced_with_version: str):
+    """Decorate a class whose instantiation needs experimental features on."""
+    return _experimental("class", introduced_with_version)
+
+
+def deprecated(version: str, removal_version: Optional[str] = None, alternative: Optional[str] = None,
+               reason: Optional[str] = None):
+    """Decorate a function or class that warns (once per call site) that it is deprecated."""
+    import warnings
+
+    def decorator(obj):
+        message = f"{obj.__qualname__} is deprecated since {version}"
+        if removal_version:
+            message += f" and will be removed in {removal_version}"
+        if alternative:
+            message += f"; use {alternative}"
+        if reason:
+            message += f" ({reason})"
+
+        def wrapper(*args, **kwargs):
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            return obj(*args, **kwargs)
+
+        wrapper.__name__, wrapper.__doc__, wrapper.__wrapped__ = obj.__name__, obj.__doc__, obj
+        return wrapper
+
+    return decorator
+
+
+def internal_api(obj):
+    """Marks an API as internal (no stability promise); changes nothing at run time."""
+    obj._internal_api = True
+    return obj
+
+
+def experimental_api(obj):
+    """Marks an API as experimental (may change); changes nothing at run time (see :func:`experimental_fn`)."""
+    obj._experimental_api = True
+    return obj
+
+
+def _package_version(name: str):
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    return Version(metadata.version(name))
+
+
+def get_torch_version():
+    """The installed PyTorch version (``packaging.version.Version``)."""
+    from packaging.version import Version
+
+    return Version(torch.__version__.split("+")[0])
+
+
+def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
+    from packaging.version import Version
+
+    return get_torch_version() >= Version(version) if check_equality else get_torch_version() > Version(version)
+
+
+def _optional_version(dist_names, version: str, check_equality: bool) -> bool:
+    """Whether one of the optional distributions ``dist_names`` is installed at ``version`` or later (False when
+    none is installed: these are the GPU libraries this library runs without)."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    for name in dist_names:
+        try:
+            installed = Version(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            continue
+        return installed >= Version(version) if check_equality else installed > Version(version)
+    return False
+
+
+def _optional_get_version(dist_names, what: str):
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    for name in dist_names:
+        try:
+            return Version(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            continue
+    raise ImportError(f"{what} is not installed (this library runs without it)")
+
+
+_TE, _FA, _MAMBA, _CONV1D = ("transformer_engine", "transformer-engine"), ("flash_attn", "flash-attn"), \
+    ("mamba_ssm", "mamba-ssm"), ("causal_conv1d", "causal-conv1d")
+
+
+def get_te_version():
+    return _optional_get_version(_TE, "Transformer Engine")
+
+
+def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+    return _optional_version(_TE, version, check_equality)
+
+
+def get_fa_version():
+    return _optional_get_version(_FA, "flash-attn")
+
+
+def is_fa_min_version(version: str, check_equality: bool = True) -> bool:
+    return _optional_version(_FA, version, check_equality)
+
+
+def get_mamba_version():
+    return _optional_get_version(_MAMBA, "mamba_ssm")
+
+
+def is_mamba_min_version(version: str, check_equality: bool = True) -> bool:
+    return _optional_version(_MAMBA, version, check_equality)
+
+
+def get_causal_conv1d_version():
+    return _optional_get_version(_CONV1D, "causal_conv1d")
+
+
+def is_causal_conv1d_min_version(version: str, check_equality: bool = True) -> bool:
+    return _optional_version(_CONV1D, version, check_equality)
+
+
+# ------------------------------------------------------------------------------------------- groups, models
+def get_tensor_model_parallel_group_if_none(tp_group=None, is_expert: bool = False, check_initialized: bool = True):
+    """``tp_group``, or parallel_state's TP group (the expert TP group for experts) when None."""
+    if tp_group is not None:
+        return tp_group
+    from megatron.core import parallel_state
+
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
+def get_pg_src_rank(group=None) -> int:
+    """Global rank of the first member of ``group`` (0 without torch.distributed)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    return torch.distributed.get_global_rank(group, 0) if group is not None else 0
+
+
+def log_on_each_pipeline_stage(logger, *args, tp_group=None, dp_cp_group=None, **kwargs):
+    """``logger.log(*args)`` on the first TP and DP (x CP) rank of every pipeline stage."""
+    tp_rank, _, dp_rank, _ = _tp_dp_ranks(tp_group, dp_cp_group)
+    if tp_rank == 0 and dp_rank == 0:
+        logger.log(*args, **kwargs)
+
+
+def is_submodule(module: torch.nn.Module, parent_module: torch.nn.Module, strict: bool = True) -> bool:
+    """Whether ``module`` is ``parent_module`` or one of its descendants (``strict``: a proper descendant)."""
+    for child in parent_module.modules():
+        if child is module and (child is not parent_module or not strict):
+            return True
+    return False
+
+
+def unwrap_model(model, module_instances=None):
+    """Strip wrappers (DDP, Float16Module: anything with ``.module``; only ``module_instances`` when given) from a
+    model or a list of model chunks."""
+    return_list = isinstance(model, list)
+    chunks = model if return_list else [model]
+    unwrapped = []
+    for chunk in chunks:
+        while hasattr(chunk, "module") and (module_instances is None or isinstance(chunk, module_instances)):
+            chunk = chunk.module
+        unwrapped.append(chunk)
+    return unwrapped if return_list else unwrapped[0]
+
+
+def to_local_if_dtensor(tensor):
+    """The local shard of a DTensor; any other tensor as it is."""
+    return tensor._local_tensor if _is_dtensor(tensor) else tensor
+
+
+def get_full_tensor_if_necessary(tensor):
+    """A DTensor's local shard, or its full value when some rank of its mesh would hold an empty shard."""
+    from torch.distributed.tensor import Shard
+
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard) and tensor.device_mesh.shape[dim] > tensor.shape[placement.dim]:
+            return tensor.full_tensor()
+    return tensor._local_tensor
+
+
+def get_data_parallel_group_if_dtensor(tensor, data_parallel_group=None):
+    """The process group a DTensor is sharded over (its mesh's single dimension), else ``data_parallel_group``."""
+    if not _is_dtensor(tensor):
+        return data_parallel_group
+    mesh = tensor.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(f"a DTensor on a {mesh.ndim}-dimensional mesh has no single data-parallel group")
+    return mesh.get_group()
+
+
+def check_param_hashes_across_dp_replicas(model, cross_check: bool = False) -> bool:
+    """Whether every parameter is bit-identical on all data-parallel replicas (one all-gather of sha256 digests
+    over parallel_state's DP group); mismatches are printed. ``cross_check``: compare all ranks' digests, not
+    only with rank 0's."""
+    import hashlib
+
+    from megatron.core import parallel_state
+
+    chunks = model if isinstance(model, list) else [model]
+    digests = []
+    for i, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            data = to_local_if_dtensor(param.data).detach().cpu().contiguous()
+            digests.append((f"{i}.{name}", hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()))
+    group = parallel_state.get_data_parallel_group()
+    everyone = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(everyone, digests, group=group)
+    mine, ok = dict(digests), True
+    references = everyone if cross_check else everyone[:1]
+    for rank, theirs in enumerate(references):
+        for name, digest in theirs:
+            if mine.get(name) != digest:
+                print(f"parameter {name} differs from data-parallel rank {rank}'s", flush=True)
+                ok = False
+    return ok
+
+
+class WrappedTensor:
+    """Holds a tensor so that a callee can drop the caller's last reference (``unwrap`` then ``clear``)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._wrapper = [tensor]
+
+    def unwrap(self) -> torch.Tensor:
+        return self._wrapper[0]
+
+    def clear(self) -> None:
+        self._wrapper[0] = None
+
+
+# ------------------------------------------------------------------------------------------- multi-tensor ops
+def local_multi_tensor_applier(op, noop_flag_buffer, tensor_lists, *args):
+    """apex's ``multi_tensor_applier`` interface without apex: ``op(2048, noop_flag_buffer, tensor_lists, *args)``."""
+    return op(2048 * 32, noop_flag_buffer, tensor_lists, *args)
+
+
+def local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """The L2 norm of all tensors of ``tensor_lists[0]`` (fp32, a one-element tensor) and, with ``per_tensor``,
+    each tensor's norm."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1), (torch.zeros(0) if per_tensor else None)
+    norms = torch.stack([t.detach().float().norm(2) for t in tensors])
+    total = norms.pow(2).sum().sqrt().reshape(1)
+    return total, (norms if per_tensor else None)
+
+
+def local_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``tensor_lists[1][i] = tensor_lists[0][i] * scale`` for every i."""
+    for source, target in zip(tensor_lists[0], tensor_lists[1]):
+        target.copy_(source * scale)
+
+
+def is_using_quantization_scales(config) -> bool:
+    """Whether the config trains with FP8 (or FP4) scaling state."""
+    return getattr(config, "fp8", None) is not None or getattr(config, "fp4", None) is not None
+
+
+def deprecate_inference_params(inference_context, inference_params):
+    """megatron-core renamed ``inference_params`` to ``inference_context``: the one that is given."""
+    if inference_context is None and inference_params is not None:
+        return inference_params
+    return inference_context
+
+
+def nvtx_range_push(msg: str = None, suffix: str = None) -> None:
+    """Open an NVTX range on CUDA (nothing elsewhere)."""
+    if torch.cuda.is_available():
+        torch.cuda.nvtx.range_push(msg if suffix is None else f"{msg}.{suffix}")
+
+
+def nvtx_range_pop(msg: str = None, suffix: str = None) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.nvtx.range_pop()
+
+
+def nvtx_decorator(message: str = None, color=None):
+    """Run the decorated function inside an NVTX range on CUDA."""
+    def decorator(func):
+        def wrapper(*args, **kwargs):
+            nvtx_range_push(message or func.__qualname__)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                nvtx_range_pop()
+
+        wrapper.__name__, wrapper.__doc__ = func.__name__, func.__doc__
+        return wrapper
+
+    return decorator
+
+
+def get_asyncio_loop():
+    """The running asyncio event loop, or a new one set as current."""
+    import asyncio
+
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        return loop
+
+
+def trace_async_exceptions(func):
+    """Decorate a coroutine function so that an exception is printed with its traceback before propagating."""
+    import functools
+    import traceback
+
+    @functools.wraps(func)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await func(*args, **kwargs)
+        except Exception:
+            traceback.print_exc()
+            raise
+
+    return wrapper

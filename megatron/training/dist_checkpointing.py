@@ -5,8 +5,6 @@ from megatron.training.checkpointing.dist_state import (  # noqa: F401
     METADATA,
     DistCheckpointError,
     apply_loaded_model,
-    model_entries,
-    model_layout,
     model_sharded_state,
     read_common,
     safe_args,

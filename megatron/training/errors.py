@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-
-class ConfigurationError(ValueError):
-    """A flag or flag combination that cannot work; the message names the flag(s) and the fix."""
+from megatron.core.errors import ConfigurationError  # noqa: F401  (one class for core and training)
 
 
 class FatalRunError(RuntimeError):

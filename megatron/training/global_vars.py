@@ -12,6 +12,7 @@ import sys
 
 from megatron.training.dist_signal_handler import DistributedSignalHandler
 from megatron.training.errors import ConfigurationError
+from megatron.core import num_microbatches_calculator
 from megatron.training.microbatches import build_num_microbatches_calculator
 from megatron.training.timers import Timers
 
@@ -55,6 +56,14 @@ def get_current_global_batch_size():
 
 def update_num_microbatches(consumed_samples, consistency_check=True):
     _GLOBAL_NUM_MICROBATCHES_CALCULATOR.update(consumed_samples, consistency_check)
+
+
+def _install_calculator(calculator):
+    """The training calculator is also megatron-core's process-wide one (megatron.core.num_microbatches_calculator
+    answers the same numbers)."""
+    global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    _GLOBAL_NUM_MICROBATCHES_CALCULATOR = calculator
+    num_microbatches_calculator.set_num_microbatches_calculator(calculator)
 
 
 def get_tokenizer():
@@ -124,7 +133,7 @@ def set_retro_args(retro_args):
 def _build_num_microbatches_calculator(args):
     global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
     _ensure_var_is_not_initialized(_GLOBAL_NUM_MICROBATCHES_CALCULATOR, "num microbatches calculator")
-    _GLOBAL_NUM_MICROBATCHES_CALCULATOR = build_num_microbatches_calculator(args)
+    _install_calculator(build_num_microbatches_calculator(args))
 
 
 def _build_tokenizer(args):
@@ -205,6 +214,7 @@ def destroy_global_vars():
     _GLOBAL_ARGS = None
     _GLOBAL_RETRO_ARGS = None
     _GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+    num_microbatches_calculator.unset_num_microbatches_calculator()
     _GLOBAL_TOKENIZER = None
     _GLOBAL_TENSORBOARD_WRITER = None
     _GLOBAL_ADLR_AUTORESUME = None

@@ -6,13 +6,14 @@
 ``--global-batch-size``. With ``--step-batch-size-schedule "T0:B0 T1:B1 ..."`` (thresholds in consumed *tokens*,
 K/M/B/T = 1e3/1e6/1e9/1e12, converted to samples as ``int(float(T) * mult) // seq_length``) the global batch
 is a step function: ``B_i`` of the last entry whose sample threshold is ``<= consumed_samples``; the first
-threshold must be 0 and thresholds strictly increase. Messages are Megatron-LM's; ``validate_args`` checks the same conditions earlier with
-messages that name the flags.
+threshold must be 0 and thresholds strictly increase. Messages are Megatron-LM's; ``validate_args`` checks the same
+conditions earlier with messages that name the flags. The calculators are megatron-core's
+(:mod:`megatron.core.num_microbatches_calculator`); the 2023 class names take the 2023 argument order.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
+from megatron.core.num_microbatches_calculator import (ConstantNumMicroBatchesCalculator, NumMicroBatchesCalculator,
+                                                       RampupBatchsizeNumMicroBatchesCalculator)
 from megatron.training.errors import ConfigurationError
 
 
@@ -79,78 +80,22 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigurationError(message)
 
 
-class NumMicroBatchesCalculator(ABC):
-    def __init__(self):
-        self.num_micro_batches = None
-        self.current_global_batch_size = None
+class ConstantNumMicroBatches(ConstantNumMicroBatchesCalculator):
+    """Megatron 2023's ``ConstantNumMicroBatches(global_batch_size, micro_batch_size, data_parallel_size)``."""
 
-    def get(self) -> int:
-        return self.num_micro_batches
-
-    def get_current_global_batch_size(self) -> int:
-        return self.current_global_batch_size
-
-    @abstractmethod
-    def update(self, consumed_samples, consistency_check):
-        pass
-
-
-class ConstantNumMicroBatches(NumMicroBatchesCalculator):
     def __init__(self, global_batch_size, micro_batch_size, data_parallel_size):
-        super().__init__()
-        micro_batch_times_data_parallel = micro_batch_size * data_parallel_size
-        _require(global_batch_size % micro_batch_times_data_parallel == 0,
-                 "global batch size ({}) is not divisible by micro batch size ({}) times data parallel size "
-                 "({})".format(global_batch_size, micro_batch_size, data_parallel_size))
-        self.num_micro_batches = global_batch_size // micro_batch_times_data_parallel
-        _require(self.num_micro_batches >= 1,
-                 "number of micro-batches should be at least 1, got {}.".format(self.num_micro_batches))
-        self.current_global_batch_size = global_batch_size
-
-    def update(self, consumed_samples, consistency_check):
-        pass
+        super().__init__(global_batch_size, micro_batch_size, data_parallel_size, False, 0)
 
 
-class RampupBatchsizeNumMicroBatches(NumMicroBatchesCalculator):
+class RampupBatchsizeNumMicroBatches(RampupBatchsizeNumMicroBatchesCalculator):
+    """Megatron 2023's ``RampupBatchsizeNumMicroBatches(start_batch_size, batch_size_increment, ramup_samples,
+    global_batch_size, micro_batch_size, data_parallel_size)``."""
+
     def __init__(self, start_batch_size, batch_size_increment, ramup_samples, global_batch_size,
                  micro_batch_size, data_parallel_size):
-        super().__init__()
-        self.micro_batch_size = micro_batch_size
-        self.data_parallel_size = data_parallel_size
-        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
-        _require(self.micro_batch_times_data_parallel_size > 0, "micro batch size times data parallel size must be > 0")
-        _require(start_batch_size > 0, "start batch size ({}) must be > 0".format(start_batch_size))
+        super().__init__(global_batch_size, micro_batch_size, data_parallel_size, False, 0, start_batch_size,
+                         batch_size_increment, ramup_samples)
         self.start_batch_size = start_batch_size
-        _require(global_batch_size > 0, "global batch size ({}) must be > 0".format(global_batch_size))
-        self.global_batch_size = global_batch_size
-        diff_batch_size = global_batch_size - start_batch_size
-        _require(diff_batch_size >= 0, "expected global batch size ({}) to be at least the start batch size "
-                                       "({})".format(global_batch_size, start_batch_size))
-        _require(batch_size_increment > 0, "batch size increment ({}) must be > 0".format(batch_size_increment))
-        self.batch_size_increment = batch_size_increment
-        _require(diff_batch_size % batch_size_increment == 0,
-                 "expected global batch size interval ({}) to be divisible by global batch size increment "
-                 "({})".format(diff_batch_size, batch_size_increment))
-        num_increments = diff_batch_size // batch_size_increment
-        self.ramup_samples = ramup_samples
-        _require(ramup_samples >= 0, "ramp-up samples ({}) must be >= 0".format(ramup_samples))
-        # With start == global there is nothing to ramp: every update lands on the global batch size.
-        self.rampup_samples_per_increment = ramup_samples / num_increments if num_increments else float("inf")
-        self.update(0, False)
-
-    def update(self, consumed_samples, consistency_check):
-        if consumed_samples > self.ramup_samples:
-            self.current_global_batch_size = self.global_batch_size
-        else:
-            steps = int(consumed_samples / self.rampup_samples_per_increment)
-            self.current_global_batch_size = self.start_batch_size + steps * self.batch_size_increment
-            assert self.current_global_batch_size <= self.global_batch_size
-        if consistency_check:
-            _require(self.current_global_batch_size % self.micro_batch_times_data_parallel_size == 0,
-                     "current global batch size ({}) is not divisible by micro-batch-size ({}) times data parallel "
-                     "size ({})".format(self.current_global_batch_size, self.micro_batch_size,
-                                        self.data_parallel_size))
-        self.num_micro_batches = self.current_global_batch_size // self.micro_batch_times_data_parallel_size
 
 
 class StepBatchsizeNumMicroBatches(NumMicroBatchesCalculator):
@@ -169,12 +114,12 @@ class StepBatchsizeNumMicroBatches(NumMicroBatchesCalculator):
         """Consumed samples from which the batch size stays at its final value."""
         return self.schedule[-1][0]
 
-    def update(self, consumed_samples, consistency_check):
+    def update(self, consumed_samples, consistency_check, verbose=False):
         batch_size = self.schedule[0][1]
         for threshold, size in self.schedule:
             if threshold <= consumed_samples:
                 batch_size = size
-        self.current_global_batch_size = batch_size
+        self.current_global_batch_size = self.current_running_global_batch_size = batch_size
         if consistency_check:
             _require(batch_size % self.micro_batch_times_data_parallel_size == 0,
                      "current global batch size ({}) is not divisible by micro-batch-size ({}) times data parallel "

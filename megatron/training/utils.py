@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.utils import unwrap_model  # noqa: F401  (its home is megatron.core.utils)
 from megatron.core.utils import print_rank_0  # noqa: F401  (one implementation, at Megatron's import path)
 
 
@@ -28,20 +29,6 @@ def print_rank_last(message):
 
 
 # ------------------------------------------------------------------------------- model helpers
-
-def unwrap_model(model, module_instances=None):
-    """Strip DDP / Float16Module wrappers (anything with ``.module``) from a model or list of chunks."""
-    return_list = True
-    if not isinstance(model, list):
-        model = [model]
-        return_list = False
-    unwrapped = []
-    for chunk in model:
-        while hasattr(chunk, "module") and (module_instances is None or isinstance(chunk, module_instances)):
-            chunk = chunk.module
-        unwrapped.append(chunk)
-    return unwrapped if return_list else unwrapped[0]
-
 
 def calc_params_l2_norm(model) -> float:
     """L2 norm of all parameters, each counted once across TP (duplicates skipped) and summed over PP."""

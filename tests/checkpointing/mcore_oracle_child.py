@@ -50,6 +50,35 @@ def _stub_cuda():
         moe_utils.te_general_gemm = None
 
 
+def describe_sharded(sharded_state_dict):
+    """Sorted ``(state-dict path, kind, key, global shape, global offset, local shape, fragments, replica id,
+    prepended axes, allow_shape_mismatch)`` of every leaf of a sharded state dict, factories built; objects give
+    their unique key. Duck-typed, so it describes megatron-core's sharded state dicts and ours alike (the test
+    compares the two)."""
+    out = []
+
+    def walk(x, path):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, path + (str(k),))
+        elif isinstance(x, (list, tuple)) and not hasattr(x, "key"):
+            for i, v in enumerate(x):
+                walk(v, path + (str(i),))
+        elif type(x).__name__ == "ShardedTensorFactory":
+            walk(x.build(), path)
+        elif type(x).__name__ == "ShardedTensor":
+            out.append((".".join(path), "tensor", x.key, tuple(x.global_shape), tuple(x.global_offset),
+                        tuple(x.local_shape), tuple(x.axis_fragmentations or ()), tuple(x.replica_id),
+                        x.prepend_axis_num, bool(x.allow_shape_mismatch)))
+        elif type(x).__name__ == "ShardedObject":
+            out.append((".".join(path), "object", x.unique_key, (), (), (), (), tuple(x.replica_id), 0, False))
+        else:
+            out.append((".".join(path), "plain", type(x).__name__, (), (), (), (), (), 0, False))
+
+    walk(sharded_state_dict, ())
+    return sorted(out)
+
+
 DEEPSEEK = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
                 qk_pos_emb_head_dim=4, v_head_dim=8, rotary_scaling_factor=4.0, original_max_position_embeddings=4,
                 mscale=1.0, mscale_all_dim=0.5, qk_layernorm=True, normalization="RMSNorm", layernorm_epsilon=1e-6,
@@ -203,6 +232,8 @@ def _job(mode, style, tp, pp, ckpt, out, ep=1):
         torch.save(result, out)
     if mode == "save":
         os.makedirs(ckpt, exist_ok=True)
+        if out != "-":  # what megatron-core declares for this model, per rank (the test compares ours)
+            torch.save(describe_sharded(model.sharded_state_dict()), f"{out}.sharded{torch.distributed.get_rank()}")
         dist_checkpointing.save(model.sharded_state_dict(), ckpt)
     torch.distributed.barrier()
 

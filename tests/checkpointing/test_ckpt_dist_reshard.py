@@ -129,7 +129,7 @@ def test_torch_checkpoint_converts_to_the_same_weights(legs, tmp_path):
     assert (info["tp"], info["pp"], info["iteration"]) == (1, 1, 4) and args.tensor_model_parallel_size == 1
     reference = load_full_checkpoint(os.path.join(root, "a", "iter_0000004"))["model"]
     from megatron.core.models.conversion.keys import legacy_to_mcore_key
-    from megatron.training.checkpointing.dist_keys import disk_key
+    from tools.checkpoint.dist_keys import disk_key
 
     stacked = {}
     for key, value in merged.items():

@@ -181,12 +181,47 @@ def save_body(style, root):
     return out
 
 
+def describe_body(style, tp, pp=1, ep=1):
+    """What our model declares (``sharded_state_dict``) at (tp, pp, ep), described as the oracle child describes
+    megatron-core's."""
+    from checkpointing.mcore_oracle_child import describe_sharded
+
+    _setup(tp, pp, 5, ep)
+    return describe_sharded(_our_model(style, tp, pp, ep).sharded_state_dict())
+
+
 def ours_body(root):
-    """One launch of our 2 ranks: load every oracle checkpoint at every layout, then save ours for both styles."""
+    """One launch of our 2 ranks: load every oracle checkpoint at every layout, then save ours for both styles;
+    describe our sharded state at the oracle's save layouts."""
     loaded = {(style, saved_tp): load_body(style, os.path.join(root, f"mcore_{style}_tp{saved_tp}"))
               for style in STYLES for saved_tp in SAVED_TPS}
     saved = {style: save_body(style, root) for style in STYLES}
-    return {"loaded": loaded, "saved": saved}
+    described = {(style, tp): describe_body(style, tp) for style in STYLES for tp in SAVED_TPS}
+    return {"loaded": loaded, "saved": saved, "described": described}
+
+
+def _compare_described(ours, theirs, label):
+    """One line per difference between our description and megatron-core's (same rank, same model)."""
+    ours, theirs = set(ours), set(theirs)
+    lines = [f"{label} only ours: {x}" for x in sorted(ours - theirs)]
+    lines += [f"{label} only megatron-core: {x}" for x in sorted(theirs - ours)]
+    return lines
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_sharded_state_dict_matches_megatron_core(interop, style):
+    """Our ``model.sharded_state_dict()`` declares, on every rank, exactly what megatron-core 0.16.1's declares for
+    the same model (TP=1 x DP=2 and TP=2): state-dict keys, checkpoint keys, global shapes and offsets, local shapes,
+    grids, replica ids, prepended axes, allow_shape_mismatch (factories built: the gated fc1 halves)."""
+    root, outputs = interop
+    problems, count = [], 0
+    for tp in SAVED_TPS:
+        for rank, out in enumerate(outputs):
+            theirs = torch.load(root / f"ref_{style}_tp{tp}.pt.sharded{rank}")
+            count += len(theirs)
+            problems += _compare_described(out["described"][(style, tp)], theirs, f"{style} TP={tp} rank {rank}")
+    print(f"{style}: {count} sharded leaves compared with megatron-core, {len(problems)} differences")
+    assert not problems, "\n".join(problems[:30])
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +290,7 @@ def moe_body(root):
     then save ours (Mixtral-style at EP = 2, DeepSeek-style at TP = 2 + SP)."""
     from megatron.training.checkpointing import torch_dist as dc
 
-    out = {}
+    out = {"described": describe_body("mixtral", 1, 1, 2)}
     for tp, pp, ep in MOE_LOAD_LAYOUTS:
         _setup(tp, pp, 99, ep)
         model = _our_model("mixtral", tp, pp, ep).eval()
@@ -303,6 +338,9 @@ def test_moe_checkpoints_move_both_ways_with_megatron_core(oracle, tmp_path):
         dict(mode="load", style="deepseek", tp=1, pp=1, ep=1, ckpt=tmp_path / "ours_deepseek",
              out=tmp_path / "mcore_from_ours_deepseek.pt")])
     expected = torch.load(tmp_path / "ref.pt")
+    differences = [d for rank, o in enumerate(outputs) for d in _compare_described(
+        o["described"], torch.load(tmp_path / f"ref.pt.sharded{rank}"), f"mixtral EP=2 rank {rank}")]
+    assert not differences, "our MoE sharded_state_dict differs from megatron-core's:\n" + "\n".join(differences[:30])
     report = []
     for layout in MOE_LOAD_LAYOUTS:
         err = rel_err(_last(outputs, layout), expected)

@@ -115,8 +115,9 @@ def expected_volume(c, pp_rank):
             add("dp", "reduce_scatter", len(buckets), padded * G)
             add("dp", "all_gather", len(buckets), padded * P)
 
-    # --- gradient norm (--clip-grad 1.0): fp32 scalar over TP x PP, or the world with the dist. optimizer
-    add("world" if c["distopt"] else "mp", "all_reduce", 1, 4)
+    # --- gradient norm (--clip-grad 1.0): one scalar over TP x PP, or the world with the dist. optimizer; fp32 on
+    # GPUs as in Megatron, fp64 on CPU (clip_grads accumulates the sum of squares in fp64 there), so 8 bytes here
+    add("world" if c["distopt"] else "mp", "all_reduce", 1, 8)
     return {k: tuple(v) for k, v in out.items()}
 
 

@@ -127,7 +127,8 @@ x = cases["router_input"].clone().requires_grad_(True)
 probs, rmap = router(x)
 (probs.float() * cases["weights"]).sum().backward()
 tracker = m.get_moe_layer_wise_logging_tracker()
-out["deepseek_router"] = dict(probs=probs.detach(), map=rmap, grad=x.grad, counts=router.local_tokens_per_expert.clone(),
+out["deepseek_router"] = dict(probs=probs.detach(), map=rmap, grad=x.grad,
+                              counts=router.local_tokens_per_expert.clone(),
                               seq_aux=tracker["seq_load_balancing_loss"]["values"][0].clone())
 # The aux-loss-free bias update, one process: its all-reduce over the TP x DP x CP group is the identity.
 torch.distributed.all_reduce = lambda tensor, group=None, **kw: None

@@ -64,7 +64,13 @@ def test_model_parallel_seed(tp_rank_1):
         tp_draw = torch.rand(4)
     assert torch.equal(default_draw, torch.rand(4, generator=torch.Generator().manual_seed(1234)))
     assert torch.equal(tp_draw, torch.rand(4, generator=torch.Generator().manual_seed(1234 + 2718 + 1)))
-    assert set(tpl.get_cuda_rng_tracker().get_states()) == {"model-parallel-rng"}
+    # megatron-core's three tracked states: data parallel (the seed), tensor parallel, expert parallel
+    assert set(tpl.get_cuda_rng_tracker().get_states()) == {"model-parallel-rng", "data-parallel-rng",
+                                                            "expert-parallel-rng"}
+    tpl.model_parallel_cuda_manual_seed(99, ep_rank=2, etp_rank=1)
+    with tpl.get_cuda_rng_tracker().fork(tpl.get_expert_parallel_rng_tracker_name()):
+        expert_draw = torch.rand(4)
+    assert torch.equal(expert_draw, torch.rand(4, generator=torch.Generator().manual_seed(99 + 1024 + 201)))
 
 
 def _block(x, w1, w2):
@@ -101,6 +107,40 @@ def test_checkpoint_matches_plain_gradients_with_dropout(tp_rank_1):
     tpl.get_cuda_rng_tracker().set_states(dict(tracker_states))
     no_drop = torch.tanh(torch.relu(x0 @ w1_0) @ w2_0)
     assert not torch.allclose(plain[0], no_drop)
+
+
+def test_checkpoint_without_output_frees_and_recomputes(tp_rank_1):
+    """megatron-core's CheckpointWithoutOutput: the output's storage is freed after use and recomputed (same RNG,
+    same tensor object) when the hook tensor's gradient arrives; gradients equal a plain run's."""
+    tpl.model_parallel_cuda_manual_seed(5)
+    g = torch.Generator().manual_seed(1)
+    x0, w0 = torch.randn(6, 8, generator=g), torch.randn(8, 4, generator=g)
+    cpu_state, tracker_states = torch.get_rng_state(), tpl.get_cuda_rng_tracker().get_states()
+
+    def act(t):
+        with tpl.get_cuda_rng_tracker().fork():
+            return F.dropout(F.gelu(t), p=0.5)
+
+    def run(recompute):
+        torch.set_rng_state(cpu_state)
+        tpl.get_cuda_rng_tracker().set_states(dict(tracker_states))
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        if recompute:
+            ckpt = tpl.CheckpointWithoutOutput()
+            h = ckpt.checkpoint(act, x)
+            y = h @ w
+            ckpt.discard_output_and_register_recompute(y)
+            assert h.untyped_storage().size() == 0  # freed
+        else:
+            h = act(x)
+            y = h @ w
+        y.sum().backward()
+        return h.detach().clone(), x.grad, w.grad
+
+    plain, recomputed = run(False), run(True)
+    for a, b in zip(plain, recomputed):
+        assert torch.equal(a, b)
+    assert (plain[0] == 0).any()  # dropout was active
 
 
 def test_checkpoint_non_tensor_args(tp_rank_1):
@@ -190,3 +230,40 @@ def test_import_does_not_touch_cuda():
             "megatron.core.transformer; assert not torch.cuda.is_initialized(); print('clean')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "clean" in out.stdout
+
+
+def test_transformer_layer_offset():
+    """megatron-core's get_transformer_layer_offset for even splits (8 layers, PP 2, VPP 2: stage 0 holds layers
+    [0, 1] and [4, 5], stage 1 [2, 3] and [6, 7])."""
+    import types
+
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    cfg = types.SimpleNamespace(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    assert [get_transformer_layer_offset(cfg, vp, pp) for pp in (0, 1) for vp in (0, 1)] == [0, 4, 2, 6]
+    cfg.virtual_pipeline_model_parallel_size = None
+    assert [get_transformer_layer_offset(cfg, None, pp) for pp in (0, 1)] == [0, 4]
+    cfg.pipeline_model_parallel_size = 1
+    assert get_transformer_layer_offset(cfg, None, 0) == 0
+
+
+def test_num_microbatches_calculator_core_api():
+    """megatron-core's process-wide calculator: init / ramp-up updates / reconfigure / decrease_batch_size_if_needed."""
+    from megatron.core import num_microbatches_calculator as nmc
+    from megatron.core.errors import ConfigurationError
+
+    nmc.unset_num_microbatches_calculator()
+    try:
+        nmc.init_num_microbatches_calculator(0, [4, 4, 90], 16, 2, 1)
+        assert (nmc.get_num_microbatches(), nmc.get_current_global_batch_size(), nmc.get_micro_batch_size()) == (2, 4, 2)
+        nmc.update_num_microbatches(60)
+        assert (nmc.get_num_microbatches(), nmc.get_current_running_global_batch_size()) == (6, 12)
+        with pytest.raises(RuntimeError, match="already initialized"):
+            nmc.init_num_microbatches_calculator(0, None, 16, 2, 1)
+        with pytest.raises(ConfigurationError, match=r"global batch size \(10\) is not divisible"):
+            nmc.reconfigure_num_microbatches_calculator(0, None, 10, 4, 1)
+        nmc.reconfigure_num_microbatches_calculator(0, None, 10, 4, 1, decrease_batch_size_if_needed=True)
+        assert (nmc.get_current_global_batch_size(), nmc.get_current_running_global_batch_size(),
+                nmc.get_num_microbatches()) == (10, 8, 2)
+    finally:
+        nmc.destroy_num_microbatches_calculator()

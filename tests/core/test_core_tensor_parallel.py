@@ -229,7 +229,7 @@ def test_cpu_initialization_same_full_weight(tp):
 
 
 def mappings_body():
-    """The seven mappings on TP=4 against their definitions (forward value and backward gradient)."""
+    """The mappings on TP=4 against their definitions (forward value and backward gradient)."""
     from megatron.core import parallel_state as ps, tensor_parallel as tpl
 
     ps.initialize_model_parallel(4)
@@ -265,6 +265,21 @@ def mappings_body():
     y, g = run(tpl.reduce_scatter_to_sequence_parallel_region, (r + 1.0) * ar8.view(8, 1), torch.full((2, 1), float(r)))
     out["reduce_scatter_seq"] = (torch.equal(y, 10.0 * ar8[2 * r:2 * r + 2].view(2, 1))
                                  and torch.equal(g, torch.tensor([0.0, 0, 1, 1, 2, 2, 3, 3]).view(8, 1)))
+
+    # megatron-core's last-dimension gather / reduce-scatter and the sequence <-> hidden all-to-alls
+    y, g = run(tpl.all_gather_last_dim_from_tensor_parallel_region, torch.full((1, 2), float(r)),
+               (r + 1.0) * ar8.view(1, 8))
+    out["gather_last"] = (torch.equal(y, torch.tensor([[0.0, 0, 1, 1, 2, 2, 3, 3]]))
+                          and torch.equal(g, 10.0 * ar8[2 * r:2 * r + 2].view(1, 2)))
+    y, g = run(tpl.reduce_scatter_last_dim_to_tensor_parallel_region, (r + 1.0) * ar8.view(1, 8),
+               torch.full((1, 2), float(r)))
+    out["reduce_scatter_last"] = (torch.equal(y, 10.0 * ar8[2 * r:2 * r + 2].view(1, 2))
+                                  and torch.equal(g, torch.tensor([[0.0, 0, 1, 1, 2, 2, 3, 3]])))
+    tokens = torch.arange(64.0).view(8, 8)  # [tokens, hidden]; rank r holds tokens 2r:2r+2 / hidden block r
+    y, g = run(tpl.all_to_all_sp2hp, tokens[2 * r:2 * r + 2], tokens[:, 2 * r:2 * r + 2])
+    out["sp2hp"] = torch.equal(y, tokens[:, 2 * r:2 * r + 2]) and torch.equal(g, tokens[2 * r:2 * r + 2])
+    y, g = run(tpl.all_to_all_hp2sp, tokens[:, 2 * r:2 * r + 2], tokens[2 * r:2 * r + 2])
+    out["hp2sp"] = torch.equal(y, tokens[2 * r:2 * r + 2]) and torch.equal(g, tokens[:, 2 * r:2 * r + 2])
 
     # Splitting a sequence that does not divide by TP is a clear error.
     try:

@@ -130,3 +130,29 @@ def test_vocab_size_flag_is_ignored_by_file_tokenizers(clean_env, tmp_path):
     build_tokenizer(args)
     assert args.padded_vocab_size == 8064
     assert validated("--tokenizer-type TikTokenizer --vocab-size 1000").padded_vocab_size == 1024
+
+
+def test_megatron_core_tokenizer_paths_and_metadata_forms(tmp_path):
+    """megatron.core.tokenizers is the one home: MegatronTokenizer.from_pretrained with a metadata dict (null-text,
+    0.16's null) or the tokenizer_metadata.json that write_metadata puts next to a tokenizer; the 0.16 path
+    megatron.training.tokenizer and the 2023 path megatron.tokenizer give the same objects."""
+    import megatron.core.tokenizers.build_tokenizer as core_build
+    import megatron.tokenizer.tokenizer as old_path
+    import megatron.training.tokenizer.tokenizer as path_016
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    assert path_016._NullTokenizer is core_build._NullTokenizer and old_path.build_tokenizer is core_build.build_tokenizer
+    text = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=100)
+    assert (text.vocab_size, text.eod, text.tokenize("3 7 42")) == (100, 99, [3, 7, 42])
+    null = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=100)
+    assert (null.vocab_size, null.eod) == (101, 100)  # 0.16's rule: N + 1 ids
+    spm = str(tmp_path / "tok.model")
+    with open(SPM_MODEL, "rb") as src, open(spm, "wb") as dst:
+        dst.write(src.read())
+    written = MegatronTokenizer.write_metadata(spm, "sentencepiece")
+    with pytest.raises(FileExistsError):
+        MegatronTokenizer.write_metadata(spm, "sentencepiece")
+    tok = MegatronTokenizer.from_pretrained(spm)  # reads tmp_path/tokenizer_metadata.json
+    assert written.endswith("tokenizer_metadata.json") and tok.tokenize("hello world")
+    with pytest.raises(NotImplementedError, match="byte-level"):
+        MegatronTokenizer.from_pretrained(metadata_path={"library": "byte-level"})

@@ -88,6 +88,13 @@ def tiny_hf_mixtral(vocab_size: int = 96, num_experts: int = 4, topk: int = 2):
                                      num_experts_per_tok=topk, max_position_embeddings=32, rms_norm_eps=1e-6,
                                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None)
     model = transformers.MixtralForCausalLM(cfg).eval()
+    spread_moe_weights(model, expert_std=0.05)
+    return cfg, model
+
+
+def spread_moe_weights(model, expert_std: float):
+    """Re-draw a random Hugging Face MoE model's weights in place: norms U(0.5, 1.5), router (``gate.weight``)
+    N(0, 0.5), experts N(0, expert_std), so that top-k choices are far from ties."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -95,5 +102,4 @@ def tiny_hf_mixtral(vocab_size: int = 96, num_experts: int = 4, topk: int = 2):
             elif "gate.weight" in name:
                 p.normal_(0, 0.5)
             elif "experts" in name:
-                p.normal_(0, 0.05)
-    return cfg, model
+                p.normal_(0, expert_std)

@@ -13,11 +13,13 @@ experts, YaRN with mscale = mscale_all_dim = 0.707). Their weights go through th
   decoder layer) against transformers' own ``MtpLayer`` around ``DeepseekV3DecoderLayer``: our logged ``mtp_1 loss``
   equals its next-next-token cross entropy and the gradient reaching ``eh_proj`` is ``lambda / D`` times its.
 """
+import os
+
 import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
-from helpers.models_helpers import causal_mask, single_rank  # noqa: F401  (fixture)
+from helpers.models_helpers import causal_mask, single_rank, spread_moe_weights  # noqa: F401  (fixture)
 from helpers.numerics import rel_err
 
 S, B, VOCAB = 12, 2, 96
@@ -50,14 +52,8 @@ def tiny_hf(family: str):
                                                    "original_max_position_embeddings": 16, "mscale": 0.707,
                                                    "mscale_all_dim": 0.707}, **common)
         model = transformers.DeepseekV2ForCausalLM(cfg)
+    spread_moe_weights(model, expert_std=0.1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "gate.weight" in name:
-                p.normal_(0, 0.5)
-            elif "experts" in name:
-                p.normal_(0, 0.1)
         for name, buf in model.named_buffers():
             if "e_score_correction_bias" in name:
                 buf.normal_(0, 0.2)
@@ -142,25 +138,12 @@ def test_deepseek_tp2_sp_logits_equal_transformers():
 def test_deepseek_v3_mtp_layer_equals_transformers_mtp_layer(single_rank):
     """The Hub's MTP layer (transformers' MtpLayer around DeepseekV3DecoderLayer, renamed to the Hub's keys) ->
     our mtp.layers.0: the same depth-1 loss, and lambda / D times its gradient in eh_proj."""
-    from transformers.modeling_layers import MtpLayer
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
-
     from megatron.core.models.conversion import hf_deepseek
 
     cfg, hf = tiny_hf("v3")
     L = cfg.num_hidden_layers
-    torch.manual_seed(2)
-    mtp = MtpLayer(cfg, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, L)
-    with torch.no_grad():  # (transformers leaves the expert tensors uninitialised outside from_pretrained)
-        for name, p in mtp.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.5 if "gate.weight" in name else 0.1)
-    hub = dict(hf.state_dict())
-    for name, t in mtp.state_dict().items():  # transformers' module names -> the Hub's layer-L names
-        name = name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
-        hub[f"model.layers.{L}.{name}"] = t
+    mtp, layer = _mtp_layer(cfg)
+    hub = dict(hf.state_dict(), **layer)
     hub[f"model.layers.{L}.embed_tokens.weight"] = hub["model.embed_tokens.weight"]
     hub[f"model.layers.{L}.shared_head.head.weight"] = hub["lm_head.weight"]
     assert hf_deepseek.config_kwargs_from_weights(cfg, hub.keys()) == {}
@@ -192,6 +175,80 @@ def test_deepseek_v3_mtp_layer_equals_transformers_mtp_layer(single_rank):
     ours_grad = ours.mtp.layers[0].eh_proj.weight.grad
     assert rel_err(ours_grad, 0.3 * mtp.eh_proj.weight.grad) < 1e-4
     print("MTP depth-1 loss", float(ce), "relative error", rel_err(ours.mtp.tracked_losses[0], ce))
+
+
+def _mtp_layer(cfg):
+    """transformers' MtpLayer around DeepseekV3DecoderLayer, randomly initialised, and its tensors under the Hub's
+    names of depth 1 (``model.layers.{L}.*``; the shared embedding and head are added by the caller)."""
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    L = cfg.num_hidden_layers
+    torch.manual_seed(2)
+    mtp = MtpLayer(cfg, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, L)
+    with torch.no_grad():  # (transformers leaves the expert tensors uninitialised outside from_pretrained)
+        for name, p in mtp.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.5 if "gate.weight" in name else 0.1)
+    hub = {f"model.layers.{L}.{name.replace('mtp_block.', '').replace('post_norm.', 'shared_head.norm.')}": t
+           for name, t in mtp.state_dict().items()}
+    return mtp, hub
+
+
+def test_deepseek_converter_round_trip_through_torch_dist(tmp_path, single_rank):
+    """tools/checkpoint/convert.py --loader hf --saver torch_dist and back, for V3 with its MTP layer in the file (the
+    Hub's layout) and for V2-Lite's shape: the torch_dist checkpoint has Megatron's keys (per-layer, as the first layer
+    is dense; TE's latent-norm names; mtp.layers.0.*), loads into our GPTModel with transformers' logits, and the
+    export back holds the original tensors and loads in transformers with the same logits."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from megatron.core.models.conversion import hf_deepseek
+    from megatron.training.checkpointing.torch_dist import load_full_checkpoint
+    from tools.checkpoint import convert
+    from tools.checkpoint.dist_io import load_dist
+
+    for family in ("v3", "v2"):
+        cfg, hf = tiny_hf(family)
+        src, dist, back = (str(tmp_path / f"{family}_{n}") for n in ("hf", "dist", "back"))
+        hf.save_pretrained(src, safe_serialization=True)  # (the Hub's per-expert names on disk)
+        original = dict(hf.state_dict())  # transformers' in-memory names, which the export writes
+        if family == "v3":
+            _, hub = _mtp_layer(cfg)
+            L = cfg.num_hidden_layers
+            hub[f"model.layers.{L}.embed_tokens.weight"] = original["model.embed_tokens.weight"].clone()
+            hub[f"model.layers.{L}.shared_head.head.weight"] = original["lm_head.weight"].clone()
+            original.update(hub)
+            on_disk = load_file(os.path.join(src, "model.safetensors"))
+            on_disk.update({k: v.contiguous() for k, v in hub.items()})
+            save_file(on_disk, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+        for loader, saver, a, b in (("hf", "torch_dist", src, dist), ("torch_dist", "hf", dist, back)):
+            convert.convert(convert.get_args(["--model-type", "GPT", "--loader", loader, "--saver", saver,
+                                              "--load-dir", a, "--save-dir", b]))
+        stored = load_full_checkpoint(os.path.join(dist, "release"))["model"]
+        assert "decoder.layers.0.input_layernorm.weight" in stored
+        assert "decoder.layers.1.pre_mlp_layernorm.weight" in stored
+        assert stored["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].shape == (8, 32, 32)
+        assert "decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight" in stored
+        assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in stored
+        assert ("mtp.layers.0.transformer_layer.mlp.router.expert_bias" in stored) == (family == "v3")
+        exported = load_file(os.path.join(back, "model.safetensors"))
+        assert set(exported) == set(original), set(exported) ^ set(original)
+        assert all(torch.equal(exported[k], original[k].to(exported[k].dtype)) for k in original)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+        full, _, _ = load_dist(dist)
+        config = hf_deepseek.config_to_megatron(cfg, make_vocab_size_divisible_by=128, use_cpu_initialization=True,
+                                                **hf_deepseek.config_kwargs_from_weights(cfg, original.keys()))
+        ours = our_model(config).eval()
+        ours.load_state_dict({k: v for k, v in full.items() if not k.endswith("_extra_state")})
+        ids, pos = inputs()
+        with torch.no_grad():
+            ref = hf(ids).logits
+            errs = (rel_err(reloaded(ids).logits, ref), rel_err(ours(ids, pos, causal_mask(S))[..., :VOCAB], ref))
+        assert max(errs) < TOL, (family, errs)
+        print(family, "converted: transformers reload / our torch_dist model logits relative error", errs)
 
 
 def test_unmappable_deepseek_configs_are_refused_in_one_line():

@@ -73,7 +73,8 @@ def test_hybrid_pattern_pipeline_split():
 def _expected_keys(pattern="M*E-M", experts=4):
     """torch_dist keys of a MambaModel, written from Megatron's format: per-layer keys, the norm fused into the next
     linear layer's name, in_proj split into z/x/B/C/dt, the conv into x/B/C, experts with an expert axis."""
-    keys = {"embedding.word_embeddings.weight", "decoder.final_norm.weight", "output_layer.weight"}
+    keys = {"embedding.word_embeddings.weight", "decoder.final_norm.weight", "output_layer.weight",
+            "output_layer._extra_state/shard_0_1"}
     per_type = {
         "M": ["mixer.in_proj.layer_norm_weight"] + [f"mixer.in_proj.weight.{p}" for p in ("z", "x", "B", "C", "dt")]
              + [f"mixer.conv1d.{w}.{p}" for w in ("weight", "bias") for p in ("x", "B", "C")]
@@ -149,6 +150,12 @@ def test_nemotron_h_hf_torch_dist_round_trip(tmp_path, hf_model, single_rank):
     ours = MambaModel(config, get_mamba_stack_spec(), config.padded_vocab_size, 64,
                       hybrid_layer_pattern=hf_nemotron_h.hybrid_pattern(cfg)).eval()
     ours.load_state_dict(full)
+    # The modules declare the same checkpoint (sharded_state_dict): keys, global shapes and values.
+    declared = _declared(ours)
+    assert set(declared) == stored, set(declared) ^ stored
+    for key, value in ckpt["model"].items():
+        if torch.is_tensor(value):
+            assert torch.equal(declared[key], value), key
     tokens = ids()
     with torch.no_grad():
         ref = model(tokens).logits
@@ -180,6 +187,26 @@ def test_nemotron_h_hf_torch_dist_round_trip(tmp_path, hf_model, single_rank):
     with torch.no_grad():
         err = rel_err(rebuilt(tokens).logits, ref)
     assert err <= 1e-6, err
+
+
+def _declared(model):
+    """{checkpoint key: tensor (the whole global one at TP = 1) or None (objects)} of ``model.sharded_state_dict()``."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)
+    out = {}
+    for leaf in nested_values(sharded):
+        if isinstance(leaf, ShardedObject):
+            out[leaf.unique_key] = None
+        elif isinstance(leaf, ShardedTensor):
+            if leaf.global_shape == leaf.local_shape:
+                out[leaf.key] = leaf.data
+            else:  # experts: one [1, ...] piece per expert
+                whole = out.setdefault(leaf.key, torch.zeros(leaf.global_shape, dtype=leaf.data.dtype))
+                whole[tuple(slice(o, o + n) for o, n in zip(leaf.global_offset, leaf.local_shape))] = leaf.data
+    return out
 
 
 def _metadata_keys(f):

@@ -24,8 +24,8 @@ def test_mla_flags_reach_the_mla_config(clean_env):
     from megatron.training.arguments.transformer_config import core_transformer_config_from_args
 
     args = validated(MLA + " --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707 "
-                     "--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3 --recompute-granularity selective --recompute-modules "
-                     "mla_up_proj layernorm")
+                     "--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3 --recompute-granularity selective "
+                     "--recompute-modules mla_up_proj layernorm")
     config = core_transformer_config_from_args(args)
     assert isinstance(config, MLATransformerConfig)
     got = {k: getattr(config, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",

@@ -1,8 +1,8 @@
 """Offline reader and writer of Megatron-LM ``torch_dist`` checkpoints for tools/checkpoint/convert.py.
 
 The reader returns the full (unsharded) megatron-core state dict: stacked layer tensors ``[L, ...]`` are split back
-into ``decoder.layers.{i}.…`` with the module names of megatron.training.checkpointing.dist_keys (unstacked layers of
-a heterogeneous stack and MTP depths are read under their own keys, experts along their expert axis). The writer does
+into ``decoder.layers.{i}.…`` with the module names of tools.checkpoint.dist_keys (unstacked layers of a
+heterogeneous stack and MTP depths are read under their own keys, experts along their expert axis). The writer does
 the reverse in one process: every tensor is one chunk covering its whole global shape (the format is
 TP/PP-independent), plus an empty ``_extra_state`` object per linear layer, ``common.pt`` (args, checkpoint_version
 3.0, iteration, content_metadata), ``metadata.json`` and the tracker file. No optimizer or RNG state is written.
@@ -19,7 +19,7 @@ import torch
 
 from megatron.core.dist_checkpointing.sharded_io import LocalShard, save_sharded
 from megatron.core.models.conversion.keys import legacy_to_mcore
-from megatron.training.checkpointing import dist_hybrid, dist_keys
+from tools.checkpoint import dist_hybrid, dist_keys
 from megatron.training.checkpointing.dist_state import CHECKPOINT_VERSION, METADATA, DistCheckpointError, safe_args
 from megatron.training.checkpointing.torch_dist import load_full_checkpoint
 from tools.checkpoint.legacy_io import ConversionError, is_t5, read_tracker, stack_layer_counts
@@ -193,10 +193,10 @@ def stack(full: Dict[str, torch.Tensor], args, t5: bool, extra_state: bool = Tru
         value = torch.stack([layers[i] for i in range(num_layers)])
         state[key] = LocalShard(value, tuple(value.shape), (0,) * value.dim())
         block, rest = key.split(".layers.", 1)
-        for linear in dist_keys.LINEARS if extra_state else ():
-            if rest == f"{linear}.weight":
-                for layer in range(num_layers):
-                    state[dist_keys.extra_state_key(f"{block}.layers", linear, layer, num_layers)] = [None]
+        linear = dist_keys.linear_of_weight(rest) if extra_state else None
+        if linear is not None:
+            for layer in range(num_layers):
+                state[dist_keys.extra_state_key(f"{block}.layers", linear, layer, num_layers)] = [None]
     for key, pieces in experts.items():
         num_experts = 1 + max(e for _, e in pieces)
         if sorted(pieces) != [(i, e) for i in range(num_layers) for e in range(num_experts)]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -178,16 +179,43 @@ def load_sharded(state_dict: Dict[str, Any], checkpoint_dir: str, allow_shape_mi
     return state_dict
 
 
+def read_dcp_metadata(checkpoint_dir: str):
+    """The DCP ``.metadata`` of ``checkpoint_dir`` (every entry's storage metadata)."""
+    return dcp.FileSystemReader(checkpoint_dir).read_metadata()
+
+
+def shard_file_problem(checkpoint_dir: str, keys=None, metadata=None, sizes=None) -> Optional[str]:
+    """The first problem of the DCP data files that hold ``keys`` (all keys when None): a file that is missing or
+    shorter than the bytes the metadata says it holds; None when every file is complete. ``sizes`` caches file
+    sizes between calls."""
+    metadata = metadata or read_dcp_metadata(checkpoint_dir)
+    wanted = None if keys is None else set(keys)
+    sizes = {} if sizes is None else sizes
+    for index, info in sorted((metadata.storage_data or {}).items(), key=lambda kv: (kv[0].fqn, str(kv[0].offset))):
+        if wanted is not None and index.fqn not in wanted:
+            continue
+        name = info.relative_path
+        if name not in sizes:
+            path = os.path.join(checkpoint_dir, name)
+            sizes[name] = os.path.getsize(path) if os.path.isfile(path) else -1
+        if sizes[name] < 0:
+            return f"shard file {name} of key {index.fqn!r} is missing"
+        if sizes[name] < info.offset + info.length:
+            return (f"shard file {name} of key {index.fqn!r} is truncated ({sizes[name]} bytes, "
+                    f"{info.offset + info.length} needed)")
+    return None
+
+
 def stored_shapes(checkpoint_dir: str) -> Dict[str, Optional[Tuple[int, ...]]]:
     """Global shape of every tensor entry (None for object entries), from the DCP metadata alone."""
-    md = dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    md = read_dcp_metadata(checkpoint_dir)
     return {key: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
             for key, v in md.state_dict_metadata.items()}
 
 
 def load_full_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
     """Offline, one process, no process group: every entry, tensors at their full global shape."""
-    md = dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    md = read_dcp_metadata(checkpoint_dir)
     request: Dict[str, Any] = {}
     for key, v in md.state_dict_metadata.items():
         if isinstance(v, TensorStorageMetadata):

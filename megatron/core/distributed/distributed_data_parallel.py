@@ -13,6 +13,7 @@ from typing import Dict, List
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import group_of
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import unwrap_model_chunk
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
@@ -56,17 +57,22 @@ class DistributedDataParallel(torch.nn.Module):
     """
 
     def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
-                 module: torch.nn.Module, disable_bucketing: bool = False):
+                 module: torch.nn.Module, disable_bucketing: bool = False, pg_collection=None):
         super().__init__()
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
         self.bucket_size = ddp_config.effective_bucket_size(disable_bucketing)
+        # megatron-core's pg_collection: ``dp_cp`` reduces the gradients, ``expt_dp`` the expert gradients
+        # (None: parallel_state's groups).
+        self.pg_collection = pg_collection
 
         # Gradients are reduced over DP x CP: the ranks of a context-parallel group hold different tokens of the
         # same samples, so for the weights they are data-parallel replicas.
-        self.data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        dp_cp = group_of(pg_collection, "dp_cp")
+        self.data_parallel_group = dp_cp if dp_cp is not None else \
+            parallel_state.get_data_parallel_group(with_context_parallel=True)
+        dp_size = torch.distributed.get_world_size(self.data_parallel_group)
         # Per-token loss: gradients are summed over DP x CP here and divided by the global token count in
         # finalize_model_grads; otherwise every rank pre-scales by 1/|DP x CP| before the SUM reduction.
         gradient_scaling_factor = 1.0 if config.calculate_per_token_loss else 1.0 / dp_size
@@ -86,7 +92,8 @@ class DistributedDataParallel(torch.nn.Module):
             is_expert = not getattr(param, "allreduce", True)
             params_by_dtype.setdefault((param.dtype, grad_dtype, is_expert), []).append(param)
         if any(key[2] for key in params_by_dtype):
-            self.expert_data_parallel_group = parallel_state.get_expert_data_parallel_group()
+            self.expert_data_parallel_group = group_of(pg_collection, "expt_dp") or \
+                parallel_state.get_expert_data_parallel_group()
 
         own_bucket = shared_embedding_params(self.module)
         self.param_and_grad_buffers: List[ParamAndGradBuffer] = []
@@ -186,7 +193,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def broadcast_params(self):
         """Copy every parameter of DP x CP rank 0 to the other ranks of its DP x CP group."""
-        src = parallel_state.get_data_parallel_src_rank(with_context_parallel=True)
+        src = torch.distributed.get_global_rank(self.data_parallel_group, 0)
         for param in self.module.parameters():
             if not getattr(param, "allreduce", True):
                 group = self.expert_data_parallel_group
@@ -229,6 +236,11 @@ class DistributedDataParallel(torch.nn.Module):
         if hasattr(inner, "state_dict_for_save_checkpoint"):
             return inner.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
         return inner.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(self, prefix: str = "", *args, **kwargs):
+        """The wrapped module's sharded state (megatron-core's ``_BaseDataParallel``); whole parameters."""
+        self._sync_pending_params()
+        return self.module.sharded_state_dict(prefix, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)

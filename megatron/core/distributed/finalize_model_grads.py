@@ -8,8 +8,8 @@ with ``--overlap-grad-reduce`` it is already running when backward ends):
    fed with different tokens under sequence parallelism (``param.sequence_parallel``: layer-norm weights
    and biases, row-parallel biases);
 3. all-reduce over the embedding group the gradient of the word embedding tied between the first and the
-   last pipeline stage (or copied to the last stage for multi-token prediction) (and of the position embedding between the first and the split stage of an
-   encoder-decoder pipeline);
+   last pipeline stage, or copied to the last stage for multi-token prediction (and of the position embedding
+   between the first and the split stage of an encoder-decoder pipeline);
 4. with ``--calculate-per-token-loss`` (``num_tokens`` given): the step's token count ``n`` of the last
    pipeline stage is broadcast over the pipeline group and summed over the data-parallel group, and every
    gradient is multiplied by ``1/n`` (DDP then reduces with a plain SUM, no ``1/|DP|`` pre-scaling), so the
@@ -32,6 +32,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core import device as _device
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import group_of, require_mpu_groups
 
 
 def _main_grad(param):
@@ -65,9 +66,10 @@ def _allreduce_coalesced(grads: List[torch.Tensor], group):
             g.copy_(reduced)
 
 
-def _allreduce_layernorm_grads(model: List[torch.nn.Module], config):
+def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, tp_group=None):
     """Sequence parallelism: sum over TP the grads of replicated parameters that saw only a sequence shard."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+    tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
+    if torch.distributed.get_world_size(tp_group) == 1:
         return
     if not (getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)):
         return
@@ -78,7 +80,7 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config):
                 grad = _main_grad(param)
                 if grad is not None:
                     grads.append(grad.data)
-    _allreduce_coalesced(grads, parallel_state.get_tensor_model_parallel_group())
+    _allreduce_coalesced(grads, tp_group)
 
 
 def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
@@ -167,18 +169,27 @@ def scale_gradients(chunk: torch.nn.Module, scaling_factor: float):
             grad.mul_(scaling_factor)
 
 
-def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None):
+def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None,
+                         pg_collection=None, force_all_reduce: bool = False):
     """Finish DP sync of every chunk, then the sequence-parallel and the embedding all-reduces, then (per-token
-    loss) the division by the global token count."""
+    loss) the division by the global token count. ``pg_collection`` (megatron-core's): ``tp`` sums the
+    sequence-parallel gradients; the embedding, pipeline and expert-bias groups are parallel_state's.
+    ``force_all_reduce`` asks for all-reduced (not reduce-scattered) gradients: what the buffers do without the
+    distributed optimizer; with it, refused."""
     if not isinstance(model, (list, tuple)):
         model = [model]
+    if force_all_reduce and any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False)
+                                for c in model):
+        raise NotImplementedError("finalize_model_grads(force_all_reduce=True) with the distributed optimizer: the "
+                                  "gradient buffers are reduce-scattered; call it without force_all_reduce")
+    require_mpu_groups(pg_collection, ("pp", "embd", "pos_embd", "tp_dp_cp"), "finalize_model_grads")
     config = getattr(model[0], "config", None) or getattr(unwrap_model_chunk(model[0]), "config", None)
 
     with _timed(config, "all-grads-sync"):
         for chunk in model:
             chunk.finish_grad_sync()
     with _timed(config, "layernorm-grads-all-reduce"):
-        _allreduce_layernorm_grads(model, config)
+        _allreduce_layernorm_grads(model, config, group_of(pg_collection, "tp"))
     with _timed(config, "embedding-grads-all-reduce"):
         _allreduce_embedding_grads(model, config)
     if num_tokens is not None:

@@ -147,11 +147,22 @@ def get_norm(config, hidden_size=None, eps=None):
 
 
 class FusedLayerNorm:
-    """megatron-core spec entry for the layer's norms: builds :func:`get_norm` for ``config``.
-
-    ``FusedLayerNorm(config, hidden_size, eps)`` returns a :class:`LayerNorm` or :class:`RMSNorm` instance
-    according to ``config.normalization`` (megatron-core's later ``LNImpl``/``TENorm`` behave the same way).
+    """megatron-core spec entry for the layer's norms: ``FusedLayerNorm(config, hidden_size, eps=None,
+    persist_layer_norm=True, zero_centered_gamma=None, normalization=None)`` builds :func:`get_norm` — a
+    :class:`LayerNorm` or :class:`RMSNorm` — with the config's ``normalization`` / ``layernorm_zero_centered_gamma`` /
+    ``layernorm_epsilon`` unless given (megatron-core's later ``LNImpl``/``TENorm`` behave the same way).
+    ``persist_layer_norm`` picks one of apex's kernels on GPUs; the result does not depend on it.
     """
 
-    def __new__(cls, config, hidden_size, eps=None, **unused):
+    def __new__(cls, config, hidden_size, eps=None, persist_layer_norm: bool = True, zero_centered_gamma=None,
+                normalization=None):
+        changes = {}
+        if normalization is not None and normalization != config.normalization:
+            changes["normalization"] = normalization
+        if zero_centered_gamma is not None and zero_centered_gamma != config.layernorm_zero_centered_gamma:
+            changes["layernorm_zero_centered_gamma"] = zero_centered_gamma
+        if changes:
+            import dataclasses
+
+            config = dataclasses.replace(config, **changes)
         return get_norm(config, hidden_size, eps)

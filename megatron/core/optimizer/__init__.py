@@ -5,6 +5,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron.core.process_groups_config import require_mpu_groups
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     clip_grad_norm_fp32,
@@ -139,7 +140,8 @@ def _grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
 
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Module],
                            no_weight_decay_cond: Optional[Callable] = None, scale_lr_cond: Optional[Callable] = None,
-                           lr_mult: float = 1.0) -> MegatronOptimizer:
+                           lr_mult: float = 1.0, *, config_overrides=None, use_gloo_process_groups: bool = True,
+                           pg_collection=None, dump_param_to_param_group_map=None) -> MegatronOptimizer:
     """Build the optimizer for ``model_chunks`` (a list of DDP-wrapped chunks, or plain modules for fp32).
 
     fp32 -> FP32Optimizer; fp16/bf16 -> Float16OptimizerWithFloat16Params; --use-distributed-optimizer ->
@@ -151,6 +153,12 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     """
     if not isinstance(model_chunks, (list, tuple)):
         model_chunks = [model_chunks]
+    # megatron-core's keywords: the data-parallel groups are the DDP buffers' (DistributedDataParallel's
+    # pg_collection); the gradient norm reduces over parallel_state's model-parallel groups.
+    require_mpu_groups(pg_collection, ("mp", "tp_ep_pp"), "get_megatron_optimizer")
+    if config_overrides or dump_param_to_param_group_map is not None:
+        raise NotImplementedError("get_megatron_optimizer: config_overrides / dump_param_to_param_group_map are not "
+                                  "implemented (per-parameter settings: no_weight_decay_cond, scale_lr_cond, lr_mult)")
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is not set: pass --lr")
     param_groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,

@@ -15,11 +15,13 @@ from typing import Optional, Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.ssm.mamba_hybrid_layer_allocation import HybridPattern, Symbols, layers_of_stage, \
     parse_hybrid_pattern
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import IdentityOp, ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import make_viewless_tensor
 
 
@@ -78,6 +80,22 @@ class MambaStack(MegatronModule):
         if post_process and post_layer_norm:
             self.final_norm = build_module(submodules.final_norm, config=config, hidden_size=config.hidden_size,
                                            eps=config.layernorm_epsilon)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """Per-layer keys, never stacked (layers differ by type): layer ``i`` of the whole pattern (``layer_number -
+        1``) under ``{prefix}layers.{i}.``, whatever the pipeline layout; then the final norm."""
+        if sharded_offsets:
+            raise ValueError("a hybrid stack takes no sharded_offsets")
+        out = {}
+        for index, layer in enumerate(self.layers):
+            local_prefix = f"{prefix}layers.{index}."
+            layer_sd = layer.sharded_state_dict(local_prefix, (), metadata)
+            replace_prefix_for_sharding(layer_sd, local_prefix, f"{prefix}layers.{layer.layer_number - 1}.")
+            out.update(layer_sd)
+        for name, module in self.named_children():
+            if module is not self.layers:
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", (), metadata))
+        return out
 
     def set_input_tensor(self, input_tensor):
         """The activation received from the previous pipeline stage (used instead of forward's input)."""

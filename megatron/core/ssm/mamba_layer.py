@@ -6,11 +6,13 @@ as ``mixer.in_proj.layer_norm_weight``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Union
+from dataclasses import dataclass, field
+from typing import Dict, Union
+
 
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import IdentityFuncOp, IdentityOp, ModuleSpec, build_module
+from megatron.core.transformer.utils import apply_sharded_keys_map
 from megatron.core.utils import make_viewless_tensor
 
 
@@ -19,6 +21,9 @@ class MambaLayerSubmodules:
     norm: Union[ModuleSpec, type] = IdentityOp
     mixer: Union[ModuleSpec, type] = IdentityOp
     mamba_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    # Checkpoint key prefixes renamed in ``sharded_state_dict`` (the local spec: ``norm.`` is stored under
+    # Transformer Engine's fused name ``mixer.in_proj.layer_norm_``).
+    sharded_state_dict_keys_map: Dict[str, str] = field(default_factory=dict)
 
 
 class MambaLayer(MegatronModule):
@@ -37,6 +42,12 @@ class MambaLayer(MegatronModule):
         self.mixer = build_module(submodules.mixer, config=config, d_model=config.hidden_size,
                                   layer_number=layer_number)
         self.mamba_bda = build_module(submodules.mamba_bda)
+        self.sharded_state_dict_keys_map = dict(submodules.sharded_state_dict_keys_map)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The default (every submodule's) with the spec's ``sharded_state_dict_keys_map`` applied to the keys."""
+        return apply_sharded_keys_map(super().sharded_state_dict(prefix, sharded_offsets, metadata), prefix,
+                                      self.sharded_state_dict_keys_map)
 
     def forward(self, hidden_states, attention_mask=None, inference_params=None, rotary_pos_emb=None, **unused):
         out_with_bias = self.mixer(self.norm(hidden_states), inference_params=inference_params)

@@ -23,6 +23,7 @@ Megatron's training path fuses steps 2-4 and the gating into the ``mamba_ssm`` T
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.utils import log_once
 from megatron.core.ssm.ssd_chunked_scan import causal_depthwise_conv1d, ssd_chunked_scan
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -190,6 +192,22 @@ class MambaMixer(MegatronModule):
         self.D.fill_(1.0)
         self.norm.weight.fill_(1.0)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The default (``A_log``, ``D``, ``dt_bias``, the conv and the gated norm split over TP on axis 0,
+        ``in_proj`` on axis 0, ``out_proj`` on axis 1), with ``in_proj.weight`` stored as the five global tensors
+        ``in_proj.weight.{z,x,B,C,dt}`` and ``conv1d.{weight,bias}`` as ``.{x,B,C}`` (a rank's local rows are its
+        slice of each), as megatron-core does: the checkpoint does not depend on TP."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        gn = self.groups * self.dims.state
+        names = [name for name, _ in self.dims.in_proj_parts]
+        out[f"{prefix}in_proj.weight"] = split_tensor_factory(
+            out[f"{prefix}in_proj.weight"], [self.d_inner, self.d_inner, gn, gn, self.heads], names, 0)
+        for name in ("conv1d.weight", "conv1d.bias"):
+            if f"{prefix}{name}" in out:
+                out[f"{prefix}{name}"] = split_tensor_factory(out[f"{prefix}{name}"], [self.d_inner, gn, gn],
+                                                              names[1:4], 0)
+        return out
+
     def forward(self, hidden_states: torch.Tensor, inference_params=None):
         if inference_params is not None:
             raise NotImplementedError("MambaMixer: incremental decoding (inference_params) is not implemented")
@@ -234,6 +252,34 @@ class _GroupRMSNorm(torch.nn.Module):
         return (normed.view_as(gated) * self.weight.float()).to(y.dtype)
 
 
+def split_tensor_factory(sharded: ShardedTensor, sections: List[int], names: List[str], dim: int):
+    """``sharded`` (a TP-split tensor) saved as ``len(sections)`` tensors ``{key}.{name}``: the local block's
+    consecutive ``sections`` along local axis ``dim``, each placed in its own global tensor like the whole was
+    (rank ``r``'s piece at block ``r``). Loading concatenates the pieces."""
+    if not isinstance(sharded, ShardedTensor):
+        raise TypeError(f"split_tensor_factory needs a ShardedTensor, got {type(sharded).__name__}")
+    if len(sections) != len(names) or sum(sections) != sharded.local_shape[dim]:
+        raise ValueError(f"{sharded.key}: sections {sections} ({names}) must cover the local axis {dim} of size "
+                         f"{sharded.local_shape[dim]}")
+    template = sharded.without_data()
+
+    @torch.no_grad()
+    def build(key, tensor, replica_id, flattened_range):
+        whole = dataclasses.replace(template, key=key, data=tensor, dtype=tensor.dtype, replica_id=replica_id)
+        pieces, start = [], 0
+        for size, name in zip(sections, names):
+            pieces.extend(dataclasses.replace(piece, key=f"{key}.{name}") for piece in whole.narrow(dim, start, size))
+            start += size
+        return pieces
+
+    def merge(pieces):
+        with torch.no_grad():
+            return torch.cat(pieces, dim=dim)
+
+    return ShardedTensorFactory(sharded.key, sharded.data, build, merge, sharded.replica_id,
+                                flattened_range=sharded.flattened_range)
+
+
 def _no_init(tensor):
     """in_proj is initialised by the mixer from the global [z; x; B; C; dt] weight (module docstring)."""
     return tensor
@@ -245,4 +291,4 @@ def _module_class(spec, default):
     return spec.module if isinstance(spec, ModuleSpec) else spec
 
 
-__all__ = ["MambaMixer", "MambaMixerSubmodules", "MambaDims", "mamba_dims", "rank_rows"]
+__all__ = ["MambaMixer", "MambaMixerSubmodules", "MambaDims", "mamba_dims", "rank_rows", "split_tensor_factory"]

@@ -12,9 +12,14 @@ from megatron.core.tensor_parallel.layers import (
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
+    tp_size_and_rank,
 )
 from megatron.core.tensor_parallel.mappings import (
+    all_gather_last_dim_from_tensor_parallel_region,
+    all_to_all_hp2sp,
+    all_to_all_sp2hp,
     copy_to_tensor_model_parallel_region,
+    reduce_scatter_last_dim_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -23,9 +28,12 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.random import (
+    CheckpointWithoutOutput,
     CudaRNGStatesTracker,
     checkpoint,
     get_cuda_rng_tracker,
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
     model_parallel_cuda_manual_seed,
 )
 from megatron.core.tensor_parallel.utils import (
@@ -63,6 +71,13 @@ __all__ = [
     "checkpoint",
     "get_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
+    "CheckpointWithoutOutput",
+    "all_gather_last_dim_from_tensor_parallel_region",
+    "all_to_all_hp2sp",
+    "all_to_all_sp2hp",
+    "reduce_scatter_last_dim_to_tensor_parallel_region",
+    "get_data_parallel_rng_tracker_name",
+    "get_expert_parallel_rng_tracker_name",
     "CudaRNGStatesTracker",
     # utils.py
     "split_tensor_along_last_dim",

@@ -30,9 +30,11 @@ from megatron.core.tensor_parallel.utils import VocabUtility
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, inplace=False):
-        group = get_tensor_model_parallel_group()
-        world_size = get_tensor_model_parallel_world_size()
+    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, inplace=False, tp_group=None):
+        group = tp_group if tp_group is not None else get_tensor_model_parallel_group()
+        world_size = torch.distributed.get_world_size(tp_group) if tp_group is not None \
+            else get_tensor_model_parallel_world_size()
+        rank = torch.distributed.get_rank(tp_group) if tp_group is not None else get_tensor_model_parallel_rank()
 
         if label_smoothing > 0 and not 0.0 < label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in (0, 1), got {label_smoothing}")
@@ -50,7 +52,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         partition_vocab_size = logits.size(-1)
         vocab_start_index, vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            partition_vocab_size, get_tensor_model_parallel_rank(), world_size)
+            partition_vocab_size, rank, world_size)
         target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
         masked_target = target.clone() - vocab_start_index
         masked_target[target_mask] = 0
@@ -103,14 +105,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad_input.sub_((smoothing / vocab_size) * grad_output.unsqueeze(dim=-1))
         else:
             grad_2d[arange_1d, masked_target_1d] -= target_weight
-        return grad_input, None, None, None
+        return grad_input, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, *, inplace=False):
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, *, inplace=False, tp_group=None):
     """Per-token cross entropy ``[s, b]`` of logits ``[s, b, V/tp]`` against targets ``[s, b]`` (no reduction).
 
     ``inplace=True`` (an extension; Megatron's signature is the first three arguments) lets the function overwrite
     the logits with its working values instead of allocating a buffer of the same size: for callers that created
     the logits for this loss only and do not read them afterwards, as the GPT and BERT heads do.
     """
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, inplace)
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, inplace, tp_group)

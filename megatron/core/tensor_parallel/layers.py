@@ -46,7 +46,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.utils import VocabUtility
-from megatron.core.utils import all_gather_into_tensor, divide, reduce_scatter_tensor
+from megatron.core.utils import (all_gather_into_tensor, divide, make_tp_sharded_tensor_for_checkpoint,
+                                 make_sharded_tensors_for_checkpoint, reduce_scatter_tensor)
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
@@ -79,6 +80,24 @@ def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor) -> 
             setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
 
 
+def _linear_sharded_state_dict(module, prefix, sharded_offsets, metadata, axis_map):
+    """A tensor-parallel layer's sharded state: its state dict with ``axis_map``'s tensors split over TP (the rest,
+    e.g. a row-parallel bias or FP8 scaling state, replicated) plus megatron-core's empty ``_extra_state`` object."""
+    dp_cp_group = (metadata or {}).get("dp_cp_group")
+    tp_group = getattr(module, "tp_group", None)
+    state = module.state_dict(prefix="", keep_vars=True)
+    state["_extra_state"] = None  # megatron-core's linear layers always carry one (no FP8 metadata here)
+    return make_sharded_tensors_for_checkpoint(state, prefix, {k: v for k, v in axis_map.items() if k in state},
+                                               sharded_offsets, tp_group=tp_group, dp_cp_group=dp_cp_group)
+
+
+def tp_size_and_rank(tp_group=None):
+    """(size, rank) of ``tp_group``, or of parallel_state's TP group when None."""
+    if tp_group is None:
+        return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    return torch.distributed.get_world_size(tp_group), torch.distributed.get_rank(tp_group)
+
+
 def _initialize_affine_weight_gpu(weight, init_method, partition_dim, stride=1):
     """Initialise this rank's shard directly, drawing from the TP-rank-specific generator."""
     set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
@@ -87,7 +106,7 @@ def _initialize_affine_weight_gpu(weight, init_method, partition_dim, stride=1):
 
 
 def _initialize_affine_weight_cpu(weight, output_size, input_size, per_partition_size, partition_dim, init_method,
-                                  stride=1, return_master_weight=False, *, params_dtype=torch.float32):
+                                  stride=1, return_master_weight=False, *, params_dtype=torch.float32, tp_group=None):
     """Initialise the full fp32 master weight, then keep this rank's slices.
 
     The full weight depends only on the seed, so any TP size starts from the same model. With ``stride``
@@ -101,8 +120,7 @@ def _initialize_affine_weight_cpu(weight, output_size, input_size, per_partition
 
     per_partition_per_stride_size = divide(per_partition_size, stride)
     weight_list = torch.split(master_weight, per_partition_per_stride_size, dim=partition_dim)
-    rank = get_tensor_model_parallel_rank()
-    world_size = get_tensor_model_parallel_world_size()
+    world_size, rank = tp_size_and_rank(tp_group)
     my_weight_list = weight_list[rank::world_size]
     with torch.no_grad():
         weight.data.copy_(torch.cat(my_weight_list, dim=partition_dim))
@@ -115,13 +133,17 @@ class VocabParallelEmbedding(torch.nn.Module):
     """Embedding whose table is split along the vocabulary across TP ranks. Returns one tensor."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: Callable,
-                 config: ModelParallelConfig):
+                 config: ModelParallelConfig, reduce_scatter_embeddings: bool = False, tp_group=None):
         super().__init__()
+        if reduce_scatter_embeddings:
+            raise NotImplementedError("reduce_scatter_embeddings=True is not implemented: the embedding all-reduces, "
+                                      "and the sequence-parallel scatter follows it")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.tensor_model_parallel_size = get_tensor_model_parallel_world_size()
+        self.tp_group = tp_group
+        self.tensor_model_parallel_size, tp_rank = tp_size_and_rank(tp_group)
         (self.vocab_start_index, self.vocab_end_index) = VocabUtility.vocab_range_from_global_vocab_size(
-            self.num_embeddings, get_tensor_model_parallel_rank(), self.tensor_model_parallel_size
+            self.num_embeddings, tp_rank, self.tensor_model_parallel_size
         )
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
@@ -139,9 +161,17 @@ class VocabParallelEmbedding(torch.nn.Module):
         if self.config.use_cpu_initialization:
             _initialize_affine_weight_cpu(self.weight, self.num_embeddings, self.embedding_dim,
                                           self.num_embeddings_per_partition, 0, self.init_method,
-                                          params_dtype=self.config.params_dtype)
+                                          params_dtype=self.config.params_dtype, tp_group=self.tp_group)
         else:
             _initialize_affine_weight_gpu(self.weight, self.init_method, partition_dim=0, stride=1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The table split along the vocabulary (TP axis 0); its global shape may differ on load (vocabulary
+        padding depends on TP), the overlap is read."""
+        weight_key = f"{prefix}weight"
+        return {weight_key: make_tp_sharded_tensor_for_checkpoint(
+            self.weight, weight_key, 0, prepend_offsets=sharded_offsets, allow_shape_mismatch=True,
+            tp_group=getattr(self, "tp_group", None), dp_cp_group=(metadata or {}).get("dp_cp_group"))}
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.tensor_model_parallel_size > 1:
@@ -156,7 +186,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             output_parallel = F.embedding(masked_input, self.weight)
         if self.tensor_model_parallel_size > 1:
             output_parallel = output_parallel.masked_fill(input_mask.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(output_parallel)
+        return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
 
 
 class _EmbeddingWithGradAccumulation(torch.autograd.Function):
@@ -241,8 +271,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel,
-                fp8_meta=None, output_buffer=None):
+                fp8_meta=None, output_buffer=None, tp_group=None):
         ctx.save_for_backward(input, weight)
+        ctx.tp_group = tp_group
         ctx.fp8_meta = fp8_meta
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -250,12 +281,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.sequence_parallel = sequence_parallel
 
         if sequence_parallel:
-            world_size = get_tensor_model_parallel_world_size()
+            world_size, _ = tp_size_and_rank(tp_group)
             dim_size = list(input.size())
             dim_size[0] = dim_size[0] * world_size
             total_input = get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu")
             all_gather_into_tensor(total_input, input.contiguous(),
-                                                     group=get_tensor_model_parallel_group())
+                                   group=tp_group if tp_group is not None else get_tensor_model_parallel_group())
         else:
             total_input = input
 
@@ -284,11 +315,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
         use_bias = ctx.use_bias
-        group = get_tensor_model_parallel_group()
+        group = ctx.tp_group if ctx.tp_group is not None else get_tensor_model_parallel_group()
 
         gather_handle = None
         if ctx.sequence_parallel:
-            world_size = get_tensor_model_parallel_world_size()
+            world_size, _ = tp_size_and_rank(ctx.tp_group)
             dim_size = list(input.size())
             dim_size[0] = dim_size[0] * world_size
             all_gather_buffer = get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu")
@@ -338,8 +369,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if reduce_handle is not None:
             reduce_handle.wait()
         if ctx.sequence_parallel:
-            return sub_grad_input, grad_weight, grad_bias, None, None, None, None, None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+            return sub_grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 _FUSED_WGRAD_MODULE = None
@@ -396,7 +427,7 @@ _WARNED_DEVICE_MAX_CONNECTIONS = False
 
 def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion,
                                                       async_grad_allreduce, sequence_parallel, fp8_meta=None,
-                                                      output_buffer: Optional[CpuOutputBuffer] = None):
+                                                      output_buffer: Optional[CpuOutputBuffer] = None, tp_group=None):
     """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication` (``output_buffer``: an
     extension, see :class:`CpuOutputBuffer`)."""
     global _WARNED_DEVICE_MAX_CONNECTIONS
@@ -409,7 +440,7 @@ def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradi
             _WARNED_DEVICE_MAX_CONNECTIONS = True
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel, fp8_meta,
-        output_buffer
+        output_buffer, tp_group
     )
 
 
@@ -442,7 +473,7 @@ def _reset_parallel_linear(layer, partition_dim: int) -> None:
             layer.master_weight = _initialize_affine_weight_cpu(
                 layer.weight, layer.output_size, layer.input_size, per_partition, partition_dim, layer.init_method,
                 stride=layer.stride, return_master_weight=layer.keep_master_weight_for_test,
-                params_dtype=config.params_dtype)
+                params_dtype=config.params_dtype, tp_group=layer.tp_group)
         else:
             _initialize_affine_weight_gpu(layer.weight, layer.init_method, partition_dim=partition_dim,
                                           stride=layer.stride)
@@ -457,14 +488,21 @@ class ColumnParallelLinear(torch.nn.Module):
     def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: Callable,
                  bias: bool = True, gather_output: bool = False, stride: int = 1,
                  keep_master_weight_for_test: bool = False, skip_bias_add: bool = False,
-                 skip_weight_param_allocation: bool = False, reuse_cpu_output_buffer: bool = False):
+                 skip_weight_param_allocation: bool = False, embedding_activation_buffer=None,
+                 grad_output_buffer=None, is_expert: bool = False, tp_comm_buffer_name: Optional[str] = None,
+                 disable_grad_reduce: bool = False, tp_group=None, reuse_cpu_output_buffer: bool = False):
         super().__init__()
+        if embedding_activation_buffer is not None or grad_output_buffer is not None or disable_grad_reduce:
+            raise NotImplementedError("ColumnParallelLinear: embedding_activation_buffer / grad_output_buffer "
+                                      "(--defer-embedding-wgrad-compute) and disable_grad_reduce are not implemented")
+        self.is_expert = is_expert
+        self.tp_group = tp_group
         self.input_size = input_size
         # An extension (see CpuOutputBuffer): the model heads keep their vocabulary-sized logits buffer on CPU.
         self.output_buffer = CpuOutputBuffer() if reuse_cpu_output_buffer else None
         self.output_size = output_size
         self.gather_output = gather_output
-        world_size = get_tensor_model_parallel_world_size()
+        world_size, _ = tp_size_and_rank(tp_group)
         self.output_size_per_partition = divide(output_size, world_size)
         self.skip_bias_add = skip_bias_add
         self.config = config
@@ -504,6 +542,10 @@ class ColumnParallelLinear(torch.nn.Module):
         """This rank's columns drawn as the constructor draws them (the meta-device materialisation calls it)."""
         _reset_parallel_linear(self, 0)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Weight and bias split along the output features (TP axis 0)."""
+        return _linear_sharded_state_dict(self, prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0})
+
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None):
         if weight is None:
             if self.weight is None:
@@ -523,18 +565,19 @@ class ColumnParallelLinear(torch.nn.Module):
         if self.async_tensor_model_parallel_allreduce or self.sequence_parallel:
             input_parallel = input_
         else:
-            input_parallel = copy_to_tensor_model_parallel_region(input_)
+            input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
 
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
             input=input_parallel, weight=weight, bias=bias,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             async_grad_allreduce=self.async_tensor_model_parallel_allreduce,
             sequence_parallel=self.sequence_parallel, fp8_meta=self.fp8_meta, output_buffer=self.output_buffer,
+            tp_group=self.tp_group,
         )
         if self.gather_output:
             if self.sequence_parallel:
                 raise RuntimeError("gather_output=True is not supported with sequence parallelism")
-            output = gather_from_tensor_model_parallel_region(output_parallel)
+            output = gather_from_tensor_model_parallel_region(output_parallel, self.tp_group)
         else:
             output = output_parallel
         output_bias = self.bias if self.skip_bias_add else None
@@ -546,12 +589,15 @@ class RowParallelLinear(torch.nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: Callable,
                  bias: bool = True, input_is_parallel: bool = False, stride: int = 1,
-                 keep_master_weight_for_test: bool = False, skip_bias_add: bool = False):
+                 keep_master_weight_for_test: bool = False, skip_bias_add: bool = False, is_expert: bool = False,
+                 tp_comm_buffer_name: Optional[str] = None, tp_group=None):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
         self.input_is_parallel = input_is_parallel
-        world_size = get_tensor_model_parallel_world_size()
+        self.is_expert = is_expert
+        self.tp_group = tp_group
+        world_size, _ = tp_size_and_rank(tp_group)
         self.input_size_per_partition = divide(input_size, world_size)
         self.skip_bias_add = skip_bias_add
         self.config = config
@@ -580,21 +626,25 @@ class RowParallelLinear(torch.nn.Module):
         """This rank's rows drawn as the constructor draws them (the meta-device materialisation calls it)."""
         _reset_parallel_linear(self, 1)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Weight split along the input features (TP axis 1); the bias is replicated."""
+        return _linear_sharded_state_dict(self, prefix, sharded_offsets, metadata, {"weight": 1})
+
     def forward(self, input_: torch.Tensor):
         if self.input_is_parallel:
             input_parallel = input_
         else:
             assert not self.sequence_parallel
-            input_parallel = scatter_to_tensor_model_parallel_region(input_)
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
             input=input_parallel, weight=self.weight, bias=None,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            async_grad_allreduce=False, sequence_parallel=False, fp8_meta=self.fp8_meta,
+            async_grad_allreduce=False, sequence_parallel=False, fp8_meta=self.fp8_meta, tp_group=self.tp_group,
         )
         if self.sequence_parallel:
-            output_ = reduce_scatter_to_sequence_parallel_region(output_parallel)
+            output_ = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
         else:
-            output_ = reduce_from_tensor_model_parallel_region(output_parallel)
+            output_ = reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
         if not self.skip_bias_add:
             output = output_ + self.bias if self.bias is not None else output_
             output_bias = None
@@ -676,6 +726,10 @@ class DuplicatedLinear(torch.nn.Module):
         if getattr(self, "bias", None) is not None:
             with torch.no_grad():
                 self.bias.zero_()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The whole weight (and bias) replicated over TP, with megatron-core's empty ``_extra_state`` object."""
+        return _linear_sharded_state_dict(self, prefix, sharded_offsets, metadata, {})
 
     def forward(self, input_: torch.Tensor):
         bias = self.bias if not self.skip_bias_add else None

@@ -25,6 +25,7 @@ from megatron.core.transformer.attention_variants import l2_norm
 from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType
 from megatron.core.utils import log_once
+from megatron.core.process_groups_config import group_of, require_mpu_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary import apply_rotary_pos_emb
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -87,8 +88,14 @@ class ParallelAttention(MegatronModule):
     """
 
     def __init__(self, config, layer_number, attention_type=AttnType.self_attn,
-                 attn_mask_type=AttnMaskType.padding, *, naming: str = "legacy", submodules=None):
+                 attn_mask_type=AttnMaskType.padding, *, naming: str = "legacy", submodules=None,
+                 pg_collection=None, cp_comm_type=None):
         super().__init__(config=config)
+        # Process groups (megatron-core's pg_collection): the TP group splits the heads and carries the linear
+        # layers' collectives; None = parallel_state's. Context parallelism runs over parallel_state's CP group.
+        require_mpu_groups(pg_collection, ("cp",), type(self).__name__)
+        self.pg_collection = pg_collection
+        self.tp_group = group_of(pg_collection, "tp")
         self.layer_number = max(1, layer_number)
         self.attention_type = attention_type
         self.attn_mask_type = attn_mask_type
@@ -106,7 +113,7 @@ class ParallelAttention(MegatronModule):
 
         query_projection_size = config.kv_channels * config.num_attention_heads
         kv_projection_size = config.kv_channels * config.num_query_groups
-        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        world_size, _ = tensor_parallel.tp_size_and_rank(self.tp_group)
         self.hidden_size_per_attention_head = config.kv_channels
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, world_size)
@@ -116,6 +123,8 @@ class ParallelAttention(MegatronModule):
 
         qkv_bias = config.add_bias_linear or config.add_qkv_bias
         common = dict(config=config, init_method=config.init_method, gather_output=False)
+        if self.tp_group is not None:
+            common["tp_group"] = self.tp_group
         sub = submodules
         if attention_type == AttnType.self_attn:
             col = _class_of(getattr(sub, "linear_qkv", None), tensor_parallel.ColumnParallelLinear)
@@ -129,9 +138,12 @@ class ParallelAttention(MegatronModule):
             self.linear_kv = col_kv(config.hidden_size, 2 * kv_projection_size, bias=qkv_bias, **common)
 
         if naming == "mcore" or getattr(sub, "core_attention", None) is not None:
+            extra = {} if pg_collection is None else {"pg_collection": pg_collection}
+            if cp_comm_type is not None:
+                extra["cp_comm_type"] = cp_comm_type
             self.core_attention = build_module(getattr(sub, "core_attention", None) or DotProductAttention,
                                                config=config, layer_number=self.layer_number,
-                                               attn_mask_type=attn_mask_type)
+                                               attn_mask_type=attn_mask_type, **extra)
         else:
             self.core_attention = CoreAttention(self.layer_number, config, attn_mask_type)
 
@@ -158,10 +170,10 @@ class ParallelAttention(MegatronModule):
                 attention_dropout=config.attention_dropout)
 
         row = _class_of(getattr(sub, "linear_proj", None), tensor_parallel.RowParallelLinear)
-        self.linear_proj = (row(query_projection_size, config.hidden_size, config=config,
-                                                init_method=config.output_layer_init_method,
-                                                bias=config.add_bias_linear, input_is_parallel=True,
-                                                skip_bias_add=True))
+        self.linear_proj = row(query_projection_size, config.hidden_size, config=config,
+                               init_method=config.output_layer_init_method, bias=config.add_bias_linear,
+                               input_is_parallel=True, skip_bias_add=True,
+                               **({} if self.tp_group is None else {"tp_group": self.tp_group}))
 
     # ------------------------------------------------------------------------------------------ helpers
     def _checkpointed_attention_forward(self, query_layer, key_layer, value_layer, attention_mask):
@@ -271,13 +283,14 @@ class ParallelAttention(MegatronModule):
 
 
 class SelfAttention(ParallelAttention):
-    """megatron-core: ``SelfAttention(config, submodules, layer_number=1, attn_mask_type=padding)``;
-    ``forward(hidden_states, attention_mask, key_value_states=None, inference_params=None, rotary_pos_emb=None)``."""
+    """megatron-core: ``SelfAttention(config, submodules, layer_number=1, attn_mask_type=padding, cp_comm_type=None,
+    pg_collection=None)``; ``forward(hidden_states, attention_mask, key_value_states=None, inference_params=None,
+    rotary_pos_emb=None)``."""
 
     def __init__(self, config, submodules: Optional[SelfAttentionSubmodules] = None, layer_number: int = 1,
-                 attn_mask_type=AttnMaskType.padding, **unused):
+                 attn_mask_type=AttnMaskType.padding, cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config, layer_number, AttnType.self_attn, attn_mask_type, naming="mcore",
-                         submodules=submodules)
+                         submodules=submodules, pg_collection=pg_collection, cp_comm_type=cp_comm_type)
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_params=None,
                 rotary_pos_emb=None, packed_seq_params=None):
@@ -285,12 +298,13 @@ class SelfAttention(ParallelAttention):
 
 
 class CrossAttention(ParallelAttention):
-    """megatron-core: ``CrossAttention(config, submodules, layer_number=1, attn_mask_type=padding)``."""
+    """megatron-core: ``CrossAttention(config, submodules, layer_number=1, attn_mask_type=padding,
+    cp_comm_type=None, pg_collection=None)``."""
 
     def __init__(self, config, submodules: Optional[CrossAttentionSubmodules] = None, layer_number: int = 1,
-                 attn_mask_type=AttnMaskType.padding, **unused):
+                 attn_mask_type=AttnMaskType.padding, cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config, layer_number, AttnType.cross_attn, attn_mask_type, naming="mcore",
-                         submodules=submodules)
+                         submodules=submodules, pg_collection=pg_collection, cp_comm_type=cp_comm_type)
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_params=None,
                 rotary_pos_emb=None, packed_seq_params=None):

@@ -29,6 +29,7 @@ from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.utils import log_once
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask
 from megatron.core.transformer.attention_variants import attention_with_sinks, window_mask
+from megatron.core.process_groups_config import group_of, require_mpu_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.fusions.fused_layer_norm import init_device, param_device, weights_on_meta
 from megatron.core.utils import divide
@@ -69,8 +70,9 @@ class CoreAttention(MegatronModule):
     """
 
     def __init__(self, layer_number, config, attn_mask_type=AttnMaskType.padding, attention_dropout=None,
-                 softmax_scale=None, k_channels=None, v_channels=None):
+                 softmax_scale=None, k_channels=None, v_channels=None, *, tp_group=None):
         super().__init__(config=config)
+        self.tp_group = tp_group  # splits the heads; None = parallel_state's TP group
         self.fp16 = config.fp16
         self.bf16 = config.bf16
         self.apply_query_key_layer_scaling = config.apply_query_key_layer_scaling
@@ -89,7 +91,7 @@ class CoreAttention(MegatronModule):
         # Query/key and value head sizes (multi-latent attention: k_channels = d_n + d_r, v_channels = d_v).
         k_channels = k_channels if k_channels is not None else config.kv_channels
         v_channels = v_channels if v_channels is not None else config.kv_channels
-        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        world_size, self._tp_rank = tensor_parallel.tp_size_and_rank(tp_group)
         self.hidden_size_per_partition = divide(v_channels * config.num_attention_heads, world_size)
         self.hidden_size_per_attention_head = k_channels
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
@@ -146,8 +148,8 @@ class CoreAttention(MegatronModule):
         full = torch.zeros(config.num_attention_heads, dtype=torch.float32)
         if config.perform_initialization:
             config.init_method(full)
-        world_size = parallel_state.get_tensor_model_parallel_world_size()
-        rank = parallel_state.get_tensor_model_parallel_rank() if world_size > 1 else 0
+        world_size = config.num_attention_heads // self.num_attention_heads_per_partition
+        rank = self._tp_rank if world_size > 1 else 0
         with torch.no_grad():
             self.softmax_offset.copy_(full.chunk(world_size)[rank])
 
@@ -302,9 +304,13 @@ class DotProductAttention(CoreAttention):
     multi-latent attention) give query/key and value head sizes that differ from ``kv_channels``."""
 
     def __init__(self, config, layer_number: int = 1, attn_mask_type=AttnMaskType.padding, attention_type=None,
-                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None):
+                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None,
+                 pg_collection=None):
+        require_mpu_groups(pg_collection, ("cp",), "DotProductAttention")
         super().__init__(layer_number, config, attn_mask_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, k_channels=k_channels, v_channels=v_channels)
+                         softmax_scale=softmax_scale, k_channels=k_channels, v_channels=v_channels,
+                         tp_group=group_of(pg_collection, "tp"))
+        self.pg_collection = pg_collection
         if cp_comm_type is not None:  # this layer's --cp-comm-type (megatron-core passes it per layer)
             self.cp_comm_type = cp_comm_type
 

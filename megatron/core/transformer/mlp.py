@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.fusions import fused_kernels
 from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
 from megatron.core.activations import erf_gelu, openai_gelu, squared_relu
@@ -63,19 +64,23 @@ def _class_of(spec, default):
 class ParallelMLP(MegatronModule):
     """``ParallelMLP(config)``; ``forward(hidden_states) -> (output, output_bias)``."""
 
-    def __init__(self, config, is_expert: bool = False, *, naming: str = "legacy", submodules=None):
+    def __init__(self, config, is_expert: bool = False, *, naming: str = "legacy", submodules=None,
+                 input_size=None, ffn_hidden_size=None, tp_group=None):
         super().__init__(config=config)
         if naming == "legacy":  # Megatron's legacy checkpoint names, at the state-dict boundary only
             install_legacy_state_dict_names(self, "mlp")
         self.add_bias = config.add_bias_linear
-        ffn_hidden_size = config.ffn_hidden_size
-        if config.gated_linear_unit:
-            ffn_hidden_size *= 2
+        self.is_expert = is_expert
+        self.tp_group = tp_group  # the linear layers' TP group; None = parallel_state's
+        self.input_size = config.hidden_size if input_size is None else input_size
+        ffn = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
+        fc1_size = 2 * ffn if config.gated_linear_unit else ffn
+        linear_group = {} if tp_group is None else {"tp_group": tp_group}
 
         col = _class_of(getattr(submodules, "linear_fc1", None), tensor_parallel.ColumnParallelLinear)
         row = _class_of(getattr(submodules, "linear_fc2", None), tensor_parallel.RowParallelLinear)
-        self.linear_fc1 = col(config.hidden_size, ffn_hidden_size, config=config, init_method=config.init_method,
-                              bias=self.add_bias, gather_output=False, skip_bias_add=True)
+        self.linear_fc1 = col(self.input_size, fc1_size, config=config, init_method=config.init_method,
+                              bias=self.add_bias, gather_output=False, skip_bias_add=True, **linear_group)
 
         self.bias_gelu_fusion = False
         self.bias_swiglu_fusion = False
@@ -104,9 +109,17 @@ class ParallelMLP(MegatronModule):
             name = "fused bias-gelu" if self.bias_gelu_fusion else getattr(config.activation_func, "__name__", "custom")
         log_once("mlp_activation", f"MLP activation: {name}")
 
-        self.linear_fc2 = row(config.ffn_hidden_size, config.hidden_size, config=config,
+        self.linear_fc2 = row(ffn, config.hidden_size, config=config,
                               init_method=config.output_layer_init_method, bias=self.add_bias,
-                              input_is_parallel=True, skip_bias_add=True)
+                              input_is_parallel=True, skip_bias_add=True, **linear_group)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The linear layers' sharded state; with a gated unit, fc1's weight and bias are saved as megatron-core
+        does (:func:`apply_swiglu_sharded_factory`)."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.gated:
+            apply_swiglu_to_fc1(out, prefix, sharded_offsets, metadata)
+        return out
 
     def forward(self, hidden_states):
         intermediate_parallel, bias_parallel = self.linear_fc1(hidden_states)
@@ -124,7 +137,49 @@ class ParallelMLP(MegatronModule):
 
 
 class MLP(ParallelMLP):
-    """megatron-core: ``MLP(config, submodules, is_expert=False)`` with ``linear_fc1``/``linear_fc2``."""
+    """megatron-core: ``MLP(config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None,
+    tp_group=None)`` with ``linear_fc1``/``linear_fc2``: ``input_size`` -> ``ffn_hidden_size`` -> hidden size
+    (defaults: the config's), split over ``tp_group``."""
 
-    def __init__(self, config, submodules: Optional[MLPSubmodules] = None, is_expert: bool = False, **unused):
-        super().__init__(config, is_expert, naming="mcore", submodules=submodules)
+    def __init__(self, config, submodules: Optional[MLPSubmodules] = None, is_expert: bool = False,
+                 input_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None, tp_group=None):
+        super().__init__(config, is_expert, naming="mcore", submodules=submodules, input_size=input_size,
+                         ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
+
+
+def apply_swiglu_to_fc1(sharded_state_dict, prefix: str, sharded_offsets, metadata) -> None:
+    """Replace, in place, the ``{prefix}linear_fc1.weight`` / ``.bias`` entries of a gated MLP's sharded state by
+    their :func:`apply_swiglu_sharded_factory`."""
+    singleton = bool((metadata or {}).get("singleton_local_shards", False))
+    for name in ("weight", "bias"):
+        key = f"{prefix}linear_fc1.{name}"
+        if key in sharded_state_dict:
+            sharded_state_dict[key] = apply_swiglu_sharded_factory(sharded_state_dict[key], sharded_offsets, singleton)
+
+
+def apply_swiglu_sharded_factory(original_sh_ten, sharded_offsets, singleton_local_shards: bool = False):
+    """A gated fc1 tensor (local rows ``[gate_r; up_r]`` on TP rank ``r`` of ``t``) saved as the global
+    ``[gate (all ranks); up (all ranks)]``: two blocks, ``gate_r`` at block ``r`` and ``up_r`` at block ``t + r`` of
+    ``2t`` along axis 0 — so the tensor reads back at any TP. ``singleton_local_shards`` stores them under
+    ``{key}_w`` / ``{key}_v`` instead (block ``r`` of ``t`` each). Loading concatenates the two halves."""
+    axis = len(sharded_offsets)
+    local_rows = original_sh_ten.local_shape[0]
+    rank = original_sh_ten.global_offset[axis] // local_rows
+    fragments = original_sh_ten.axis_fragmentations[axis]
+
+    @torch.no_grad()
+    def build(key, tensor, replica_id, flattened_range):
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        if singleton_local_shards:
+            placed = ((f"{key}_w", gate, rank, fragments), (f"{key}_v", up, rank, fragments))
+        else:
+            placed = ((key, gate, rank, 2 * fragments), (key, up, fragments + rank, 2 * fragments))
+        return [ShardedTensor.from_rank_offsets(k, t, *sharded_offsets, (axis, offset, frags), replica_id=replica_id,
+                                                prepend_axis_num=axis) for k, t, offset, frags in placed]
+
+    def merge(halves):
+        with torch.no_grad():
+            return torch.cat(halves)
+
+    return ShardedTensorFactory(original_sh_ten.key, original_sh_ten.data, build, merge, original_sh_ten.replica_id,
+                                flattened_range=original_sh_ten.flattened_range)

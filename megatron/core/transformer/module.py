@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, own_and_children_sharded_state_dict
 
 _FLOAT_TYPES = (torch.float32,)
 _HALF_TYPES = (torch.float16,)
@@ -77,12 +78,26 @@ class MegatronModule(torch.nn.Module):
         """The state dict that goes into checkpoints (models override this to nest it like Megatron)."""
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """This module's checkpoint state as sharded leaves (megatron-core's contract): its own parameters and
+        persistent buffers replicated over TP and DP (a parameter marked tensor-parallel split along its
+        ``partition_dim``), then every child's ``sharded_state_dict`` under ``prefix + name + '.'`` with the same
+        ``sharded_offsets`` (modules without one: :func:`sharded_state_dict_default`). Dict keys are this module's
+        state-dict names; each leaf's ``key`` is the global checkpoint key."""
+        return own_and_children_sharded_state_dict(self, prefix, sharded_offsets,
+                                                   ensure_metadata_has_dp_cp_group(metadata),
+                                                   getattr(self, "tp_group", None))
+
     def load_state_dict(self, state_dict, strict: bool = True):
-        """Load a flat state dict or Megatron's nested checkpoint layout (see flatten_checkpoint_state_dict)."""
+        """Load a flat state dict or Megatron's nested checkpoint layout (see flatten_checkpoint_state_dict).
+        ``_extra_state`` entries this model does not have (megatron-core's linear layers carry an empty one) are
+        skipped."""
         flat = flatten_checkpoint_state_dict(state_dict)
         expected = set(self.state_dict().keys())
         fixed = {}
         for key, value in flat.items():
+            if key.endswith("._extra_state") and key not in expected:
+                continue
             if key not in expected:
                 for old, new in _LEGACY_KEY_RENAMES:
                     renamed = ("." + key).replace(old, new)[1:]
@@ -193,6 +208,9 @@ class Float16Module(MegatronModule):
 
     def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
         return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(self, prefix="", *args, **kwargs):
+        return self.module.sharded_state_dict(prefix, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict=True):
         return self.module.load_state_dict(state_dict, strict=strict)

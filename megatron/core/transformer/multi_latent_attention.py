@@ -32,6 +32,7 @@ from typing import Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import require_mpu_groups
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -95,8 +96,11 @@ class MLASelfAttention(MegatronModule):
     layer owns its ``d_r``-dimensional rotary embedding)."""
 
     def __init__(self, config, submodules: MLASelfAttentionSubmodules = None, layer_number: int = 1,
-                 attn_mask_type=AttnMaskType.causal, cp_comm_type=None):
+                 attn_mask_type=AttnMaskType.causal, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
+        # megatron-core's pg_collection: this layer communicates over parallel_state's TP and CP groups.
+        require_mpu_groups(pg_collection, ("tp", "cp"), "MLASelfAttention")
+        self.pg_collection = pg_collection
         if not getattr(config, "multi_latent_attention", False):
             raise ValueError("MLASelfAttention needs an MLATransformerConfig (--multi-latent-attention)")
         sub = submodules if submodules is not None else MLASelfAttentionSubmodules()

@@ -34,6 +34,7 @@ import torch
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import loss_auto_scaler
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 
@@ -49,7 +50,8 @@ def get_mtp_layer_spec(transformer_layer_spec: ModuleSpec) -> ModuleSpec:
     return ModuleSpec(module=MultiTokenPredictionLayer, params={"transformer_layer_spec": transformer_layer_spec})
 
 
-def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool = False) -> Optional[MultiTokenPredictionBlockSubmodules]:
+def get_gpt_mtp_block_spec(config, spec,
+                           use_transformer_engine: bool = False) -> Optional[MultiTokenPredictionBlockSubmodules]:
     """megatron-core's ``get_gpt_mtp_block_spec``: D depths built from the decoder's last layer spec (``spec``: a
     layer ``ModuleSpec`` or a ``TransformerBlockSubmodules``); None without ``config.mtp_num_layers``."""
     if use_transformer_engine:
@@ -93,28 +95,8 @@ def roll_tensor(tensor: torch.Tensor, cp_group=None):
     return rolled, rolled.sum()
 
 
-class MTPLossAutoScaler(torch.autograd.Function):
-    """Identity on the hidden states; backward also feeds ``main_loss_backward_scale`` into the MTP loss (set by the
-    pipeline schedule per step, Megatron's API)."""
-
-    main_loss_backward_scale: torch.Tensor = None
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, mtp_loss: torch.Tensor):
-        ctx.save_for_backward(mtp_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (mtp_loss,) = ctx.saved_tensors
-        scale = MTPLossAutoScaler.main_loss_backward_scale
-        if scale is None:
-            scale = torch.ones((), device=mtp_loss.device)
-        return grad_output, torch.ones_like(mtp_loss) * scale.to(mtp_loss.device, mtp_loss.dtype)
-
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor):
-        MTPLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale).detach().reshape(())
+MTPLossAutoScaler = loss_auto_scaler(
+    "MTPLossAutoScaler", "Attach an MTP depth's loss to the main hidden states (module docstring for its scale).")
 
 
 # ------------------------------------------------------------------------------------------------------ modules

@@ -62,8 +62,11 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_interleaved: bool = False,
                  seq_len_interpolation_factor: Optional[float] = None, rotary_base: int = 10000,
-                 rope_scaling: bool = False, rope_scaling_factor: float = 8.0, **unused):
+                 rope_scaling: bool = False, rope_scaling_factor: float = 8.0, use_cpu_initialization: bool = False,
+                 cp_group=None):
         super().__init__()
+        # The angles are computed on the fly (nothing to initialise); the model splits them by context-parallel rank.
+        self.cp_group = cp_group
         dim = kv_channels
         if rotary_percent < 1.0:
             dim = int(dim * rotary_percent)
@@ -106,7 +109,8 @@ def yarn_inv_freq(dim: int, rotary_base: float, scaling_factor: float, original_
                   beta_fast: float, beta_slow: float, round_to_int: bool = True) -> torch.Tensor:
     """YaRN's per-pair frequencies ``f_i`` (module docstring), fp32 ``[dim / 2]``."""
     def correction_dim(rotations):
-        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rotary_base))
+        ratio = original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(ratio) / (2 * math.log(rotary_base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     if round_to_int:
@@ -131,10 +135,10 @@ class YarnRotaryEmbedding(RotaryEmbedding):
                  seq_len_interpolation_factor: Optional[float] = None, rotary_base: float = 10000,
                  scaling_factor: float = 1.0, original_max_position_embeddings: int = 4096, beta_fast: float = 32.0,
                  beta_slow: float = 1.0, mscale: float = 1.0, mscale_all_dim: float = 0.0,
-                 correction_range_round_to_int: bool = True, **unused):
+                 correction_range_round_to_int: bool = True, use_cpu_initialization: bool = False, cp_group=None):
         if rotary_interleaved:
             raise ValueError("YaRN rotary embeddings do not support rotary_interleaved (--rotary-interleaved)")
-        super().__init__(kv_channels, 1.0, False, seq_len_interpolation_factor, rotary_base)
+        super().__init__(kv_channels, 1.0, False, seq_len_interpolation_factor, rotary_base, cp_group=cp_group)
         self.scaling_factor = scaling_factor
         self.mscale = yarn_concentration(scaling_factor, mscale, mscale_all_dim)
         self.inv_freq = yarn_inv_freq(kv_channels, rotary_base, scaling_factor, original_max_position_embeddings,

@@ -12,11 +12,14 @@ from typing import List, Optional, Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.enums import ModelType
 from megatron.core.transformer.enums import AttnMaskType, LayerType
+from megatron.core.process_groups_config import require_mpu_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import get_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.transformer.transformer_layer import (NoopTransformerLayer, ParallelTransformerLayer, TransformerLayer,
                                                          default_layer_submodules)
 from megatron.core.utils import make_viewless_tensor
@@ -113,8 +116,12 @@ class ParallelTransformer(MegatronModule):
 
     def __init__(self, config, model_type=ModelType.encoder_or_decoder, layer_type=LayerType.encoder,
                  self_attn_mask_type=AttnMaskType.padding, post_layer_norm=True, pre_process=True,
-                 post_process=True, drop_path_rate=0.0, *, layer_spec=None):
+                 post_process=True, drop_path_rate=0.0, *, layer_spec=None, pg_collection=None):
         super().__init__(config=config)
+        # megatron-core's pg_collection reaches every spec-built layer; the layers are placed by parallel_state's
+        # pipeline rank, so another PP group is refused.
+        require_mpu_groups(pg_collection, ("pp",), type(self).__name__)
+        self.pg_collection = pg_collection
         # The two stacks of an encoder-decoder model divide the pipeline at the split rank.
         role = None
         if model_type == ModelType.encoder_and_decoder:
@@ -141,12 +148,14 @@ class ParallelTransformer(MegatronModule):
         offset = get_layer_offset(config, self.num_layers, standalone, role)
         self.drop_path_rates = [rate.item() for rate in torch.linspace(0, drop_path_rate, max(config.num_layers, 1))]
 
+        groups = {} if pg_collection is None else {"pg_collection": pg_collection}
+
         def build_layer(layer_number):
             if isinstance(layer_spec, TransformerBlockSubmodules):
                 return build_module(layer_spec.layer_specs[layer_number - 1], config=config,
-                                    layer_number=layer_number)
+                                    layer_number=layer_number, **groups)
             if layer_spec is not None:
-                return build_module(layer_spec, config=config, layer_number=layer_number)
+                return build_module(layer_spec, config=config, layer_number=layer_number, **groups)
             return ParallelTransformerLayer(config, layer_number, layer_type=layer_type,
                                             self_attn_mask_type=self_attn_mask_type,
                                             drop_path_rate=self.drop_path_rates[layer_number - 1])
@@ -160,6 +169,49 @@ class ParallelTransformer(MegatronModule):
 
         if self.post_process and self.post_layer_norm:
             self.final_layernorm = get_norm(config)
+
+    def _non_homogeneous_layers(self, metadata) -> bool:
+        """Whether the layers are saved one key per layer (``layers.{i}.``) instead of stacked: megatron-core's rule
+        (metadata ``non_homogeneous_layers`` / ``singleton_local_shards``, or a layer pattern in the config)."""
+        metadata = metadata or {}
+        if metadata.get("non_homogeneous_layers") or metadata.get("singleton_local_shards"):
+            return True
+        config = self.config
+        for name in ("moe_layer_freq", "linear_attention_freq"):
+            freq = getattr(config, name, None)
+            if isinstance(freq, (list, tuple)) or (isinstance(freq, int) and freq > 1 and
+                                                    (name != "moe_layer_freq" or config.num_moe_experts)):
+                return True
+        return bool(getattr(config, "heterogeneous_block_specs", False)
+                    or getattr(config, "hetereogenous_dist_checkpoint", False))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """Layer ``i`` (global index ``layer_number - 1`` within this stack of ``config.num_layers``) is stored
+        stacked: its tensors get the prepended offset ``(0, i, L)`` and keys ``{prefix}layers.<name>``, so the
+        checkpoint does not depend on PP / VPP; per-layer keys ``{prefix}layers.{i}.<name>`` for
+        non-homogeneous stacks (:meth:`_non_homogeneous_layers`). Then the final norm and other children."""
+        if sharded_offsets:
+            raise ValueError("a transformer block takes no sharded_offsets (its layers add the layer axis)")
+        per_layer = self._non_homogeneous_layers(metadata)
+        num_layers = self.config.num_layers
+        out = {}
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer, NoopTransformerLayer):
+                continue
+            global_index = layer.layer_number - 1
+            local_prefix = f"{prefix}layers.{index}."
+            if per_layer:
+                layer_sd = layer.sharded_state_dict(local_prefix, (), metadata)
+                replace_prefix_for_sharding(layer_sd, local_prefix, f"{prefix}layers.{global_index}.")
+            else:
+                layer_sd = layer.sharded_state_dict(local_prefix, ((0, global_index, num_layers),), metadata)
+                replace_prefix_for_sharding(layer_sd, local_prefix, f"{prefix}layers.")
+            out.update(layer_sd)
+        for name, module in self.named_children():
+            if module is not self.layers:
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", (), metadata,
+                                                      tp_group=getattr(self, "tp_group", None)))
+        return out
 
     def _get_layer(self, layer_number):
         return self.layers[layer_number]
@@ -248,7 +300,8 @@ class TransformerBlock(ParallelTransformer):
     divided over the stages before / after ``--pipeline-model-parallel-split-rank``."""
 
     def __init__(self, config, spec: ModuleSpec = None, post_layer_norm: bool = True, pre_process: bool = True,
-                 post_process: bool = True, *, role: Optional[str] = None, **unused):
+                 post_process: bool = True, pg_collection=None, vp_stage: Optional[int] = None, *,
+                 role: Optional[str] = None):
         if spec is None:  # the local causal layer (what get_gpt_layer_local_spec() builds)
             spec = ModuleSpec(module=TransformerLayer, submodules=default_layer_submodules(AttnMaskType.causal))
         if isinstance(spec, TransformerBlockSubmodules):
@@ -259,8 +312,14 @@ class TransformerBlock(ParallelTransformer):
         if role is not None:
             model_type = ModelType.encoder_and_decoder
             layer_type = LayerType.decoder if role == "decoder" else LayerType.encoder
+        if vp_stage is not None and vp_stage != (parallel_state.get_virtual_pipeline_model_parallel_rank() or 0):
+            raise ValueError(f"TransformerBlock(vp_stage={vp_stage}): the virtual pipeline rank set in parallel_state "
+                             f"is {parallel_state.get_virtual_pipeline_model_parallel_rank()}; set it to the chunk "
+                             "being built (parallel_state.set_virtual_pipeline_model_parallel_rank)")
         super().__init__(config, model_type=model_type, layer_type=layer_type, post_layer_norm=post_layer_norm,
-                         pre_process=pre_process, post_process=post_process, layer_spec=spec)
+                         pre_process=pre_process, post_process=post_process, layer_spec=spec,
+                         pg_collection=pg_collection)
+        self.vp_stage = vp_stage
         # megatron-core's attributes: layers per pipeline rank (of the whole model, not this chunk) and whether
         # selective recompute checkpoints the core attention.
         self.num_layers_per_pipeline_rank = config.num_layers // parallel_state.get_pipeline_model_parallel_world_size()

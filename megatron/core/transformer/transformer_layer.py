@@ -7,8 +7,8 @@ loads Megatron's legacy names through the one table of :mod:`megatron.core.trans
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Union
+from dataclasses import dataclass, field
+from typing import Dict, Union
 
 import torch
 
@@ -21,6 +21,7 @@ from megatron.core.transformer.mlp import MLP, ParallelMLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import FusedLayerNorm, get_norm
 from megatron.core.transformer.spec_utils import IdentityFuncOp, IdentityOp, ModuleSpec, build_module
+from megatron.core.transformer.utils import apply_sharded_keys_map
 from megatron.core.utils import make_viewless_tensor
 
 @dataclass
@@ -34,6 +35,39 @@ class TransformerLayerSubmodules:
     pre_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
     mlp: Union[ModuleSpec, type] = IdentityOp
     mlp_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    # Renames of checkpoint-key prefixes (megatron-core's local specs store the norms under the names of
+    # Transformer Engine's fused norm + linear modules).
+    sharded_state_dict_keys_map: Dict[str, str] = field(default_factory=dict)
+
+
+# The local layer's norms on disk: Transformer Engine fuses them into the next linear layer (megatron-core's
+# local GPT / BERT / T5 specs map them the same way).
+LOCAL_NORM_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                       "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+# Multi-latent attention layers (Transformer Engine's spec): the input norm stays a module of its own, the latent
+# norms are fused into the up projections, and the pre-MLP norm into a dense MLP's fc1 (an MoE layer keeps it).
+MLA_NORM_KEYS_MAP = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                     "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
+
+
+def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None) -> int:
+    """Global index of the first layer of pipeline stage ``pp_rank`` (default: parallel_state's) and virtual
+    chunk ``vp_stage`` (default: parallel_state's current one) for ``config``'s even split (megatron-core's
+    function): ``pp_rank * L / pp`` without virtual stages, ``vp_stage * L / vpp + pp_rank * L / (pp * vpp)``
+    with them; 0 without pipeline parallelism."""
+    from megatron.core import parallel_state
+
+    pp = config.pipeline_model_parallel_size
+    if pp <= 1:
+        return 0
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    vpp = config.virtual_pipeline_model_parallel_size
+    if vpp is None:
+        return pp_rank * (config.num_layers // pp)
+    if vp_stage is None:
+        vp_stage = parallel_state.get_virtual_pipeline_model_parallel_rank() or 0
+    return vp_stage * (config.num_layers // vpp) + pp_rank * (config.num_layers // (pp * vpp))
 
 
 class DropPath(torch.nn.Module):
@@ -63,8 +97,10 @@ class ParallelTransformerLayer(MegatronModule):
 
     def __init__(self, config, layer_number, layer_type=LayerType.encoder, self_attn_mask_type=AttnMaskType.padding,
                  drop_path_rate=0.0, *, naming: str = "legacy", submodules: TransformerLayerSubmodules = None,
-                 hidden_dropout=None):
+                 hidden_dropout=None, pg_collection=None):
         super().__init__(config=config)
+        # megatron-core's pg_collection: handed to the spec-built attention and MLP (None: parallel_state's groups).
+        self.pg_collection = pg_collection
         if layer_type not in (LayerType.encoder, LayerType.decoder):
             raise NotImplementedError(f"layer type {layer_type} (retro) is not implemented")
         self.layer_number = layer_number
@@ -95,18 +131,23 @@ class ParallelTransformerLayer(MegatronModule):
             eps = config.layernorm_epsilon
             has_cross = submodules.cross_attention not in (None, IdentityOp)
             self.input_layernorm = build_module(submodules.input_layernorm, config=config, hidden_size=h, eps=eps)
-            self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number)
+            groups = {} if pg_collection is None else {"pg_collection": pg_collection}
+            self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number,
+                                               **groups)
             if has_cross:
                 self.pre_cross_attn_layernorm = build_module(submodules.pre_cross_attn_layernorm, config=config,
                                                              hidden_size=h, eps=eps)
                 self.cross_attention = build_module(submodules.cross_attention, config=config,
-                                                    layer_number=layer_number)
+                                                    layer_number=layer_number, **groups)
             self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config, hidden_size=h, eps=eps)
-            self.mlp = build_module(submodules.mlp, config=config, **_layer_number_kwarg(submodules.mlp, layer_number))
+            self.mlp = build_module(submodules.mlp, config=config, **_mlp_kwargs(submodules.mlp, layer_number,
+                                                                                 pg_collection))
             self._spec_bda = {"self_attention": build_module(submodules.self_attn_bda),
                               "cross_attention": build_module(submodules.cross_attn_bda),
                               "mlp": build_module(submodules.mlp_bda)}
         self.has_cross_attention = has_cross
+        self.sharded_state_dict_keys_map = dict(LOCAL_NORM_KEYS_MAP if submodules is None
+                                                else submodules.sharded_state_dict_keys_map)
         from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
         self.recompute_mlp = config.recomputes("moe" if isinstance(self.mlp, BaseMoELayer) else "mlp")
@@ -118,6 +159,11 @@ class ParallelTransformerLayer(MegatronModule):
         if not (self.recompute_layernorm and self.training and torch.is_grad_enabled()) or isinstance(norm, IdentityOp):
             return norm(x)
         return tensor_parallel.checkpoint(norm, False, x)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The default (every submodule's) with the spec's ``sharded_state_dict_keys_map`` applied to the keys."""
+        return apply_sharded_keys_map(super().sharded_state_dict(prefix, sharded_offsets, metadata), prefix,
+                                      self.sharded_state_dict_keys_map)
 
     def _mlp_forward(self, layernorm_output):
         """The MLP (dense or MoE); under selective recompute with ``mlp`` / ``moe`` listed, only its input is kept
@@ -179,12 +225,17 @@ class ParallelTransformerLayer(MegatronModule):
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
 
 
-def _layer_number_kwarg(spec, layer_number) -> dict:
-    """MoE layers want their layer number (per-layer loss logging); dense MLP classes take no such argument."""
+def _mlp_kwargs(spec, layer_number, pg_collection) -> dict:
+    """MoE layers want their layer number (per-layer loss logging) and the process groups; a dense MLP its TP
+    group (megatron-core passes ``tp_group=pg_collection.tp``)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     module = spec.module if isinstance(spec, ModuleSpec) else spec
-    return {"layer_number": layer_number} if isinstance(module, type) and issubclass(module, MoELayer) else {}
+    if isinstance(module, type) and issubclass(module, MoELayer):
+        return {"layer_number": layer_number, **({} if pg_collection is None else {"pg_collection": pg_collection})}
+    if pg_collection is not None and isinstance(module, type) and issubclass(module, MLP):
+        return {"tp_group": pg_collection.tp}
+    return {}
 
 
 class NoopTransformerLayer(MegatronModule):
@@ -200,15 +251,18 @@ class NoopTransformerLayer(MegatronModule):
 
 
 class TransformerLayer(ParallelTransformerLayer):
-    """megatron-core: ``TransformerLayer(config, submodules, layer_number=1, hidden_dropout=None)``;
-    ``forward(hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
-    inference_params=None) -> (hidden_states, context)``."""
+    """megatron-core: ``TransformerLayer(config, submodules, layer_number=1, hidden_dropout=None, pg_collection=None,
+    vp_stage=None)``; ``forward(hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
+    inference_params=None) -> (hidden_states, context)``. ``layer_number`` is global (1-based), so ``vp_stage``
+    (the virtual pipeline chunk) is only recorded."""
 
     def __init__(self, config, submodules: TransformerLayerSubmodules = None, layer_number: int = 1,
-                 hidden_dropout=None, **unused):
+                 hidden_dropout=None, pg_collection=None, vp_stage=None):
         if submodules is None:
             submodules = default_layer_submodules(AttnMaskType.padding)
-        super().__init__(config, layer_number, naming="mcore", submodules=submodules, hidden_dropout=hidden_dropout)
+        super().__init__(config, layer_number, naming="mcore", submodules=submodules, hidden_dropout=hidden_dropout,
+                         pg_collection=pg_collection)
+        self.vp_stage = vp_stage
 
     def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
                 inference_params=None, packed_seq_params=None):
@@ -238,4 +292,5 @@ def default_layer_submodules(attn_mask_type) -> TransformerLayerSubmodules:
         mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                             linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=dict(LOCAL_NORM_KEYS_MAP),
     )

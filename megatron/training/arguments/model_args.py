@@ -89,7 +89,8 @@ def _add_network_size_args(parser):
 
 
 def _add_mla_args(parser):
-    """Multi-latent attention sizes (Megatron-LM HEAD's "mla" group; megatron/core/transformer/multi_latent_attention.py)."""
+    """Multi-latent attention sizes (Megatron-LM HEAD's "mla" group; megatron/core/transformer/
+    multi_latent_attention.py)."""
     group = parser.add_argument_group(title="mla")
 
     group.add_argument("--q-lora-rank", type=int, default=None,

@@ -1,13 +1,14 @@
 """Saving and loading checkpoints (megatron.training.checkpointing): the entry points, dispatching on the format.
 
 ``--ckpt-format torch`` is Megatron-LM's one-file-per-rank layout (:mod:`.torch_format`); ``--ckpt-format
-torch_dist`` is Megatron-LM's distributed checkpoint, reshardable on load (:mod:`.torch_dist`, with its keys in
-:mod:`.dist_keys`, its model and optimizer state in :mod:`.dist_state` and its read checks in
-:mod:`.dist_strictness`); ``torch_dcp`` (:mod:`.torch_dcp`, ``--use-torch-fsdp2``) and ``fsdp_dtensor``
-(:mod:`.fsdp_dtensor`, ``--use-megatron-fsdp``) are the DCP formats of the fully sharded models. Both write through the same crash-safe save protocol (:mod:`.protocol`: staging
-directory, fsync'ed atomic files, renames, the tracker written last, every rank agreeing on each step) and store
-the same RNG state (:mod:`.rng`). ``--auto-detect-ckpt-format`` loads whichever format the checkpoint directory
-holds (``metadata.json``: torch_dist; ``mp_rank_*`` directories: torch).
+torch_dist`` is Megatron-LM's distributed checkpoint, reshardable on load (:mod:`.torch_dist`, built on
+megatron.core.dist_checkpointing and the modules' ``sharded_state_dict``; the optimizer state in :mod:`.dist_state`
+and its read checks in :mod:`.dist_strictness`); ``torch_dcp`` (:mod:`.torch_dcp`, ``--use-torch-fsdp2``) and
+``fsdp_dtensor`` (:mod:`.fsdp_dtensor`, ``--use-megatron-fsdp``) are the DCP formats of the fully sharded models. All
+write through the same crash-safe save protocol (:mod:`.protocol`: staging directory, fsync'ed atomic files,
+renames, the tracker written last, every rank agreeing on each step) and store the same RNG state (:mod:`.rng`).
+``--auto-detect-ckpt-format`` loads whichever format the checkpoint directory holds (``metadata.json``: torch_dist;
+``mp_rank_*`` directories: torch).
 
 Imports go one way only: this module imports the formats; the formats import protocol and rng (torch_dist also
 its own dist_* modules); protocol imports neither. The torch_dist modules (which pull in

@@ -1,12 +1,13 @@
-"""The ``torch_dist`` state of a model and its optimizer: Megatron-LM's keys, sharding and common state.
+"""The ``torch_dist`` state of a model and its optimizer, built on what the modules declare.
 
-Model tensors: every tensor of each model chunk's state dict under its Megatron on-disk key
-(megatron.training.checkpointing.dist_keys), as this rank's shards of the global (layer-stacked, TP-merged) tensor;
-plus one empty ``_extra_state`` object (payload ``[None]``) per linear layer, written by TP/DP rank 0.
+Model: each chunk's ``sharded_state_dict()`` (megatron.core: every module declares its tensors' checkpoint keys,
+TP axes, stacked layer offsets, expert offsets and replicas), under ``model`` (``model0``, ``model1`` ... for
+virtual-pipeline chunks, as Megatron-LM names them).
 
-Optimizer state, per model tensor with the same sharding: ``optimizer.state.{exp_avg,exp_avg_sq}.<key>`` (Adam;
-``momentum_buffer`` for SGD) plus the fp32 master copy ``optimizer.state.fp32_param.<key>`` (mixed precision) for
-the plain optimizer; the distributed optimizer uses Megatron's ``fully_reshardable`` form
+Optimizer state, per model tensor with the same sharding (the module's ShardedTensor or factory with another key
+and the state tensor as data, megatron-core's ``make_sharded_optimizer_tensor``): ``optimizer.state.{exp_avg,
+exp_avg_sq}.<key>`` (Adam; ``momentum_buffer`` for SGD) plus the fp32 master copy ``optimizer.state.fp32_param.<key>``
+(mixed precision) for the plain optimizer; the distributed optimizer uses Megatron's ``fully_reshardable`` form
 ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``: each parameter's pieces are gathered over the data-parallel
 group (the ranges of all DP ranks are disjoint and summed by one all-reduce per kind). Without a master copy (fp32
 training) the model weights are the master copy. The common state (``common.pt`` ``optimizer``) holds the param
@@ -19,23 +20,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import pickle
 from typing import Dict, List, Optional
 
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.sharded_io import LocalShard
-from megatron.core.models.conversion.keys import legacy_to_mcore_key
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_items_iter
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor, ShardedTensorFactory,
+                                                      apply_factory_merges)
+from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+from megatron.core.dist_checkpointing.strategies.common import read_common_state_dict
+from megatron.core.dist_checkpointing.strategies.torch import StorageRequest, to_storage
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
-from megatron.training.checkpointing import dist_hybrid, dist_keys
 from megatron.training.errors import FatalRunError
 
 CHECKPOINT_VERSION = 3.0
-METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-            "common_backend": "torch", "common_backend_version": 1}
+METADATA = dataclasses.asdict(CheckpointingConfig("torch_dist", 1, "torch", 1))
 _SAFE_SCALARS = (type(None), bool, int, float, str, torch.dtype)
 
 
@@ -44,210 +47,52 @@ class DistCheckpointError(FatalRunError):
 
 
 # ------------------------------------------------------------------------------------------------ model
-def _layer_offset(num_layers: int) -> int:
-    """Global number of this stage's (and virtual chunk's) first layer; layers are split evenly."""
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if vpp is None:
-        return rank * (num_layers // pp)
-    virtual_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
-    return virtual_rank * (num_layers // vpp) + rank * (num_layers // pp // vpp)
-
-
-def _is_mcore(chunk) -> bool:
-    return type(chunk).__module__.startswith("megatron.core.")
-
-
-def model_layout(chunk, args=None):
-    """(num_layers, gated, tied output layer) of a model chunk (from its config; the args for legacy models)."""
-    config = getattr(chunk, "config", None)
-    num_layers = getattr(config, "num_layers", None) or getattr(args, "num_layers")
-    gated = bool(getattr(config, "gated_linear_unit", False) or getattr(args, "swiglu", False))
-    if hasattr(chunk, "share_embeddings_and_output_weights"):
-        tied = bool(chunk.share_embeddings_and_output_weights)
-    else:
-        tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-    return num_layers, gated, tied
-
-
-def _t5_blocks(chunk):
-    """{'encoder'|'decoder': (first global layer, layer count)} of a T5 chunk's stacks (legacy or megatron-core);
-    None for other models."""
-    if type(chunk).__name__ != "T5Model":
-        return None
-    holder = getattr(chunk, "language_model", chunk)
-    blocks = {}
-    for name in ("encoder", "decoder"):
-        block = getattr(holder, name, None)
-        if block is not None:
-            blocks[name] = (block.layers[0].layer_number - 1, block.config.num_layers)
-    return blocks
-
-
-def _with_t5_aliases(entries):
-    """One entry per on-disk key, plus megatron-core's alias keys (``position_embeddings.weight``,
-    ``output_layer.bias``: the same tensor, sharding and parameter as the key they repeat)."""
-    seen, out = set(), []
-    for e in entries:
-        if (e.key, e.layer) not in seen:
-            seen.add((e.key, e.layer))
-            out.append(e)
-    by_key = {e.key: e for e in out}
-    for alias, target in dist_keys.T5_ALIAS_KEYS.items():
-        if alias not in by_key and target in by_key:
-            out.append(dataclasses.replace(by_key[target], key=alias))
-    return out
-
-
-def model_entries(model, args=None) -> List[List[dist_keys.Entry]]:
-    """Per model chunk, every tensor of its state dict with its Megatron on-disk key."""
-    out = []
-    for i, chunk in enumerate(model):
-        if len(model) > 1:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(i)
-        num_layers, _, tied = model_layout(chunk, args)
-        if dist_hybrid.is_hybrid(chunk):  # per-layer keys, never stacked
-            out.append(dist_hybrid.hybrid_entries(
-                chunk, tied, lambda name, value, param: _expert_entries(chunk, name, value, param, 0,
-                                                                        dist_keys.DEFAULT_LAYOUT)))
-            continue
-        offset = _layer_offset(num_layers)
-        t5_blocks = _t5_blocks(chunk)
-        params = dict(chunk.named_parameters())
-        mcore = _is_mcore(chunk)
-        layout = dist_keys.layout_of(chunk.config) if mcore and hasattr(chunk, "config") else dist_keys.DEFAULT_LAYOUT
-        entries = []
-        for name, value in chunk.state_dict().items():
-            if value is None or name.endswith("_extra_state"):
-                continue
-            if not torch.is_tensor(value):
-                raise DistCheckpointError(f"model entry {name!r} is a {type(value).__name__}, not a tensor: the "
-                                          "torch_dist format stores only tensors in the model state")
-            if t5_blocks is None:
-                key, layer = dist_keys.disk_key(name if mcore else legacy_to_mcore_key(name), offset, tied, layout)
-                entry_layers = None
-            else:
-                core_name = name if mcore else legacy_to_mcore_key(name, "t5")
-                if mcore and core_name.startswith(dist_keys.T5_ALIASES):
-                    continue  # megatron-core's second module names; their keys are added by _with_t5_aliases
-                block_offset, entry_layers = t5_blocks.get(core_name.split(".", 1)[0], (0, None))
-                key, layer = dist_keys.disk_key(core_name, block_offset, tied)
-            param = params.get(name)
-            experts = _expert_entries(chunk, name, value, param, offset, layout) if mcore else None
-            if experts is not None:
-                entries.extend(experts)
-                continue
-            tp_dim = param.partition_dim if param is not None and getattr(param, "tensor_model_parallel", False) \
-                else None
-            entries.append(dist_keys.Entry(name, key, layer, value, param, tp_dim, num_layers=entry_layers))
-        if t5_blocks is not None:
-            entries = _with_t5_aliases(entries)
-        out.append(entries)
-    if len(model) > 1:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
-    return out
-
-
-def _expert_entries(chunk, name, value, param, offset, layout):
-    config = getattr(chunk, "config", None)
-    num_experts = getattr(config, "num_moe_experts", None)
-    if not num_experts or ".mlp.experts." not in name:
-        return None
-    ep = parallel_state.get_expert_model_parallel_world_size() or 1
-    etp = (parallel_state.get_expert_tensor_parallel_world_size() or 1,
-           parallel_state.get_expert_tensor_parallel_rank() or 0)
-    return dist_keys.expert_entries(name, value, param, offset, parallel_state.get_expert_model_parallel_rank() or 0,
-                                    num_experts // ep, num_experts, etp, layout)
-
-
-def assemble(entries, fetch) -> Dict[str, torch.Tensor]:
-    """{local name: tensor} from per-entry loaded tensors (``fetch(entry)``); the per-expert entries of a grouped
-    weight are written into their views of one parameter-shaped tensor."""
-    out = {}
-    for e in entries:
-        piece = fetch(e)
-        if piece is None:
-            continue
-        if e.view is None:
-            out[e.local_name] = piece.reshape(e.tensor.shape)
-        else:
-            full = out.setdefault(e.local_name, torch.empty(e.param.shape, dtype=piece.dtype))
-            e.view(full).copy_(piece.reshape(e.tensor.shape))
-    return out
-
-
-def tp_size_rank():
-    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+def model_sharded_state_dicts(model) -> Dict[str, dict]:
+    """``{'model': chunk.sharded_state_dict()}``, or ``{'model0': ..., 'model1': ...}`` for virtual-pipeline chunks."""
+    if len(model) == 1:
+        return {"model": model[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model)}
 
 
 def model_sharded_state(model, args=None, for_load=False) -> Dict[str, object]:
-    """The model part of the sharded state dict (tensors + ``_extra_state`` objects); for loading, fresh zero
-    buffers of the same shards."""
-    tp, tp_rank = tp_size_rank()
-    out: Dict[str, object] = {}
-    for chunk, entries in zip(model, model_entries(model, args)):
-        num_layers, gated, _ = model_layout(chunk, args)
-        layers = set()
-        for e in entries:
-            pieces = dist_keys.shards(e, num_layers, tp, tp_rank, gated)
-            if for_load:
-                pieces = [LocalShard(torch.zeros_like(p.data), p.global_shape, p.global_offset) for p in pieces]
-            out.setdefault(e.key, []).extend(pieces)  # stacked keys collect one chunk per layer
-            if e.layer is not None:
-                layers.add((e.key.split(".layers.")[0] + ".layers", e.layer, e.num_layers or num_layers))
-        # Megatron expects one (empty) _extra_state object per linear layer; written by TP/DP rank 0.
-        if dist_hybrid.is_hybrid(chunk):
-            if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
-                num_experts = getattr(chunk.config, "num_moe_experts", None) or 0
-                out.update({k: [None] for k in dist_hybrid.extra_state_keys({e.key for e in entries}, num_experts)})
-            continue
-        expert_dp_rank = parallel_state.get_expert_data_parallel_rank() if any(
-            e.expert is not None for e in entries) else 0
-        for e in entries:
-            if e.expert is None or e.key.endswith(".bias") or (not for_load and (e.etp[1] != 0 or expert_dp_rank)):
-                continue
-            if e.layer is None:  # an unstacked layer's (heterogeneous stack, MTP depth) experts
-                out[dist_keys.unstacked_extra_state_key(e.key, e.expert, e.num_experts)] = [None]
-                continue
-            block, linear = e.key.split(".layers.")[0] + ".layers", e.key.split(".layers.")[1].rsplit(".", 1)[0]
-            out[dist_keys.expert_extra_state_key(block, linear, e.layer, e.expert, num_layers, e.num_experts)] = [None]
-        if for_load or (tp_rank == 0 and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
-            keys = {e.key for e in entries if e.expert is None}
-            for e in entries:
-                extra = dist_keys.unstacked_extra_state_key(e.key) if e.expert is None and e.layer is None else None
-                if extra is not None:
-                    out[extra] = [None]
-            for block, layer, block_layers in sorted(layers):
-                for linear in dist_keys.LINEARS:
-                    if f"{block}.{linear}.weight" in keys:
-                        out[dist_keys.extra_state_key(block, linear, layer, block_layers)] = [None]
-            if "lm_head.output_layer.bias" in keys:  # a T5 LM head (megatron-core writes its _extra_state too)
-                for key in dist_keys.t5_head_extra_state_keys():
-                    out[key] = [None]
-    return out
+    """The model part of the storage-level state (``{DCP key: [LocalShard] | [object]}``): main replicas to save;
+    for loading, zero buffers of every block this rank needs (and the ``_extra_state`` objects)."""
+    sharded, _, _ = load_preprocess(model_sharded_state_dicts(model))
+    if for_load:
+        return StorageRequest(sharded).items
+    return to_storage(sharded)
+
+
+def fill_request(sharded_state_dicts, items):
+    """The nested state dict of ``sharded_state_dicts`` with every leaf replaced by what the storage request
+    ``items`` read (entries whose key strictness dropped are left out), factories merged."""
+    sharded, _, factories = load_preprocess(sharded_state_dicts)
+    filled = StorageRequest(sharded).fill(sharded, items)
+    _drop_unread(filled, factories)
+    return apply_factory_merges(filled, factories)
+
+
+def _drop_unread(filled, factories) -> None:
+    """Remove the None values (keys strictness dropped, empty ``_extra_state`` objects) and the factories that lost
+    a part."""
+    for key in list(filled):
+        sub = factories.get(key) if isinstance(factories, dict) else None
+        if isinstance(sub, ShardedTensorFactory):
+            parts = filled[key] if isinstance(filled[key], list) else [filled[key]]
+            if any(p is None for p in parts):
+                del filled[key], factories[key]
+        elif filled[key] is None:
+            del filled[key]
+        elif isinstance(filled[key], dict):
+            _drop_unread(filled[key], sub if isinstance(sub, dict) else {})
 
 
 def apply_loaded_model(model, loaded, args=None, strict=True):
-    """Copy the tensors read into ``loaded`` (from :func:`model_sharded_state` ``for_load``) into the model."""
-    tp, tp_rank = tp_size_rank()
-    for i, (chunk, entries) in enumerate(zip(model, model_entries(model, args))):
-        num_layers, gated, _ = model_layout(chunk, args)
-        state = assemble(entries, lambda e: take_loaded(loaded, e.key, e, num_layers, tp, tp_rank, gated)
-                         if e.key in loaded else None)
-        if len(model) > 1:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(i)
-        chunk.load_state_dict(state, strict=strict)
-    if len(model) > 1:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
-
-
-def take_loaded(loaded, key, entry, num_layers, tp, tp_rank, gated) -> torch.Tensor:
-    """``entry``'s local tensor from the shards read under ``key`` (matched by their global offsets)."""
-    got = loaded[key] if isinstance(loaded[key], list) else [loaded[key]]
-    by_offset = {tuple(sh.global_offset): sh for sh in got}
-    wanted = dist_keys.shards(entry, num_layers, tp, tp_rank, gated)
-    return dist_keys.merge_loaded(entry, [by_offset[tuple(w.global_offset)] for w in wanted])
+    """Copy the tensors read into ``loaded`` (the request of :func:`model_sharded_state` ``for_load``) into the
+    model chunks."""
+    state = fill_request(model_sharded_state_dicts(model), loaded)
+    for i, chunk in enumerate(model):
+        chunk.load_state_dict(state["model" if len(model) == 1 else f"model{i}"], strict=strict)
 
 
 def safe_args(args) -> argparse.Namespace:
@@ -264,38 +109,12 @@ def safe_args(args) -> argparse.Namespace:
     return argparse.Namespace(**{k: v for k, v in vars(args).items() if ok(v)})
 
 
-class _Placeholder:
-    """Stands for a class pickled by another program (e.g. megatron-core's enums in its args) that this package
-    does not define; keeps the pickled state for inspection."""
-
-    def __init__(self, *args, **kwargs):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-class _TolerantUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return type(name, (_Placeholder,), {"__module__": "megatron_checkpoint." + module})
-
-
-class _TolerantPickle:
-    Unpickler = _TolerantUnpickler
-    load = staticmethod(pickle.load)
-    __name__ = "pickle"
-
-
 def read_common(directory):
     """common.pt of a torch_dist checkpoint (ours or Megatron-LM's: unknown classes become placeholders)."""
-    path = os.path.join(directory, "common.pt")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_TolerantPickle)
-    except Exception as e:  # noqa: BLE001 - corrupt or truncated file: say which
-        raise DistCheckpointError(f"could not read {path} (corrupt or truncated?): {type(e).__name__}: {e}") from e
+        return read_common_state_dict(directory)
+    except CheckpointingException as e:
+        raise DistCheckpointError(str(e)) from e
 
 
 # ------------------------------------------------------------------------------------------------ optimizer
@@ -343,8 +162,20 @@ def _optimizer_kinds(optimizer) -> List[str]:
     return ([main] if main else []) + _state_keys(optimizer.optimizer)
 
 
-def optimizer_tensors(optimizer, entries) -> Dict[str, list]:
-    """{kind: [(entry, fp32 tensor of the param's local (TP) shape)]}.
+def model_params(sharded_state_dicts) -> List[torch.nn.Parameter]:
+    """The parameters behind the model's sharded leaves, each once, in the (rank-independent) order of the leaves."""
+    seen, out = set(), []
+    for _, _, leaf in nested_items_iter(sharded_state_dicts):
+        data = getattr(leaf, "data", None)
+        if isinstance(leaf, (ShardedTensor, ShardedTensorFactory)) and isinstance(data, torch.nn.Parameter) \
+                and id(data) not in seen:
+            seen.add(id(data))
+            out.append(data)
+    return out
+
+
+def optimizer_tensors(optimizer, params) -> Dict[str, Dict[int, torch.Tensor]]:
+    """{kind: {id(param): fp32 tensor of the param's local (TP) shape}} of the optimizer state of ``params``.
 
     The distributed optimizer holds only a range of each parameter: the ranges of all DP ranks are summed (they
     are disjoint) with one all-reduce per kind.
@@ -353,35 +184,58 @@ def optimizer_tensors(optimizer, entries) -> Dict[str, list]:
     sharded = isinstance(optimizer, DistributedOptimizer)
     # The same list on every DP rank (the all-reduce below needs it): with the distributed optimizer a rank may
     # own no piece of some parameter, and contributes zeros for it.
-    params = [e for e in entries if e.param is not None and (e.param in mains or sharded and e.param.requires_grad)]
+    params = [p for p in params if p in mains or sharded and p.requires_grad]
     out = {}
     for kind in _optimizer_kinds(optimizer):
         pieces = []
-        for e in params:
-            main, rng = mains.get(e.param, (None, None))
+        for param in params:
+            main, rng = mains.get(param, (None, None))
             if main is None:
                 src = None
             else:
                 src = main if kind == _main_kind(optimizer) else optimizer.optimizer.state.get(main, {}).get(kind)
-            full = torch.zeros(e.param.numel(), dtype=torch.float32)
+            full = torch.zeros(param.numel(), dtype=torch.float32)
             if src is not None:
-                lo, hi = rng if rng is not None else (0, e.param.numel())
+                lo, hi = rng if rng is not None else (0, param.numel())
                 full[lo:hi] = src.detach().float().view(-1)
             pieces.append(full)
         if sharded and pieces:
             # Expert parameters are sharded over the expert data-parallel group, the rest over DP.
             for expert in (False, True):
-                index = [i for i, e in enumerate(params) if (not getattr(e.param, "allreduce", True)) == expert]
+                index = [i for i, p in enumerate(params) if (not getattr(p, "allreduce", True)) == expert]
                 if not index:
                     continue
                 group = (parallel_state.get_expert_data_parallel_group() if expert
                          else parallel_state.get_data_parallel_group(with_context_parallel=True))
                 flat = torch.cat([pieces[i] for i in index])
                 torch.distributed.all_reduce(flat, group=group)
-                for i, part in zip(index, torch.split(flat, [params[i].param.numel() for i in index])):
+                for i, part in zip(index, torch.split(flat, [params[i].numel() for i in index])):
                     pieces[i] = part
-        out[kind] = [(e, full.view(e.param.shape)) for e, full in zip(params, pieces)]
+        out[kind] = {id(p): full.view(p.shape) for p, full in zip(params, pieces)}
     return out
+
+
+def optimizer_sharded_state(sharded_state_dicts, tensors: Dict[str, Dict[int, torch.Tensor]]):
+    """``{kind: {path: leaf}}``: for every model leaf whose parameter has a ``kind`` tensor, that tensor under the
+    key ``optimizer.state.{kind}.<model key>`` with the model leaf's sharding; ``path`` is the leaf's place in the
+    model's sharded state dicts (``model/decoder.layers.0.mlp.linear_fc1.weight``)."""
+    out = {}
+    for kind, by_param in tensors.items():
+        leaves = {}
+        for chunk, sd in sharded_state_dicts.items():
+            for name, leaf in sd.items():
+                data = getattr(leaf, "data", None)
+                if isinstance(leaf, (ShardedTensor, ShardedTensorFactory)) and id(data) in by_param:
+                    leaves[f"{chunk}/{name}"] = make_sharded_optimizer_tensor(leaf, by_param[id(data)],
+                                                                              f"optimizer.state.{kind}.")
+        out[kind] = leaves
+    return out
+
+
+def param_of_paths(sharded_state_dicts) -> Dict[str, torch.nn.Parameter]:
+    """{path (as in :func:`optimizer_sharded_state`): parameter}."""
+    return {f"{chunk}/{name}": leaf.data for chunk, sd in sharded_state_dicts.items() for name, leaf in sd.items()
+            if isinstance(getattr(leaf, "data", None), torch.nn.Parameter)}
 
 
 def optimizer_common(optimizer):
@@ -400,35 +254,32 @@ def optimizer_common(optimizer):
     return common
 
 
-def optimizer_request(optimizer, model, entries, args, stored, directory):
-    """{key: zero shards} of the optimizer state this rank needs; one clear error for formats we cannot read."""
+def optimizer_load_kinds(optimizer, stored, directory):
+    """(kinds to read, the master copy's kind in the checkpoint or None); one clear error for formats we cannot
+    read. A checkpoint of the other optimizer flavour names the master copy differently (``param`` /
+    ``fp32_param``); without one the master copy comes from the loaded weights."""
     if any(k.startswith("optimizer.distributed.") for k in stored):
         raise DistCheckpointError(
             f"{directory} holds the distributed optimizer in Megatron's dp_reshardable layout (keys "
             "optimizer.distributed.*), which this loader does not read: pass --no-load-optim (the optimizer "
             "starts fresh, the weights load), or re-save it in Megatron with --dist-ckpt-optim-fully-reshardable")
-    main = _main_kind(optimizer)
     kinds = _state_keys(optimizer.optimizer)
-    if main is not None:
-        # A checkpoint of the other optimizer flavour names the master copy differently; fall back to the weights.
+    main = None
+    if _main_kind(optimizer) is not None:
         alt = [m for m in ("param", "fp32_param") if any(k.startswith(f"optimizer.state.{m}.") for k in stored)]
         main = alt[0] if alt else None
-        kinds = ([main] if main else []) + kinds
-    tp, tp_rank = tp_size_rank()
-    request = {}
-    for chunk, chunk_entries in zip(model, entries):
-        num_layers, gated, _ = model_layout(chunk, args)
-        for e in chunk_entries:
-            if e.param is None or not e.param.requires_grad:
-                continue
-            for kind in kinds:
-                pieces = [LocalShard(torch.zeros(p.data.shape, dtype=torch.float32), p.global_shape, p.global_offset)
-                          for p in dist_keys.shards(e, num_layers, tp, tp_rank, gated)]
-                request.setdefault(f"optimizer.state.{kind}.{e.key}", []).extend(pieces)
-    return request, main, kinds
+    return ([main] if main else []) + kinds, main
 
 
-def load_optimizer_state(optimizer, model, entries, loaded, common, main_kind, args):
+def optimizer_request_tensors(optimizer, params, kinds) -> Dict[str, Dict[int, torch.Tensor]]:
+    """{kind: {id(param): fp32 zeros}} for the trainable parameters: what a load fills."""
+    trainable = [p for p in params if p.requires_grad]
+    return {kind: {id(p): torch.zeros(p.shape, dtype=torch.float32) for p in trainable} for kind in kinds}
+
+
+def load_optimizer_state(optimizer, loaded: Dict[str, Dict[str, torch.Tensor]], params_by_path, common, main_kind):
+    """Restore ``optimizer`` from ``loaded`` (``{kind: {path: tensor of the param's shape}}``, as read for
+    :func:`optimizer_sharded_state`) and the common part."""
     inner = common["optimizer"] if "optimizer" in common else common  # nested (mixed precision, DO) or FP32Optimizer's
     saved_groups = inner["param_groups"]
     if len(saved_groups) != len(optimizer.optimizer.param_groups):
@@ -444,27 +295,26 @@ def load_optimizer_state(optimizer, model, entries, loaded, common, main_kind, a
     mains = _main_params(optimizer)
     own_main = _main_kind(optimizer)
     adam = "Adam" in type(optimizer.optimizer).__name__
-    tp, tp_rank = tp_size_rank()
-    by_param = {}  # the entries of each parameter (several for a grouped expert weight), with their layout
-    for chunk, es in zip(model, entries):
-        layout = model_layout(chunk, args)
-        for e in es:
-            if e.param is not None and e.param in mains:
-                by_param.setdefault(e.param, (layout, []))[1].append(e)
+    first_path = {}
+    for path, param in params_by_path.items():
+        if param in mains:
+            first_path.setdefault(id(param), (path, param))
     with torch.no_grad():
-        for param, ((num_layers, gated, _), es) in by_param.items():
-            e = es[0]
-            main, rng = mains[e.param]
-            lo, hi = rng if rng is not None else (0, e.param.numel())
+        for path, param in first_path.values():
+            main, rng = mains[param]
+            lo, hi = rng if rng is not None else (0, param.numel())
             state = optimizer.optimizer.state[main]
 
             def value(kind):
-                full = assemble(es, lambda x: take_loaded(loaded, f"optimizer.state.{kind}.{x.key}", x, num_layers, tp,
-                                                          tp_rank, gated))[e.local_name]
+                try:
+                    full = loaded[kind][path]
+                except KeyError:
+                    raise DistCheckpointError(f"the checkpoint holds no optimizer.state.{kind} for {path!r}: pass "
+                                              "--no-load-optim") from None
                 return full.reshape(-1)[lo:hi].view(main.shape)
 
             if own_main is not None:
-                source = value(main_kind) if main_kind else e.param.detach().reshape(-1)[lo:hi].view(main.shape)
+                source = value(main_kind) if main_kind else param.detach().reshape(-1)[lo:hi].view(main.shape)
                 main.copy_(source.to(main.dtype))
             for kind in _state_keys(optimizer.optimizer):
                 state[kind] = value(kind).to(main.dtype).clone()
@@ -472,4 +322,3 @@ def load_optimizer_state(optimizer, model, entries, loaded, common, main_kind, a
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
         if isinstance(optimizer, DistributedOptimizer):
             optimizer._copy_main_params_to_model_params()  # all-gathers the shards into the model params
-

@@ -22,19 +22,21 @@ Every rank takes the same decision (the findings are gathered), so no rank is le
 from __future__ import annotations
 
 import os
-from typing import Dict, List
 
 import torch
 import torch.distributed.checkpoint as dcp
+
+from megatron.core.dist_checkpointing.sharded_io import shard_file_problem
 
 STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
               "return_unexpected", "return_all", "ignore_all")
 
 
 class StoredKeys(dict):
-    """``{DCP key: storage metadata}`` of a checkpoint; ``files[key]`` = [(file name, bytes needed)]."""
+    """``{DCP key: storage metadata}`` of a checkpoint; ``dcp_metadata``: the whole DCP metadata (where each chunk
+    is stored)."""
 
-    files: Dict[str, List[tuple]]
+    dcp_metadata: object
 
 
 def read_metadata_checked(directory: str, error_cls) -> StoredKeys:
@@ -49,22 +51,8 @@ def read_metadata_checked(directory: str, error_cls) -> StoredKeys:
         raise error_cls(f"torch_dist checkpoint {directory}: its .metadata cannot be read (truncated or corrupt): "
                         f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
     stored = StoredKeys(md.state_dict_metadata)
-    stored.files = {}
-    for index, info in (md.storage_data or {}).items():
-        stored.files.setdefault(index.fqn, []).append((info.relative_path, info.offset + info.length))
+    stored.dcp_metadata = md
     return stored
-
-
-def _file_problem(directory, key, stored, sizes):
-    for name, needed in stored.files.get(key, ()):
-        if name not in sizes:
-            path = os.path.join(directory, name)
-            sizes[name] = os.path.getsize(path) if os.path.isfile(path) else -1
-        if sizes[name] < 0:
-            return f"shard file {name} of key {key!r} is missing"
-        if sizes[name] < needed:
-            return f"shard file {name} of key {key!r} is truncated ({sizes[name]} bytes, {needed} needed)"
-    return None
 
 
 def _is_rank0():
@@ -84,8 +72,8 @@ def check_request(request: dict, stored: StoredKeys, directory: str, strictness:
     if strictness not in STRICTNESS:
         raise error_cls(f"--dist-ckpt-strictness {strictness!r} is not one of {', '.join(STRICTNESS)}")
     unexpected = sorted(k for k in request if k not in stored)
-    sizes: Dict[str, int] = {}
-    problems = [p for p in (_file_problem(directory, k, stored, sizes) for k in sorted(request) if k in stored) if p]
+    problem = shard_file_problem(directory, [k for k in request if k in stored], stored.dcp_metadata)
+    problems = [problem] if problem else []
     want_missing = strictness in ("log_all", "raise_all", "return_all")
     reports = _gather((unexpected if strictness != "assume_ok_unexpected" else [], problems[:1],
                        sorted(request) if want_missing else []))

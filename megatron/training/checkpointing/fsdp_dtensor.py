@@ -140,13 +140,9 @@ def _group_meta(optimizer) -> Dict[int, dict]:
 def _bucketed_tensors(optimizer, blocks: List[ParamBlock]):
     """The bucketed strategies (DDP's optimizers): ({id(param): fp32 main weight or None}, {kind: {id(param):
     state}}), whole TP-local tensors (the distributed optimizer's ranges are gathered over DP: a collective)."""
-    from collections import namedtuple
-
     from megatron.training.checkpointing import dist_state
 
-    entry = namedtuple("Entry", "param")
-    tensors = dist_state.optimizer_tensors(optimizer, [entry(pb.param) for pb in blocks])
-    out = {kind: {id(e.param): t for e, t in pairs} for kind, pairs in tensors.items()}
+    out = dist_state.optimizer_tensors(optimizer, [pb.param for pb in blocks])  # {kind: {id(param): tensor}}
     main_kind = dist_state._main_kind(optimizer)
     return (out.pop(main_kind) if main_kind else {}), out
 

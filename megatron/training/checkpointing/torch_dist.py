@@ -10,41 +10,49 @@
     <save>/iter_0000100/__<rank>_0.distcp    DCP data
     <save>/iter_0000100/metadata.json        {"sharded_backend": "torch_dist", ...}: written last = complete
 
-Model tensors use Megatron-LM's keys and layer stacking (megatron.training.checkpointing.dist_keys). Optimizer
-state, per model tensor with the same sharding: ``optimizer.state.{exp_avg,exp_avg_sq}.<key>`` plus the fp32 master
-copy ``optimizer.state.fp32_param.<key>`` (mixed precision) for the plain optimizer; the distributed optimizer uses
-Megatron's ``fully_reshardable`` form ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` (each parameter's
-pieces gathered over the data-parallel group); both are built in megatron.training.checkpointing.dist_state. RNG
-states are the objects ``rng_state/shard_{pp}.{tp}_{PP}.{TP}`` (a list of one dict with Megatron's keys), restored
-only when TP and PP are unchanged. ``args`` in common.pt holds only values Megatron's ``weights_only`` loader
-accepts. Saves are staged in ``iter_0000100.incomplete`` and published by renames exactly as in the torch format
+Built on megatron.core.dist_checkpointing: the model tensors are what each module declares
+(``model.sharded_state_dict()``: Megatron-LM's keys, layer stacking, TP / expert sharding, replicas), the
+optimizer state has the same sharding under ``optimizer.state.{exp_avg,exp_avg_sq}.<key>`` plus the fp32 master copy
+``optimizer.state.fp32_param.<key>`` (mixed precision) for the plain optimizer; the distributed optimizer uses
+Megatron's ``fully_reshardable`` form ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` (each parameter's pieces
+gathered over the data-parallel group); both are built in megatron.training.checkpointing.dist_state. RNG states
+are the objects ``rng_state/shard_{pp}.{tp}_{PP}.{TP}`` (a list of one dict with Megatron's keys), restored only when
+TP and PP are unchanged. ``args`` in common.pt holds only values Megatron's ``weights_only`` loader accepts. The
+format takes explicit inputs (:func:`save_to` / :func:`load_from`: directory, :class:`TrainState`, options);
+:func:`save` / :func:`load` read them from the global args for the training loop. Saves are staged in
+``iter_0000100.incomplete`` and published by renames exactly as in the torch format
 (megatron.training.checkpointing.protocol), so a killed or failed save never touches the checkpoint the tracker
-names. ``--async-save`` writes in a background thread on a separate gloo group; the save is finished before the
-next save, a load, or the end of ``pretrain``. ``--dist-ckpt-strictness`` and the checks of the shard files before
-a read are megatron.training.checkpointing.dist_strictness's.
+names. ``--async-save`` writes in the background (megatron.core's ``AsyncCallsQueue``) on a separate gloo group;
+the save is finished before the next save, a load, or the end of ``pretrain``. ``--dist-ckpt-strictness`` and the
+checks of the shard files before a read are megatron.training.checkpointing.dist_strictness's.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 import shutil
 import sys
-import threading
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.sharded_io import (LocalShard, ShardingError, load_full_state_dict,
-                                                         load_sharded, save_sharded)
+from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factory_merges
+from megatron.core.dist_checkpointing.sharded_io import ShardingError, load_full_state_dict, load_sharded, save_sharded
+from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess, save_preprocess
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron.core.dist_checkpointing.strategies.common import common_bytes
+from megatron.core.dist_checkpointing.strategies.torch import StorageRequest, async_process_group, to_storage
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.training.checkpointing import dist_keys, protocol
+from megatron.training.checkpointing import protocol
 from megatron.training.checkpointing.dist_state import (CHECKPOINT_VERSION, METADATA, DistCheckpointError,
-                                                        apply_loaded_model, load_optimizer_state, model_entries,
-                                                        model_layout, model_sharded_state, optimizer_common,
-                                                        optimizer_request, optimizer_tensors, read_common, safe_args,
-                                                        tp_size_rank)
+                                                        _drop_unread, apply_loaded_model, load_optimizer_state,
+                                                        model_params, model_sharded_state, model_sharded_state_dicts,
+                                                        optimizer_common, optimizer_load_kinds,
+                                                        optimizer_request_tensors, optimizer_sharded_state,
+                                                        optimizer_tensors, param_of_paths, read_common, safe_args)
 from megatron.training.checkpointing.dist_strictness import check_request, read_metadata_checked
 from megatron.training.checkpointing.protocol import agree_on_save_step, check_checkpoint_args, run_step
 from megatron.training.checkpointing.rng import get_rng_state, set_rng_state
@@ -52,34 +60,65 @@ from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0, unwrap_model
 
 __all__ = ["CHECKPOINT_VERSION", "METADATA", "DistCheckpointError", "apply_loaded_model", "checkpoint_dir",
-           "finalize_async_save", "load", "load_full_checkpoint", "load_sharded_checked", "model_entries",
-           "model_layout", "model_sharded_state", "read_common", "safe_args", "save"]
+           "finalize_async_save", "load", "load_full_checkpoint", "load_sharded_checked", "model_sharded_state",
+           "read_common", "safe_args", "save"]
 
 
 def checkpoint_dir(path, iteration):
     return os.path.join(path, protocol.iteration_dirname(iteration))
 
 
+# ------------------------------------------------------------------------------------------------ inputs
+@dataclasses.dataclass
+class TrainState:
+    """The training progress a checkpoint records (``args`` fields of the same names in the training loop)."""
+
+    iteration: int = 0
+    consumed_train_samples: Optional[int] = 0
+    consumed_valid_samples: Optional[int] = 0
+    num_floating_point_operations_so_far: float = 0.0
+
+
+@dataclasses.dataclass
+class SaveOptions:
+    """How to save: ``args`` is the namespace stored in ``common.pt`` (made weights_only-safe), the flags say what
+    is saved and whether the write runs in the background."""
+
+    args: object = None
+    save_optim: bool = True
+    save_rng: bool = True
+    async_save: bool = False
+
+
+@dataclasses.dataclass
+class LoadOptions:
+    """How to load: ``finetune`` restarts the iteration count and skips optimizer and RNG state; ``strictness``
+    is ``--dist-ckpt-strictness``; ``ckpt_step`` picks an iteration instead of the tracker's."""
+
+    load_optim: bool = True
+    load_rng: bool = True
+    finetune: bool = False
+    strictness: str = "assume_ok_unexpected"
+    ckpt_step: Optional[int] = None
+    exit_on_missing_checkpoint: bool = False
+    strict: bool = True
+
+
 # ------------------------------------------------------------------------------------------------ save
-_pending: Optional[threading.Thread] = None
-_pending_error: List[BaseException] = []
-_async_group = None
+_ASYNC_SAVES = AsyncCallsQueue()  # this process's background saves, finalized in order
 
 
 def finalize_async_save():
-    """Wait for a background save to finish (no-op when none is running); re-raise its error."""
-    global _pending
-    if _pending is not None:
-        _pending.join()
-        _pending = None
-        if _pending_error:
-            error = _pending_error.pop()
-            # Every rank's thread raised the same agreed error (a full disk on one rank): an orderly stop.
-            raise DistCheckpointError(f"the asynchronous checkpoint save failed: {error}",
-                                      same_on_every_rank=getattr(error, "same_on_every_rank", False)) from error
+    """Wait for the background saves to finish (no-op when none is running); re-raise a failure."""
+    try:
+        _ASYNC_SAVES.maybe_finalize_async_calls(blocking=True)
+    except BaseException as error:  # noqa: BLE001 - reported as one checkpoint error
+        # Every rank's thread raised the same agreed error (a full disk on one rank): an orderly stop.
+        raise DistCheckpointError(f"the asynchronous checkpoint save failed: {error}",
+                                  same_on_every_rank=getattr(error, "same_on_every_rank", False)) from error
 
 
-def _write(sharded, common_bytes, directory, save_dir, iteration, group):
+def _write(storage, common, directory, save_dir, iteration, group):
     """Every rank: write into ``<directory>.incomplete``; global rank 0 then renames it to ``directory`` and only
     then rewrites the tracker (the staged, crash-safe protocol of megatron.training.checkpointing.protocol). After
     each step the ranks agree on success, so a rank that fails (a full disk) makes every rank raise the same error
@@ -95,11 +134,11 @@ def _write(sharded, common_bytes, directory, save_dir, iteration, group):
 
     def prepare():
         protocol.prepare_save_dir(save_dir, iteration)
-        protocol.atomic_write_bytes(os.path.join(staging, "common.pt"), common_bytes)
+        protocol.atomic_write_bytes(os.path.join(staging, "common.pt"), common)
 
     agree(run_step(prepare) if rank0 else None)
     # DCP gathers every rank's write result, so a failed write raises on every rank; agree() rewords it.
-    agree(run_step(lambda: save_sharded(sharded, staging, process_group=group)))
+    agree(run_step(lambda: save_sharded(storage, staging, process_group=group)))
     error = None
     if rank0:
         def publish():
@@ -110,78 +149,77 @@ def _write(sharded, common_bytes, directory, save_dir, iteration, group):
     agree(error)
 
 
-def _rng_key():
-    return dist_keys.rng_key(parallel_state.get_pipeline_model_parallel_rank(),
-                             parallel_state.get_tensor_model_parallel_rank(),
-                             parallel_state.get_pipeline_model_parallel_world_size(),
-                             parallel_state.get_tensor_model_parallel_world_size())
+def _rng_object(data=None) -> ShardedObject:
+    """Megatron-LM's ``rng_state`` object: one piece per (PP, TP) rank, replicated over DP."""
+    return ShardedObject("rng_state", data,
+                         (parallel_state.get_pipeline_model_parallel_world_size(),
+                          parallel_state.get_tensor_model_parallel_world_size()),
+                         (parallel_state.get_pipeline_model_parallel_rank(),
+                          parallel_state.get_tensor_model_parallel_rank()),
+                         replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
 
 
-def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0):
-    """Collective: write checkpoint ``iteration`` under ``--save`` in the torch_dist format."""
-    global _pending, _async_group
-    args = get_args()
-    finalize_async_save()
-    model = unwrap_model(model)
-    print_rank_0("saving checkpoint at iteration {:7d} to {} in torch_dist format".format(iteration, args.save))
-    sharded = model_sharded_state(model, args)
+def build_save_state(train_state: TrainState, model, optimizer, opt_param_scheduler, options: SaveOptions):
+    """The state dict a torch_dist save writes: the common values, the model chunks' ``sharded_state_dict``, the
+    optimizer state with the model's sharding, the RNG object."""
+    state = {"args": safe_args(options.args) if options.args is not None else None,
+             "checkpoint_version": CHECKPOINT_VERSION, "iteration": train_state.iteration,
+             "num_floating_point_operations_so_far": float(train_state.num_floating_point_operations_so_far)}
     content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    common = {"args": safe_args(args), "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-              "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far)}
-    if not args.no_save_optim:
+    model_sd = model_sharded_state_dicts(model)
+    if options.save_optim:
         if optimizer is not None:
-            entries = model_entries(model, args)
-            tp, tp_rank = tp_size_rank()
-            for chunk, chunk_entries in zip(model, entries):
-                num_layers, gated, _ = model_layout(chunk, args)
-                for kind, tensors in optimizer_tensors(optimizer, chunk_entries).items():
-                    for e, tensor in tensors:
-                        pieces = dist_keys.shards(e, num_layers, tp, tp_rank, gated, tensor)
-                        sharded.setdefault(f"optimizer.state.{kind}.{e.key}", []).extend(pieces)
-            common["optimizer"] = optimizer_common(optimizer)
+            tensors = optimizer_tensors(optimizer, model_params(model_sd))
+            state["optimizer_state"] = optimizer_sharded_state(model_sd, tensors)
+            state["optimizer"] = optimizer_common(optimizer)
             if isinstance(optimizer, DistributedOptimizer):
                 content.update(distrib_optim_sharding_type="fully_reshardable",
                                distrib_optim_fully_reshardable_mem_efficient=False)
         if opt_param_scheduler is not None:
-            common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-    common["content_metadata"] = content
-    if not args.no_save_rng and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
-        sharded[_rng_key()] = [get_rng_state(False)]  # Megatron's object payload: the list of local objects
-    buffer = io.BytesIO()
-    torch.save(common, buffer)  # pickled now: args (consumed samples ...) keep changing while an async save runs
-    directory = checkpoint_dir(args.save, iteration)
+            state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    state["content_metadata"] = content
+    state.update(model_sd)
+    if options.save_rng:
+        state["rng_state"] = _rng_object(get_rng_state(False))
+    return state
 
-    if getattr(args, "async_save", False):
-        if _async_group is None:
-            _async_group = torch.distributed.new_group(backend="gloo")  # collectives off the training groups
 
-        def snap(v):  # training updates the parameters in place while the thread writes
-            if isinstance(v, LocalShard):
-                return LocalShard(v.data.clone(), v.global_shape, v.global_offset)
-            if isinstance(v, list) and v and isinstance(v[0], LocalShard):
-                return [snap(x) for x in v]
-            return v
-        snapshot = {k: snap(v) for k, v in sharded.items()}
-
-        def run():
-            try:
-                _write(snapshot, buffer.getvalue(), directory, args.save, iteration, _async_group)
-            except BaseException as e:  # noqa: BLE001 - reported by finalize_async_save
-                _pending_error.append(e)
-
-        _pending = threading.Thread(target=run, name=f"async-save-{iteration}", daemon=False)
-        _pending.start()
-        print_rank_0("  scheduled asynchronous save of iteration {:7d} to {}".format(iteration, args.save))
+def save_to(save_dir, train_state: TrainState, model, optimizer, opt_param_scheduler, options: SaveOptions):
+    """Collective: write checkpoint ``train_state.iteration`` under ``save_dir`` in the torch_dist format; with
+    ``options.async_save`` the write runs in the background (:func:`finalize_async_save` waits for it)."""
+    finalize_async_save()
+    model = unwrap_model(model)
+    iteration = train_state.iteration
+    print_rank_0("saving checkpoint at iteration {:7d} to {} in torch_dist format".format(iteration, save_dir))
+    state = build_save_state(train_state, model, optimizer, opt_param_scheduler, options)
+    sharded, common = save_preprocess(state, validate_access_integrity=True)
+    storage = to_storage(sharded, snapshot=options.async_save)  # training updates the parameters in place
+    directory = checkpoint_dir(save_dir, iteration)
+    if options.async_save:
+        # The common part is pickled now: args (consumed samples ...) keep changing while the write runs.
+        _ASYNC_SAVES.schedule_async_request(AsyncRequest(
+            _write, (storage, common_bytes(common), directory, save_dir, iteration, async_process_group()), []))
+        print_rank_0("  scheduled asynchronous save of iteration {:7d} to {}".format(iteration, save_dir))
         return
-    _write(sharded, buffer.getvalue(), directory, args.save, iteration, None)
-    print_rank_0("  successfully saved checkpoint at iteration {:7d} to {}".format(iteration, args.save))
+    _write(storage, common_bytes(common), directory, save_dir, iteration, None)
+    print_rank_0("  successfully saved checkpoint at iteration {:7d} to {}".format(iteration, save_dir))
+
+
+def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0):
+    """Collective: write checkpoint ``iteration`` under ``--save`` (the global args give the inputs of
+    :func:`save_to`)."""
+    args = get_args()
+    state = TrainState(iteration, getattr(args, "consumed_train_samples", 0),
+                       getattr(args, "consumed_valid_samples", 0), num_floating_point_operations_so_far)
+    options = SaveOptions(args=args, save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
+                          async_save=bool(getattr(args, "async_save", False)))
+    save_to(args.save, state, model, optimizer, opt_param_scheduler, options)
 
 
 # ------------------------------------------------------------------------------------------------ load
-def _read_tracker(load_dir, args):
-    step = getattr(args, "ckpt_step", None)
-    if step is not None:
-        return int(step)
+def _read_tracker(load_dir, ckpt_step):
+    if ckpt_step is not None:
+        return int(ckpt_step)
     tracker = protocol.get_checkpoint_tracker_filename(load_dir)
     with open(tracker) as f:
         text = f.read().strip()
@@ -194,14 +232,36 @@ def _read_tracker(load_dir, args):
                                   f"{text!r}") from None
 
 
+def _norm_aliases():
+    """(Transformer Engine's fused name, megatron-core's local-spec module name) of the same norm tensor: the
+    layer specs' key maps (LOCAL_NORM_KEYS_MAP, MLA_NORM_KEYS_MAP) read backwards."""
+    from megatron.core.transformer.transformer_layer import LOCAL_NORM_KEYS_MAP, MLA_NORM_KEYS_MAP
+
+    return tuple((f"{fused}{kind}", f"{module}{kind}") for module, fused in {**LOCAL_NORM_KEYS_MAP,
+                                                                           **MLA_NORM_KEYS_MAP}.items()
+                 for kind in ("weight", "bias"))
+
+
+def stored_alias(key: str, stored) -> Optional[str]:
+    """The key under which ``stored`` (a checkpoint's keys) holds ``key``'s tensor when it was written with the other
+    of Transformer Engine's fused norm names and megatron-core's local-spec module names; None when it has neither."""
+    for fused, module in _norm_aliases():
+        for mine, theirs in ((fused, module), (module, fused)):
+            if mine in key:
+                other = key.replace(mine, theirs)
+                if other in stored:
+                    return other
+    return None
+
+
 def load_sharded_checked(request, directory, strictness="assume_ok_unexpected", shape_mismatch=()):
-    """Collective: read ``request`` from ``directory`` after the strictness checks; one-line errors that name the
-    directory and the key."""
+    """Collective: read the storage-level ``request`` from ``directory`` after the strictness checks; one-line
+    errors that name the directory and the key."""
     stored = read_metadata_checked(directory, DistCheckpointError)
     for k in [k for k in request if "._extra_state/" in k and k not in stored]:
         del request[k]  # an empty object (no FP8 metadata) that an older writer left out
     # Norms a megatron-core local spec stored under its module names (q_layernorm ...) are read from there.
-    aliases = {k: dist_keys.stored_alias(k, stored) for k in request if k not in stored}
+    aliases = {k: stored_alias(k, stored) for k in request if k not in stored}
     aliases = {mine: theirs for mine, theirs in aliases.items() if theirs is not None}
     for mine, theirs in aliases.items():
         request[theirs] = request.pop(mine)
@@ -215,22 +275,39 @@ def load_sharded_checked(request, directory, strictness="assume_ok_unexpected", 
     return request
 
 
-def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
-    """Collective: load a torch_dist checkpoint (ours or Megatron-LM's) saved with any TP/PP/DP layout; return the
-    iteration."""
-    args = get_args()
+def read_state(state, directory, strictness, stored) -> Dict[str, object]:
+    """Collective: ``state`` (a sharded state dict to load) read from ``directory``: every leaf replaced by its
+    value, factories merged; leaves the strictness rule dropped (and FP8 scaling state absent from a checkpoint
+    saved without FP8) are left out."""
+    sharded, _, factories = load_preprocess(state)
+    request = StorageRequest(sharded)
+    absent_fp8 = [k for k in request.items if ".fp8_meta." in k and k not in stored]
+    if absent_fp8:  # a checkpoint saved without FP8: the FP8 layers start their scaling state afresh
+        print_rank_0(f"  the checkpoint holds no FP8 scaling state ({len(absent_fp8)} keys): scales start at 1")
+        for key in absent_fp8:
+            del request.items[key]
+    load_sharded_checked(request.items, directory, strictness, request.shape_mismatch_keys())
+    filled = request.fill(sharded)
+    _drop_unread(filled, factories)
+    return apply_factory_merges(filled, factories)
+
+
+def load_from(load_dir, model, optimizer, opt_param_scheduler, options: LoadOptions):
+    """Collective: load the torch_dist checkpoint of ``load_dir`` (ours or Megatron-LM's, any TP/PP/DP layout)
+    into the model, optimizer, scheduler and RNG. Returns ``(train_state, checkpoint args)`` — when finetuning
+    (or from a release checkpoint) a zero train state whose consumed samples are None (not restored) —, or None
+    without a checkpoint (training starts from scratch)."""
     finalize_async_save()
-    load_dir = getattr(args, load_arg)
     model = unwrap_model(model)
     tracker = protocol.get_checkpoint_tracker_filename(load_dir)
-    if not os.path.isfile(tracker) and getattr(args, "ckpt_step", None) is None:
-        if args.exit_on_missing_checkpoint:
+    if not os.path.isfile(tracker) and options.ckpt_step is None:
+        if options.exit_on_missing_checkpoint:
             print_rank_0(">> '--exit-on-missing-checkpoint' set ... exiting. <<")
             sys.exit()
         print_rank_0("WARNING: could not find the metadata file {} ".format(tracker))
         print_rank_0("    will not load any checkpoints and will start from random")
-        return 0
-    iteration = _read_tracker(load_dir, args)
+        return None
+    iteration = _read_tracker(load_dir, options.ckpt_step)
     release = iteration == "release"
     directory = os.path.join(load_dir, "release") if release else checkpoint_dir(load_dir, iteration)
     if not os.path.isdir(directory) and os.path.isdir(directory + protocol.ASIDE_SUFFIX):
@@ -247,63 +324,80 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
                                                               for k in stored):
         raise DistCheckpointError(f"{directory} uses the pre-Megatron key layout of older versions of this library "
                                   "(model.<name> keys), which is no longer read: re-create it with --ckpt-format torch")
-    finetune = bool(args.finetune) or release
-    load_optim = optimizer is not None and not finetune and not args.no_load_optim
+    finetune = options.finetune or release
+    load_optim = optimizer is not None and not finetune and options.load_optim
     ckpt_args = common.get("args")
     tp, pp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()
     saved_tp_pp = (getattr(ckpt_args, "tensor_model_parallel_size", 1), getattr(ckpt_args, "pipeline_model_parallel_size", 1))
     if not finetune and ckpt_args is not None:
         # torch_dist reshards on load and absorbs vocabulary padding, so the padded vocabulary may differ.
         check_checkpoint_args(ckpt_args, directory, skip=("padded_vocab_size",))
-    strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
-    request = model_sharded_state(model, args, for_load=True)
-    absent_fp8 = [k for k in request if ".fp8_meta." in k and k not in stored]
-    if absent_fp8:  # a checkpoint saved without FP8: the FP8 layers start their scaling state afresh
-        print_rank_0(f"  the checkpoint holds no FP8 scaling state ({len(absent_fp8)} keys): scales start at 1")
-        for k in absent_fp8:
-            del request[k]
-    entries = model_entries(model, args)
+    model_sd = model_sharded_state_dicts(model)
+    state = dict(model_sd)
     main_kind = None
     if load_optim:
         if "optimizer" not in common:
             raise DistCheckpointError(f"{directory} was saved without optimizer state (--no-save-optim): pass "
                                       "--no-load-optim or --finetune")
-        optim_request, main_kind, _ = optimizer_request(optimizer, model, entries, args, stored, directory)
-        request.update(optim_request)
-    rng = _rng_key()
-    load_rng = not finetune and not args.no_load_rng and saved_tp_pp == (tp, pp) \
+        kinds, main_kind = optimizer_load_kinds(optimizer, stored, directory)
+        state["optimizer_state"] = optimizer_sharded_state(
+            model_sd, optimizer_request_tensors(optimizer, model_params(model_sd), kinds))
+    params_by_path = param_of_paths(model_sd)
+    rng = _rng_object()
+    load_rng = not finetune and options.load_rng and saved_tp_pp == (tp, pp) \
         and not getattr(ckpt_args, "no_save_rng", False)
     if load_rng:
-        if rng not in stored:
-            raise DistCheckpointError(f"torch_dist checkpoint {directory} holds no RNG state {rng!r}: pass "
-                                      "--no-load-rng")
-        request[rng] = None
-    elif not finetune and not args.no_load_rng:
+        if rng.unique_key not in stored:
+            raise DistCheckpointError(f"torch_dist checkpoint {directory} holds no RNG state {rng.unique_key!r}: "
+                                      "pass --no-load-rng")
+        state["rng_state"] = rng
+    elif not finetune and options.load_rng:
         print_rank_0(f"  the checkpoint was saved with (TP, PP) = {saved_tp_pp}, this run uses {(tp, pp)}: RNG "
                      "state will be ignored")
-    mismatch = [k for k in request if k.endswith(dist_keys.VOCAB_KEYS)]  # vocab padding depends on TP
-    load_sharded_checked(request, directory, strictness, mismatch)
-    apply_loaded_model(model, request, args, strict=strict)
+    loaded = read_state(state, directory, options.strictness, stored)
+    for i, chunk in enumerate(model):
+        chunk.load_state_dict(loaded.get("model" if len(model) == 1 else f"model{i}", {}), strict=options.strict)
 
-    args.num_floating_point_operations_so_far = 0 if finetune else common.get("num_floating_point_operations_so_far", 0)
+    train_state = TrainState(0, None, None, 0.0)
     if not finetune:
-        iteration = common.get("iteration", iteration)
+        train_state.iteration = common.get("iteration", iteration)
+        train_state.num_floating_point_operations_so_far = common.get("num_floating_point_operations_so_far", 0)
         if ckpt_args is not None:
-            args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
-            args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
-    else:
-        iteration = 0
+            train_state.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
+            train_state.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
     if load_optim:
-        load_optimizer_state(optimizer, model, entries, request, common["optimizer"], main_kind, args)
+        load_optimizer_state(optimizer, loaded.get("optimizer_state", {}), params_by_path, common["optimizer"],
+                             main_kind)
         if opt_param_scheduler is not None and "opt_param_scheduler" in common:
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     elif optimizer is not None:
         optimizer.reload_model_params()
     if load_rng:
-        set_rng_state(request[rng][0], False, directory)
+        set_rng_state(loaded["rng_state"], False, directory)
     torch.distributed.barrier()
-    print_rank_0("  successfully loaded checkpoint from {} at iteration {}".format(load_dir, iteration))
-    return iteration
+    print_rank_0("  successfully loaded checkpoint from {} at iteration {}".format(load_dir, train_state.iteration))
+    return train_state, ckpt_args
+
+
+def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
+    """Collective: load ``--load`` (the global args give the inputs of :func:`load_from`); sets
+    ``args.num_floating_point_operations_so_far`` and, unless finetuning, the consumed samples; returns the
+    iteration."""
+    args = get_args()
+    options = LoadOptions(load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                          finetune=bool(args.finetune), strictness=getattr(args, "dist_ckpt_strictness",
+                                                                           "assume_ok_unexpected"),
+                          ckpt_step=getattr(args, "ckpt_step", None),
+                          exit_on_missing_checkpoint=bool(args.exit_on_missing_checkpoint), strict=strict)
+    loaded = load_from(getattr(args, load_arg), model, optimizer, opt_param_scheduler, options)
+    if loaded is None:
+        return 0
+    train_state = loaded[0]
+    args.num_floating_point_operations_so_far = train_state.num_floating_point_operations_so_far
+    if train_state.consumed_train_samples is not None:
+        args.consumed_train_samples = train_state.consumed_train_samples
+        args.consumed_valid_samples = train_state.consumed_valid_samples
+    return train_state.iteration
 
 
 def load_full_checkpoint(directory: str) -> Dict[str, object]:

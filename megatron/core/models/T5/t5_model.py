@@ -38,19 +38,21 @@ def t5_position_ids(token_ids):
 
 
 class T5LMHead(MegatronModule):
-    """``T5LMHead(config, parallel_output, vocab_size, pre_process=True, share_embeddings_and_output_weights=False)``:
+    """``T5LMHead(config, parallel_output, vocab_size, pre_process=True, share_embeddings_and_output_weights=False,
+    tp_group=None)``:
     ``output_layer`` = ColumnParallelLinear ``h -> V/tp`` (weight = the word embedding when tied; bias only when
     tied). ``forward(hidden_states, word_embeddings_weight) -> [s, b, V/tp]``."""
 
     def __init__(self, config, parallel_output, vocab_size, pre_process=True,
-                 share_embeddings_and_output_weights=False):
+                 share_embeddings_and_output_weights=False, tp_group=None):
         super().__init__(config=config)
         self.parallel_output = parallel_output
+        self.tp_group = tp_group
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, vocab_size, config=config, init_method=config.init_method,
             bias=share_embeddings_and_output_weights, skip_bias_add=not share_embeddings_and_output_weights,
             gather_output=not parallel_output,
-            skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights)
+            skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights, tp_group=tp_group)
 
     def forward(self, hidden_states, word_embeddings_weight=None):
         logits, _ = self.output_layer(hidden_states, weight=word_embeddings_weight)
@@ -61,7 +63,7 @@ class T5Model(LanguageModule):
     """``T5Model(config, encoder_config, transformer_encoder_layer_spec, transformer_decoder_layer_spec, vocab_size,
     max_sequence_length, pre_process=True, post_process=True, fp16_lm_cross_entropy=False, parallel_output=True,
     share_embeddings_and_output_weights=False, position_embedding_type='learned_absolute', rotary_percent=1.0,
-    seq_len_interpolation_factor=None, add_encoder=True, add_decoder=True)``.
+    seq_len_interpolation_factor=None, add_encoder=True, add_decoder=True, pg_collection=None)``.
 
     The decoder has ``config.num_layers`` layers, the encoder ``encoder_config.num_layers``. Layer specs are
     layer ``ModuleSpec``s or ``TransformerBlockSubmodules`` (:mod:`megatron.core.models.T5.t5_spec`).
@@ -72,8 +74,8 @@ class T5Model(LanguageModule):
                  parallel_output=True, share_embeddings_and_output_weights=False,
                  position_embedding_type="learned_absolute", rotary_percent=1.0, seq_len_interpolation_factor=None,
                  relative_attention_num_buckets=32, relative_attention_max_distance=128, add_encoder=True,
-                 add_decoder=True, **unused):
-        super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+                 add_decoder=True, pg_collection=None):
+        super().__init__(config, pg_collection, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         if position_embedding_type not in ("learned_absolute", "rope"):
             raise NotImplementedError(f"T5 position_embedding_type {position_embedding_type!r}: only "
                                       "'learned_absolute' and 'rope' are implemented ('relative' needs Transformer "
@@ -96,7 +98,8 @@ class T5Model(LanguageModule):
 
         if self.pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                    position_embedding_type=position_embedding_type)
+                                                    position_embedding_type=position_embedding_type,
+                                                    tp_group=self.tp_group)
             if position_embedding_type == "learned_absolute":
                 self.position_embeddings = self.embedding.position_embeddings  # megatron-core's alias
         if position_embedding_type == "rope":
@@ -106,15 +109,16 @@ class T5Model(LanguageModule):
         self.encoder = None
         if add_encoder:
             self.encoder = TransformerBlock(encoder_config, spec=transformer_encoder_layer_spec, pre_process=pre_process,
-                                            post_process=post_process, role="encoder")
+                                            post_process=post_process, pg_collection=pg_collection, role="encoder")
         self.decoder = None
         if add_decoder:
             self.decoder = TransformerBlock(config, spec=transformer_decoder_layer_spec, pre_process=pre_process,
-                                            post_process=post_process, role="decoder")
+                                            post_process=post_process, pg_collection=pg_collection, role="decoder")
         self.has_lm_head = post_process and add_decoder
         if self.has_lm_head:
             self.lm_head = T5LMHead(config, parallel_output, vocab_size, pre_process=pre_process,
-                                    share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+                                    share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                                    tp_group=self.tp_group)
             self.output_layer = self.lm_head.output_layer  # megatron-core's alias
         self._setup_embeddings()
         self._register_load_state_dict_pre_hook(self._fill_aliases)

@@ -25,7 +25,8 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.norms import FusedLayerNorm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (LOCAL_NORM_KEYS_MAP, TransformerLayer,
+                                                         TransformerLayerSubmodules)
 
 
 def _self_attention(mask_type) -> ModuleSpec:
@@ -48,7 +49,8 @@ def encoder_model_with_local_spec() -> ModuleSpec:
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=FusedLayerNorm,
         mlp=_mlp(),
-        mlp_bda=get_bias_dropout_add))
+        mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=dict(LOCAL_NORM_KEYS_MAP)))
 
 
 def decoder_model_with_local_spec() -> ModuleSpec:
@@ -66,7 +68,8 @@ def decoder_model_with_local_spec() -> ModuleSpec:
         cross_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=FusedLayerNorm,
         mlp=_mlp(),
-        mlp_bda=get_bias_dropout_add))
+        mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=dict(LOCAL_NORM_KEYS_MAP)))
 
 
 def get_t5_encoder_with_local_block_spec(num_layers: int) -> TransformerBlockSubmodules:

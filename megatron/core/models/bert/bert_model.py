@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 class BertLMHead(MegatronModule):
     """megatron-core: ``BertLMHead(hidden_size, config)``: dense -> gelu -> LayerNorm (logits in ``output_layer``)."""
 
-    def __init__(self, hidden_size, config, **unused):
+    def __init__(self, hidden_size, config):
         super().__init__(config=config)
         self.dense = get_linear_layer(hidden_size, hidden_size, config.init_method, config=config)
         setattr(self.dense.weight, "sequence_parallel", config.sequence_parallel)
@@ -41,14 +41,15 @@ class BertModel(LanguageModule):
     """``BertModel(config, num_tokentypes, transformer_layer_spec, vocab_size, max_sequence_length, pre_process=True,
     post_process=True, fp16_lm_cross_entropy=False, parallel_output=True, share_embeddings_and_output_weights=False,
     position_embedding_type='learned_absolute', rotary_percent=1.0, seq_len_interpolation_factor=None,
-    add_binary_head=True, return_embeddings=False)``; ``forward(input_ids, attention_mask, tokentype_ids=None,
+    add_binary_head=True, return_embeddings=False, vp_stage=None, pg_collection=None)``; ``forward(input_ids, attention_mask, tokentype_ids=None,
     lm_labels=None, inference_params=None) -> (logits or loss, binary_logits)``."""
 
     def __init__(self, config, num_tokentypes, transformer_layer_spec=None, vocab_size=None, max_sequence_length=None,
                  pre_process=True, post_process=True, fp16_lm_cross_entropy=False, parallel_output=True,
                  share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
-                 rotary_percent=1.0, seq_len_interpolation_factor=None, add_binary_head=True, return_embeddings=False):
-        super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+                 rotary_percent=1.0, seq_len_interpolation_factor=None, add_binary_head=True, return_embeddings=False,
+                 vp_stage=None, pg_collection=None):
+        super().__init__(config, pg_collection, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         if vocab_size is None:
             raise ValueError("BertModel needs vocab_size")
         if return_embeddings:
@@ -66,19 +67,20 @@ class BertModel(LanguageModule):
         if self.pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
                                                     position_embedding_type=position_embedding_type,
-                                                    num_tokentypes=num_tokentypes)
+                                                    num_tokentypes=num_tokentypes, tp_group=self.tp_group)
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
                                                   rotary_interleaved=config.rotary_interleaved,
                                                   seq_len_interpolation_factor=seq_len_interpolation_factor)
-        self.encoder = TransformerBlock(config, spec=spec, pre_process=pre_process, post_process=post_process)
+        self.encoder = TransformerBlock(config, spec=spec, pre_process=pre_process, post_process=post_process,
+                                        pg_collection=pg_collection, vp_stage=vp_stage)
         if self.post_process:
             self.lm_head = BertLMHead(config.hidden_size, config)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=True,
                 skip_bias_add=False, gather_output=not self.parallel_output,
                 skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                reuse_cpu_output_buffer=True)
+                tp_group=self.tp_group, reuse_cpu_output_buffer=True)
             self.binary_head = None
             if self.add_binary_head:
                 self.binary_head = get_linear_layer(config.hidden_size, 2, config.init_method, config=config)

@@ -19,8 +19,10 @@ class Embedding(MegatronModule):
     -> [s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism)."""
 
     def __init__(self, hidden_size, vocab_size, max_sequence_length, embedding_dropout_prob, config, num_tokentypes=0,
-                 embedding_weights_in_fp32=False, *, position_embedding_type=None):
+                 embedding_weights_in_fp32=False, *, position_embedding_type=None, scatter_to_sequence_parallel=True,
+                 tp_group=None):
         super().__init__(config=config)
+        self.tp_group = tp_group  # the vocabulary split; None = parallel_state's TP group
         self.hidden_size = hidden_size
         self.init_method = config.init_method
         self.num_tokentypes = num_tokentypes
@@ -28,9 +30,11 @@ class Embedding(MegatronModule):
         self.embedding_weights_in_fp32 = embedding_weights_in_fp32
         self.fp32_residual_connection = config.fp32_residual_connection
         self.sequence_parallel = config.sequence_parallel
+        self.scatter_to_sequence_parallel = scatter_to_sequence_parallel
 
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(vocab_size, self.hidden_size, config=config,
-                                                                      init_method=config.init_method)
+                                                                      init_method=config.init_method,
+                                                                      tp_group=tp_group)
         self._word_embeddings_key = "word_embeddings"
 
         if position_embedding_type is None:
@@ -114,8 +118,8 @@ class Embedding(MegatronModule):
         if self.fp32_residual_connection:
             embeddings = embeddings.float()
 
-        if self.sequence_parallel:
-            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+        if self.sequence_parallel and self.scatter_to_sequence_parallel:
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings, self.tp_group)
             # Each TP rank holds different tokens now: their dropout masks must differ.
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 embeddings = self.embedding_dropout(embeddings)
@@ -137,9 +141,11 @@ class Embedding(MegatronModule):
 
 class LanguageModelEmbedding(Embedding):
     """megatron-core: ``LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-    position_embedding_type='learned_absolute', num_tokentypes=0)``."""
+    position_embedding_type='learned_absolute', num_tokentypes=0, scatter_to_sequence_parallel=True,
+    tp_group=None)``; without ``scatter_to_sequence_parallel`` the output stays whole under sequence parallelism."""
 
     def __init__(self, config, vocab_size, max_sequence_length, position_embedding_type="learned_absolute",
-                 num_tokentypes=0, **unused):
+                 num_tokentypes=0, scatter_to_sequence_parallel: bool = True, tp_group=None):
         super().__init__(config.hidden_size, vocab_size, max_sequence_length, config.hidden_dropout, config,
-                         num_tokentypes=num_tokentypes, position_embedding_type=position_embedding_type)
+                         num_tokentypes=num_tokentypes, position_embedding_type=position_embedding_type,
+                         scatter_to_sequence_parallel=scatter_to_sequence_parallel, tp_group=tp_group)

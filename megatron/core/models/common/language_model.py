@@ -14,19 +14,9 @@ from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import Embedding
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.norms import param_device
 from megatron.core.transformer.rotary import RotaryEmbedding
 from megatron.core.transformer.transformer_block import ParallelTransformer
-
-
-def get_linear_layer(rows, columns, init_method, perform_initialization=True, config=None):
-    """A replicated ``torch.nn.Linear(rows, columns)`` with ``init_method`` weights and a zero bias."""
-    kwargs = {}
-    if config is not None:
-        kwargs = {"dtype": config.params_dtype, "device": param_device(config)}
-        perform_initialization = config.perform_initialization
-    return tensor_parallel.InitializedLinear(rows, columns, init_method, perform_initialization=perform_initialization,
-                                             **kwargs)
+from megatron.core.transformer.utils import get_linear_layer
 
 
 def parallel_lm_logits(input_, word_embeddings_weight, parallel_output, bias=None, *, config=None):
@@ -52,21 +42,26 @@ def parallel_lm_logits(input_, word_embeddings_weight, parallel_output, bias=Non
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits_parallel)
 
 
-def logits_or_loss(logits, labels, fp16_lm_cross_entropy=False, fused=False):
+def logits_or_loss(logits, labels, fp16_lm_cross_entropy=False, fused=False, tp_group=None):
     """``[s, b, V]`` logits -> ``[b, s, V]`` logits, or the per-token loss ``[b, s]`` when labels ``[b, s]`` are given.
 
     ``fused`` (``config.cross_entropy_loss_fusion``, ``--cross-entropy-loss-fusion``) computes the same loss
-    with the compiled, single-all-reduce kernel of :mod:`megatron.core.fusions.fused_cross_entropy`.
+    with the compiled, single-all-reduce kernel of :mod:`megatron.core.fusions.fused_cross_entropy`. The vocabulary
+    is split over ``tp_group`` (None: parallel_state's TP group).
     """
     if labels is None:
         return logits.transpose(0, 1).contiguous()
     labels = labels.transpose(0, 1).contiguous()
     if fused:
+        if tp_group is not None:
+            raise NotImplementedError("the fused cross entropy (--cross-entropy-loss-fusion) reduces over "
+                                      "parallel_state's TP group: a model built with another pg_collection.tp cannot "
+                                      "use it; drop --cross-entropy-loss-fusion")
         from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy as cross_entropy
     else:
         # The logits were made for this loss and are not returned: the loss may overwrite them.
         def cross_entropy(logits, labels):
-            return tensor_parallel.vocab_parallel_cross_entropy(logits, labels, inplace=True)
+            return tensor_parallel.vocab_parallel_cross_entropy(logits, labels, inplace=True, tp_group=tp_group)
     if fp16_lm_cross_entropy:
         assert logits.dtype == torch.half, "--fp16-lm-cross-entropy needs fp16 logits (--fp16)"
         loss = cross_entropy(logits, labels)

@@ -3,9 +3,10 @@
 Rules (those of Megatron-LM's ``tools/checkpoint`` converters): column-parallel tensors (fused QKV,
 ``dense_h_to_4h`` / ``linear_fc1``, word embeddings, untied output layer, the BERT LM-head bias, multi-latent
 attention's query and up projections, the MTP ``eh_proj``) are split along dim 0; row-parallel weights (attention
-output ``dense`` / ``linear_proj``, ``dense_4h_to_h`` / ``linear_fc2``) along dim 1; everything else is replicated. The fused QKV rows are grouped per query group, so contiguous chunks give each
-rank whole groups. With a gated MLP (swiglu) each rank's first MLP linear is ``[gate_shard; up_shard]``, so the TP=1
-tensor ``[gate; up]`` is split half by half.
+output ``dense`` / ``linear_proj``, ``dense_4h_to_h`` / ``linear_fc2``) along dim 1; everything else is
+replicated. The fused QKV rows are grouped per query group, so contiguous chunks give each rank whole groups. With a
+gated MLP (swiglu) each rank's first MLP linear is ``[gate_shard; up_shard]``, so the TP=1 tensor ``[gate; up]`` is
+split half by half.
 """
 from __future__ import annotations
 

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.multi_token_prediction import get_gpt_mtp_block_spec  # noqa: F401  (megatron-core's path)
+from megatron.core.transformer.multi_token_prediction import get_gpt_mtp_block_spec  # noqa: F401  (megatron-core)
 from megatron.core.transformer.norms import FusedLayerNorm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_layer import TransformerLayer, default_layer_submodules
+from megatron.core.transformer.transformer_layer import (LOCAL_NORM_KEYS_MAP, MLA_NORM_KEYS_MAP, TransformerLayer,
+                                                          default_layer_submodules)
 
 
 def get_moe_module_spec(num_experts=None, moe_grouped_gemm=False) -> ModuleSpec:
@@ -52,6 +53,10 @@ def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layern
     submodules = default_layer_submodules(AttnMaskType.causal)
     if multi_latent_attention:
         submodules.self_attention = get_mla_self_attention_spec(qk_layernorm)
+        # Checkpoint keys as megatron-core's Transformer Engine MLA spec writes them (MLA_NORM_KEYS_MAP).
+        submodules.sharded_state_dict_keys_map = dict(MLA_NORM_KEYS_MAP)
+        if num_experts is None:
+            submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."] = LOCAL_NORM_KEYS_MAP["pre_mlp_layernorm."]
     if num_experts is not None:
         submodules.mlp = get_moe_module_spec(num_experts, moe_grouped_gemm)
     return ModuleSpec(module=TransformerLayer, submodules=submodules)

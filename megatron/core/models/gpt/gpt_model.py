@@ -9,10 +9,13 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_model import logits_or_loss
+from megatron.core.process_groups_config import group_of, require_mpu_groups
 from megatron.core.transformer.module import MegatronModule, sync_tied_weight_across_pipeline
 from megatron.core.transformer.rotary import RotaryEmbedding, YarnRotaryEmbedding, get_pos_emb_on_this_cp_rank
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+from megatron.core.utils import get_pg_rank, make_tp_sharded_tensor_for_checkpoint
 
 
 def _or(value, default):
@@ -21,7 +24,14 @@ def _or(value, default):
 
 class LanguageModule(MegatronModule):
     """Shared-embedding handling of megatron-core language models (tied weight lives in ``output_layer`` on
-    the last stage)."""
+    the last stage). ``LanguageModule(config, pg_collection=None)``: the TP group of the collection splits the
+    vocabulary (embedding, output layer, loss); the pipeline's embedding groups are parallel_state's."""
+
+    def __init__(self, config, pg_collection=None, share_embeddings_and_output_weights: bool = False):
+        super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+        require_mpu_groups(pg_collection, ("pp", "embd", "pos_embd", "cp"), type(self).__name__)
+        self.pg_collection = pg_collection
+        self.tp_group = group_of(pg_collection, "tp")
 
     # The last stage's embedding copy for multi-token prediction (GPTModel sets it); a stage holding it also uses it
     # as the tied output weight.
@@ -51,6 +61,38 @@ class LanguageModule(MegatronModule):
         is_copy = self.post_process and not self.pre_process
         sync_tied_weight_across_pipeline(self.shared_embedding_or_output_weight(), is_copy)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The default sharded state, with the output layer tied to the word embedding: on a last stage without
+        the embedding (PP > 1) the output weight is saved as a replica ``(1, 0, dp)`` of
+        ``embedding.word_embeddings.weight`` (never written: the first stage's copy is); vocabulary-sized tensors
+        may have another padded size on load."""
+        if sharded_offsets:
+            raise ValueError("a language model takes no sharded_offsets")
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        embedding_key = f"{prefix}embedding.word_embeddings.weight"
+        for name in self._output_weight_names():
+            key = f"{prefix}{name}.weight"
+            if self.share_embeddings_and_output_weights:
+                if key in out and not self.pre_process:
+                    out[key] = self._tied_output_weight(embedding_key, metadata)
+            elif key in out:
+                out[key].allow_shape_mismatch = True
+            if f"{prefix}{name}.bias" in out:
+                out[f"{prefix}{name}.bias"].allow_shape_mismatch = True
+        return out
+
+    def _output_weight_names(self):
+        """Submodule names of the output layer (one, or an alias too)."""
+        return ("output_layer",)
+
+    def _tied_output_weight(self, embedding_key, metadata):
+        dp_cp_group = metadata["dp_cp_group"]
+        dp_rank = get_pg_rank(dp_cp_group) if dp_cp_group is not None else 0
+        return make_tp_sharded_tensor_for_checkpoint(
+            self.shared_embedding_or_output_weight(), embedding_key, replica_id=(1, 0, dp_rank),
+            allow_shape_mismatch=True, tp_group=getattr(self, "tp_group", None), dp_cp_group=dp_cp_group)
+
     def _rotary_seq_len(self, input_ids, decoder_input, inference_params):
         """Length of the full sequence: the local length x TP (with SP, for hidden states) x CP."""
         if inference_params is not None:
@@ -59,13 +101,14 @@ class LanguageModule(MegatronModule):
         if input_ids is not None:
             return input_ids.size(1) * cp
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp, _ = tensor_parallel.tp_size_and_rank(getattr(self, "tp_group", None))
         return hidden.size(0) * (tp if self.config.sequence_parallel else 1) * cp
 
     def compute_language_model_loss(self, labels, logits):
         """Per-token loss ``[b, s]`` from ``[s, b, V/tp]`` logits and ``[b, s]`` labels."""
         return logits_or_loss(logits, labels, self.fp16_lm_cross_entropy,
-                              fused=getattr(self.config, "cross_entropy_loss_fusion", False))
+                              fused=getattr(self.config, "cross_entropy_loss_fusion", False),
+                              tp_group=getattr(self, "tp_group", None))
 
 
 class GPTModel(LanguageModule):
@@ -88,9 +131,10 @@ class GPTModel(LanguageModule):
                  pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: str = None, rotary_percent: float = None, rotary_base: int = None,
-                 rope_scaling: bool = None, rope_scaling_factor: float = None, seq_len_interpolation_factor=None,
-                 mtp_block_spec=None):
-        super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+                 rope_scaling: bool = None, rope_scaling_factor: float = None,
+                 scatter_embedding_sequence_parallel: bool = True, seq_len_interpolation_factor=None,
+                 mtp_block_spec=None, pg_collection=None, vp_stage=None):
+        super().__init__(config, pg_collection, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         # Position-embedding settings not passed come from the config's fields of the same meaning (whose defaults
         # are megatron-core's defaults of these arguments).
         position_embedding_type = _or(position_embedding_type, config.position_embedding_type)
@@ -120,8 +164,9 @@ class GPTModel(LanguageModule):
 
                 mtp_block_spec = get_gpt_mtp_block_spec(config, transformer_layer_spec)
         if self.pre_process or self.mtp_process:
-            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                    position_embedding_type=position_embedding_type)
+            self.embedding = LanguageModelEmbedding(
+                config, vocab_size, max_sequence_length, position_embedding_type=position_embedding_type,
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel, tp_group=self.tp_group)
         # Multi-latent attention owns its rotary embedding (of the d_r rotary channels): none at the model level.
         if self.position_embedding_type == "rope" and not config.multi_latent_attention:
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
@@ -137,11 +182,14 @@ class GPTModel(LanguageModule):
                 beta_fast=config.beta_fast, beta_slow=config.beta_slow, mscale=config.mscale,
                 mscale_all_dim=config.mscale_all_dim,
                 correction_range_round_to_int=config.yarn_correction_range_round_to_int)
+        self.vp_stage = vp_stage
         self.decoder = TransformerBlock(config, spec=transformer_layer_spec, pre_process=self.pre_process,
-                                        post_process=self.post_process)
+                                        post_process=self.post_process, pg_collection=pg_collection,
+                                        vp_stage=vp_stage)
         if self.mtp_process:
             from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
+            require_mpu_groups(pg_collection, ("tp",), "multi-token prediction")
             self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec)
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
@@ -149,9 +197,23 @@ class GPTModel(LanguageModule):
                 skip_bias_add=False, gather_output=not self.parallel_output,
                 skip_weight_param_allocation=((self.pre_process or self.mtp_process)
                                               and self.share_embeddings_and_output_weights),
-                reuse_cpu_output_buffer=True)
+                tp_group=self.tp_group, reuse_cpu_output_buffer=True)
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """:meth:`LanguageModule.sharded_state_dict` without the output layer's (empty) ``_extra_state``, which
+        GPT checkpoints never held."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        out.pop(f"{prefix}output_layer._extra_state", None)
+        if self.mtp_process and not self.pre_process:
+            # The last stage's embedding copy (multi-token prediction): replicas (1, 0, dp) of the first stage's.
+            dp_cp_group = ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]
+            dp_rank = get_pg_rank(dp_cp_group) if dp_cp_group is not None else 0
+            for key, leaf in out.items():
+                if key.startswith(f"{prefix}embedding."):
+                    leaf.replica_id = (1, 0, dp_rank)
+        return out
 
     def set_input_tensor(self, input_tensor):
         if not isinstance(input_tensor, list):

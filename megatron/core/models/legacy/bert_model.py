@@ -117,6 +117,12 @@ class BertModel(MegatronModule):
                                         fused=getattr(self.config, "cross_entropy_loss_fusion", False))
         return loss_or_logits, binary_logits
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron-core's checkpoint keys and sharding (:mod:`megatron.core.models.legacy.sharded`)."""
+        from megatron.core.models.legacy.sharded import legacy_sharded_state_dict
+
+        return legacy_sharded_state_dict(self, "bert", prefix, sharded_offsets, metadata)
+
     def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
         state_dict_ = {self._language_model_key: self.language_model.state_dict_for_save_checkpoint(
             prefix=prefix, keep_vars=keep_vars)}

@@ -50,6 +50,12 @@ class GPTModel(MegatronModule):
         return logits_or_loss(logits, labels, self.fp16_lm_cross_entropy,
                               fused=getattr(self.config, "cross_entropy_loss_fusion", False))
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron-core's checkpoint keys and sharding (:mod:`megatron.core.models.legacy.sharded`)."""
+        from megatron.core.models.legacy.sharded import legacy_sharded_state_dict
+
+        return legacy_sharded_state_dict(self, "gpt", prefix, sharded_offsets, metadata)
+
     def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
         state_dict_ = {self._language_model_key: self.language_model.state_dict_for_save_checkpoint(
             prefix=prefix, keep_vars=keep_vars)}

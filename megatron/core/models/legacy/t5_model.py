@@ -83,6 +83,12 @@ class T5Model(MegatronModule):
             return decoder_output
         return lm_output
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron-core's checkpoint keys and sharding (:mod:`megatron.core.models.legacy.sharded`)."""
+        from megatron.core.models.legacy.sharded import legacy_sharded_state_dict
+
+        return legacy_sharded_state_dict(self, "t5", prefix, sharded_offsets, metadata)
+
     def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
         state_dict_ = {self._language_model_key: self.language_model.state_dict_for_save_checkpoint(
             prefix=prefix, keep_vars=keep_vars)}

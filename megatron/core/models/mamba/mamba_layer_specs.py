@@ -16,18 +16,28 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.norms import FusedLayerNorm
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules, \
-    default_layer_submodules
+from megatron.core.transformer.transformer_layer import LOCAL_NORM_KEYS_MAP, TransformerLayer, \
+    TransformerLayerSubmodules, default_layer_submodules
 
 
 def _attention_only() -> TransformerLayerSubmodules:
     full = default_layer_submodules(AttnMaskType.causal)
     return TransformerLayerSubmodules(input_layernorm=full.input_layernorm, self_attention=full.self_attention,
-                                      self_attn_bda=full.self_attn_bda)
+                                      self_attn_bda=full.self_attn_bda,
+                                      sharded_state_dict_keys_map=_norm_keys("input_layernorm."))
 
 
-def _mlp_only(mlp) -> TransformerLayerSubmodules:
-    return TransformerLayerSubmodules(pre_mlp_layernorm=FusedLayerNorm, mlp=mlp, mlp_bda=get_bias_dropout_add)
+def _mlp_only(mlp, fused_norm: bool = True) -> TransformerLayerSubmodules:
+    """An MLP-only layer; a dense MLP's pre-norm is stored fused into ``linear_fc1`` (Transformer Engine's name), an
+    MoE layer's stays ``pre_mlp_layernorm`` (a separate module in megatron-core's spec too)."""
+    return TransformerLayerSubmodules(pre_mlp_layernorm=FusedLayerNorm, mlp=mlp, mlp_bda=get_bias_dropout_add,
+                                      sharded_state_dict_keys_map=_norm_keys("pre_mlp_layernorm.") if fused_norm
+                                      else {})
+
+
+def _norm_keys(norm: str) -> dict:
+    """The entry of the local layer's norm-to-fused-name map (LOCAL_NORM_KEYS_MAP) for ``norm``."""
+    return {norm: LOCAL_NORM_KEYS_MAP[norm]}
 
 
 def get_mamba_stack_spec(moe_grouped_gemm: bool = False) -> ModuleSpec:
@@ -38,11 +48,12 @@ def get_mamba_stack_spec(moe_grouped_gemm: bool = False) -> ModuleSpec:
             norm=FusedLayerNorm,
             mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
                                                                                 out_proj=RowParallelLinear)),
-            mamba_bda=get_bias_dropout_add)),
+            mamba_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"})),
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=_attention_only()),
         mlp_layer=ModuleSpec(module=TransformerLayer, submodules=_mlp_only(dense_mlp)),
         moe_layer=ModuleSpec(module=TransformerLayer, submodules=_mlp_only(get_moe_module_spec(
-            moe_grouped_gemm=moe_grouped_gemm))),
+            moe_grouped_gemm=moe_grouped_gemm), fused_norm=False)),
         final_norm=FusedLayerNorm))
 
 

@@ -22,10 +22,12 @@ from typing import List
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.utils import log_once
-from megatron.core.transformer.mlp import glu_activation
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.transformer.mlp import apply_swiglu_to_fc1, glu_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import param_device, weights_on_meta
+from megatron.core.utils import log_once, make_sharded_object_for_checkpoint
 
 
 def expert_tensor_parallel_size_and_rank():
@@ -96,6 +98,20 @@ def expert_parallel_is_separate(config) -> bool:
     return config.expert_model_parallel_size > 1 or etp != config.tensor_model_parallel_size
 
 
+def expert_checkpoint_layout():
+    """(EP size, EP rank, expert-TP size, expert-TP rank, expert-DP rank) of this rank, for the sharded state."""
+    etp, etp_rank = expert_tensor_parallel_size_and_rank()
+    ep = parallel_state.get_expert_model_parallel_world_size() or 1
+    ep_rank = parallel_state.get_expert_model_parallel_rank() or 0
+    edp_rank = parallel_state.get_expert_data_parallel_rank() if parallel_state.is_initialized() else 0
+    return ep, ep_rank, etp, etp_rank, edp_rank
+
+
+def _expert_extra_state(key: str, offsets, etp_rank: int, edp_rank: int):
+    """megatron-core's empty ``_extra_state`` object of an expert linear layer (one piece per layer and expert)."""
+    return make_sharded_object_for_checkpoint(None, key, offsets, (0, etp_rank, edp_rank))
+
+
 class ExpertLinear(torch.nn.Module):
     """A local linear layer of one expert (no communication: the dispatcher moves the tokens)."""
 
@@ -112,6 +128,25 @@ class ExpertLinear(torch.nn.Module):
     def forward(self, x):
         return torch.nn.functional.linear(x, self.weight)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """Weight split over expert TP along its partition dim (fc1 rows, fc2 columns); fc1's bias split with its
+        rows, fc2's replicated; replicas over the expert data-parallel group; plus the empty ``_extra_state``."""
+        _, _, etp, etp_rank, edp_rank = expert_checkpoint_layout()
+        axis = len(sharded_offsets)
+        out = {}
+        for name, tensor in (("weight", self.weight), ("bias", self.bias)):
+            if tensor is None:
+                continue
+            key = f"{prefix}{name}"
+            split = name == "weight" or self.weight.partition_dim == 0
+            dim = self.weight.partition_dim if name == "weight" else 0
+            tp = ((axis + dim, etp_rank, etp),) if split else ()
+            out[key] = ShardedTensor.from_rank_offsets(key, tensor, *sharded_offsets, *tp, prepend_axis_num=axis,
+                                                       replica_id=(0, 0 if split else etp_rank, edp_rank))
+        out[f"{prefix}_extra_state"] = _expert_extra_state(f"{prefix}_extra_state", sharded_offsets, etp_rank,
+                                                           edp_rank)
+        return out
+
 
 class ExpertMLP(torch.nn.Module):
     def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor, config):
@@ -119,6 +154,15 @@ class ExpertMLP(torch.nn.Module):
         self.linear_fc1 = ExpertLinear(fc1, config.add_bias_linear, 0, config)
         self.linear_fc2 = ExpertLinear(fc2, config.add_bias_linear, 1, config)
         self.activation_func = expert_activation(config)
+        self.gated = config.gated_linear_unit
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        out = {}
+        for name in ("linear_fc1", "linear_fc2"):
+            out.update(getattr(self, name).sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+        if self.gated:
+            apply_swiglu_to_fc1(out, prefix, sharded_offsets, metadata)
+        return out
 
     def forward(self, x, probs):
         h = self.linear_fc1(x)
@@ -158,6 +202,27 @@ class SequentialMLP(MegatronModule):
                     linear.weight.copy_(w)
                     if linear.bias is not None:
                         linear.bias.zero_()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """Local expert ``j`` is global expert ``e = ep_rank * n + j``: its tensors get the prepended offset
+        ``(axis, e, E)`` and keys ``{prefix}experts.<name>`` (``{prefix}experts.{e}.<name>`` without the axis under
+        ``singleton_local_shards``)."""
+        ep, ep_rank, _, _, _ = expert_checkpoint_layout()
+        num_global = ep * self.num_local_experts
+        singleton = bool((metadata or {}).get("singleton_local_shards", False))
+        out = {}
+        for j, expert in enumerate(self.local_experts):
+            e = ep_rank * self.num_local_experts + j
+            local_prefix = f"{prefix}local_experts.{j}."
+            if singleton:
+                expert_sd = expert.sharded_state_dict(local_prefix, sharded_offsets, metadata)
+                replace_prefix_for_sharding(expert_sd, local_prefix, f"{prefix}experts.{e}.")
+            else:
+                offsets = (*sharded_offsets, (len(sharded_offsets), e, num_global))
+                expert_sd = expert.sharded_state_dict(local_prefix, offsets, metadata)
+                replace_prefix_for_sharding(expert_sd, local_prefix, f"{prefix}experts.")
+            out.update(expert_sd)
+        return out
 
     def forward(self, permuted_tokens, tokens_per_expert, permuted_probs):
         outputs = []
@@ -244,6 +309,56 @@ class GroupedMLP(MegatronModule):
         with torch.no_grad():
             self.weight1.copy_(torch.cat([w1.t() for w1, _ in weights], dim=1))
             self.weight2.copy_(torch.cat([w2.t() for _, w2 in weights], dim=0))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The same checkpoint tensors as :class:`SequentialMLP` (so either implementation loads the other's):
+        ``weight1 [h, n * X]`` is saved as this rank's block ``[n, X, h]`` of ``{prefix}experts.linear_fc1.weight``
+        ``[(L,) E, 2F or F, h]`` (experts ``ep_rank * n ...``; a gated ``X`` as its gate and up halves),
+        ``weight2 [n * X', h]`` as the block ``[n, h, X']`` of ``...linear_fc2.weight [(L,) E, h, F]``; plus the
+        empty ``_extra_state`` object of each expert's two linear layers."""
+        if (metadata or {}).get("singleton_local_shards"):
+            raise NotImplementedError("singleton_local_shards is not supported with --moe-grouped-gemm: save with "
+                                      "the default layout")
+        ep, ep_rank, etp, etp_rank, edp_rank = expert_checkpoint_layout()
+        n, h, axis = self.num_local_experts, self.hidden_size, len(sharded_offsets)
+        experts = (axis, ep_rank, ep)
+        gated = self.config.gated_linear_unit
+
+        def build_fc1(key, tensor, replica_id, flattened_range):
+            blocks = tensor.view(h, n, -1).permute(1, 2, 0)  # [n, X, h]
+            if not gated:
+                placed = [(blocks, etp_rank, etp)]
+            else:
+                gate, up = torch.chunk(blocks, 2, dim=1)
+                placed = [(gate, etp_rank, 2 * etp), (up, etp + etp_rank, 2 * etp)]
+            return [ShardedTensor.from_rank_offsets(key, b.contiguous(), *sharded_offsets, experts, (axis + 1, r, f),
+                                                    replica_id=replica_id, prepend_axis_num=axis)
+                    for b, r, f in placed]
+
+        def merge_fc1(loaded):
+            blocks = torch.cat(loaded, dim=1) if isinstance(loaded, list) else loaded  # [n, X, h]
+            return blocks.permute(2, 0, 1).reshape(h, -1)
+
+        def build_fc2(key, tensor, replica_id, flattened_range):
+            block = tensor.view(n, -1, h).transpose(1, 2).contiguous()  # [n, h, X']
+            return ShardedTensor.from_rank_offsets(key, block, *sharded_offsets, experts, (axis + 2, etp_rank, etp),
+                                                   replica_id=replica_id, prepend_axis_num=axis)
+
+        def merge_fc2(loaded):
+            return loaded.transpose(1, 2).reshape(-1, h)
+
+        replica = (0, 0, edp_rank)
+        out = {f"{prefix}weight1": ShardedTensorFactory(f"{prefix}experts.linear_fc1.weight", self.weight1,
+                                                        build_fc1, merge_fc1, replica),
+               f"{prefix}weight2": ShardedTensorFactory(f"{prefix}experts.linear_fc2.weight", self.weight2,
+                                                        build_fc2, merge_fc2, replica)}
+        for j in range(n):
+            e = ep_rank * n + j
+            offsets = (*sharded_offsets, (axis, e, ep * n))
+            for linear in ("linear_fc1", "linear_fc2"):
+                out[f"{prefix}expert{e}.{linear}._extra_state"] = _expert_extra_state(
+                    f"{prefix}experts.{linear}._extra_state", offsets, etp_rank, edp_rank)
+        return out
 
     def _activate(self, inter, permuted_probs):
         # The routing weight multiplies in its own precision (fp32 with --moe-router-dtype fp32), rounded once.

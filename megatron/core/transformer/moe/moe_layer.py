@@ -19,11 +19,14 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import require_mpu_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import param_device
 from megatron.core.transformer.moe.router import LOSS_NAMES, TopKRouter, tensor_and_context_parallel_group
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+from megatron.core.utils import make_sharded_tensors_for_checkpoint
 
 
 @dataclass
@@ -32,9 +35,15 @@ class MoESubmodules:
     shared_experts: Union[ModuleSpec, type] = None
 
 
+# The groups an MoE layer communicates over (router, dispatcher, experts): through parallel_state for now.
+MOE_PROCESS_GROUPS = ("tp", "ep", "expt_tp", "tp_ep", "expt_dp", "tp_dp_cp", "dp_cp", "cp")
+
+
 class BaseMoELayer(MegatronModule):
-    def __init__(self, config, layer_number: Optional[int] = None):
+    def __init__(self, config, layer_number: Optional[int] = None, pg_collection=None):
         super().__init__(config=config)
+        require_mpu_groups(pg_collection, MOE_PROCESS_GROUPS, type(self).__name__)
+        self.pg_collection = pg_collection
         self.layer_number = layer_number
         ep = parallel_state.get_expert_model_parallel_world_size() or 1
         if config.num_moe_experts % ep != 0:
@@ -48,10 +57,12 @@ class BaseMoELayer(MegatronModule):
 
 
 class MoELayer(BaseMoELayer):
-    """``MoELayer(config, submodules=MoESubmodules(experts=..., shared_experts=...), layer_number=None)``."""
+    """``MoELayer(config, submodules=MoESubmodules(experts=..., shared_experts=...), layer_number=None,
+    pg_collection=None)``."""
 
-    def __init__(self, config, submodules: MoESubmodules = None, layer_number: Optional[int] = None, **unused):
-        super().__init__(config, layer_number)
+    def __init__(self, config, submodules: MoESubmodules = None, layer_number: Optional[int] = None,
+                 pg_collection=None):
+        super().__init__(config, layer_number, pg_collection)
         submodules = submodules or MoESubmodules()
         self.router = TopKRouter(config, layer_number)
         experts = submodules.experts
@@ -83,8 +94,20 @@ class MoELayer(BaseMoELayer):
                 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
                 shared = SharedExpertMLP
-            self.shared_experts = build_module(shared, config=config, gate=config.moe_shared_expert_gate)
+            self.shared_experts = build_module(shared, config=config, gate=config.moe_shared_expert_gate,
+                                               **({} if pg_collection is None else {"pg_collection": pg_collection}))
         self.recompute_shared_experts = config.recomputes("shared_experts")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The default; the latent projections (replicated linear layers) also carry megatron-core's empty
+        ``_extra_state`` object, as its Transformer Engine linears do."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for name in ("fc1_latent_proj", "fc2_latent_proj"):
+            if hasattr(self, name):
+                out.update(make_sharded_tensors_for_checkpoint(
+                    {"_extra_state": None}, f"{prefix}{name}.", {}, sharded_offsets,
+                    dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]))
+        return out
 
     def forward(self, hidden_states: torch.Tensor):
         if (self.training and parallel_state.get_tensor_model_parallel_world_size() > 1

@@ -34,6 +34,8 @@ from typing import List, Optional
 
 import torch
 
+from megatron.core.tensor_parallel.mappings import all_to_all  # noqa: F401  (the MoE dispatch's)
+
 
 # ------------------------------------------------------------------------------------------------ routing
 
@@ -180,29 +182,40 @@ def apply_router_token_dropping(routing_probs: torch.Tensor, routing_map: torch.
     return final_probs, final_map
 
 
-class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Attach an auxiliary loss to an activation: identity forward; backward also sends
-    ``main_loss_backward_scale`` into the aux loss (set by the pipeline schedule per step, Megatron's API)."""
+def loss_auto_scaler(name: str, doc: str):
+    """An autograd Function attaching an auxiliary loss to an activation: identity forward; backward also sends the
+    class's ``main_loss_backward_scale`` (set by the pipeline schedule per step with ``set_loss_scale``; 1 when
+    unset) into the loss, so the loss trains without being added to the reported one. One class per kind of loss
+    (MoE router losses, multi-token prediction), each with its own scale."""
 
-    main_loss_backward_scale: torch.Tensor = None
+    class Scaler(torch.autograd.Function):
+        main_loss_backward_scale: torch.Tensor = None
 
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor):
-        ctx.save_for_backward(aux_loss)
-        return output
+        @staticmethod
+        def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor):
+            ctx.save_for_backward(aux_loss)
+            return output
 
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        if scale is None:
-            scale = torch.ones((), device=aux_loss.device)
-        return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device, aux_loss.dtype)
+        @staticmethod
+        def backward(ctx, grad_output: torch.Tensor):
+            (aux_loss,) = ctx.saved_tensors
+            scale = Scaler.main_loss_backward_scale
+            if scale is None:
+                scale = torch.ones((), device=aux_loss.device)
+            return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device, aux_loss.dtype)
 
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor):
-        """Scale of the aux-loss gradient relative to the main loss (loss scale / number of micro-batches)."""
-        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale).detach().reshape(())
+        @staticmethod
+        def set_loss_scale(scale: torch.Tensor):
+            """Scale of the loss's gradient relative to the main loss."""
+            Scaler.main_loss_backward_scale = torch.as_tensor(scale).detach().reshape(())
+
+    Scaler.__name__ = Scaler.__qualname__ = name
+    Scaler.__doc__ = doc
+    return Scaler
+
+
+MoEAuxLossAutoScaler = loss_auto_scaler(
+    "MoEAuxLossAutoScaler", "Attach a router loss to an activation (Megatron's API; scale = loss scale / micro-batches).")
 
 
 # ---------------------------------------------------------------------------------------- permutation
@@ -295,20 +308,6 @@ class _ReduceScatterFirstDim(torch.autograd.Function):
         return _AllGatherFirstDim.apply(grad.contiguous(), ctx.group, ctx.sizes), None, None
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-        torch.distributed.all_to_all_single(out, x.contiguous(), output_split_sizes=list(output_splits),
-                                            input_split_sizes=list(input_splits), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _AllToAll.apply(grad.contiguous(), ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
-
-
 def gather_along_first_dim(x: torch.Tensor, group, sizes: Optional[List[int]] = None) -> torch.Tensor:
     """Autograd-aware all-gather over ``group`` (``sizes``: rows per rank, default all equal)."""
     world = _group_size(group)
@@ -325,10 +324,3 @@ def reduce_scatter_along_first_dim(x: torch.Tensor, group, sizes: Optional[List[
         return x
     sizes = list(sizes) if sizes is not None else [x.shape[0] // world] * world
     return _ReduceScatterFirstDim.apply(x, group, sizes)
-
-
-def all_to_all(group, x: torch.Tensor, output_splits: List[int], input_splits: List[int]) -> torch.Tensor:
-    """Autograd-aware ``all_to_all_single`` with uneven splits (backward swaps the splits)."""
-    if _group_size(group) == 1:
-        return x
-    return _AllToAll.apply(x, group, list(output_splits), list(input_splits))

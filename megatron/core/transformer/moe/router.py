@@ -18,11 +18,14 @@ is summed over that group (no average over DP), as Megatron logs it.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from typing import Dict
 
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import require_mpu_groups
 from megatron.core.transformer.norms import param_device, weights_on_meta
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import (
@@ -34,6 +37,9 @@ from megatron.core.transformer.moe.moe_utils import (
     topk_routing_with_score_function,
     z_loss_func,
 )
+
+# The groups a router reduces over (TP x CP for the aux losses, TP x DP x CP for the global counts).
+MOE_ROUTER_GROUPS = ("tp", "cp", "tp_cp", "dp_cp", "tp_dp_cp")
 
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
               "global_aux_loss": "global_load_balancing_loss"}
@@ -66,11 +72,29 @@ def _group_size(group) -> int:
     return torch.distributed.get_world_size(group=group)
 
 
-class TopKRouter(MegatronModule):
-    """``TopKRouter(config)``; ``forward(input [s, b, h]) -> (probs [T, E], routing_map [T, E])``."""
+class Router(MegatronModule, ABC):
+    """megatron-core's base of the routers: ``Router(config, pg_collection=None)``; a subclass maps the tokens
+    ``[s, b, h]`` to ``(probs, routing_map)`` in :meth:`routing`."""
 
-    def __init__(self, config, layer_number: int = None):
+    def __init__(self, config, pg_collection=None):
         super().__init__(config=config)
+        require_mpu_groups(pg_collection, MOE_ROUTER_GROUPS, type(self).__name__)
+        self.pg_collection = pg_collection
+        self.layer_number = None
+
+    @abstractmethod
+    def routing(self, logits: torch.Tensor):
+        """``(probs [T, E], routing_map [T, E])`` of the routing logits ``[T, E]``."""
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+
+class TopKRouter(Router):
+    """``TopKRouter(config, pg_collection=None)``; ``forward(input [s, b, h]) -> (probs [T, E], routing_map [T, E])``."""
+
+    def __init__(self, config, layer_number: int = None, pg_collection=None):
+        super().__init__(config, pg_collection)
         self.layer_number = layer_number
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk

@@ -7,15 +7,19 @@ import dataclasses
 
 import torch
 
+from megatron.core.process_groups_config import group_of
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.norms import param_device, weights_on_meta
 
 
 class SharedExpertMLP(MLP):
-    def __init__(self, config, submodules=None, gate: bool = False, **unused):
+    """megatron-core: ``SharedExpertMLP(config, submodules, gate, pg_collection=None)``."""
+
+    def __init__(self, config, submodules=None, gate: bool = False, pg_collection=None):
         shared_config = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size,
                                             add_bias_linear=False)
-        super().__init__(shared_config, submodules=submodules)
+        super().__init__(shared_config, submodules=submodules, tp_group=group_of(pg_collection, "tp"))
+        self.pg_collection = pg_collection
         self.use_shared_expert_gate = gate
         if gate:
             self.gate_weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype,

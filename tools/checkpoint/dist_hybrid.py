@@ -1,47 +1,54 @@
-"""``torch_dist`` keys of hybrid (Mamba) models, as megatron-core writes them.
+"""``torch_dist`` keys of hybrid (Mamba) models for the OFFLINE converter (tools/checkpoint/convert.py): full (TP = 1)
+MambaModel state dicts to Megatron's on-disk keys and back, without building a model. Training does not use this:
+there the modules declare their keys (MambaStack / MambaLayer / MambaMixer ``sharded_state_dict``).
 
 Hybrid stacks are never stacked: layer ``i`` (global, 0-based) is stored under ``decoder.layers.{i}.<name>``
-without a layer axis, whatever the pipeline layout. Per layer type, the module's names become Megatron's
-Transformer-Engine names (the pre-norm is fused into the following linear layer)::
+without a layer axis. Per layer type, the pre-norm is stored under Transformer Engine's fused name (the specs'
+``sharded_state_dict_keys_map``)::
 
     M  norm.weight               -> mixer.in_proj.layer_norm_weight
     *  input_layernorm.weight    -> self_attention.linear_qkv.layer_norm_weight
     -  pre_mlp_layernorm.weight  -> mlp.linear_fc1.layer_norm_weight
     E  pre_mlp_layernorm.weight     (kept: the MoE layer's norm is a separate module)
 
-The mixer's ``in_proj.weight`` is five tensors ``mixer.in_proj.weight.{z,x,B,C,dt}`` (global ``[d_inner, h]``,
-``[d_inner, h]``, ``[GN, h]``, ``[GN, h]``, ``[H, h]``), each split over TP on axis 0 (a rank's local rows are
-``[z_r; x_r; B_r; C_r; dt_r]``); ``conv1d.{weight,bias}`` are ``.x``, ``.B``, ``.C`` likewise; ``A_log``, ``D``,
-``dt_bias`` and ``norm.weight`` are split on axis 0, ``out_proj.weight`` on axis 1. The checkpoint therefore does
-not depend on TP. Experts of an ``E`` layer: ``decoder.layers.{i}.mlp.experts.experts.linear_fc{1,2}.weight``
-``[E, ...]`` (expert axis only). Each linear layer has an empty ``_extra_state`` object
-``decoder.layers.{i}.<linear>._extra_state/shard_0_1`` (experts: ``shard_{e}_{E}``).
+The mixer's ``in_proj.weight`` is five tensors ``mixer.in_proj.weight.{z,x,B,C,dt}``, ``conv1d.{weight,bias}`` are
+``.x``, ``.B``, ``.C``. Experts of an ``E`` layer: ``decoder.layers.{i}.mlp.experts.experts.linear_fc{1,2}.weight``
+``[E, ...]``. Each linear layer has an empty ``_extra_state`` object ``decoder.layers.{i}.<linear>._extra_state/
+shard_0_1`` (experts: ``shard_{e}_{E}``); so has the output layer (``output_layer._extra_state/shard_0_1``,
+which megatron-core's GPTModel drops and its MambaModel keeps).
 """
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List
 
 import torch
 
-from megatron.training.checkpointing import dist_keys
+from tools.checkpoint.dist_keys import disk_key
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_NORM_RENAMES = {"M": {"norm.weight": "mixer.in_proj.layer_norm_weight"},
-                 "*": {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"},
-                 "-": {"pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"},
-                 "E": {}}
+
+
+def _spec_norm_renames() -> Dict[str, Dict[str, str]]:
+    """Per layer symbol, {module name: on-disk name} of the norm weights: the ``sharded_state_dict_keys_map`` of
+    the hybrid stack spec's layers (the one table)."""
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+
+    sub = mamba_stack_spec.submodules
+    layers = {"M": sub.mamba_layer, "*": sub.attention_layer, "-": sub.mlp_layer, "E": sub.moe_layer}
+    return {symbol: {f"{old}weight": f"{new}weight" for old, new in spec.submodules.sharded_state_dict_keys_map.items()}
+            for symbol, spec in layers.items()}
+
+
+_NORM_RENAMES = _spec_norm_renames()
 _LINEARS = {"M": ("mixer.in_proj", "mixer.out_proj"),
             "*": ("self_attention.linear_qkv", "self_attention.linear_proj"),
             "-": ("mlp.linear_fc1", "mlp.linear_fc2"),
             "E": ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2", "mlp.fc1_latent_proj",
                   "mlp.fc2_latent_proj")}
 _ALL_LINEARS = tuple(sorted({name for names in _LINEARS.values() for name in names}))
+_EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 _SPLIT = {"mixer.in_proj.weight": "in_proj", "mixer.conv1d.weight": "conv", "mixer.conv1d.bias": "conv"}
-
-
-def is_hybrid(chunk) -> bool:
-    return getattr(chunk, "hybrid_layer_pattern", None) is not None
 
 
 def _parts(dims, which: str):
@@ -52,60 +59,10 @@ def _renamed(symbol: str, rest: str) -> str:
     return _NORM_RENAMES[symbol].get(rest, rest)
 
 
-def hybrid_entries(chunk, tied: bool, expert_entries) -> List[dist_keys.Entry]:
-    """Every tensor of a MambaModel chunk as :class:`dist_keys.Entry` objects (keys of the module docstring).
-
-    ``expert_entries(name, value, param)`` gives the stacked-format entries of an expert tensor (or None);
-    they are re-keyed per layer here.
-    """
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    params = dict(chunk.named_parameters())
-    decoder = chunk.decoder
-    out = []
-    for name, value in chunk.state_dict().items():
-        if value is None or name.endswith("_extra_state"):
-            continue
-        param = params.get(name)
-        m = _LAYER.match(name)
-        if not m:
-            out.append(dist_keys.Entry(name, dist_keys.disk_key(name, 0, tied)[0], None, value, param,
-                                       _tp_dim(param)))
-            continue
-        local, rest = int(m.group(1)), m.group(2)
-        layer = decoder.layers[local]
-        index, symbol = layer.layer_number - 1, decoder.layer_type_list[local]
-        prefix = f"decoder.layers.{index}."
-        experts = expert_entries(name, value, param) if ".mlp.experts." in name else None
-        if experts is not None:
-            for e in experts:
-                linear_key = e.key.split(".layers.", 1)[1]
-                out.append(dist_keys.Entry(e.local_name, prefix + linear_key, None, e.tensor, e.param, e.tp_dim,
-                                           e.expert, e.num_experts, e.etp, e.view))
-            continue
-        if rest in _SPLIT:
-            start = 0
-            for part, size in _parts(layer.mixer.dims, _SPLIT[rest]):
-                rows = slice(start, start + size // tp)
-                view = (lambda t, rows=rows: t[rows])
-                out.append(dist_keys.Entry(name, f"{prefix}{rest}.{part}", None, view(value), param, 0, view=view))
-                start += size // tp
-            continue
-        out.append(dist_keys.Entry(name, prefix + _renamed(symbol, rest), None, value, param, _tp_dim(param)))
-    return out
-
-
-def _tp_dim(param) -> Optional[int]:
-    if param is not None and getattr(param, "tensor_model_parallel", False):
-        return param.partition_dim
-    return None
-
-
 def extra_state_keys(stored_keys: Iterable[str], num_experts: int) -> List[str]:
     """The empty ``_extra_state`` objects of the linear layers whose weights are among ``stored_keys`` (on-disk
-    keys; module docstring)."""
-    keys = []
+    keys; module docstring), and the output layer's (megatron-core's MambaModel keeps it, tied or not)."""
+    keys = ["output_layer._extra_state/shard_0_1"]
     for key in stored_keys:
         m = _LAYER.match(key)
         if not m:
@@ -114,13 +71,12 @@ def extra_state_keys(stored_keys: Iterable[str], num_experts: int) -> List[str]:
         for linear in _ALL_LINEARS:
             if rest in (f"{linear}.weight", f"{linear}.weight.z"):
                 keys.append(f"{prefix}{linear}._extra_state/shard_0_1")
-        if rest in tuple(f"{linear}.weight" for linear in dist_keys.EXPERT_LINEARS):
+        if rest in tuple(f"{linear}.weight" for linear in _EXPERT_LINEARS):
             keys.extend(f"{prefix}{rest[:-len('.weight')]}._extra_state/shard_{e}_{num_experts}"
                         for e in range(num_experts))
     return keys
 
 
-# ------------------------------------------------------------------ offline (tools/checkpoint, TP = 1, one process)
 def full_to_disk(full: Dict[str, torch.Tensor], pattern: str, dims, tied: bool) -> Dict[str, torch.Tensor]:
     """A full (TP = 1, SequentialMLP) MambaModel state dict -> {on-disk key: tensor} (experts ``[E, ...]``)."""
     out, experts = {}, {}
@@ -130,7 +86,7 @@ def full_to_disk(full: Dict[str, torch.Tensor], pattern: str, dims, tied: bool) 
             continue
         m = _LAYER.match(name)
         if not m:
-            key = dist_keys.disk_key(name, 0, tied)[0]
+            key = disk_key(name, 0, tied)[0]
             out.setdefault(key, value)
             continue
         index, rest = int(m.group(1)), m.group(2)

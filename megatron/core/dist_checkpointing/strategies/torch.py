@@ -1,0 +1,208 @@
+"""The ``torch_dist`` sharded backend: PyTorch Distributed Checkpoint files written through
+:mod:`megatron.core.dist_checkpointing.sharded_io`.
+
+On disk a :class:`ShardedTensor` ``t`` is the chunk ``t.data`` viewed with its prepended axes (``[1, ..., 1] +
+local_shape``) at ``t.global_offset`` of the DCP tensor ``t.key`` of shape ``t.global_shape``; only main replicas are
+written. A :class:`ShardedObject` is the pickled list ``[data]`` under its ``unique_key`` (one per piece). This is the
+layout megatron-core's own torch_dist strategy reads and writes, so the checkpoints move both ways.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.sharded_io import (LocalShard, ShardingError, load_sharded, read_dcp_metadata,
+                                                         save_sharded)
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.base import (AsyncSaveShardedStrategy, LoadShardedStrategy,
+                                                              StrategyAction, register_default_strategy)
+
+
+def _chunk(sh_ten: ShardedTensor, data: torch.Tensor) -> LocalShard:
+    return LocalShard(data.reshape((1,) * sh_ten.prepend_axis_num + tuple(sh_ten.local_shape)),
+                      sh_ten.global_shape, sh_ten.global_offset)
+
+
+def to_storage(sharded_state_dict, only_main_replica: bool = True, snapshot: bool = False) -> Dict[str, object]:
+    """The flat ``{DCP key: [LocalShard, ...] | [object, ...]}`` that :func:`save_sharded` writes for the sharded
+    leaves of ``sharded_state_dict`` (factories already applied). ``snapshot`` copies the tensors (a background
+    write must not see later in-place updates)."""
+    storage: Dict[str, list] = {}
+    for leaf in nested_values(sharded_state_dict):
+        if only_main_replica and not is_main_replica(leaf.replica_id):
+            continue
+        if isinstance(leaf, ShardedTensor):
+            if leaf.data is None:
+                raise CheckpointingException(f"ShardedTensor {leaf.key!r} has no data to save")
+            data = leaf.data.detach()
+            storage.setdefault(leaf.key, []).append(_chunk(leaf, data.clone() if snapshot else data))
+        elif isinstance(leaf, ShardedObject):
+            storage.setdefault(leaf.unique_key, []).append(leaf.data)
+        else:
+            raise CheckpointingException(f"cannot save a {type(leaf).__name__} leaf ({getattr(leaf, 'key', '')!r}): "
+                                         "apply the factories first")
+    return storage
+
+
+class StorageRequest:
+    """What a load asks the storage layer for: ``items`` ``{DCP key: [LocalShard zero buffers] | None}`` for the
+    sharded leaves of a request (factories applied; every replica, not only main ones). A block asked twice on
+    one rank is read once. After the read, :meth:`fill` replaces the leaves by the loaded values; a leaf whose key
+    is not in ``items`` (a strictness rule dropped it) becomes None."""
+
+    def __init__(self, sharded_state_dict):
+        self.items: Dict[str, object] = {}
+        self._mismatch = set()
+        seen = set()
+        for leaf in nested_values(sharded_state_dict):
+            if isinstance(leaf, ShardedTensor):
+                index = (leaf.key, tuple(leaf.global_offset), tuple(leaf.local_shape))
+                if index not in seen:
+                    seen.add(index)
+                    chunk = _chunk(leaf, torch.zeros(leaf.local_shape, dtype=leaf.dtype))
+                    self.items.setdefault(leaf.key, []).append(chunk)
+                if leaf.allow_shape_mismatch:
+                    self._mismatch.add(leaf.key)
+            elif isinstance(leaf, ShardedObject):
+                self.items[leaf.unique_key] = None
+            else:
+                raise CheckpointingException(f"cannot load into a {type(leaf).__name__} leaf "
+                                             f"({getattr(leaf, 'key', '')!r}): apply the factories first")
+
+    def shape_mismatch_keys(self) -> List[str]:
+        return sorted(k for k in self._mismatch if k in self.items)
+
+    def fill(self, sharded_state_dict, items: Optional[Dict[str, object]] = None):
+        """Replace the leaves of ``sharded_state_dict`` (in place) by the values read into ``items`` (default: this
+        request's; any request made from the same sharded state dict works)."""
+        items = self.items if items is None else items
+        taken = set()
+
+        def value(leaf):
+            if isinstance(leaf, ShardedTensor):
+                if items.get(leaf.key) is None:
+                    return None
+                offset, shape = tuple(leaf.global_offset), (1,) * leaf.prepend_axis_num + tuple(leaf.local_shape)
+                chunk = next((c for c in items[leaf.key] if tuple(c.global_offset) == offset
+                              and tuple(c.data.shape) == shape), None)
+                if chunk is None:
+                    raise CheckpointingException(f"{leaf.key!r} at offset {offset} was not read")
+                out = chunk.data.reshape(leaf.local_shape)
+                if id(chunk) in taken:
+                    out = out.clone()
+                taken.add(id(chunk))
+                return out
+            if isinstance(leaf, ShardedObject):
+                payload = items.get(leaf.unique_key)
+                return payload[0] if isinstance(payload, list) and len(payload) == 1 else payload
+            return leaf
+
+        return dict_list_map_inplace(value, sharded_state_dict)
+
+
+_async_group = None
+_async_group_lock = threading.Lock()
+
+
+def async_process_group():
+    """A gloo group of all ranks for background writes (created once, collectively, on first use)."""
+    global _async_group
+    with _async_group_lock:
+        if _async_group is None and torch.distributed.is_initialized():
+            _async_group = torch.distributed.new_group(backend="gloo")
+    return _async_group
+
+
+class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """Writes main replicas with PyTorch DCP. ``process_group``: the group of the collective write (default: all
+    ranks)."""
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
+                 thread_count: int = 2, cached_metadata: bool = False, separation_hint: Optional[str] = None,
+                 process_group=None):
+        super().__init__(backend, version)
+        if separation_hint is not None:
+            raise NotImplementedError("TorchDistSaveShardedStrategy(separation_hint=...) is not implemented: every "
+                                      "rank writes one file")
+        self.thread_count = thread_count  # DCP writes one file per rank here; kept for megatron-core's signature
+        self.cached_metadata = cached_metadata
+        self.keep_only_main_replica = keep_only_main_replica
+        self.process_group = process_group
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save(self, sharded_state_dict, checkpoint_dir: str) -> None:
+        save_sharded(to_storage(sharded_state_dict, self.keep_only_main_replica), str(checkpoint_dir),
+                     process_group=self.process_group)
+
+    def async_save(self, sharded_state_dict, checkpoint_dir: str) -> AsyncRequest:
+        storage = to_storage(sharded_state_dict, self.keep_only_main_replica, snapshot=True)
+        group = self.process_group if self.process_group is not None else async_process_group()
+        return AsyncRequest(save_sharded, (storage, str(checkpoint_dir)), [], {"process_group": group})
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Reads any layout's chunks into the requested ones (resharding on load)."""
+
+    def __init__(self, process_group=None):
+        self.process_group = process_group
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def load(self, sharded_state_dict, checkpoint_dir: str):
+        """Replace every ShardedTensor of ``sharded_state_dict`` (in place) by its loaded local tensor (a new
+        tensor of its dtype; zero where the checkpoint has nothing, with ``allow_shape_mismatch``) and every
+        ShardedObject by its stored object; returns the dict."""
+        request = StorageRequest(sharded_state_dict)
+        try:
+            load_sharded(request.items, str(checkpoint_dir), allow_shape_mismatch=request.shape_mismatch_keys(),
+                         no_dist=not torch.distributed.is_initialized(), process_group=self.process_group)
+        except ShardingError as e:
+            raise CheckpointingException(f"torch_dist checkpoint {checkpoint_dir}: {e}") from e
+        return request.fill(sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir: str, metadata=None):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata = metadata or read_dcp_metadata(str(checkpoint_dir))
+        out = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                meta = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta")
+                out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
+        return out
+
+    def load_sharded_metadata(self, checkpoint_dir: str):
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        metadata = read_dcp_metadata(str(checkpoint_dir))
+        out = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata) and "/shard_" in key:
+                obj = ShardedObject.empty_from_unique_key(key)
+                out[obj.unique_key] = obj
+        out.update(self.load_tensors_metadata(checkpoint_dir, metadata))
+        return out
+
+
+def get_reformulation_metadata(sharded_state_dict, checkpoint_dir):
+    """Reformulated (re-chunked) tensors do not exist in this library's checkpoints: always empty."""
+    return {}
+
+
+def register_default_torch_strategies() -> None:
+    """Register this module's strategies as the defaults of their backend (done on import)."""
+    register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy)
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy)
+
+
+register_default_torch_strategies()

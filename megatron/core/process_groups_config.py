@@ -1,0 +1,130 @@
+"""``ProcessGroupCollection``: the process groups a module communicates over, passed in explicitly
+(``pg_collection=``) instead of looked up in :mod:`megatron.core.parallel_state`, which stays the default provider
+(:meth:`ProcessGroupCollection.use_mpu_process_groups`).
+
+Fields (all optional; an unset field reads as None): ``tp`` tensor parallel, ``pp`` pipeline, ``mp`` model
+parallel (TP x PP), ``embd`` / ``pos_embd`` the first and last stages sharing embeddings, ``cp`` context parallel,
+``tp_cp``, ``hcp`` (hierarchical CP groups, a list), ``ep`` expert parallel, ``expt_tp`` expert tensor parallel,
+``tp_ep``, ``tp_ep_pp``, ``tp_dp_cp``, ``dp`` data parallel, ``dp_cp`` DP x CP (gradient reduction), ``expt_dp``
+expert data parallel, ``intra_dp_cp`` / ``intra_expt_dp`` / ``inter_dist_opt`` / ``intra_dist_opt`` (distributed
+optimizer instances). The constructor takes them as keywords and refuses unknown names.
+
+Example::
+
+    pgs = ProcessGroupCollection(tp=tp_group, dp=dp_group, dp_cp=dp_group)
+    model = GPTModel(config, spec, vocab_size, max_len, pg_collection=pgs)
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import List, Optional
+
+import torch
+
+__all__ = ["ProcessGroupCollection"]
+
+
+@dataclasses.dataclass(init=False, repr=False)
+class ProcessGroupCollection:
+    tp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    pp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    mp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    embd: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    pos_embd: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    cp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    tp_cp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    hcp: Optional[List[torch.distributed.ProcessGroup]] = dataclasses.field(init=False, default=None)
+    ep: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    expt_tp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    tp_ep: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    tp_ep_pp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    tp_dp_cp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    dp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    dp_cp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    expt_dp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    intra_dp_cp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    intra_expt_dp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    inter_dist_opt: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+    intra_dist_opt: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)
+
+    def __init__(self, **kwargs):
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"ProcessGroupCollection has no field {', '.join(unknown)} (fields: "
+                             f"{', '.join(sorted(names))})")
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    def __repr__(self):
+        def size(group):
+            if isinstance(group, list):
+                return f"[{', '.join(str(size(g)) for g in group)}]"
+            return torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else "?"
+
+        active = [f"{f.name}({size(getattr(self, f.name))})" for f in dataclasses.fields(self)
+                  if getattr(self, f.name) is not None]
+        return f"ProcessGroupCollection({', '.join(active) or 'empty'})"
+
+    @classmethod
+    def use_mpu_process_groups(cls, required_pgs: Optional[List[str]] = None) -> "ProcessGroupCollection":
+        """The groups of :mod:`megatron.core.parallel_state` (all fields, or those named in ``required_pgs``; an
+        unknown name raises). Groups parallel_state did not create stay None."""
+        from megatron.core import parallel_state as ps
+
+        names = [f.name for f in dataclasses.fields(cls)]
+        required = names if required_pgs is None else list(required_pgs)
+        invalid = [name for name in required if name not in names]
+        if invalid:
+            raise ValueError(f"invalid process groups requested: {invalid} (fields: {', '.join(names)})")
+        providers = {
+            "tp": partial(ps.get_tensor_model_parallel_group, check_initialized=False),
+            "pp": ps.get_pipeline_model_parallel_group,
+            "mp": ps.get_model_parallel_group,
+            "embd": ps.get_embedding_group,
+            "pos_embd": ps.get_position_embedding_group,
+            "cp": partial(ps.get_context_parallel_group, check_initialized=False),
+            "tp_cp": partial(ps.get_tensor_and_context_parallel_group, check_initialized=False),
+            "hcp": lambda: None,  # hierarchical CP is not implemented
+            "ep": partial(ps.get_expert_model_parallel_group, check_initialized=False),
+            "expt_tp": partial(ps.get_expert_tensor_parallel_group, check_initialized=False),
+            "tp_ep": partial(ps.get_expert_tensor_and_model_parallel_group, check_initialized=False),
+            "tp_ep_pp": partial(ps.get_expert_tensor_model_pipeline_parallel_group, check_initialized=False),
+            "tp_dp_cp": partial(ps.get_tensor_and_data_parallel_group, check_initialized=False,
+                                with_context_parallel=True),
+            "dp": ps.get_data_parallel_group,
+            "dp_cp": partial(ps.get_data_parallel_group, with_context_parallel=True),
+            "expt_dp": partial(ps.get_expert_data_parallel_group, check_initialized=False),
+            # One distributed-optimizer instance: the intra-instance groups are the whole DP groups.
+            "intra_dp_cp": partial(ps.get_data_parallel_group, with_context_parallel=True),
+            "intra_expt_dp": partial(ps.get_expert_data_parallel_group, check_initialized=False),
+            "inter_dist_opt": lambda: None,
+            "intra_dist_opt": lambda: torch.distributed.group.WORLD,
+        }
+
+        def get(name):
+            try:
+                return providers[name]()
+            except AssertionError:  # parallel_state did not create that group
+                return None
+
+        return cls(**{name: get(name) for name in required})
+
+
+def group_of(pg_collection: Optional[ProcessGroupCollection], name: str):
+    """``pg_collection.<name>``, or None (meaning: parallel_state's group) without a collection."""
+    return None if pg_collection is None else getattr(pg_collection, name)
+
+
+def require_mpu_groups(pg_collection: Optional[ProcessGroupCollection], names, owner: str) -> None:
+    """Refuse a collection whose groups ``names`` differ from parallel_state's, for a module that communicates over
+    those groups through parallel_state (one line naming the module and the groups)."""
+    if pg_collection is None:
+        return
+    mpu = ProcessGroupCollection.use_mpu_process_groups(list(names))
+    different = [name for name in names
+                 if getattr(pg_collection, name) is not None and getattr(pg_collection, name) is not getattr(mpu, name)]
+    if different:
+        raise NotImplementedError(f"{owner} communicates over parallel_state's {', '.join(different)} group(s): a "
+                                  f"pg_collection with other {', '.join(different)} groups is not supported there yet")

@@ -1,0 +1,1 @@
+"""Text tokenizers (megatron-core's ``megatron.core.tokenizers.text`` path)."""

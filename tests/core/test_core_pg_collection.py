@@ -1,0 +1,178 @@
+"""Explicit process groups (megatron-core's ``ProcessGroupCollection``) and constructors that refuse keywords they do
+not know.
+
+On 2 gloo ranks parallel_state is set up with TP=1 (the two ranks are data-parallel replicas), and a GPTModel is built
+with a ``pg_collection`` whose ``tp`` group holds both ranks: the model must follow the collection, not
+parallel_state — its weights are TP=2 shards and its logits, loss and input-embedding gradients equal those of the
+same model built whole (TP=1) in each process. DistributedDataParallel reduces over the collection's ``dp_cp``."""
+import pytest
+import torch
+
+from helpers.dist_harness import run_distributed
+from helpers.models_helpers import gpt_inputs, single_rank, tiny_config  # noqa: F401  (fixture)
+
+
+def _gpt(config, pg_collection=None):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(config, get_gpt_layer_local_spec(), 64, 16, pg_collection=pg_collection,
+                    position_embedding_type="rope")
+
+
+def body():
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    rank = torch.distributed.get_rank()
+    ps.initialize_model_parallel(1, 1)
+    tp_group = torch.distributed.new_group([0, 1])
+    own = [torch.distributed.new_group([r]) for r in (0, 1)][rank]
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    mpu_tp = pgs.tp
+    pgs.tp, pgs.dp, pgs.dp_cp = tp_group, own, own
+
+    torch.manual_seed(5)
+    tensor_parallel.model_parallel_cuda_manual_seed(5)
+    sharded = _gpt(tiny_config(tp=2, style="gpt2"), pgs)  # (a gated fc1 initialises differently at each TP)
+    torch.manual_seed(5)
+    tensor_parallel.model_parallel_cuda_manual_seed(5)
+    whole = _gpt(tiny_config(tp=1, style="gpt2"))
+
+    ids, pos, mask, labels = gpt_inputs(vocab=64, seq=16)
+    out = {"mpu_tp_size": torch.distributed.get_world_size(mpu_tp),
+           "qkv_rows": (sharded.decoder.layers[0].self_attention.linear_qkv.weight.shape[0],
+                        whole.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]),
+           "vocab_rows": (sharded.embedding.word_embeddings.weight.shape[0],
+                          whole.embedding.word_embeddings.weight.shape[0])}
+    logits_sharded = sharded(ids, pos, mask)  # [b, s, V/2]
+    logits_whole = whole(ids, pos, mask)
+    out["logits_err"] = float((logits_sharded - logits_whole.chunk(2, dim=-1)[rank]).abs().max())
+    loss_sharded = sharded(ids, pos, mask, labels=labels).mean()
+    loss_whole = whole(ids, pos, mask, labels=labels).mean()
+    out["loss"] = (float(loss_sharded), float(loss_whole))
+    loss_sharded.backward()
+    loss_whole.backward()
+    grad_sharded = sharded.embedding.word_embeddings.weight.grad
+    grad_whole = whole.embedding.word_embeddings.weight.grad.chunk(2)[rank]
+    out["grad_err"] = float((grad_sharded - grad_whole).abs().max())
+
+    ddp = DistributedDataParallel(sharded.config, DistributedDataParallelConfig(), sharded, pg_collection=pgs)
+    out["ddp_group"] = (ddp.data_parallel_group is own,
+                        all(b.data_parallel_group is own for b in ddp.param_and_grad_buffers))
+
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    grid = HyperCommGrid([2, 1], ["tp", "dp"])
+    group = grid.create_pg("tp")
+    out["grid_tp"] = (torch.distributed.get_process_group_ranks(group), grid.get_pg("tp") is group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(body, 2, timeout=120)
+
+
+def test_model_follows_the_collections_tp_group_not_parallel_state(results):
+    for rank, r in enumerate(results):
+        assert r["mpu_tp_size"] == 1, "parallel_state must have TP=1 for this test to mean something"
+        assert r["qkv_rows"][0] * 2 == r["qkv_rows"][1] and r["vocab_rows"][0] * 2 == r["vocab_rows"][1], r
+        assert r["logits_err"] < 1e-5, r
+        assert abs(r["loss"][0] - r["loss"][1]) < 1e-5, r
+        assert r["grad_err"] < 1e-6, r
+
+
+def test_ddp_reduces_over_the_collections_dp_cp(results):
+    assert all(r["ddp_group"] == (True, True) for r in results)
+
+
+def test_hyper_comm_grid_groups_are_parallel_states(results, monkeypatch):
+    """HyperCommGrid's groups are the ones parallel_state's rank layout builds (tp-cp-pp-dp, 120 ranks), and
+    create_pg makes real groups (the 2-rank launch)."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.rank_grid import RankGenerator
+
+    assert all(r["grid_tp"] == ([0, 1], True) for r in results)
+    monkeypatch.setenv("WORLD_SIZE", "120")
+    grid = HyperCommGrid([2, 3, 4, 5], ["tp", "cp", "pp", "dp"])
+    layout = RankGenerator(tp=2, ep=1, dp=5, pp=4, cp=3, order="tp-cp-pp-dp")
+    for dims in ("tp", "dp", "pp", ["cp", "dp"], ["tp", "pp"], ["tp", "cp", "pp", "dp"]):
+        token = dims if isinstance(dims, str) else "-".join(dims)
+        assert sorted(map(sorted, grid.get_rank_enum(dims))) == sorted(map(sorted, layout.get_ranks(token))), dims
+    with pytest.raises(KeyError, match="has not been created"):
+        grid.get_pg("dp")
+
+
+def test_use_mpu_process_groups_and_unknown_names(single_rank):
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    assert pgs.tp is ps.get_tensor_model_parallel_group() and pgs.pp is ps.get_pipeline_model_parallel_group()
+    assert pgs.dp_cp is ps.get_data_parallel_group(with_context_parallel=True)
+    some = ProcessGroupCollection.use_mpu_process_groups(["tp", "dp"])
+    assert some.tp is pgs.tp and some.pp is None  # unset fields read as None
+    with pytest.raises(ValueError, match="invalid process groups requested: \\['bogus'\\]"):
+        ProcessGroupCollection.use_mpu_process_groups(["tp", "bogus"])
+    with pytest.raises(ValueError, match="no field bogus"):
+        ProcessGroupCollection(bogus=pgs.tp)
+
+
+def test_constructors_refuse_unknown_keywords(single_rank):
+    """The constructors that used to swallow ``**unused`` name the keyword they do not know."""
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.models.bert.bert_model import BertLMHead
+    from megatron.core.models.common.embedding import LanguageModelEmbedding
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.T5.t5_model import T5Model
+    from megatron.core.models.T5.t5_spec import get_t5_decoder_with_local_block_spec, get_t5_encoder_with_local_block_spec
+    from megatron.core.transformer.attention import CrossAttention, SelfAttention
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.core.transformer.rotary import RotaryEmbedding
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    config = tiny_config()
+    spec = get_gpt_layer_local_spec()
+    builders = {
+        "GPTModel": lambda **kw: _gpt(config, **kw) if not kw else _gpt_with(config, **kw),
+        "TransformerBlock": lambda **kw: TransformerBlock(config, spec, **kw),
+        "TransformerLayer": lambda **kw: TransformerLayer(config, spec.submodules, **kw),
+        "SelfAttention": lambda **kw: SelfAttention(config, spec.submodules.self_attention.submodules, **kw),
+        "CrossAttention": lambda **kw: CrossAttention(config, None, **kw),
+        "MLP": lambda **kw: MLP(config, spec.submodules.mlp.submodules, **kw),
+        "MoELayer": lambda **kw: MoELayer(tiny_config(num_moe_experts=2, moe_router_topk=2), **kw),
+        "SharedExpertMLP": lambda **kw: SharedExpertMLP(tiny_config(moe_shared_expert_intermediate_size=32), **kw),
+        "LanguageModelEmbedding": lambda **kw: LanguageModelEmbedding(config, 64, 16, **kw),
+        "RotaryEmbedding": lambda **kw: RotaryEmbedding(8, **kw),
+        "FusedLayerNorm": lambda **kw: FusedLayerNorm(config, 32, **kw),
+        "BertLMHead": lambda **kw: BertLMHead(32, config, **kw),
+        "T5Model": lambda **kw: T5Model(config, config, get_t5_encoder_with_local_block_spec(1),
+                                        get_t5_decoder_with_local_block_spec(1), 64, 16, **kw),
+    }
+    for name, build in builders.items():
+        with pytest.raises(TypeError, match="unexpected keyword argument 'not_a_megatron_option'"):
+            build(not_a_megatron_option=1)
+        build()  # and builds without it (the same call is not broken otherwise)
+
+
+def _gpt_with(config, **kw):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(config, get_gpt_layer_local_spec(), 64, 16, **kw)
+
+
+def test_moe_refuses_other_expert_groups(single_rank):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    pgs.ep = torch.distributed.new_group([0])
+    with pytest.raises(NotImplementedError, match="MoELayer communicates over parallel_state's ep group"):
+        MoELayer(tiny_config(num_moe_experts=2, moe_router_topk=2), pg_collection=pgs)
