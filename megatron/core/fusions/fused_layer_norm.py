@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from megatron.core import device
+from megatron.core.device import init_device, param_device, weights_on_meta  # noqa: F401 (their old home)
 from megatron.core.fusions import fused_kernels
 from megatron.core.utils import log_once
 
@@ -35,29 +36,6 @@ def _apex_layer_norm():
             except ImportError:
                 _APEX_LN = None
     return _APEX_LN
-
-
-def param_device(config) -> torch.device:
-    """Where a layer's parameters are created: the meta device with --init-model-with-meta-device (no storage, nothing
-    drawn; get_model materialises them, see megatron/core/distributed/fsdp/meta_init.py), CPU with
-    --use-cpu-initialization, else the current device."""
-    if config is not None and getattr(config, "init_model_with_meta_device", False):
-        return torch.device("meta")
-    return init_device(config)
-
-
-def weights_on_meta(module: torch.nn.Module) -> bool:
-    """Whether ``module`` was built on the meta device: its ``reset_parameters`` then draws nothing (no generator
-    advances, nothing is allocated); the materialisation calls it again on real tensors."""
-    return any(p.is_meta for p in module.parameters())
-
-
-def init_device(config) -> torch.device:
-    """Where weights are drawn: CPU with --use-cpu-initialization, else the current device (the meta-device
-    materialisation draws there too, so that the same generators produce the same values)."""
-    if config is not None and getattr(config, "use_cpu_initialization", False):
-        return torch.device("cpu")
-    return device.current_device()
 
 
 def _mark_sequence_parallel(module: torch.nn.Module, sequence_parallel: bool) -> None:

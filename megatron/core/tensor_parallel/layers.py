@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from megatron.core import device, parallel_state
-from megatron.core.fusions.fused_layer_norm import param_device, weights_on_meta
+from megatron.core.device import param_device, weights_on_meta
 from megatron.core.fp8_utils import Fp8Meta, fp8_dgrad, fp8_forward, fp8_recipe_from_config, fp8_wgrad
 from megatron.core.utils import log_once
 from megatron.core.model_parallel_config import ModelParallelConfig

@@ -31,7 +31,7 @@ from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax, attention
 from megatron.core.transformer.attention_variants import attention_with_sinks, window_mask
 from megatron.core.process_groups_config import group_of, require_mpu_groups
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.fusions.fused_layer_norm import init_device, param_device, weights_on_meta
+from megatron.core.device import init_device, param_device, weights_on_meta
 from megatron.core.utils import divide
 
 _CAUSAL_CHECK_CACHE = {}

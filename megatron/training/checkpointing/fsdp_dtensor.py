@@ -170,22 +170,8 @@ def _load_bucketed(optimizer, blocks: List[ParamBlock], loaded_main: Dict[int, t
 
 
 def _optimizer_tensors(optimizer, blocks: List[ParamBlock], create: bool) -> Dict[str, Dict[int, torch.Tensor]]:
-    """{kind: {id(param): this rank's rows of the state}} (FSDP2: the DTensor blocks). Before the first step there
-    is no state: zeros, which ``create`` (a load) puts into the optimizer."""
-    keys = _state_keys(optimizer.optimizer)
-    out = {k: {} for k in keys}
-    for pb in blocks:
-        state = optimizer.optimizer.state[pb.param]
-        for k in keys:
-            value = state.get(k)
-            if value is None:
-                value = torch.zeros_like(pb.param)
-                if create:
-                    state[k] = value
-            out[k][id(pb.param)] = value.to_local() if hasattr(value, "to_local") else value
-        if create and keys[0] == "exp_avg":
-            state["step"] = torch.tensor(float(optimizer._inner_steps), dtype=torch.float32)
-    return out
+    """{kind: {id(param): this rank's block of the state}} of the FSDP2 engine's optimizer."""
+    return optimizer.state_blocks([pb.param for pb in blocks], create)
 
 
 def _check_engine(model):
