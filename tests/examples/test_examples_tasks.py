@@ -36,7 +36,7 @@ def _save_checkpoints(tmp):
             ("bert", ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
                       f"{repo}/data/tokenizers/bert/vocab.txt"], "pretrain_bert")):
         initialize_megatron(extra_args_provider=get_tasks_args, argv=TINY.split() + tokenizer + [
-            "--task", "LAMBADA", "--save", os.path.join(tmp, name), "--save-interval", "1"])
+            "--task", "LAMBADA", "--save", os.path.join(tmp, name), "--save-interval", "1", "--ckpt-format", "torch"])
         provider = __import__(entry).model_provider
         save_checkpoint(1, get_model(provider), None, None)
         global_vars.destroy_global_vars()

@@ -2,7 +2,7 @@
 scaling, gpt-oss, Llama 4 text): a tiny random ``transformers`` model of each (tests/helpers/hf_zoo.py) converts with
 tools/checkpoint/convert.py to torch_dist; that checkpoint in our megatron-core GPTModel gives HF's logits at TP=1
 and, in one 2-rank launch, at TP=2 with sequence parallelism (the MoE also at EP=2; Llama 4 with Maverick's
-interleaved dense / MoE layers from its state dict's TP shards), fp32 within 1e-5; it exports back
+interleaved dense / MoE layers, stored per layer, also at TP=1), fp32 within 1e-5; it exports back
 to files ``transformers`` loads as the same class with equal tensors and logits, also from a checkpoint whose args hold
 no HF config (the family is recognised from the model's shape). Configurations a family's bridge cannot map are
 refused with one line."""
@@ -107,19 +107,17 @@ def test_gpt_oss_yarn_is_applied(zoo, single_rank):
 
 def tp2_body(cases):
     """Per case and layout (TP=2 + SP; MoE also EP=2): build, load the torch_dist checkpoint, max relative error."""
-    from megatron.core import parallel_state, tensor_parallel
-
     import types
 
-    from megatron.core.models.conversion.tp import split_tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
 
     out = {}
     for family, hf_config, checkpoint, ref in cases:
         hf_config = types.SimpleNamespace(**hf_config)  # the config's fields (the ranks need not import transformers)
         moe = "num_local_experts" in hf_config.__dict__
-        # A directory: the torch_dist checkpoint; a state dict (dense and MoE layers mixed, which the stacked
-        # torch_dist layout cannot hold): its TP shards (experts split over expert TP = TP).
-        layouts = [("tp2_sp", 2, 1)] + ([("ep2", 1, 2)] if moe and isinstance(checkpoint, str) else [])
+        # Maverick's mixed dense / MoE stack is stored per layer (heterogeneous layout): also checked at TP=1.
+        layouts = ([("tp1", 1, 1)] if family == "llama4_text_interleaved" else []) + [("tp2_sp", 2, 1)] + (
+            [("ep2", 1, 2)] if moe else [])
         for name, tp, ep in layouts:
             # Expert biases (gpt-oss) need expert tensor parallel size 1 (Megatron's rule).
             etp = 1 if family == "gpt_oss" else tp
@@ -130,32 +128,29 @@ def tp2_body(cases):
                 config = hf_zoo.megatron_config(hf_config, tp=tp, sequence_parallel=tp > 1,
                                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
                 model = hf_zoo.gpt_model(config)
-                if isinstance(checkpoint, str):
-                    hf_zoo.load_torch_dist(model, checkpoint)
-                else:
-                    model.load_state_dict(split_tensor_parallel(checkpoint, tp, True)[
-                        parallel_state.get_tensor_model_parallel_rank()])
+                hf_zoo.load_torch_dist(model, checkpoint)
                 out[(family, name)] = rel_err(hf_zoo.logits(model, hf_zoo.inputs()), ref)
             finally:
                 parallel_state.destroy_model_parallel()
     return out
 
 
-def test_hf_logits_at_tp2_and_ep2(zoo):
-    from megatron.core.models.conversion import hf_registry
-
+def test_hf_logits_at_tp2_and_ep2(zoo, tmp_path):
     cases = [(f, model.config.to_dict(), os.path.join(root, "dist"), ref) for f, (model, root, ref) in zoo.items()]
     maverick = hf_zoo.tiny_hf("llama4_text", **hf_zoo.LLAMA4_INTERLEAVED)  # Llama 4 Maverick's dense / MoE layers
     with torch.no_grad():
         ref = maverick(hf_zoo.inputs()).logits
-    sd = hf_registry.bridge_for("llama4_text").to_megatron(maverick.state_dict(), maverick.config, hf_zoo.PADDED_VOCAB)
-    cases.append(("llama4_text_interleaved", maverick.config.to_dict(), sd, ref))
+    maverick.save_pretrained(str(tmp_path / "hf"))
+    hf_zoo.convert("--loader", "hf", "--saver", "torch_dist", "--load-dir", str(tmp_path / "hf"),
+                   "--save-dir", str(tmp_path / "dist"))
+    cases.append(("llama4_text_interleaved", maverick.config.to_dict(), str(tmp_path / "dist"), ref))
     results = run_distributed(tp2_body, 2, cases, timeout=240)
     assert results[0] == results[1]  # every rank gathered the same logits
     for key, err in results[0].items():
         MEASURED[key] = err
         assert err <= 1e-5, f"{key}: logits differ from HF by {err:.2e}"
-    assert {layout for _, layout in results[0]} == {"tp2_sp", "ep2"}
+    assert {layout for _, layout in results[0]} == {"tp1", "tp2_sp", "ep2"}
+    assert ("llama4_text_interleaved", "ep2") in results[0]
 
 
 @pytest.mark.parametrize("family,overrides,message", [

@@ -6,6 +6,7 @@
   of ``g(s, 1) / g(s, 0.5)``) and ``DeepseekV2Attention`` (complex-number RoPE): the output and the gradient of the
   input within 1e-5 relative, after copying the Hugging Face weights under megatron-core's names (all plain copies).
 * The softmax scale is ``g(s, mscale_all_dim)^2 / sqrt(d_n + d_r)``, e.g. 0.13523 for DeepSeek-V3's sizes.
+* FP8 (``fp8="hybrid"``): every MLA projection runs the FP8 GEMM (scaling state recorded), output near fp32's.
 """
 import math
 
@@ -38,7 +39,7 @@ def _hf_config(family, q_lora_rank, rope):
     return config
 
 
-def _ours(q_lora_rank, rope):
+def _ours(q_lora_rank, rope, **extra):
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -47,7 +48,7 @@ def _ours(q_lora_rank, rope):
                                   rotary_scaling_factor=rope["factor"], original_max_position_embeddings=16,
                                   mscale=rope["mscale"], mscale_all_dim=rope["mscale_all_dim"], qk_layernorm=True,
                                   layernorm_epsilon=1e-6, add_bias_linear=False, hidden_dropout=0.0,
-                                  attention_dropout=0.0, use_cpu_initialization=True)
+                                  attention_dropout=0.0, use_cpu_initialization=True, **extra)
     return MLASelfAttention(config, None, 1)
 
 
@@ -123,6 +124,39 @@ def test_mla_equals_transformers_deepseek_attention(single_rank, name):
     errors = (rel_err(out.transpose(0, 1), ref), rel_err(x_ours.grad.transpose(0, 1), x_hf.grad))
     assert max(errors) < TOL, (name, errors)
     print(name, "output / input-grad relative error", errors)
+
+
+def test_mla_runs_every_projection_in_fp8(single_rank):
+    """--fp8-format hybrid: each of MLA's five projections (the duplicated down projections included) runs the FP8
+    GEMM (its scaling state records the input, weight and output-gradient amaxes); the output stays near the fp32
+    layer's with the same weights, and differs from it (the operands were rounded to FP8)."""
+    from megatron.core import parallel_state
+
+    q_lora_rank, rope, _ = CASES["v3_q_lora"]
+    torch.manual_seed(0)
+    ref = _ours(q_lora_rank, rope)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1, use_fp8=True)
+    try:
+        fp8 = _ours(q_lora_rank, rope, fp8="hybrid", fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+        result = fp8.load_state_dict(ref.state_dict(), strict=False)
+        assert not result.unexpected_keys and all("fp8_meta" in k for k in result.missing_keys), result
+        x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+        outs = []
+        for layer in (ref, fp8):
+            for _ in range(2):  # the second step uses scales from the recorded amaxes
+                out, _ = layer(x, causal_mask(S))
+                out.sum().backward()
+            outs.append(out.detach())
+        names = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
+        recorded = {n: getattr(fp8, n).fp8_meta.num_recorded.tolist() for n in names}
+        assert all(r == [2, 2, 2] for r in recorded.values()), recorded
+        err = rel_err(outs[1], outs[0])
+        print("MLA fp8 (hybrid) vs fp32 output: max rel diff", err)
+        assert 0 < err < 0.1, err
+    finally:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, 1)
 
 
 def test_yarn_position_embedding_equals_transformers_llama_with_yarn(single_rank):

@@ -8,7 +8,7 @@
                                                                           background write of iteration 4
     python rel_async_child.py resume   -        <save_dir> <data_prefix>   --load the save directory, train to 6
 
-The faults act only on files opened by the background save thread (``async-save-<iteration>``) under
+The faults act only on files opened by the background save thread (``async-save-<call index>``) under
 ``iter_0000004``; every other file (the earlier checkpoint, the data) is untouched. Prints ``REL_RESULT {...}``:
 this rank's losses, the error the run ended with (one line, or null), the save directory's listing and tracker.
 """

@@ -166,24 +166,16 @@ log_all --micro-batch-size 1 --global-batch-size 64""".split()
 
 
 def test_deepseek_v3_recipe_parses_and_validates(clean_env, tmp_path):
-    """The recipe's flags parse unchanged and validate at its 8-way expert parallelism, except the benchmarking-only
-    --moe-router-force-load-balancing (random routing), which this library does not have: one line naming it. (The
-    tokenizer is a local directory here: this library never downloads one.)"""
+    """The recipe's flags parse and validate unchanged at its 8-way expert parallelism (the tokenizer is a local
+    directory here: this library never downloads one)."""
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.arguments.transformer_config import core_transformer_config_from_args
-    from megatron.training.errors import ConfigurationError
 
     assert parse_args(argv=RECIPE).tokenizer_model == "deepseek-ai/DeepSeek-V3"
     recipe = [str(tmp_path) if a == "deepseek-ai/DeepSeek-V3" else a for a in RECIPE]
     args = parse_args(argv=recipe)
     args.world_size = 8
-    with pytest.raises(ConfigurationError, match="--moe-router-force-load-balancing") as info:
-        validate_args(args)
-    assert "\n" not in str(info.value)
-    argv = [a for a in recipe if a != "--moe-router-force-load-balancing"]
-    args = parse_args(argv=argv)
-    args.world_size = 8
     config = core_transformer_config_from_args(validate_args(args))
     assert (config.multi_latent_attention, config.mtp_num_layers, config.moe_router_num_groups,
-            config.moe_token_dispatcher_type, config.recompute_modules) == (
-        True, 1, 8, "alltoall", ["mlp", "moe", "mla_up_proj", "layernorm"])
+            config.moe_token_dispatcher_type, config.recompute_modules, config.moe_router_force_load_balancing) == (
+        True, 1, 8, "alltoall", ["mlp", "moe", "mla_up_proj", "layernorm"], True)

@@ -3,7 +3,8 @@ tracker on the previous complete checkpoint, which loads and resumes with the un
 
 Each job is 2 ranks (TP=2, both write checkpoint files) of ``pretrain`` in child processes
 (rel_async_child.py), saving every 2 iterations with ``--async-save --ckpt-format torch_dist``; the fault hits
-rank 1's background write of iteration 4 (files opened by the ``async-save-4`` thread only).
+rank 1's background write of iteration 4 (files opened by an ``async-save-<call index>`` thread under
+``iter_0000004``).
 """
 import json
 import os
@@ -88,7 +89,8 @@ def test_rel_async_save_full_disk_and_sigkill_keep_the_previous_checkpoint(data,
 
     # SIGKILL of rank 1 during its background write: rank 0 ends too (its watchdog sees rank 1 die).
     codes, outputs = done["kill"]
-    assert codes[1] == -signal.SIGKILL and "REL_KILL rank 1 in thread async-save-4" in outputs[1], outputs[1][-3000:]
+    killed = [line for line in outputs[1].splitlines() if line.startswith("REL_KILL rank 1 in thread async-save-")]
+    assert codes[1] == -signal.SIGKILL and killed and "iter_0000004.incomplete" in killed[0], outputs[1][-3000:]
     assert codes[0] != 0 and "rank 1 died" in outputs[0], outputs[0][-3000:]
     with open(os.path.join(dirs["kill"], TRACKER)) as f:
         assert f.read().strip() == "2"

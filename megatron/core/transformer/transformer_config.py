@@ -229,6 +229,9 @@ class TransformerConfig(ModelParallelConfig):
                                                       "scores only).")
     moe_router_bias_update_rate: float = flag(1e-3, "Update rate of the expert bias.")
     moe_router_fusion: bool = flag(False, "Fused router kernels (Transformer Engine).")
+    moe_router_force_load_balancing: bool = flag(
+        False, "Benchmarking only: route on random logits (normal draws from the expert-parallel RNG stream) so "
+               "every expert gets a balanced load; the gradient passes straight through to the router.")
     moe_aux_loss_coeff: Union[float, List[float]] = 0.0
     moe_z_loss_coeff: Optional[float] = flag(None, "Coefficient of the router z-loss.")
     moe_input_jitter_eps: Optional[float] = flag(None, "Multiply the router input by U(1-eps, 1+eps).")

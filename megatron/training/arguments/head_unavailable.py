@@ -492,7 +492,6 @@ BLOCKS = (
             switch("--moe-use-upcycling"),
             value("--moe-upcycling-granularity", type=int, default=1),
             switch("--moe-enable-routing-replay"),
-            switch("--moe-router-force-load-balancing"),
             value("--moe-router-force-biased", type=float),
             value("--moe-router-quantile-balancing-ema", type=float, default=0.0),
             value("--moe-shared-expert-glu-interleave-size", type=int),

@@ -46,6 +46,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     if args.ckpt_format in _DCP_FORMATS:
         return _dcp_format(args.ckpt_format).save(iteration, model, optimizer, opt_param_scheduler,
                                                   num_floating_point_operations_so_far)
+    if args.ckpt_format is None:
+        raise CheckpointError("no --ckpt-format to save in (a task script leaves it to the task's model): pass "
+                              "--ckpt-format torch or torch_dist")
     if getattr(args, "ckpt_format", "torch") != "torch":
         raise CheckpointError(f"--ckpt-format {args.ckpt_format} is not supported by this saver; "
                               "use --ckpt-format torch")

@@ -14,6 +14,8 @@ encoder output).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
@@ -171,6 +173,18 @@ class T5Model(LanguageModule):
                 and torch.distributed.is_initialized() and self.embedding.add_position_embedding):
             torch.distributed.all_reduce(self.embedding.position_embeddings.weight.data,
                                          group=parallel_state.get_position_embedding_group())
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The language model's sharded state; on the split stage (``--pipeline-model-parallel-split-rank``) the
+        embedding is a synchronised copy of stage 0's, saved as replica ``(1, ...)`` (never written, stage 0's is)."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.pre_process and not parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+            for key, leaf in out.items():
+                if key.startswith((f"{prefix}embedding.", f"{prefix}position_embeddings.")) and \
+                        hasattr(leaf, "replica_id"):
+                    replica = leaf.replica_id if isinstance(leaf.replica_id, tuple) else (leaf.replica_id,)
+                    out[key] = dataclasses.replace(leaf, replica_id=(1, *replica[1:]))
+        return out
 
     # ------------------------------------------------------------------------------------ pipeline
     def set_input_tensor(self, input_tensor):

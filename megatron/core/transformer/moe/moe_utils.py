@@ -23,6 +23,10 @@ expert e), ``probs [T, E]`` (routing weight of (t, e), zero off the map).
   step, after the gradients are reduced, ``c`` is summed over the tensor x data (x context) parallel group and
   ``expert_bias_e += rate * sign(mean_e' c_e' - c_e)`` (``--moe-router-bias-update-rate``): an overloaded
   expert becomes less attractive, an idle one more. The counts then restart from zero.
+* Forced balancing (``--moe-router-force-load-balancing``, for benchmarks only): the router's logits are replaced
+  by standard-normal draws from the expert-parallel RNG stream (one stream per EP x expert-TP rank), so every
+  expert gets about ``T * k / E`` tokens whatever the weights; backward passes the logits' gradient straight
+  through to the router (a straight-through estimator), so the model still trains.
 * ``MoEAuxLossAutoScaler``: forward returns its input unchanged; backward also feeds
   ``main_loss_backward_scale`` into the aux loss, so the loss trains the router without being added to the
   reported LM loss.
@@ -35,9 +39,28 @@ from typing import List, Optional
 import torch
 
 from megatron.core.tensor_parallel.mappings import all_to_all  # noqa: F401  (the MoE dispatch's)
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 
 
 # ------------------------------------------------------------------------------------------------ routing
+class RandomSTE(torch.autograd.Function):
+    """Forward: logits replaced by N(0, 1) draws from the expert-parallel RNG stream; backward: the identity."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+            return torch.empty_like(logits).normal_()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output
+
+
+def apply_random_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Random logits for ``--moe-router-force-load-balancing`` (see the module docstring)."""
+    return RandomSTE.apply(logits)
+
+
 
 def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
     """(values, indices) of the top-k experts within the best ``group_topk`` of ``num_groups`` expert groups."""

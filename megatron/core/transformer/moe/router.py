@@ -30,6 +30,7 @@ from megatron.core.transformer.norms import param_device, weights_on_meta
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
+    apply_random_logits,
     apply_router_token_dropping,
     compute_routing_scores_for_aux_loss,
     sinkhorn_routing,
@@ -261,4 +262,6 @@ class TopKRouter(Router):
         seq_length, batch = input.shape[0], input.shape[1]
         input = self.apply_input_jitter(input)
         logits = self.gating(input)
+        if self.config.moe_router_force_load_balancing:
+            logits = apply_random_logits(logits)
         return self.routing(logits, seq_length, batch)
