@@ -6,6 +6,7 @@ CPU with gloo (our tests and CI).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -29,12 +30,29 @@ def default_backend() -> str:
     return "nccl" if cuda_available() else "gloo"
 
 
+_BUILD_DEVICE: list = []  # the innermost ``build_on`` device, while one is active
+
+
+@contextlib.contextmanager
+def build_on(dev):
+    """Inside the block :func:`current_device` is ``dev``: ``build_on("meta")`` builds models, gradient buffers and
+    optimizer state with their real shapes and dtypes but no memory (nothing built there can run). Used to check
+    what one rank of a huge layout holds (--fake-process-group, benchmarks/simulate_scale.py)."""
+    _BUILD_DEVICE.append(torch.device(dev))
+    try:
+        yield
+    finally:
+        _BUILD_DEVICE.pop()
+
+
 def current_device() -> torch.device:
     """The device that tensors and collectives of this process should use.
 
     With a gloo process group every buffer lives on the CPU even if a GPU is present, because gloo's
     collectives are CPU collectives.
     """
+    if _BUILD_DEVICE:
+        return _BUILD_DEVICE[-1]
     backend = _backend_in_use()
     if backend == "gloo" or not cuda_available():
         return torch.device("cpu")

@@ -157,8 +157,10 @@ def deterministic_expert_init(model, layer_offset: int):
 
 def run_pretrain(entry: str, extra_args, record_model=False, extra_args_provider=None, deterministic=True):
     """Run ``pretrain`` of ``entry`` with GPT_ARGS + extra_args (and the entry point's ``extra_args_provider``, e.g.
-    the ModelOpt flags); return the per-iteration records. ``deterministic=False`` keeps the library's own
-    initialisation (from --seed) instead of :func:`deterministic_init`."""
+    the ModelOpt flags); return the per-iteration records.
+
+    ``deterministic=False`` keeps the model's own initialisation from ``--seed`` (as ``pretrain_gpt.py`` run as a
+    script), instead of the layout-independent one of :func:`deterministic_init`."""
     from megatron.core import parallel_state as ps
     from megatron.training import global_vars
     from megatron.training import training as training_mod

@@ -273,6 +273,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel,
                 fp8_meta=None, output_buffer=None, tp_group=None):
         ctx.save_for_backward(input, weight)
+        # The parameter itself, for main_grad: under saved-tensor hooks (activation offloading, save_on_cpu) the
+        # weight unpacked in backward is a new tensor object without the parameter's attributes.
+        ctx.weight_param = weight if gradient_accumulation_fusion else None
         ctx.tp_group = tp_group
         ctx.fp8_meta = fp8_meta
         ctx.use_bias = bias is not None
@@ -357,11 +360,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.needs_input_grad[1] and ctx.fp8_meta is not None:
             grad_weight = fp8_wgrad(ctx.fp8_meta, fp8_grad_q, grad_output_2d, ctx.fp8_saved, total_input_2d)
             if ctx.gradient_accumulation_fusion:
-                _add_into_main_grad(weight, grad_weight)
+                _add_into_main_grad(ctx.weight_param, grad_weight)
                 grad_weight = None
         elif ctx.needs_input_grad[1]:
             if ctx.gradient_accumulation_fusion:
-                _accumulate_into_main_grad(weight, total_input_2d, grad_output_2d)
+                _accumulate_into_main_grad(ctx.weight_param, total_input_2d, grad_output_2d)
             else:
                 grad_weight = grad_output_2d.t().matmul(total_input_2d)
         grad_bias = grad_output_2d.sum(dim=0) if use_bias else None

@@ -207,6 +207,14 @@ BLOCKS = (
     ),
     Block(
         IMPLEMENTED,
+        "the rerun state machine (megatron/core/rerun_state_machine.py) and --fake-process-group",
+        names("""--rerun-mode --error-injection-rate --error-injection-type --check-for-spiky-loss
+              --check-for-large-grads --result-rejected-tracker-filename --iterations-to-skip
+              --fake-process-group"""),
+        group="rerun engine",
+    ),
+    Block(
+        IMPLEMENTED,
         "",
         names("""--distributed-backend --distributed-timeout-minutes --lazy-mpu-init
               --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size --overlap-param-gather

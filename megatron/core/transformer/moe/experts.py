@@ -21,6 +21,7 @@ from typing import List
 
 import torch
 
+from megatron.core import device as _device
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
@@ -51,6 +52,10 @@ def init_expert_weights(config, local_expert_indices: List[int], num_experts: in
     if ffn % etp:
         raise ValueError(f"moe_ffn_hidden_size ({ffn}) must be divisible by the expert tensor parallel size ({etp})")
     shard = ffn // etp
+    if _device.current_device().type == "meta":  # device.build_on("meta"): shapes only, no values, no RNG draws
+        meta = dict(dtype=config.params_dtype, device="meta")
+        return [(torch.empty(rows // ffn * shard, h, **meta), torch.empty(h, shard, **meta))
+                for _ in local_expert_indices]
     out = []
     for e in range(num_experts):
         fc1 = torch.empty(rows, h, dtype=torch.float32)
