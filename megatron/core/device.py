@@ -59,6 +59,30 @@ def current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+# --------------------------------------------------------------------------- where a model's weights are created
+def param_device(config) -> torch.device:
+    """Where a layer's parameters are created: the meta device with --init-model-with-meta-device (no storage, nothing
+    drawn; get_model materialises them, see megatron/core/distributed/fsdp/meta_init.py), CPU with
+    --use-cpu-initialization, else the current device."""
+    if config is not None and getattr(config, "init_model_with_meta_device", False):
+        return torch.device("meta")
+    return init_device(config)
+
+
+def weights_on_meta(module: torch.nn.Module) -> bool:
+    """Whether ``module`` was built on the meta device: its ``reset_parameters`` then draws nothing (no generator
+    advances, nothing is allocated); the materialisation calls it again on real tensors."""
+    return any(p.is_meta for p in module.parameters())
+
+
+def init_device(config) -> torch.device:
+    """Where weights are drawn: CPU with --use-cpu-initialization, else the current device (the meta-device
+    materialisation draws there too, so that the same generators produce the same values)."""
+    if config is not None and getattr(config, "use_cpu_initialization", False):
+        return torch.device("cpu")
+    return current_device()
+
+
 def set_device_for_local_rank(local_rank: int) -> None:
     """Bind this process to its GPU (``local_rank % device_count``); a no-op on CPU."""
     if cuda_available():

@@ -174,6 +174,66 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     precision and data parallelism. Always returns a list."""
     args = get_args()
     args.model_type = model_type
+    rng = None
+    if args.init_model_with_meta_device:  # the layers draw nothing now: _materialize replays from these states
+        from megatron.core.distributed.fsdp.meta_init import RngStates
+
+        rng = RngStates.capture()
+    model = _build_model_chunks(model_provider_func, model_type)
+
+    for chunk in model:
+        for param in chunk.parameters():
+            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+
+    if parallel_state.get_data_parallel_rank() == 0:
+        print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
+            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+            sum(sum(p.nelement() for p in chunk.parameters()) for chunk in model)), flush=True)
+
+    if rng is None:
+        for chunk in model:
+            chunk.to(device.current_device())
+
+    if wrap_with_ddp and _fsdp2_engine(args):
+        # FSDP2 keeps fp32 main weights as its shards and casts for compute itself (no Float16Module).
+        dtypes = [{n: p.dtype for n, p in chunk.named_parameters(remove_duplicate=False)} for chunk in model]
+        model = [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
+        if rng is not None:
+            _materialize(args, rng, [chunk.module for chunk in model], dtypes, sharded=True)
+        return model
+    if rng is not None:  # ZeRO-1 and no wrapping: every rank holds the whole weights
+        _materialize(args, rng, model, [{} for _ in model], sharded=False)
+    if args.fp16 or args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = [Float16Module(get_model_config(chunk), chunk) for chunk in model]
+
+    if not wrap_with_ddp:
+        return model
+    model = [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
+    if args.data_parallel_random_init:
+        for chunk in model:
+            chunk.broadcast_params()
+    return model
+
+
+def _materialize(args, rng, modules, dtypes, sharded: bool):
+    """--init-model-with-meta-device: draw the weights built on the meta device (FSDP2 shards or whole tensors)."""
+    from megatron.core.distributed.fsdp.meta_init import allocate_sharded, materialize
+    from megatron.core.transformer.norms import init_device
+
+    for module, init_dtypes in zip(modules, dtypes):
+        if sharded:
+            allocate_sharded(module, device.current_device())
+        materialize(module, rng, init_dtypes, init_device(get_model_config(module)))
+        rng = None  # one replay of the build's draws continues across the chunks
+    print_rank_0("--init-model-with-meta-device: weights drawn layer by layer from the build's generator states"
+                 + (", each rank keeping its FSDP shard" if sharded else ""))
+
+
+def _build_model_chunks(model_provider_func, model_type):
+    """This rank's model chunks (one per virtual stage), unwrapped."""
+    args = get_args()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if model_type == ModelType.encoder_and_decoder:
         model = [_build_encoder_decoder_stage(model_provider_func, pp_size)]
@@ -193,33 +253,6 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         model = [chunk]
     for chunk in model:
         chunk.model_type = model_type
-
-    for chunk in model:
-        for param in chunk.parameters():
-            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-
-    if parallel_state.get_data_parallel_rank() == 0:
-        print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
-            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
-            sum(sum(p.nelement() for p in chunk.parameters()) for chunk in model)), flush=True)
-
-    for chunk in model:
-        chunk.to(device.current_device())
-
-    if wrap_with_ddp and _fsdp2_engine(args):
-        # FSDP2 keeps fp32 main weights as its shards and casts for compute itself (no Float16Module).
-        return [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
-    if args.fp16 or args.bf16:
-        from megatron.core.transformer.module import Float16Module
-
-        model = [Float16Module(get_model_config(chunk), chunk) for chunk in model]
-
-    if not wrap_with_ddp:
-        return model
-    model = [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
-    if args.data_parallel_random_init:
-        for chunk in model:
-            chunk.broadcast_params()
     return model
 
 

@@ -37,6 +37,7 @@ from megatron.core.utils import log_once
 from megatron.core.ssm.ssd_chunked_scan import causal_depthwise_conv1d, ssd_chunked_scan
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import weights_on_meta
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 GATED_NORM_EPS = 1e-5  # megatron-core hard-codes the gated group norm's epsilon
@@ -127,7 +128,6 @@ class MambaMixer(MegatronModule):
         self.chunk_size = chunk_size
         self.d_conv = d_conv
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.heads, self.groups = dims.heads // tp, dims.groups // tp
         self.d_inner = dims.d_inner // tp
         log_once("mamba_scan", "Mamba-2 mixer: PyTorch causal conv1d + chunked SSD scan (no mamba_ssm / "
@@ -151,12 +151,27 @@ class MambaMixer(MegatronModule):
         for p in (self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias, self.norm.weight):
             if p is not None:
                 _mark_tp(p)
+        self._init_ranges = (A_init_range, dt_min, dt_max, dt_init_floor)
         if config.perform_initialization:
-            self._initialize(tp, tp_rank, A_init_range, dt_min, dt_max, dt_init_floor)
+            self._initialize()
+
+    def reset_parameters(self):
+        """The submodules' draws (torch's own for the conv), then the mixer's, in the constructor's order."""
+        for child in (self.in_proj, self.conv1d, self.out_proj):
+            child.reset_parameters()
+        with torch.no_grad():
+            self.norm.weight.fill_(1.0)
+        if self.config.perform_initialization:
+            self._initialize()
 
     @torch.no_grad()
-    def _initialize(self, tp, tp_rank, A_init_range, dt_min, dt_max, dt_init_floor):
+    def _initialize(self):
+        if weights_on_meta(self):
+            return
         dims = self.dims
+        A_init_range, dt_min, dt_max, dt_init_floor = self._init_ranges
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
         rows = rank_rows(dims.in_proj_parts, tp, tp_rank)
         weight = torch.empty(sum(s for _, s in dims.in_proj_parts), dims.hidden, dtype=torch.float32)
         self.config.init_method(weight)

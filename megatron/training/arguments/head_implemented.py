@@ -75,7 +75,7 @@ BLOCKS = (
                        "--grad-reduce-in-bf16)."),
             no_or_disable("strict-fsdp-dtensor-load", help="fsdp_dtensor: load what the checkpoint has and report "
                           "the model keys it lacks (per --dist-ckpt-strictness) instead of stopping."),
-        ),
+        ) + names("""--init-model-with-meta-device"""),
         group="fsdp",
     ),
     Block(

@@ -48,14 +48,6 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "meta-device initialisation is being implemented",
-        (
-            switch("--init-model-with-meta-device"),
-        ),
-        group="fsdp", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
         "FP8 parameters (Transformer Engine) are not part of this library",
         (switch("--keep-fp8-transpose-cache"),),
         group="fsdp",

@@ -27,6 +27,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.mlp import apply_swiglu_to_fc1, glu_activation
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import param_device, weights_on_meta
 from megatron.core.utils import log_once, make_sharded_object_for_checkpoint
 
 
@@ -74,6 +75,17 @@ def init_expert_weights(config, local_expert_indices: List[int], num_experts: in
     return out
 
 
+def expert_weight_shapes(config):
+    """(fc1, fc2) shapes of one local expert: ``[2F/ETP or F/ETP, h]``, ``[h, F/ETP]``."""
+    h, ffn = config.hidden_size, config.moe_ffn_hidden_size
+    shard = ffn // expert_tensor_parallel_size_and_rank()[0]
+    return ((2 * shard if config.gated_linear_unit else shard, h), (h, shard))
+
+
+def empty_expert_weight(config, shape):
+    return torch.empty(shape, dtype=config.params_dtype, device=param_device(config))
+
+
 def mark_expert_param(param: torch.nn.Parameter, partition_dim: int, config):
     """Attributes read by DDP, the optimizer and checkpointing: an expert parameter is reduced over the expert
     data-parallel group (``allreduce = False``) when that differs from the dense DP group, and is never a
@@ -113,7 +125,7 @@ class ExpertLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight)
         mark_expert_param(self.weight, partition_dim, config)
         if bias:
-            self.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype))
+            self.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device))
             mark_expert_param(self.bias, 0, config)
         else:
             self.register_parameter("bias", None)
@@ -174,11 +186,27 @@ class SequentialMLP(MegatronModule):
 
     def __init__(self, num_local_experts: int, config, submodules=None, local_expert_indices=None):
         super().__init__(config=config)
-        indices = local_expert_indices if local_expert_indices is not None else list(range(num_local_experts))
-        weights = init_expert_weights(config, indices, config.num_moe_experts)
+        self.local_expert_indices = (local_expert_indices if local_expert_indices is not None
+                                     else list(range(num_local_experts)))
         self.num_local_experts = num_local_experts
-        self.local_experts = torch.nn.ModuleList([ExpertMLP(w1, w2, config) for w1, w2 in weights])
+        fc1, fc2 = expert_weight_shapes(config)
+        self.local_experts = torch.nn.ModuleList([
+            ExpertMLP(empty_expert_weight(config, fc1), empty_expert_weight(config, fc2), config)
+            for _ in self.local_expert_indices])
+        self.reset_parameters()
         log_once("moe_experts_sequential", "MoE experts: SequentialMLP (one MLP per local expert)")
+
+    def reset_parameters(self):
+        """Every expert drawn in expert order (module docstring); this rank's experts and shards kept."""
+        if weights_on_meta(self):
+            return
+        weights = init_expert_weights(self.config, self.local_expert_indices, self.config.num_moe_experts)
+        with torch.no_grad():
+            for expert, (w1, w2) in zip(self.local_experts, weights):
+                for linear, w in ((expert.linear_fc1, w1), (expert.linear_fc2, w2)):
+                    linear.weight.copy_(w)
+                    if linear.bias is not None:
+                        linear.bias.zero_()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """Local expert ``j`` is global expert ``e = ep_rank * n + j``: its tensors get the prepended offset
@@ -262,18 +290,30 @@ class GroupedMLP(MegatronModule):
         super().__init__(config=config)
         if config.add_bias_linear:
             raise ValueError("bias is not supported with --moe-grouped-gemm (pass --disable-bias-linear)")
-        indices = local_expert_indices if local_expert_indices is not None else list(range(num_local_experts))
-        weights = init_expert_weights(config, indices, config.num_moe_experts)
-        self.num_local_experts = num_local_experts
+        self.local_expert_indices = (local_expert_indices if local_expert_indices is not None
+                                     else list(range(num_local_experts)))
+        self.num_local_experts = n = num_local_experts
         h = config.hidden_size
-        self.weight1 = torch.nn.Parameter(torch.cat([w1.t() for w1, _ in weights], dim=1).contiguous())
-        self.weight2 = torch.nn.Parameter(torch.cat([w2.t() for _, w2 in weights], dim=0).contiguous())
+        (rows, _), (_, shard) = expert_weight_shapes(config)
+        self.weight1 = torch.nn.Parameter(empty_expert_weight(config, (h, n * rows)))
+        self.weight2 = torch.nn.Parameter(empty_expert_weight(config, (n * shard, h)))
         mark_expert_param(self.weight1, 1, config)
         mark_expert_param(self.weight2, 0, config)
+        self.reset_parameters()
         self.hidden_size = h
         self.activation_func = expert_activation(config)
         # --recompute-modules moe_act: keep only the fc1 output; the activation (x routing weight) runs again.
         self.recompute_activation = config.recomputes("moe_act")
+
+    def reset_parameters(self):
+        """Every expert drawn in expert order (module docstring), this rank's experts transposed into the grouped
+        layout."""
+        if weights_on_meta(self):
+            return
+        weights = init_expert_weights(self.config, self.local_expert_indices, self.config.num_moe_experts)
+        with torch.no_grad():
+            self.weight1.copy_(torch.cat([w1.t() for w1, _ in weights], dim=1))
+            self.weight2.copy_(torch.cat([w2.t() for _, w2 in weights], dim=0))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """The same checkpoint tensors as :class:`SequentialMLP` (so either implementation loads the other's):
