@@ -199,14 +199,14 @@ def run_ours(opts, argv):
     config = get_model_config(model[0])
     for chunk in model:
         chunk.train()
-    numerical_guard = configure_schedule_hooks(config, model, optimizer)
+    checks = configure_schedule_hooks(config, model, optimizer)
     data = cycle(synthetic_batches(args, 2 * get_num_microbatches()))
     inner = type(optimizer.optimizer).__name__ if hasattr(optimizer, "optimizer") else type(optimizer).__name__
     fused = getattr(getattr(optimizer, "optimizer", None), "defaults", {}).get("fused")
 
     def step():
         loss_dict, _, _, _ = train_step(forward_step, data, model, optimizer, scheduler, config,
-                                        numerical_guard=numerical_guard)
+                                        checks=checks)
         return loss_dict["lm loss"]
 
     windows, loss0, loss_last = timed_loop(step, opts)

@@ -116,7 +116,7 @@ def _train(model, optimizer, opt_param_scheduler, forward_step, train_dataloader
         raise RuntimeError("finetuning with gradient accumulation is not supported: --global-batch-size must be "
                            "--micro-batch-size x data-parallel size")
     config = get_model_config(model[0])
-    numerical_guard = configure_schedule_hooks(config, model, optimizer)
+    checks = configure_schedule_hooks(config, model, optimizer)
     for chunk in model:
         chunk.train()
     log_state = LogState()
@@ -139,7 +139,7 @@ def _train(model, optimizer, opt_param_scheduler, forward_step, train_dataloader
                 continue
             start_iteration = 0
             loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
-                forward_step, batch, model, optimizer, opt_param_scheduler, config, numerical_guard=numerical_guard)
+                forward_step, batch, model, optimizer, opt_param_scheduler, config, checks=checks)
             iteration += 1
             args.iteration = iteration
             args.consumed_train_samples += args.micro_batch_size * args.data_parallel_size * get_num_microbatches()

@@ -7,10 +7,6 @@
 #
 #   sbatch examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh
 #
-# Differences from the upstream recipe, each because this library does not have the feature:
-#   --moe-grouped-gemm              (with Megatron-FSDP; the experts run as SequentialMLP)
-#   --init-model-with-meta-device   (every rank builds the full model on the CPU, then shards it)
-#   --moe-router-force-load-balancing (a benchmarking mode)
 # --moe-token-dispatcher-type flex, --moe-permute-fusion, --fsdp-double-buffer and --use-nccl-ub are performance-only
 # here (the log says what runs instead); --megatron-fsdp-{grad-comm,main-grads}-dtype bf16 reduce the gradients in
 # bf16 (as --grad-reduce-in-bf16).
@@ -81,8 +77,8 @@ MOE_ARGS=(
     --moe-shared-expert-intermediate-size 2048 --moe-router-topk 8 --moe-router-score-function sigmoid
     --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-num-groups 8
     --moe-router-group-topk 4 --moe-router-topk-scaling-factor 2.5 --moe-router-pre-softmax --moe-router-dtype fp32
-    --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4 --moe-permute-fusion
-    --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep
+    --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4 --moe-grouped-gemm --moe-permute-fusion
+    --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep --moe-router-force-load-balancing
 )
 
 TRAINING_ARGS=(
@@ -101,11 +97,12 @@ PARALLEL_ARGS=(
 if [ "$USE_MEGATRON_FSDP" = 1 ]; then
     PARALLEL_ARGS+=(
         --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion
-        --calculate-per-token-loss --ckpt-format fsdp_dtensor --fsdp-double-buffer --use-nccl-ub
+        --calculate-per-token-loss --init-model-with-meta-device --ckpt-format fsdp_dtensor
+        --fsdp-double-buffer --use-nccl-ub
         --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16
     )
 else
-    PARALLEL_ARGS+=(--moe-grouped-gemm --ckpt-format torch_dist)
+    PARALLEL_ARGS+=(--ckpt-format torch_dist)
 fi
 
 DATA_ARGS=(--split 99,1,0 --num-workers 6 --vocab-size 129280)

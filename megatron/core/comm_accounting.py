@@ -1,8 +1,8 @@
 """Count the bytes that cross each process group (megatron.core.comm_accounting).
 
 ``CommAccountant`` temporarily wraps the ``torch.distributed`` collectives and point-to-point calls this
-library uses and records, per process group (named ``tp``, ``pp``, ``dp``, ``embedding``, ``mp``, ``world``
-... by comparing with :mod:`parallel_state`'s groups) and per operation, the number of calls and the payload
+library uses and records, per process group (named ``tp``, ``pp``, ``dp``, ``embedding``, ``mp``, ``ep``, ``expert_dp``,
+``world`` ... by comparing with :mod:`parallel_state`'s groups) and per operation, the number of calls and the payload
 bytes. Use it around the code to measure, e.g. one ``train_step``::
 
     accountant = CommAccountant()
@@ -97,7 +97,12 @@ def group_names() -> Dict[int, str]:
                ("embedding", "get_embedding_group"), ("position_embedding", "get_position_embedding_group"),
                ("mp", "get_model_parallel_group"), ("cp", "get_context_parallel_group"),
                ("amax", "get_amax_reduction_group"), ("dp_cp", "get_data_parallel_group", True),
-               ("dp_cp_gloo", "get_data_parallel_group_gloo", True))
+               ("dp_cp_gloo", "get_data_parallel_group_gloo", True), ("ep", "get_expert_model_parallel_group"),
+               ("expert_tp", "get_expert_tensor_parallel_group"),
+               ("expert_tp_ep", "get_expert_tensor_and_model_parallel_group"),
+               ("expert_dp", "get_expert_data_parallel_group"), ("tp_dp", "get_tensor_and_data_parallel_group"),
+               ("tp_cp", "get_tensor_and_context_parallel_group"),
+               ("expert_tp_ep_pp", "get_expert_tensor_model_pipeline_parallel_group"))
     for name, getter, *with_cp in getters:
         try:
             group = getattr(ps, getter)(**({"with_context_parallel": True} if with_cp else {}))
@@ -143,7 +148,9 @@ class CommAccountant:
             self._names = group_names()
         name = self._names.get(id(group))
         if name is None:
-            name = "ranks" + "-".join(str(r) for r in dist.get_process_group_ranks(group))
+            ranks = dist.get_process_group_ranks(group)
+            name = "ranks" + "-".join(str(r) for r in ranks) if len(ranks) <= 8 else \
+                f"ranks{ranks[0]}-{ranks[1]}-...-{ranks[-1]} ({len(ranks)})"
         return name, dist.get_world_size(group=group)
 
     def _record(self, op: str, args, kwargs):

@@ -6,6 +6,7 @@ CPU with gloo (our tests and CI).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -29,16 +30,57 @@ def default_backend() -> str:
     return "nccl" if cuda_available() else "gloo"
 
 
+_BUILD_DEVICE: list = []  # the innermost ``build_on`` device, while one is active
+
+
+@contextlib.contextmanager
+def build_on(dev):
+    """Inside the block :func:`current_device` is ``dev``: ``build_on("meta")`` builds models, gradient buffers and
+    optimizer state with their real shapes and dtypes but no memory (nothing built there can run). Used to check
+    what one rank of a huge layout holds (--fake-process-group, benchmarks/simulate_scale.py)."""
+    _BUILD_DEVICE.append(torch.device(dev))
+    try:
+        yield
+    finally:
+        _BUILD_DEVICE.pop()
+
+
 def current_device() -> torch.device:
     """The device that tensors and collectives of this process should use.
 
     With a gloo process group every buffer lives on the CPU even if a GPU is present, because gloo's
     collectives are CPU collectives.
     """
+    if _BUILD_DEVICE:
+        return _BUILD_DEVICE[-1]
     backend = _backend_in_use()
     if backend == "gloo" or not cuda_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+# --------------------------------------------------------------------------- where a model's weights are created
+def param_device(config) -> torch.device:
+    """Where a layer's parameters are created: the meta device with --init-model-with-meta-device (no storage, nothing
+    drawn; get_model materialises them, see megatron/core/distributed/fsdp/meta_init.py), CPU with
+    --use-cpu-initialization, else the current device."""
+    if config is not None and getattr(config, "init_model_with_meta_device", False):
+        return torch.device("meta")
+    return init_device(config)
+
+
+def weights_on_meta(module: torch.nn.Module) -> bool:
+    """Whether ``module`` was built on the meta device: its ``reset_parameters`` then draws nothing (no generator
+    advances, nothing is allocated); the materialisation calls it again on real tensors."""
+    return any(p.is_meta for p in module.parameters())
+
+
+def init_device(config) -> torch.device:
+    """Where weights are drawn: CPU with --use-cpu-initialization, else the current device (the meta-device
+    materialisation draws there too, so that the same generators produce the same values)."""
+    if config is not None and getattr(config, "use_cpu_initialization", False):
+        return torch.device("cpu")
+    return current_device()
 
 
 def set_device_for_local_rank(local_rank: int) -> None:

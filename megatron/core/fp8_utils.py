@@ -202,7 +202,10 @@ def fp8_forward(meta: Fp8Meta, total_input: torch.Tensor, weight: torch.Tensor, 
     out = fp8_gemm(qx, sx, qw.t(), sw, total_input.dtype)
     if bias is not None:
         out = out + bias
-    return out.view(*total_input.shape[:-1], weight.shape[0]), (qx, sx, qw, sw)
+    # Reshaped as ATen's own matmul does (_unsafe_view): a plain view of this fresh product would make the custom
+    # Function's output a view, and a loss that works in the logits in place (the GPT and BERT heads with fp32
+    # logits) would then fail in backward ("Output 0 of LinearWithGradAccumulationAndAsyncCommunication is a view").
+    return torch.ops.aten._unsafe_view(out, (*total_input.shape[:-1], weight.shape[0])), (qx, sx, qw, sw)
 
 
 def fp8_dgrad(meta: Fp8Meta, grad_output: torch.Tensor, saved):

@@ -70,6 +70,10 @@ _MPU_PIPELINE_MODEL_PARALLEL_RANK = None
 
 _GLOBAL_MEMORY_BUFFER = None
 
+# Backends whose groups already run CPU collectives: their groups double as the "gloo" twins (the fake backend of
+# --fake-process-group has no peers to rendezvous with, so it cannot create real gloo groups).
+_CPU_BACKENDS = ("gloo", "fake")
+
 
 def _new_group(ranks: Sequence[int], timeout: Optional[timedelta], backend: Optional[str] = None):
     kwargs = {}
@@ -167,7 +171,7 @@ def initialize_model_parallel(
 
     _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GLOBAL_RANKS = build("data", "dp")
     # A gloo twin of the DP group, for CPU-side collectives (e.g. distributed-optimizer checkpointing).
-    if torch.distributed.get_backend() == "gloo":
+    if torch.distributed.get_backend() in _CPU_BACKENDS:
         _DATA_PARALLEL_GROUP_GLOO = _DATA_PARALLEL_GROUP
         _ALL_GROUP_RANKS["data_gloo"] = _ALL_GROUP_RANKS["data"]
     else:
@@ -239,7 +243,7 @@ def _initialize_expert_groups(dense_gen: RankGenerator, tp: int, pp: int, order:
     _EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP, _ = build("expert_tensor_and_model", "tp-ep")
     _EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP, _ = build("expert_tensor_model_pipeline", "tp-ep-pp")
     _EXPERT_DATA_PARALLEL_GROUP, _ = build("expert_data", "dp")
-    if torch.distributed.get_backend() == "gloo":
+    if torch.distributed.get_backend() in _CPU_BACKENDS:
         _EXPERT_DATA_PARALLEL_GROUP_GLOO = _EXPERT_DATA_PARALLEL_GROUP
         _ALL_GROUP_RANKS["expert_data_gloo"] = _ALL_GROUP_RANKS["expert_data"]
     else:
@@ -268,7 +272,7 @@ def _build_context_parallel_groups(build, cp: int) -> None:
             _ALL_GROUP_RANKS[kind] = [list(g) for g in _ALL_GROUP_RANKS[same]]
         return
     _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = build("data_with_cp", "dp-cp")
-    if torch.distributed.get_backend() == "gloo":
+    if torch.distributed.get_backend() in _CPU_BACKENDS:
         _DATA_PARALLEL_GROUP_WITH_CP_GLOO = _DATA_PARALLEL_GROUP_WITH_CP
         _ALL_GROUP_RANKS["data_with_cp_gloo"] = _ALL_GROUP_RANKS["data_with_cp"]
     else:

@@ -101,9 +101,12 @@ def log_once(key: str, message: str) -> None:
 
 
 def print_rank_0(message) -> None:
-    """Print on global rank 0 only (or always, without torch.distributed)."""
+    """Print on global rank 0 only (or always, without torch.distributed or under --fake-process-group, where this
+    process is the only one)."""
+    from megatron.core.fake_process_group import is_fake_process_group
+
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_rank() != 0):
+            and torch.distributed.get_rank() != 0) or is_fake_process_group():
         print(message, flush=True)
 
 

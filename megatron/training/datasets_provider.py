@@ -18,6 +18,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.fake_process_group import is_fake_process_group
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.utils import print_rank_0
 
@@ -52,8 +53,8 @@ def is_dataset_built_on_rank() -> bool:
     Middle stages need the attention mask too (BERT's padding mask, GPT's --reset-attention-mask), so, as in
     Megatron-LM 2023, every stage reads its own copy of the batch instead of only the first and last.
     """
-    if not parallel_state.model_parallel_is_initialized():
-        return True
+    if not parallel_state.model_parallel_is_initialized() or is_fake_process_group():
+        return True  # a fake process group broadcasts nothing: every rank reads its own batch
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
@@ -235,7 +236,7 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
 
     train_loader = valid_loader = test_loader = None
     reads_data = getattr(build_train_valid_test_datasets_provider, "is_distributed", False) or \
-        not parallel_state.model_parallel_is_initialized() or parallel_state.get_tensor_model_parallel_rank() == 0
+        is_dataset_built_on_rank()
     flags = torch.zeros(3, dtype=torch.long, device=device.current_device())
     if reads_data:
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets(provider, args)

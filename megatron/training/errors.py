@@ -31,6 +31,11 @@ class FatalRunError(RuntimeError):
         self.same_on_every_rank = same_on_every_rank
 
 
+class AgreedExit(SystemExit):
+    """Every rank leaves with this exit code after the same collective decided so (the rerun state machine's 16
+    and 17): an orderly stop, not a failure of one rank."""
+
+
 def _first_to_report(fallback: bool) -> bool:
     """Under torchrun, True for the first local rank that fails (the agent stops the other ranks as soon as one
     exits, so waiting for a particular rank to print could lose the message); elsewhere ``fallback``."""

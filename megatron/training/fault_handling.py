@@ -24,8 +24,9 @@ How: ``fault_handling(args)`` wraps the body of ``pretrain`` (multi-rank runs on
 * A :class:`FatalRunError` raised with ``same_on_every_rank`` (a failed checkpoint save that the ranks agreed on, the
   NaN check) is an orderly stop: every rank raises it after the same collective, so the handler only stops the
   watchdog and lets it propagate to the entry point, which prints the one line once.
-* Normal exit (end of ``pretrain``, or ``sys.exit`` from --exit-interval / --exit-duration-in-mins / SIGTERM)
-  marks the rank done in the store and stops the thread, so a neighbour that finishes first is not a failure.
+* Normal exit (end of ``pretrain``, or ``sys.exit`` from --exit-interval / --exit-duration-in-mins / SIGTERM, or
+  the rerun state machine's agreed exit codes 16 / 17, :class:`~megatron.training.errors.AgreedExit`) marks the
+  rank done in the store and stops the thread, so a neighbour that finishes first is not a failure.
 
 torchrun tears the other workers down itself (SIGTERM, then SIGKILL) when one exits non-zero; the failing rank has
 already printed its prefixed traceback before exiting, so the first failure is still named.
@@ -56,7 +57,7 @@ from datetime import timedelta
 import torch
 
 from megatron.training import hang_detection
-from megatron.training.errors import FatalRunError
+from megatron.training.errors import AgreedExit, FatalRunError
 from megatron.training.fault_injection import requested_fault
 from megatron.training.hang_detection import ProgressTracker
 
@@ -412,7 +413,8 @@ def fault_handling(args):
     progress = ProgressTracker(getattr(args, "rank", 0) or 0, bool(getattr(args, "log_straggler", False)),
                                getattr(args, "straggler_minmax_count", 1), getattr(args, "log_interval", 100) or 100)
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
-            or torch.distributed.get_world_size() == 1 or os.environ.get("MEGATRON_FAULT_HANDLER", "1") == "0":
+            or torch.distributed.get_world_size() == 1 or os.environ.get("MEGATRON_FAULT_HANDLER", "1") == "0" \
+            or getattr(args, "fake_process_group", False):  # one process, no peers, no rendezvous store
         yield progress
         return
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -424,8 +426,8 @@ def fault_handling(args):
     monitor = FaultMonitor(rank, world_size, args.distributed_timeout_minutes * 60.0, hang_minutes * 60.0, progress)
     try:
         yield progress
-    except SystemExit as exc:  # --exit-interval, --exit-duration-in-mins, SIGTERM: a normal, agreed exit
-        if exc.code in (None, 0):
+    except SystemExit as exc:  # --exit-interval, --exit-duration-in-mins, SIGTERM, the rerun machine's 16 / 17
+        if exc.code in (None, 0) or isinstance(exc, AgreedExit):
             monitor.shutdown()
             raise
         _fail(monitor, rank, exc)

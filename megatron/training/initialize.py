@@ -20,6 +20,7 @@ from megatron.training.deterministic import apply_deterministic_mode
 from megatron.training.errors import ConfigurationError
 from megatron.training.global_vars import get_adlr_autoresume, get_args, set_global_variables
 from megatron.training.launch_env import export_launch_env, resolve_launch_env
+from megatron.training.numerical_checks import setup_rerun_state_machine
 
 
 def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False,  # noqa: B006
@@ -43,6 +44,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     validate_args(args, args_defaults)
     _apply_process_settings(args)
     set_global_variables(args)
+    setup_rerun_state_machine(args)
     _check_data_files(args)
     apply_deterministic_mode(args)  # before torch.distributed: NCCL reads NCCL_ALGO when it starts
 
@@ -113,18 +115,27 @@ def _initialize_distributed():
     else:
         launch = resolve_launch_env()
         export_launch_env(launch)
-        args.distributed_backend = choose_backend(args.distributed_backend, args.rank)
+        if args.fake_process_group:  # this process plays rank RANK of WORLD_SIZE; collectives move nothing
+            args.distributed_backend = "fake"
+        else:
+            args.distributed_backend = choose_backend(args.distributed_backend, args.rank)
         if args.rank == 0:
             print("> initializing torch distributed ...", flush=True)
         if args.local_rank is None:
             args.local_rank = launch.local_rank
-        if args.distributed_backend == "nccl":
+        if args.distributed_backend == "nccl" or (args.fake_process_group and device.cuda_available()):
             device.set_device_for_local_rank(args.local_rank)
         from megatron.training.fault_handling import restart_safe_store
         timeout = timedelta(minutes=args.distributed_timeout_minutes)
-        torch.distributed.init_process_group(  # under torchrun: a store whose keys survive no restart
-            backend=args.distributed_backend, world_size=args.world_size, rank=args.rank, timeout=timeout,
-            store=restart_safe_store(timeout))
+        if args.fake_process_group:
+            from megatron.core.fake_process_group import init_fake_process_group
+            init_fake_process_group(args.rank, args.world_size, timeout)
+            print(f"> --fake-process-group: this process is rank {args.rank} of {args.world_size} (collectives are "
+                  "no-ops: values are meaningless, shapes and memory are real)", flush=True)
+        else:
+            torch.distributed.init_process_group(  # under torchrun: a store whose keys survive no restart
+                backend=args.distributed_backend, world_size=args.world_size, rank=args.rank, timeout=timeout,
+                store=restart_safe_store(timeout))
         atexit.register(_release_process_groups)
 
     if parallel_state.model_parallel_is_initialized():

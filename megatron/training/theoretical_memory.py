@@ -33,12 +33,15 @@ so bf16 Adam gives 18, 6 + 12/d, 2 + 16/d and 16/d bytes per parameter (fp32: 16
 transient all-gather / reduce-scatter buffers of one unit are not counted (megatron.core.distributed.memory measures
 the same three classes on a built model).
 
-MoE layers (``--num-experts``, ``--moe-layer-freq``) replace the dense MLP by the router (``E x h``), this rank's
+Multi-latent attention (``--multi-latent-attention``) replaces the standard attention's projections by its down / up
+projections and latent norms; ``--mtp-num-layers`` adds the multi-token-prediction depths (and an embedding) to
+the last stage. MoE layers (``--num-experts``, ``--moe-layer-freq``) replace the dense MLP by the router (``E x h``), this rank's
 ``E / EP`` experts (each split by expert TP) and the shared experts; with the distributed optimizer the expert
 state is sharded over the expert data-parallel group. Activations are counted as for the dense MLP.
 Parameter counts follow this library's GPT/BERT layers exactly (biases, LayerNorm/RMSNorm, GQA, SwiGLU, tied or
 untied output layer, learned position embeddings), so weights, gradients and optimizer state can be compared
-with what a built model and optimizer hold (tests/training/test_train_theoretical_memory.py).
+with what a built model and optimizer hold (megatron.core.distributed.memory; tests/training/
+test_train_theoretical_memory.py, --fake-process-group's rank report).
 """
 from __future__ import annotations
 
@@ -59,25 +62,56 @@ def _precision(args) -> str:
     return "fp32"
 
 
-def _layer_params(args, tp: int) -> int:
-    """Parameters of one transformer layer held by one tensor-parallel rank."""
-    h = args.hidden_size
-    heads = args.num_attention_heads
+def _norm_params(args, size: int) -> int:
+    return 2 * size if getattr(args, "normalization", "LayerNorm") == "LayerNorm" else size
+
+
+def _attention_params(args, tp: int) -> int:
+    """One layer's self-attention on one tensor-parallel rank (its input norm excluded).
+
+    Standard attention: QKV (column-parallel, optional bias) and the output projection (row-parallel, replicated
+    bias). Multi-latent attention (``--multi-latent-attention``, ``n`` heads, ``d_n``/``d_r``/``d_v`` the
+    ``--qk-head-dim``/``--qk-pos-emb-head-dim``/``--v-head-dim``): the down projections ``h x q_lora`` and
+    ``h x (kv_lora + d_r)`` replicated on every TP rank, the up projections ``q_lora x n (d_n + d_r) / t`` and
+    ``kv_lora x n (d_n + d_v) / t``, the latent norms with ``--qk-layernorm``, the output ``n d_v / t x h``; without
+    ``--q-lora-rank`` one ``h x n (d_n + d_r) / t`` query projection."""
+    h, heads = args.hidden_size, args.num_attention_heads
+    bias = getattr(args, "add_bias_linear", True)
+    if getattr(args, "multi_latent_attention", False):
+        d_n, d_r, d_v = args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim
+        q_lora, kv_lora, norm = args.q_lora_rank, args.kv_lora_rank, getattr(args, "qk_layernorm", False)
+        params = h * (kv_lora + d_r) + kv_lora * heads * (d_n + d_v) // tp
+        params += _norm_params(args, kv_lora) if norm else 0
+        if q_lora is None:
+            params += h * heads * (d_n + d_r) // tp
+        else:
+            params += h * q_lora + q_lora * heads * (d_n + d_r) // tp + (_norm_params(args, q_lora) if norm else 0)
+        return params + heads * d_v // tp * h + h * bias
     kv_channels = args.kv_channels or h // heads
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
     q_size, kv_size = kv_channels * heads, kv_channels * groups
-    ffn = args.ffn_hidden_size or 4 * h
-    bias = getattr(args, "add_bias_linear", True)
     qkv_bias = bias or getattr(args, "add_qkv_bias", False)
-    norm = 2 * h if getattr(args, "normalization", "LayerNorm") == "LayerNorm" else h
-    fc1_out = 2 * ffn if getattr(args, "swiglu", False) else ffn
+    params = h * (q_size + 2 * kv_size) // tp + (q_size + 2 * kv_size) // tp * qkv_bias  # QKV (column)
+    return params + q_size // tp * h + h * bias  # output projection (row; its bias is replicated)
 
-    params = 2 * norm  # input and post-attention norms (replicated on every TP rank)
-    params += h * (q_size + 2 * kv_size) // tp + (q_size + 2 * kv_size) // tp * qkv_bias  # QKV (column)
-    params += q_size // tp * h + h * bias  # output projection (row; its bias is replicated)
-    params += h * fc1_out // tp + fc1_out // tp * bias  # fc1 (column)
-    params += ffn // tp * h + h * bias  # fc2 (row)
-    return params
+
+def _layer_params(args, tp: int) -> int:
+    """Parameters of one transformer layer held by one tensor-parallel rank (dense MLP)."""
+    norms = 2 * _norm_params(args, args.hidden_size)  # input and pre-MLP norms (replicated on every TP rank)
+    return norms + _attention_params(args, tp) + _dense_mlp_params(args, tp)
+
+
+def _mtp_params(args, tp: int) -> int:
+    """``--mtp-num-layers`` depths on the last stage: each has two input norms, ``eh_proj`` (``2h x h / t``), a
+    transformer layer of the decoder's last layer type and a final norm."""
+    depths = getattr(args, "mtp_num_layers", None) or 0
+    if not depths:
+        return 0
+    h = args.hidden_size
+    layer = _layer_params(args, tp)
+    if _is_moe_layer(args, args.num_layers - 1):
+        layer += sum(_moe_mlp_params(args, tp)) - _dense_mlp_params(args, tp)
+    return depths * (3 * _norm_params(args, h) + 2 * h * h // tp + layer)
 
 
 def _is_moe_layer(args, layer: int) -> bool:
@@ -115,10 +149,12 @@ def _dense_mlp_params(args, tp: int) -> int:
 
 def stage_expert_params(args, stage: int) -> int:
     """Expert parameters on one rank of pipeline stage ``stage`` (sharded over expert DP by the distributed
-    optimizer, not over DP)."""
+    optimizer, not over DP); the last stage's multi-token-prediction layers included."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     per_stage = args.num_layers // pp
-    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    layers = list(range(stage * per_stage, (stage + 1) * per_stage))
+    if stage == pp - 1 and _is_moe_layer(args, args.num_layers - 1):
+        layers += [args.num_layers - 1] * (getattr(args, "mtp_num_layers", None) or 0)
     return sum(_moe_mlp_params(args, tp)[1] for layer in layers if _is_moe_layer(args, layer))
 
 
@@ -145,17 +181,21 @@ def stage_params(args, stage: int) -> int:
     for layer in range(stage * layers_here, (stage + 1) * layers_here):
         if _is_moe_layer(args, layer):  # an MoE MLP instead of the dense one
             params += sum(_moe_mlp_params(args, tp)) - _dense_mlp_params(args, tp)
-    if first:
+    mtp = bool(getattr(args, "mtp_num_layers", None)) and last
+    if first or mtp:  # the multi-token-prediction stage holds an embedding too
         params += vocab * h
         if getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
                 getattr(args, "add_position_embedding", True):
             params += args.max_position_embeddings * h
+    if mtp:
+        params += _mtp_params(args, tp)
         if is_bert and getattr(args, "bert_binary_head", True):
             params += 2 * h  # token-type embeddings
     if last:
         params += norm  # final norm
-        if untied or (pp > 1 and not is_bert):
-            params += vocab * h  # untied output layer, or the last stage's copy of the tied embedding
+        if untied or (pp > 1 and not is_bert and not mtp):
+            params += vocab * h  # untied output layer, or the last stage's copy of the tied embedding (the MTP
+            # stage's embedding serves as it)
         if is_bert:
             if pp > 1:
                 params += vocab * h  # tied word-embedding copy for the LM head

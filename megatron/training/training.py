@@ -21,10 +21,13 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.rerun_state_machine import (RerunMode, RerunState, ResultRejectedError, advance_data_iterators,
+                                               get_rerun_state_machine, wrap_data_iterators)
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import get_model_config
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.datasets_provider import build_train_valid_test_data_iterators
+from megatron.training.errors import AgreedExit
 from megatron.training.fault_injection import ENV_VAR as FAULT_INJECT_ENV_VAR
 from megatron.training.global_vars import (
     get_adlr_autoresume,
@@ -39,12 +42,12 @@ from megatron.training.fault_handling import fault_handling, maybe_inject_fault
 from megatron.training.gc_and_profiling import IterationProfiler, ManualGC
 from megatron.training.hang_detection import ProgressTracker
 from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
-from megatron.training.numerical_checks import NumericalGuard, inject_nan_grad, wrap_forward_step
+from megatron.training.numerical_checks import (IterationState, NumericalFaultError, ResultChecks, inject_nan_grad,
+                                                validate_grads, wrap_forward_step)
 from megatron.training.training_log import LogState, num_floating_point_operations, training_log
 from megatron.training.utils import calc_params_l2_norm, print_datetime, print_rank_0, print_rank_last
 
 _TRAIN_START_TIME = time.time()
-# Set by train() when --check-for-nan-in-loss-and-grad or a test's MEGATRON_FAULT_INJECT is on; else None.
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
@@ -171,6 +174,66 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     precision and data parallelism. Always returns a list."""
     args = get_args()
     args.model_type = model_type
+    rng = None
+    if args.init_model_with_meta_device:  # the layers draw nothing now: _materialize replays from these states
+        from megatron.core.distributed.fsdp.meta_init import RngStates
+
+        rng = RngStates.capture()
+    model = _build_model_chunks(model_provider_func, model_type)
+
+    for chunk in model:
+        for param in chunk.parameters():
+            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+
+    if parallel_state.get_data_parallel_rank() == 0:
+        print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
+            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+            sum(sum(p.nelement() for p in chunk.parameters()) for chunk in model)), flush=True)
+
+    if rng is None:
+        for chunk in model:
+            chunk.to(device.current_device())
+
+    if wrap_with_ddp and _fsdp2_engine(args):
+        # FSDP2 keeps fp32 main weights as its shards and casts for compute itself (no Float16Module).
+        dtypes = [{n: p.dtype for n, p in chunk.named_parameters(remove_duplicate=False)} for chunk in model]
+        model = [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
+        if rng is not None:
+            _materialize(args, rng, [chunk.module for chunk in model], dtypes, sharded=True)
+        return model
+    if rng is not None:  # ZeRO-1 and no wrapping: every rank holds the whole weights
+        _materialize(args, rng, model, [{} for _ in model], sharded=False)
+    if args.fp16 or args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = [Float16Module(get_model_config(chunk), chunk) for chunk in model]
+
+    if not wrap_with_ddp:
+        return model
+    model = [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
+    if args.data_parallel_random_init:
+        for chunk in model:
+            chunk.broadcast_params()
+    return model
+
+
+def _materialize(args, rng, modules, dtypes, sharded: bool):
+    """--init-model-with-meta-device: draw the weights built on the meta device (FSDP2 shards or whole tensors)."""
+    from megatron.core.distributed.fsdp.meta_init import allocate_sharded, materialize
+    from megatron.core.transformer.norms import init_device
+
+    for module, init_dtypes in zip(modules, dtypes):
+        if sharded:
+            allocate_sharded(module, device.current_device())
+        materialize(module, rng, init_dtypes, init_device(get_model_config(module)))
+        rng = None  # one replay of the build's draws continues across the chunks
+    print_rank_0("--init-model-with-meta-device: weights drawn layer by layer from the build's generator states"
+                 + (", each rank keeping its FSDP shard" if sharded else ""))
+
+
+def _build_model_chunks(model_provider_func, model_type):
+    """This rank's model chunks (one per virtual stage), unwrapped."""
+    args = get_args()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if model_type == ModelType.encoder_and_decoder:
         model = [_build_encoder_decoder_stage(model_provider_func, pp_size)]
@@ -190,33 +253,6 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         model = [chunk]
     for chunk in model:
         chunk.model_type = model_type
-
-    for chunk in model:
-        for param in chunk.parameters():
-            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-
-    if parallel_state.get_data_parallel_rank() == 0:
-        print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
-            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
-            sum(sum(p.nelement() for p in chunk.parameters()) for chunk in model)), flush=True)
-
-    for chunk in model:
-        chunk.to(device.current_device())
-
-    if wrap_with_ddp and _fsdp2_engine(args):
-        # FSDP2 keeps fp32 main weights as its shards and casts for compute itself (no Float16Module).
-        return [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
-    if args.fp16 or args.bf16:
-        from megatron.core.transformer.module import Float16Module
-
-        model = [Float16Module(get_model_config(chunk), chunk) for chunk in model]
-
-    if not wrap_with_ddp:
-        return model
-    model = [_wrap_data_parallel(args, chunk, i) for i, chunk in enumerate(model)]
-    if args.data_parallel_random_init:
-        for chunk in model:
-            chunk.broadcast_params()
     return model
 
 
@@ -241,8 +277,8 @@ def _wrap_data_parallel(args, chunk, index):
         bucket_size=args.ddp_bucket_size,
         overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.align_param_gather,
-        # check_for_nan_in_grad stays off: --check-for-nan-in-loss-and-grad is train_step's NumericalGuard, which
-        # makes every rank agree before stopping.
+        # check_for_nan_in_grad stays off: --check-for-nan-in-loss-and-grad is the rerun state machine's gradient
+        # check (numerical_checks.validate_grads, before finalize_model_grads), which makes every rank agree.
     )
     if args.use_torch_fsdp2:
         from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
@@ -320,31 +356,49 @@ def setup_model_and_optimizer(model_provider_func, model_type, no_wd_decay_cond=
 
 # ------------------------------------------------------------------------------------------ train
 
-def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-               numerical_guard=None):
-    """One iteration: forward and backward over every micro-batch, then one optimizer step.
+class RerunExitRequest(Exception):
+    """train_step: the rerun state machine ends the job (``train`` saves a checkpoint if asked, then exits)."""
 
-    ``numerical_guard`` (a ``NumericalGuard`` from ``configure_schedule_hooks``, or None) checks losses and
-    gradients and stops every rank before the optimizer can use a NaN."""
+    def __init__(self, checkpoint: bool, exit_code: int):
+        super().__init__(f"rerun state machine: exit with code {exit_code}")
+        self.checkpoint, self.exit_code = checkpoint, exit_code
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, checks=None):
+    """One iteration: forward and backward over every micro-batch (again, from the same state, when the rerun state
+    machine asks for a re-run), then one optimizer step.
+
+    ``checks`` (the ``ResultChecks`` from ``configure_schedule_hooks``, or None) validates the local losses; the
+    gradient hook validates the gradients (megatron/training/numerical_checks.py). A fatal rejection with
+    ``--rerun-mode disabled`` raises NumericalFaultError on every rank; a re-run verdict that ends the job raises
+    RerunExitRequest before the optimizer could use the result."""
     args, timers = get_args(), get_timers()
-
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-
-    guard = numerical_guard
-    if guard is not None:
-        forward_step_func = wrap_forward_step(forward_step_func, guard, torch.distributed.get_rank(),
+    if checks is not None:
+        forward_step_func = wrap_forward_step(forward_step_func, checks, torch.distributed.get_rank(),
                                               args.iteration + 1)
     forward_backward_func = get_forward_backward_func()
+    machine = get_rerun_state_machine()
+    if machine.mode != RerunMode.DISABLED:
+        data_iterator = wrap_data_iterators(data_iterator)  # so that a re-run replays the same micro-batches
     timers("forward-backward", log_level=1).start(barrier=args.barrier_with_L1_time)
-    losses_reduced = forward_backward_func(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=get_num_microbatches(), seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        decoder_seq_length=args.decoder_seq_length, forward_only=False)
+    try:
+        while machine.should_run_forward_backward(data_iterator):
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses_reduced = forward_backward_func(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.decoder_seq_length,
+                forward_only=False)
+    except ResultRejectedError as error:
+        raise NumericalFaultError(f"{error}; stopping the run on every rank (--check-for-nan-in-loss-and-grad). Lower "
+                                  "--lr, check the data of this iteration, or resume from the last checkpoint",
+                                  same_on_every_rank=True) from None
     timers("forward-backward").stop()
-    if guard is not None:
-        guard.raise_if_any_rank_failed(args.iteration + 1)  # before the optimizer can use a NaN
+    should_checkpoint, should_exit, exit_code = machine.should_checkpoint_and_exit()
+    if should_exit:
+        raise RerunExitRequest(should_checkpoint, exit_code)
     if args.empty_unused_memory_level >= 1:
         device.empty_cache()
 
@@ -413,9 +467,10 @@ def _sum_reported_losses(loss_dicts):
 
 
 def configure_schedule_hooks(config, model, optimizer):
-    """Let the schedules scale the loss, defer DDP gradient reduction and finalise gradients.
+    """Let the schedules scale the loss, defer DDP gradient reduction and finalise gradients; give the rerun state
+    machine what a re-run restores (megatron/training/numerical_checks.py).
 
-    Returns the ``NumericalGuard`` that train_step and the gradient hook share (None when no check is asked)."""
+    Returns the ``ResultChecks`` that train_step and the gradient hook share (None when no check is asked)."""
     config.grad_scale_func = optimizer.scale_loss
     config.timers = get_timers()
     if len(model) == 1:
@@ -425,22 +480,24 @@ def configure_schedule_hooks(config, model, optimizer):
         # Interleaved schedule: each chunk's parameter all-gathers start at aligned points of the schedule.
         config.param_sync_func = [chunk.start_param_sync for chunk in model]
     args = get_args()
-    guard = None
-    if args.check_for_nan_in_loss_and_grad or os.environ.get(FAULT_INJECT_ENV_VAR):
-        guard = NumericalGuard(args.check_for_nan_in_loss_and_grad, allow_inf=args.fp16)
-        config.finalize_model_grads_func = functools.partial(_checked_finalize_model_grads, guard=guard)
-    return guard
+    state = IterationState(model)
+    machine = get_rerun_state_machine()
+    machine.state_save_func, machine.state_restore_func = state.save, state.restore
+    checks = ResultChecks.from_args(args)
+    if not checks.any and not os.environ.get(FAULT_INJECT_ENV_VAR):
+        return None
+    config.finalize_model_grads_func = functools.partial(_checked_finalize_model_grads, checks=checks)
+    return checks
 
 
-def _checked_finalize_model_grads(model_chunks, *rest, guard, **kwargs):
-    """Look at (or, in tests, poison) this rank's local gradients before the data-parallel reduction.
+def _checked_finalize_model_grads(model_chunks, *rest, checks, **kwargs):
+    """Validate (or, in tests, poison) this rank's local gradients before the data-parallel reduction.
 
     With --overlap-grad-reduce (or --DDP-impl torch) the reduction already ran during the backward pass, so
-    the check sees reduced gradients and names the lowest rank of the data-parallel group."""
+    the check sees reduced gradients."""
     args = get_args()
-    rank = torch.distributed.get_rank()
-    inject_nan_grad(model_chunks, rank, args.iteration + 1)
-    guard.note_grads(model_chunks)
+    inject_nan_grad(model_chunks, torch.distributed.get_rank(), args.iteration + 1)
+    validate_grads(model_chunks, checks)
     return finalize_model_grads(model_chunks, *rest, **kwargs)
 
 
@@ -472,7 +529,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     args, timers = get_args(), get_timers()
     for chunk in model:
         chunk.train()
-    numerical_guard = configure_schedule_hooks(config, model, optimizer)
+    checks = configure_schedule_hooks(config, model, optimizer)
+    machine = get_rerun_state_machine()
     # Progress records for hang and straggler detection (hang_detection.py): local writes only.
     progress = progress or ProgressTracker(args.rank)
     forward_step_func = progress.wrap_forward_step(forward_step_func)
@@ -481,6 +539,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     log_state = LogState()
     wandb_run = _wandb_run(args)
     iteration = args.iteration
+    start_iteration = iteration
     manual_gc = ManualGC.from_args(args)
     manual_gc.start()
     profiler = IterationProfiler(args, torch.distributed.get_rank())
@@ -492,9 +551,16 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         profiler.before_iteration(iteration)
         progress.begin_iteration(iteration + 1)
         update_num_microbatches(args.consumed_train_samples)
-        loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config,
-            numerical_guard=numerical_guard)
+        if machine.state == RerunState.NOT_RUNNING_YET:
+            machine.current_iteration = iteration
+        if iteration + 1 in args.iterations_to_skip:
+            iteration = _skip_iteration(iteration, train_data_iterator)
+            continue
+        try:
+            loss_dict, skipped_iter, grad_norm, num_zeros_in_grad = train_step(
+                forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config, checks=checks)
+        except RerunExitRequest as request:
+            _rerun_exit(request, iteration, model, optimizer, opt_param_scheduler)
         iteration += 1
         args.iteration = iteration
         profiler.after_iteration(iteration)
@@ -514,6 +580,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         training_log(log_state, loss_dict, learning_rate, iteration, loss_scale, skipped_iter, grad_norm,
                      params_norm, num_zeros_in_grad, wandb_run)
         progress.after_step(iteration)  # the --log-straggler report on log intervals
+        if args.fake_process_group and iteration == start_iteration + 1:  # what this rank of the layout holds
+            from megatron.training.rank_report import format_rank_memory_report, rank_memory_report
+            print(format_rank_memory_report(rank_memory_report(args, model, optimizer)), flush=True)
+        if machine.mode == RerunMode.REPORT_DETERMINISM_STATS and iteration % args.log_interval == 0:
+            print_rank_last(machine.stats_report())
 
         if args.adlr_autoresume and iteration % args.adlr_autoresume_interval == 0:
             check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler)
@@ -533,6 +604,33 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     if wandb_run is not None:
         wandb_run.finish()
     return iteration
+
+
+def _skip_iteration(iteration, train_data_iterator) -> int:
+    """--iterations-to-skip (or the tracker file): consume the iteration's micro-batches, train nothing."""
+    args = get_args()
+    advance_data_iterators(train_data_iterator, get_num_microbatches())
+    args.consumed_train_samples += args.data_parallel_size * args.micro_batch_size * get_num_microbatches()
+    print_rank_0(f"skipping iteration {iteration + 1} (--iterations-to-skip or --result-rejected-tracker-filename): "
+                 "its micro-batches are consumed, nothing is trained")
+    args.iteration = iteration + 1
+    return iteration + 1
+
+
+def _rerun_exit(request, iteration, model, optimizer, opt_param_scheduler):
+    """The rerun state machine's verdict ends the job: save the checkpoint it asks for, then exit with its code."""
+    args = get_args()
+    what = {16: "resume from the last checkpoint on another device (EXIT_CODE_RESUME_TO_DISAMBIGUATE)",
+            17: "restart from the last checkpoint (EXIT_CODE_FAILED_ON_RESULT_VALIDATION)"}.get(request.exit_code, "")
+    if request.checkpoint:
+        if args.save:
+            _param_gather_hooks(model, enabled=False)
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+        else:
+            print_rank_0("WARNING: the rerun state machine asked for a checkpoint, but --save is not set: the job "
+                         "cannot be resumed to re-run this iteration")
+    print_datetime(f"exiting program at iteration {iteration + 1} with exit code {request.exit_code}: {what}")
+    _exit(request.exit_code)
 
 
 def _param_gather_hooks(model, enabled: bool):
@@ -600,13 +698,15 @@ def _save_or_exit(iteration, model, optimizer, opt_param_scheduler) -> None:
         _exit()
 
 
-def _exit():
+def _exit(code=None):
     if get_args().async_save:
         from megatron.training.checkpointing.torch_dist import finalize_async_save
         finalize_async_save()
     writer = get_tensorboard_writer()
     if writer is not None:
         writer.flush()
+    if code:
+        raise AgreedExit(code)  # every rank reached the same verdict (fault_handling: an orderly stop)
     sys.exit()
 
 

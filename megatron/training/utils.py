@@ -21,10 +21,11 @@ def is_last_rank() -> bool:
     return not distributed_is_initialized() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
-
 def print_rank_last(message):
-    """Print on the last rank only (or always, without torch.distributed)."""
-    if is_last_rank():
+    """Print on the last rank only (or always, without torch.distributed or under --fake-process-group)."""
+    from megatron.core.fake_process_group import is_fake_process_group
+
+    if is_last_rank() or is_fake_process_group():
         print(message, flush=True)
 
 

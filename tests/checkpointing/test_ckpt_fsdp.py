@@ -5,14 +5,16 @@ tools/checkpoint/convert.py between them and torch_dist with the next losses of 
 Every run trains 3 iterations of a tiny SwiGLU GPT (fp32, a small random-token corpus) and the checkpointing ones save
 at iteration 2, so a run is both the straight reference and the source of a resume for iteration 3:
 
-* torch_dcp (FSDP2, --torch-fsdp2-no-reshard-after-forward) and fsdp_dtensor (optim_grads_params, MoE EP=2)
-  resume bit-exactly;
+* torch_dcp (FSDP2, --torch-fsdp2-no-reshard-after-forward) and fsdp_dtensor (optim_grads_params, MoE EP=2 with
+  grouped experts, --moe-grouped-gemm) resume bit-exactly;
 * an fsdp_dtensor checkpoint of the bucketed ZeRO-1 (optim) at DP=4 resumes under ZeRO-2 at TP=2 x DP=2;
 * torch_dist (plain DDP) -> fsdp_dtensor resumed by Megatron-FSDP, torch_dist -> torch_dcp resumed by FSDP2, and
-  fsdp_dtensor (MoE) -> torch_dist resumed by DDP, each within 1e-6 of the source run's own iteration 3;
+  fsdp_dtensor (grouped MoE) -> torch_dist resumed by DDP with SequentialMLP experts, each within 1e-6 of the
+  source run's own iteration 3;
 * the fsdp_dtensor files use Megatron's layout: ``model.module.`` keys per layer, gated fc1 split into ``_w`` /
-  ``_v``, global expert indices, optimizer state under ``optimizer.state.module.module.module.``, RNG keyed
-  ``"(0, 0)"``, and their tensors equal the converted torch_dist checkpoint's.
+  ``_v``, grouped experts stored per expert as ``mlp.experts.linear_fc1.weight{e}`` with global indices ``e``,
+  optimizer state under ``optimizer.state.module.module.module.``, RNG keyed ``"(0, 0)"``, and their tensors equal
+  the converted torch_dist checkpoint's.
 """
 import os
 
@@ -29,6 +31,7 @@ TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--split", "
         "--eval-iters", "0", "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion",
         "--swiglu"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--disable-bias-linear"]
+GROUPED = MOE + ["--moe-grouped-gemm"]
 DDP = ["--ckpt-format", "torch_dist"]
 FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dcp", "--torch-fsdp2-no-reshard-after-forward"]
 
@@ -59,11 +62,11 @@ def body(root, data):
     out = {
         "ddp": run("ddp", DDP),
         "dcp": run("dcp", FSDP2),
-        "zero3_moe": run("zero3_moe", MOE + _mfsdp("optim_grads_params")),
+        "zero3_moe": run("zero3_moe", GROUPED + _mfsdp("optim_grads_params")),
         "zero1": run("zero1", _mfsdp("optim")),
     }
     out["dcp_resumed"] = run("", FSDP2, load=d("dcp"))
-    out["zero3_moe_resumed"] = run("", MOE + _mfsdp("optim_grads_params"), load=d("zero3_moe"))
+    out["zero3_moe_resumed"] = run("", GROUPED + _mfsdp("optim_grads_params"), load=d("zero3_moe"))
     out["zero1_as_zero2_tp2"] = run("", _mfsdp("optim_grads") + ["--tensor-model-parallel-size", "2"],
                                     load=d("zero1"))
     _convert("torch_dist", "fsdp_dtensor", d("ddp"), d("ddp_as_fsdp_dtensor"))
@@ -112,9 +115,11 @@ def test_fsdp_dtensor_layout_matches_converted_torch_dist(results):
     ours = load_full_state_dict(os.path.join(root, "zero3_moe", "iter_0000002"))
     dist = load_full_state_dict(os.path.join(root, "zero3_moe_as_dist", "iter_0000002"))
     layer0 = "model.module.decoder.layers.0."
-    for e in range(4):  # global expert indices over EP=2 ranks, gate / up halves of the gated fc1
+    for e in range(4):  # grouped experts: global indices over EP=2 ranks, gate / up halves of the gated fc1
         for half in ("_w", "_v"):
-            assert f"{layer0}mlp.experts.local_experts.{e}.linear_fc1.weight{half}" in ours
+            assert f"{layer0}mlp.experts.linear_fc1.weight{e}{half}" in ours
+        assert f"{layer0}mlp.experts.linear_fc2.weight{e}" in ours
+    assert not any("local_experts" in k or k.endswith((".experts.weight1", ".experts.weight2")) for k in ours)
     assert f"{layer0}self_attention.linear_qkv.weight" in ours and not any("_extra_state" in k for k in ours)
     assert "optimizer.state.module.module.module.decoder.layers.1.mlp.router.weight.exp_avg" in ours
     assert set(ours["rng_state"]) == {"(0, 0)"} and ours["iteration"] == 2
@@ -122,13 +127,15 @@ def test_fsdp_dtensor_layout_matches_converted_torch_dist(results):
     fc1 = dist["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
     for layer in range(2):
         for e in range(4):
-            name = f"model.module.decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc1.weight"
+            name = f"model.module.decoder.layers.{layer}.mlp.experts.linear_fc1.weight{e}"
             assert torch.equal(fc1[layer, e], torch.cat([ours[name + "_w"], ours[name + "_v"]]))
     qkv = dist["decoder.layers.self_attention.linear_qkv.weight"]
     assert torch.equal(qkv[1], ours["model.module.decoder.layers.1.self_attention.linear_qkv.weight"])
     adam = dist["optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight"]
-    name = "optimizer.state.module.module.module.decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
+    name = "optimizer.state.module.module.module.decoder.layers.0.mlp.experts.linear_fc2.weight3"
     assert torch.equal(adam[0, 3], ours[name + ".exp_avg"])
+    fc2 = dist["decoder.layers.mlp.experts.experts.linear_fc2.weight"]
+    assert torch.equal(fc2[1, 2], ours["model.module.decoder.layers.1.mlp.experts.linear_fc2.weight2"])
 
 
 @pytest.mark.parametrize("strict,strictness", [(True, "assume_ok_unexpected"), (False, "log_all"),

@@ -6,7 +6,8 @@ with ``megatron.core.comm_accounting.CommAccountant`` active inside ``train_step
 such as the initial parameter broadcast and the tied-embedding sync are outside). For every rank the counted
 calls and payload bytes per (process group, operation) must equal, exactly, the formulas of
 docs/performance.md ("Scaling on paper"), written out independently in ``expected_volume`` below —
-including the small terms (data broadcast over TP, the reported loss summed over DP, gradient-norm all-reduce).
+including the small terms (data broadcast over TP, the reported loss summed over DP, gradient-norm all-reduce, the
+rerun state machine's agreement).
 """
 import os
 from collections import defaultdict
@@ -118,6 +119,8 @@ def expected_volume(c, pp_rank):
     # --- gradient norm (--clip-grad 1.0): one scalar over TP x PP, or the world with the dist. optimizer; fp32 on
     # GPUs as in Megatron, fp64 on CPU (clip_grads accumulates the sum of squares in fp64 there), so 8 bytes here
     add("world" if c["distopt"] else "mp", "all_reduce", 1, 8)
+    # --- the rerun state machine's verdict on the iteration (--rerun-mode validate_results): 6 int64 over the world
+    add("world", "all_reduce", 1, 48)
     return {k: tuple(v) for k, v in out.items()}
 
 

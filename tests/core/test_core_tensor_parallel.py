@@ -408,11 +408,25 @@ def kept_output_buffer_body():
         loss.backward()
         results[f"bias{bias}_saved_by_autograd"] = rel_err(X.grad, (2 * ref) @ T["W"])
         del overwrite
+
+    # Gradient accumulation fusion under saved-tensor hooks (activation offloading, torch.autograd.graph.save_on_cpu,
+    # memory measurement): the weight unpacked in backward is a new tensor object, so main_grad is found through
+    # the parameter kept on the autograd context.
+    cfg = ModelParallelConfig(params_dtype=torch.float64, gradient_accumulation_fusion=True)
+    col = tpl.ColumnParallelLinear(IN, OUT, config=cfg, init_method=torch.nn.init.zeros_, bias=False)
+    with torch.no_grad():
+        col.weight.copy_(T["W"])
+    col.weight.main_grad = torch.zeros_like(col.weight)
+    with torch.autograd.graph.save_on_cpu():
+        Y, _ = col(T["X"].clone().requires_grad_(True))
+    (Y * T["G"]).sum().backward()
+    results["saved_tensor_hooks_main_grad"] = rel_err(col.weight.main_grad, T["G"].reshape(-1, OUT).t()
+                                                      @ T["X"].reshape(-1, IN))
     return results
 
 
 def test_column_parallel_kept_cpu_output_buffer():
     (results,) = run_distributed(kept_output_buffer_body, 1)
-    assert len(results) == 12, results
+    assert len(results) == 13, results
     bad = {k: v for k, v in results.items() if not v <= TOL}
     assert not bad, bad

@@ -3,7 +3,8 @@
 * train_llama3_8b_fsdp.sh with FSDP=torch: the Llama-3 8B flags (RMSNorm, SwiGLU, GQA, RoPE, untied, bf16,
   per-token loss) under --use-torch-fsdp2, saving torch_dcp;
 * sbatch_mfsdp_deepseek_v3.sh under a fake srun: the DeepSeek-V3 recipe's flags (MLA, MTP, sigmoid group routing
-  with expert bias, shared expert, dense first layer, EP=2) under Megatron-FSDP ZeRO-3, saving fsdp_dtensor.
+  with expert bias, forced load balancing, shared expert, dense first layer, grouped experts at EP=2) under
+  Megatron-FSDP ZeRO-3 built on the meta device, saving fsdp_dtensor.
 """
 from __future__ import annotations
 
@@ -58,4 +59,5 @@ def test_deepseek_v3_mfsdp_script_under_fake_slurm(tmp_path):
     _check(rc, out + log, tmp_path / "ckpt", "fsdp_dtensor")
     assert "data parallelism: torch.distributed.fsdp.fully_shard (optim_grads_params) over 2 DP x CP ranks" in log
     assert "experts over the expert data-parallel group" in log
+    assert "--init-model-with-meta-device: weights drawn layer by layer" in log and "MoE grouped GEMM" in log
     assert all("mtp_1 loss:" in line for line, _ in iteration_lines(log)), log[-3000:]

@@ -1,6 +1,7 @@
 """Multi-rank jobs of pretrain_gpt.py for the reliability tests: plain processes with RANK/WORLD_SIZE/MASTER_* in
 one process group (as a SLURM job step starts them) or one torchrun, each with its output in a log file."""
 import os
+import random
 import re
 import signal
 import subprocess
@@ -106,3 +107,25 @@ def logged_losses(text):
     """{iteration: lm loss} from the iteration log lines of ``text`` (the last line of an iteration wins)."""
     found = re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", text)
     return {int(it): float(loss) for it, loss in found}
+
+
+def first_injection(rate, world, calls_per_iteration, seed=1234):
+    """(iteration, ranks) of the rerun state machine's first injected error (``--error-injection-rate rate``, GPT_ARGS'
+    ``--seed``): each validation call draws ``randint(0, rate - 1)`` from one stream seeded alike on every rank, and
+    rank ``r`` injects when ``(draw + r) % rate == 0`` (the formula, written here independently of the library)."""
+    rng = random.Random(seed)
+    for call in range(10000):
+        drawn = rng.randint(0, rate - 1)
+        ranks = [r for r in range(world) if (drawn + r) % rate == 0]
+        if ranks:
+            return call // calls_per_iteration + 1, ranks
+    return None, []
+
+
+def rate_for(world, calls_per_iteration, iteration, rank=None):
+    """The smallest rate whose first injection lands in ``iteration`` (on ``rank`` alone, when given)."""
+    for rate in range(2, 2000):
+        it, ranks = first_injection(rate, world, calls_per_iteration)
+        if it == iteration and (rank is None or ranks == [rank]):
+            return rate
+    raise AssertionError("no rate found")

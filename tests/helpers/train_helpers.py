@@ -155,9 +155,12 @@ def deterministic_expert_init(model, layer_offset: int):
                 module.weight2.copy_(torch.cat([w.t() for w in fc2s], dim=0))
 
 
-def run_pretrain(entry: str, extra_args, record_model=False, extra_args_provider=None):
+def run_pretrain(entry: str, extra_args, record_model=False, extra_args_provider=None, deterministic=True):
     """Run ``pretrain`` of ``entry`` with GPT_ARGS + extra_args (and the entry point's ``extra_args_provider``, e.g.
-    the ModelOpt flags); return the per-iteration records."""
+    the ModelOpt flags); return the per-iteration records.
+
+    ``deterministic=False`` keeps the model's own initialisation from ``--seed`` (as ``pretrain_gpt.py`` run as a
+    script), instead of the layout-independent one of :func:`deterministic_init`."""
     from megatron.core import parallel_state as ps
     from megatron.training import global_vars
     from megatron.training import training as training_mod
@@ -181,7 +184,8 @@ def run_pretrain(entry: str, extra_args, record_model=False, extra_args_provider
 
     def provider(pre_process=True, post_process=True):
         model = original_provider(pre_process=pre_process, post_process=post_process)
-        deterministic_init(model, num_layers)
+        if deterministic:
+            deterministic_init(model, num_layers)
         return model
 
     training_mod.training_log = recording_log

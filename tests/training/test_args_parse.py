@@ -158,11 +158,11 @@ def test_parser_shape(clean_env, capsys):
     parser = build_parser()
     assert parser.description == "Megatron-LM Arguments" and parser.allow_abbrev is False
     titles = [g.title for g in parser._action_groups[2:]]
-    assert titles[:19] == ["network size", "regularization", "training", "initialization", "learning rate",
-                      "checkpointing", "mixed precision", "distributed", "validation", "data and dataloader",
-                      "autoresume", "biencoder", "vision", "moe", "mla", "logging", "inference", "Transformer-Engine",
-                      "retro"]
-    assert "rl" in titles[19:] and "In-process restart" in titles[19:]  # HEAD's other groups, from the registry
+    assert titles[:20] == ["network size", "regularization", "training", "initialization", "learning rate",
+                           "checkpointing", "mixed precision", "distributed", "rerun engine", "validation",
+                           "data and dataloader", "autoresume", "biencoder", "vision", "moe", "mla", "logging",
+                           "inference", "Transformer-Engine", "retro"]
+    assert "rl" in titles[20:] and "In-process restart" in titles[20:]  # HEAD's other groups, from the registry
     with pytest.raises(SystemExit) as exc:  # no abbreviations: --num-lay is unknown
         parse_args(argv=["--num-lay", "2"])
     assert exc.value.code == 2

@@ -1,19 +1,29 @@
 """Fully sharded data parallelism (--use-torch-fsdp2, --use-megatron-fsdp with its four strategies) against the
 unsharded DDP run, on 4 gloo ranks in one launch.
 
-For each layout (DP=4; TP=2 x DP=2 with sequence parallelism; MoE EP=2 x DP=2 with 4 experts; CP=2 x DP=2, where
-FSDP shards over the 4 DP x CP ranks) the per-iteration losses and grad norms of 10 iterations of every sharded run
-(the bucketed no_shard / optim at DP=4, the FSDP2 strategies at DP=4, TP x DP and EP x DP, ZeRO-3 with CP) equal the plain DDP run's within 1e-6 relative (fp32,
-same initial weights, a small random-token corpus); ``--use-torch-fsdp2`` is not allowed with expert parallelism (Megatron's rule). The runs
-also record how the model was wrapped: the FSDP2 strategies hold DTensor parameters whose local blocks add up to
-about a quarter (DP=4) / half (DP=2) of the unsharded parameter count, the bucketed strategies (no_shard, optim)
-the whole model; optim really builds the distributed optimizer. Megatron's flag checks give their one-line
+For each layout (DP=4; TP=2 x DP=2 with sequence parallelism; CP=2 x DP=2, where FSDP shards over the 4 DP x CP
+ranks; MoE: TP=2 x DP=2 with sequence parallelism, 4 experts over EP=2 (expert TP 1), dropout on) the per-iteration
+losses and grad norms of 10 iterations of every sharded run (the bucketed no_shard / optim at DP=4, the FSDP2
+strategies at every layout, ZeRO-3 with CP) equal the plain DDP run's within 1e-6 relative (fp32, a small
+random-token corpus). ``--use-torch-fsdp2`` is not allowed with expert parallelism (Megatron's rule).
+
+The MoE layout also covers the two features that change how the model is built, against the same DDP run:
+``--moe-grouped-gemm`` (the ZeRO-2 run has GroupedMLP experts, the DDP reference SequentialMLP ones) and
+``--init-model-with-meta-device`` (the ZeRO-1 and ZeRO-3 runs build on the meta device and materialise whole
+weights / DTensor shards). Its runs keep the library's own initialisation from --seed (the other layouts set
+deterministic weights), so the meta-device runs must hold, after materialisation, bitwise the weights of the DDP
+run without the flag; their dropout masks then agree too (the losses above).
+
+The runs also record how the model was wrapped: the FSDP2 strategies hold DTensor parameters whose local blocks
+add up to about a quarter (DP=4) / half (DP=2) of the unsharded parameter count, the bucketed strategies (no_shard,
+optim) the whole model; optim really builds the distributed optimizer. Megatron's flag checks give their one-line
 messages.
 """
 import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from helpers.args_test_helpers import clean_env, validated  # noqa: F401 - fixture
 from helpers.data_support import random_token_corpus
@@ -28,6 +38,10 @@ MOE = ["--swiglu", "--disable-bias-linear", "--num-experts", "4", "--moe-router-
        "--moe-aux-loss-coeff", "1e-2", "--expert-model-parallel-size", "2"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dist"]
+GROUPED = ["--moe-grouped-gemm"]
+META = ["--init-model-with-meta-device"]
+MOE_LAYOUT = TP2 + MOE + ["--expert-tensor-parallel-size", "1", "--hidden-dropout", "0.1", "--attention-dropout",
+                          "0.1"]
 
 
 def _mfsdp(strategy):
@@ -35,19 +49,30 @@ def _mfsdp(strategy):
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-LAYOUTS = {"dp4": [], "tp2_dp2": TP2, "ep2_dp2": MOE, "cp2_dp2": ["--context-parallel-size", "2"]}
+LAYOUTS = {"dp4": [], "tp2_dp2": TP2, "cp2_dp2": ["--context-parallel-size", "2"], "moe": MOE_LAYOUT}
+# no_shard and optim are our DDP and distributed optimizer (tests/training/test_train_layouts.py and
+# test_train_moe_parity.py compare those at TP=2 and EP=2): here at DP=4 (and optim built on the meta device).
+MEGATRON_FSDP = {"dp4": {s: [] for s in STRATEGIES}, "tp2_dp2": {s: [] for s in STRATEGIES[2:]},
+                 "cp2_dp2": {"optim_grads_params": []},
+                 "moe": {"optim": META, "optim_grads": GROUPED, "optim_grads_params": META}}
 RUNS = []
 for layout, extra in LAYOUTS.items():
     RUNS.append((layout, "ddp", extra))
     if layout in ("dp4", "tp2_dp2"):
         RUNS.append((layout, "torch_fsdp2", extra + FSDP2))
-    # no_shard and optim are our DDP and distributed optimizer (tests/training/test_train_layouts.py and
-    # test_train_moe_parity.py compare those at TP=2 and EP=2): here at DP=4, the FSDP2 engine at every layout.
-    strategies = {"dp4": STRATEGIES, "cp2_dp2": STRATEGIES[3:]}.get(layout, STRATEGIES[2:])
-    RUNS += [(layout, s, extra + _mfsdp(s)) for s in strategies]
+    RUNS += [(layout, s, extra + _mfsdp(s) + more) for s, more in MEGATRON_FSDP[layout].items()]
+
+def _flag_value(extra, flag):
+    return extra[extra.index(flag) + 1] if flag in extra else None
 
 
-def _run_recording(extra, data):
+def _full_weights(chunk):
+    """This rank's tensor-parallel-local weights, whole (FSDP2 shards gathered), by parameter name."""
+    return {name.split("module.", 1)[-1]: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in chunk.named_parameters()}
+
+
+def _run_recording(extra, data, layout):
     """run_pretrain, also recording the wrapper, the optimizer class and this rank's parameter elements."""
     from megatron.training import training as training_mod
 
@@ -61,6 +86,8 @@ def _run_recording(extra, data):
         seen["dtensor"] = all(type(p).__name__ == "DTensor" or hasattr(p, "to_local") for p in params)
         seen["local_numel"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
         seen["global_numel"] = sum(p.numel() for p in params)
+        if layout == "moe":
+            seen["weights"] = _full_weights(model[0])
         return model
 
     def setup(*args, **kwargs):
@@ -71,7 +98,8 @@ def _run_recording(extra, data):
 
     training_mod.get_model, training_mod.setup_model_and_optimizer = get_model, setup
     try:
-        records = run_pretrain("pretrain_gpt", TINY + ["--data-path", data] + list(extra))
+        records = run_pretrain("pretrain_gpt", TINY + ["--data-path", data] + list(extra),
+                               deterministic=layout != "moe")
     finally:
         training_mod.get_model, training_mod.setup_model_and_optimizer = original_get_model, original_setup
     seen["curve"] = [(r["loss"]["lm loss"], r["grad_norm"]) for r in records]
@@ -84,14 +112,15 @@ def _run_recording(extra, data):
     args = SimpleNamespace(fp16=False, bf16=False, optimizer="adam", sgd_momentum=0.0, data_parallel_size=4,
                            context_parallel_size=1, accumulate_allreduce_grads_in_fp32=False,
                            use_torch_fsdp2="--use-torch-fsdp2" in extra, use_megatron_fsdp="--use-megatron-fsdp" in extra,
-                           data_parallel_sharding_strategy=(list(extra) or [None])[-1], use_distributed_optimizer=False)
+                           data_parallel_sharding_strategy=_flag_value(extra, "--data-parallel-sharding-strategy"),
+                           use_distributed_optimizer=False)
     seen["formula"] = {k: v * seen["global_numel"] for k, v in
                        bytes_per_parameter(args, False, sharding_strategy(args)).items()}
     return seen
 
 
 def runs_body(runs, data):
-    return {(layout, name): _run_recording(extra, data) for layout, name, extra in runs}
+    return {(layout, name): _run_recording(extra, data, layout) for layout, name, extra in runs}
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +145,21 @@ def test_sharded_losses_and_grad_norms_equal_ddp(fsdp_runs):
                 continue
             worst = _worst(run["curve"], ref)
             report.append(f"{layout}/{name}: {worst:.1e}")
-            assert len(run["curve"]) == 10 and worst <= REL_TOL, f"{layout}/{name}: {worst:.2e}\n{run['curve']}\n{ref}"
+            assert len(run["curve"]) == 10 and worst <= REL_TOL, \
+                f"{layout}/{name}: {worst:.2e}\n{run['curve']}\n{ref}"
     print("max relative difference to DDP (loss, grad norm):", "; ".join(report))
+
+
+def test_meta_device_build_draws_the_weights_of_the_ordinary_build(fsdp_runs):
+    """--init-model-with-meta-device: after materialisation every rank's weights (FSDP2 shards gathered) are bitwise
+    those of the run without the flag (the same seed, the library's own initialisation)."""
+    for rank in fsdp_runs:
+        want = rank[("moe", "ddp")]["weights"]
+        for name in ("optim", "optim_grads_params"):
+            got = rank[("moe", name)]["weights"]
+            assert got.keys() == want.keys(), (name, sorted(set(got) ^ set(want)))
+            differ = [k for k in want if not torch.equal(got[k], want[k])]
+            assert not differ, (name, differ)
 
 
 def test_sharding_engines_and_optimizers(fsdp_runs):
@@ -170,6 +212,9 @@ BAD_FLAGS = [
     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --num-distributed-optimizer-instances 2",
      "hybrid sharded data parallelism"),
     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --megatron-fsdp-main-params-dtype bf16", "fp32 main weights"),
+    ("--init-model-with-meta-device", "--init-model-with-meta-device needs --use-megatron-fsdp or --use-torch-fsdp2"),
+    ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy no_shard "
+     "--init-model-with-meta-device", "not supported for no_shard data parallel sharding strategy"),
 ]
 
 

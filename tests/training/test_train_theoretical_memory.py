@@ -37,6 +37,15 @@ CONFIGS = {
         "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-layer-freq", "2", "--swiglu",
         "--disable-bias-linear", "--moe-ffn-hidden-size", "48", "--moe-shared-expert-intermediate-size", "32",
         "--use-distributed-optimizer"],
+    # DeepSeek-V3's ingredients: multi-latent attention (q and kv LoRA, latent norms), a dense first layer then MoE
+    # with a shared expert, one multi-token-prediction depth on the last stage (which also holds an embedding).
+    "bf16 PP2 MLA MoE MTP distributed optimizer": [
+        "--bf16", "--pipeline-model-parallel-size", "2", "--multi-latent-attention", "--q-lora-rank", "24",
+        "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8",
+        "--qk-layernorm", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+        "--position-embedding-type", "rope", "--num-experts", "4", "--moe-layer-freq", "[0]+[1]*3",
+        "--moe-ffn-hidden-size", "16", "--moe-shared-expert-intermediate-size", "16", "--mtp-num-layers", "1",
+        "--use-distributed-optimizer"],
 }
 
 
@@ -66,7 +75,8 @@ def measure_body(configs):
         args.model_name = "gpt"
         report = report_theoretical_memory(args)
         results[name] = {
-            "measured": (weights, grads, optimizer_bytes), "numel": sum(p.numel() for p in params),
+            "measured": (weights, grads, optimizer_bytes),
+            "numel": sum(p.numel() for p in params),
             "theory": (report.weights[stage], report.grads[stage], report.optimizer[stage]),
             "theory_numel": report.params[stage], "bytes_per_param": report.bytes_per_param,
         }

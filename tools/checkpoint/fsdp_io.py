@@ -27,7 +27,9 @@ import torch.distributed.checkpoint as dcp
 
 from megatron.core.dist_checkpointing.sharded_io import LocalShard, load_full_state_dict, save_sharded
 from megatron.core.transformer.fsdp_dtensor_checkpoint import (GATE_SUFFIX, MODEL_PREFIX, OPTIMIZER_STATE_PREFIX,
-                                                               PARAM_GROUP_META_PREFIX, UP_SUFFIX, is_gated_fc1)
+                                                               PARAM_GROUP_META_PREFIX, UP_SUFFIX,
+                                                               grouped_to_sequential_name, is_gated_fc1,
+                                                               sequential_to_grouped_name)
 from tools.checkpoint.legacy_io import ConversionError, read_tracker
 
 CHECKPOINT_VERSION = 3.0
@@ -70,15 +72,16 @@ def default_group_of(model: Dict[str, torch.Tensor], num_groups: int) -> Dict[st
 
 
 def _merge_halves(flat: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """fsdp_dtensor's ``<name>_w`` / ``<name>_v`` pairs back into one ``[gate; up]`` tensor."""
+    """fsdp_dtensor's ``<name>_w`` / ``<name>_v`` pairs back into one ``[gate; up]`` tensor; grouped experts'
+    ``mlp.experts.linear_fc1.weight{e}`` under SequentialMLP's ``mlp.experts.local_experts.{e}.linear_fc1.weight``."""
     out = {}
     for key, value in flat.items():
         if key.endswith(UP_SUFFIX) and key[:-2] + GATE_SUFFIX in flat and is_gated_fc1(key[:-2]):
             continue
         if key.endswith(GATE_SUFFIX) and is_gated_fc1(key[:-2]):
-            out[key[:-2]] = torch.cat([value, flat[key[:-2] + UP_SUFFIX]])
+            out[grouped_to_sequential_name(key[:-2])] = torch.cat([value, flat[key[:-2] + UP_SUFFIX]])
         else:
-            out[key] = value
+            out[grouped_to_sequential_name(key)] = value
     return out
 
 
@@ -121,8 +124,8 @@ def read_fsdp_dtensor(iter_dir: str) -> FullState:
     state = FullState(model=model, optimizer={k: _merge_halves(v) for k, v in kinds.items()},
                       param_groups=flat.get("optimizer.param_groups"),
                       common={k: flat[k] for k in _COMMON if k in flat}, rng=flat.get("rng_state") or {})
-    state.group_of = {key[len(PARAM_GROUP_META_PREFIX):]: meta["group_index"] for key, meta in flat.items()
-                      if key.startswith(PARAM_GROUP_META_PREFIX) and meta is not None}
+    state.group_of = {grouped_to_sequential_name(key[len(PARAM_GROUP_META_PREFIX):]): meta["group_index"]
+                      for key, meta in flat.items() if key.startswith(PARAM_GROUP_META_PREFIX) and meta is not None}
     return state
 
 
@@ -218,7 +221,9 @@ def write_torch_dist(state: FullState, save_dir: str):
               common=common, objects=objects)
 
 
-def _split(name: str, tensor: torch.Tensor, gated: bool) -> Dict[str, torch.Tensor]:
+def _split(name: str, tensor: torch.Tensor, gated: bool, grouped: bool) -> Dict[str, torch.Tensor]:
+    if grouped:
+        name = sequential_to_grouped_name(name)
     if gated and is_gated_fc1(name):
         gate, up = torch.chunk(tensor, 2)
         return {name + GATE_SUFFIX: gate, name + UP_SUFFIX: up}
@@ -233,20 +238,23 @@ def write_fsdp_dtensor(state: FullState, save_dir: str):
     args = _args_for(state, "fsdp_dtensor")
     args.use_megatron_fsdp = True
     gated = bool(getattr(args, "swiglu", False))
+    grouped = bool(getattr(args, "moe_grouped_gemm", False))  # Megatron's grouped expert names (TEGroupedMLP's)
     iteration = int(state.common.get("iteration", 0))
     out: Dict[str, object] = {**{k: v for k, v in state.common.items()}, "args": args,
                               "checkpoint_version": CHECKPOINT_VERSION,
                               "content_metadata": {"distrib_optim_sharding_type": "fsdp_dtensor"}, "rng_state": state.rng}
     for name, tensor in state.model.items():
-        out.update({MODEL_PREFIX + k: _whole(v.float()) for k, v in _split(name, tensor, gated).items()})
+        out.update({MODEL_PREFIX + k: _whole(v.float()) for k, v in _split(name, tensor, gated, grouped).items()})
     for kind, tensors in state.optimizer.items():
         for name, tensor in tensors.items():
-            out.update({f"{OPTIMIZER_STATE_PREFIX}{k}.{kind}": _whole(v) for k, v in _split(name, tensor, gated).items()})
+            out.update({f"{OPTIMIZER_STATE_PREFIX}{k}.{kind}": _whole(v)
+                        for k, v in _split(name, tensor, gated, grouped).items()})
     if state.param_groups is not None:
         out["optimizer.param_groups"] = state.param_groups
         for name in state.model:
             group = state.param_groups[state.group_of[name]]
-            out[PARAM_GROUP_META_PREFIX + name] = {"group_index": state.group_of[name],
+            key = sequential_to_grouped_name(name) if grouped else name
+            out[PARAM_GROUP_META_PREFIX + key] = {"group_index": state.group_of[name],
                                                    **{k: group[k] for k in ("wd_mult", "lr_mult") if k in group}}
     directory = os.path.join(save_dir, "iter_{:07d}".format(iteration))
     os.makedirs(directory, exist_ok=True)

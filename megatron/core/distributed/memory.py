@@ -35,9 +35,10 @@ def resident_state_bytes(model_chunks: List[torch.nn.Module], optimizer) -> Dict
             if tensor is None or not torch.is_tensor(tensor):
                 continue
             storage = _local(tensor).untyped_storage()
-            if storage.data_ptr() in seen or storage.nbytes() == 0:
+            key = storage._cdata  # the storage itself: on the meta device (device.build_on) every data_ptr is 0
+            if key in seen or storage.nbytes() == 0:
                 continue
-            seen.add(storage.data_ptr())
+            seen.add(key)
             out[kind] += storage.nbytes()
 
     for chunk in model_chunks:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from megatron.core import device
+from megatron.core.device import init_device, param_device, weights_on_meta  # noqa: F401 (their old home)
 from megatron.core.fusions import fused_kernels
 from megatron.core.utils import log_once
 
@@ -35,13 +36,6 @@ def _apex_layer_norm():
             except ImportError:
                 _APEX_LN = None
     return _APEX_LN
-
-
-def param_device(config) -> torch.device:
-    """Where a layer's parameters are created: CPU with --use-cpu-initialization, else the current device."""
-    if config is not None and getattr(config, "use_cpu_initialization", False):
-        return torch.device("cpu")
-    return device.current_device()
 
 
 def _mark_sequence_parallel(module: torch.nn.Module, sequence_parallel: bool) -> None:

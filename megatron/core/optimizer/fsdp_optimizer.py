@@ -13,7 +13,7 @@ zeros are counted the same way. No loss scaling: FSDP trains in fp32 or bf16 (fp
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 import torch
 
@@ -42,6 +42,29 @@ class FullyShardedOptimizer(FP32Optimizer):
         if config.fp16:
             raise ValueError("fully sharded data parallelism trains in fp32 or bf16: --fp16 is not supported")
         self.model_chunks = model_chunks
+
+    def state_kinds(self) -> List[str]:
+        """The per-parameter state tensors of the torch optimizer (Adam's moments, SGD's momentum buffer)."""
+        return ["exp_avg", "exp_avg_sq"] if "Adam" in type(self.optimizer).__name__ else ["momentum_buffer"]
+
+    def state_blocks(self, params, create: bool) -> Dict[str, Dict[int, torch.Tensor]]:
+        """``{kind: {id(param): this rank's block of the parameter's state}}`` (checkpointing). Before the first step
+        there is no state: zeros, which ``create`` (a load, that then fills them) puts into the optimizer with the
+        step count."""
+        kinds = self.state_kinds()
+        out = {k: {} for k in kinds}
+        for param in params:
+            state = self.optimizer.state[param]
+            for kind in kinds:
+                value = state.get(kind)
+                if value is None:
+                    value = torch.zeros_like(param)
+                    if create:
+                        state[kind] = value
+                out[kind][id(param)] = local_tensor(value)
+            if create and kinds[0] == "exp_avg":
+                state["step"] = torch.tensor(float(self._inner_steps), dtype=torch.float32)
+        return out
 
     def get_model_parallel_group(self):
         return None  # blocks are disjoint over DP as well: sums run over the world

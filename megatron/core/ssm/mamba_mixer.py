@@ -38,6 +38,7 @@ from megatron.core.utils import log_once
 from megatron.core.ssm.ssd_chunked_scan import causal_depthwise_conv1d, ssd_chunked_scan
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import weights_on_meta
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 GATED_NORM_EPS = 1e-5  # megatron-core hard-codes the gated group norm's epsilon
@@ -130,7 +131,7 @@ class MambaMixer(MegatronModule):
         self.d_conv = d_conv
         self.pg_collection = pg_collection
         self.tp_group = group_of(pg_collection, "tp")
-        tp, tp_rank = pg_size(pg_collection, "tp"), pg_rank(pg_collection, "tp")
+        tp = pg_size(pg_collection, "tp")
         groups = {} if self.tp_group is None else {"tp_group": self.tp_group}
         self.heads, self.groups = dims.heads // tp, dims.groups // tp
         self.d_inner = dims.d_inner // tp
@@ -157,12 +158,31 @@ class MambaMixer(MegatronModule):
         for p in (self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias, self.norm.weight):
             if p is not None:
                 _mark_tp(p)
-        if config.perform_initialization:
-            self._initialize(tp, tp_rank, A_init_range, dt_min, dt_max, dt_init_floor)
+        self._init_ranges = (A_init_range, dt_min, dt_max, dt_init_floor)
+        self._initialize_or_conv_default()
+
+    def reset_parameters(self):
+        """The submodules' draws, then the mixer's, in the constructor's order."""
+        for child in (self.in_proj, self.out_proj):
+            child.reset_parameters()
+        with torch.no_grad():
+            self.norm.weight.fill_(1.0)
+        self._initialize_or_conv_default()
+
+    def _initialize_or_conv_default(self):
+        """The mixer's draws (:meth:`_initialize`); without ``perform_initialization``, torch's own conv values."""
+        if self.config.perform_initialization:
+            self._initialize()
+        else:
+            self.conv1d.reset_parameters()
 
     @torch.no_grad()
-    def _initialize(self, tp, tp_rank, A_init_range, dt_min, dt_max, dt_init_floor):
+    def _initialize(self):
+        if weights_on_meta(self):
+            return
         dims = self.dims
+        A_init_range, dt_min, dt_max, dt_init_floor = self._init_ranges
+        tp, tp_rank = pg_size(self.pg_collection, "tp"), pg_rank(self.pg_collection, "tp")
         rows = rank_rows(dims.in_proj_parts, tp, tp_rank)
         weight = torch.empty(sum(s for _, s in dims.in_proj_parts), dims.hidden, dtype=torch.float32)
         self.config.init_method(weight)

@@ -4,6 +4,7 @@ from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     DuplicatedLinear,
+    InitializedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_tensor_model_parallel_attributes,
@@ -50,6 +51,7 @@ __all__ = [
     # layers.py
     "ColumnParallelLinear",
     "DuplicatedLinear",
+    "InitializedLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "set_tensor_model_parallel_attributes",

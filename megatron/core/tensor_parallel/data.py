@@ -1,13 +1,15 @@
 """Broadcast a batch from TP rank 0 to the other ranks of its TP group (megatron.core.tensor_parallel.data).
 
 Only TP rank 0 reads data; the others receive it. Sizes go first (a fixed-width int64 tensor per key) so
-receivers can allocate, then one flattened tensor with every key's data.
+receivers can allocate, then one flattened tensor with every key's data. Under ``--fake-process-group`` nothing
+arrives, so every rank reads its own batch and uses it as if it were the source's.
 """
 from __future__ import annotations
 
 import torch
 
 from megatron.core import device
+from megatron.core.fake_process_group import is_fake_process_group
 from megatron.core.parallel_state import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
@@ -24,9 +26,13 @@ def _check_data_types(keys, data, target_dtype):
             raise TypeError(f"{key} has data type {data[key].dtype} which is different than {target_dtype}")
 
 
+def _is_source(data) -> bool:
+    return get_tensor_model_parallel_rank() == 0 or (data is not None and is_fake_process_group())
+
+
 def _build_key_size_numel_dictionaries(keys, data):
     sizes = [0] * (_MAX_DATA_DIM * len(keys))
-    if get_tensor_model_parallel_rank() == 0:
+    if _is_source(data):
         offset = 0
         for key in keys:
             if data[key].dim() >= _MAX_DATA_DIM:
@@ -67,7 +73,7 @@ def broadcast_data(keys, data, datatype):
     """
     key_size, key_numel, total_numel = _build_key_size_numel_dictionaries(keys, data)
     dev = device.current_device()
-    if get_tensor_model_parallel_rank() == 0:
+    if _is_source(data):
         _check_data_types(keys, data, datatype)
         flatten_data = torch.cat([data[key].contiguous().view(-1) for key in keys], dim=0).to(dev)
     else:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from megatron.core import device, parallel_state
+from megatron.core.device import param_device, weights_on_meta
 from megatron.core.fp8_utils import Fp8Meta, fp8_dgrad, fp8_forward, fp8_recipe_from_config, fp8_wgrad
 from megatron.core.utils import log_once
 from megatron.core.model_parallel_config import ModelParallelConfig
@@ -62,11 +63,10 @@ def param_is_not_tensor_parallel_duplicate(param, tp_group=None) -> bool:
 
 
 def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride: int) -> None:
-    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
-        assert not hasattr(tensor, attribute), f"tensor already has the attribute {attribute}"
-    setattr(tensor, "tensor_model_parallel", is_parallel)
-    setattr(tensor, "partition_dim", dim)
-    setattr(tensor, "partition_stride", stride)
+    values = {"tensor_model_parallel": is_parallel, "partition_dim": dim, "partition_stride": stride}
+    for attribute, value in values.items():  # setting the same values again (a reset_parameters) is fine
+        assert getattr(tensor, attribute, value) == value, f"tensor already has the attribute {attribute}"
+        setattr(tensor, attribute, value)
 
 
 def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor) -> None:
@@ -132,10 +132,6 @@ def _initialize_affine_weight_cpu(weight, output_size, input_size, per_partition
     return None
 
 
-def _param_device(config: ModelParallelConfig) -> torch.device:
-    return torch.device("cpu") if config.use_cpu_initialization else device.current_device()
-
-
 class VocabParallelEmbedding(torch.nn.Module):
     """Embedding whose table is split along the vocabulary across TP ranks. Returns one tensor."""
 
@@ -155,20 +151,22 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
 
+        self.config, self.init_method = config, init_method
         self.weight = Parameter(torch.empty(self.num_embeddings_per_partition, self.embedding_dim,
-                                            device=_param_device(config), dtype=config.params_dtype))
-        if config.use_cpu_initialization:
-            if config.perform_initialization:
-                _initialize_affine_weight_cpu(self.weight, self.num_embeddings, self.embedding_dim,
-                                              self.num_embeddings_per_partition, 0, init_method,
-                                              params_dtype=config.params_dtype, tp_group=tp_group)
-            else:
-                set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+                                            device=param_device(config), dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """Draw the table (this rank's rows) as the constructor does."""
+        if not self.config.perform_initialization or weights_on_meta(self):
+            return
+        if self.config.use_cpu_initialization:
+            _initialize_affine_weight_cpu(self.weight, self.num_embeddings, self.embedding_dim,
+                                          self.num_embeddings_per_partition, 0, self.init_method,
+                                          params_dtype=self.config.params_dtype, tp_group=self.tp_group)
         else:
-            if config.perform_initialization:
-                _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=1)
-            else:
-                set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+            _initialize_affine_weight_gpu(self.weight, self.init_method, partition_dim=0, stride=1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The table split along the vocabulary (TP axis 0); its global shape may differ on load (vocabulary
@@ -278,6 +276,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, async_grad_allreduce, sequence_parallel,
                 fp8_meta=None, output_buffer=None, tp_group=None):
         ctx.save_for_backward(input, weight)
+        # The parameter itself, for main_grad: under saved-tensor hooks (activation offloading, save_on_cpu) the
+        # weight unpacked in backward is a new tensor object without the parameter's attributes.
+        ctx.weight_param = weight if gradient_accumulation_fusion else None
         ctx.tp_group = tp_group
         ctx.fp8_meta = fp8_meta
         ctx.use_bias = bias is not None
@@ -362,11 +363,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.needs_input_grad[1] and ctx.fp8_meta is not None:
             grad_weight = fp8_wgrad(ctx.fp8_meta, fp8_grad_q, grad_output_2d, ctx.fp8_saved, total_input_2d)
             if ctx.gradient_accumulation_fusion:
-                _add_into_main_grad(weight, grad_weight)
+                _add_into_main_grad(ctx.weight_param, grad_weight)
                 grad_weight = None
         elif ctx.needs_input_grad[1]:
             if ctx.gradient_accumulation_fusion:
-                _accumulate_into_main_grad(weight, total_input_2d, grad_output_2d)
+                _accumulate_into_main_grad(ctx.weight_param, total_input_2d, grad_output_2d)
             else:
                 grad_weight = grad_output_2d.t().matmul(total_input_2d)
         grad_bias = grad_output_2d.sum(dim=0) if use_bias else None
@@ -465,6 +466,28 @@ def _fp8_meta_for(config) -> Optional[Fp8Meta]:
     return Fp8Meta(recipe, amax_group=group)
 
 
+def _reset_parallel_linear(layer, partition_dim: int) -> None:
+    """A column- (``partition_dim`` 0) or row-parallel (1) layer's ``reset_parameters``: this rank's slice of the
+    weight drawn as the constructor draws it (the full master weight with --use-cpu-initialization, else the
+    TP-rank generator), a zero bias."""
+    config = layer.config
+    if not config.perform_initialization or weights_on_meta(layer):
+        return
+    if layer.weight is not None:
+        per_partition = layer.weight.shape[partition_dim]
+        if config.use_cpu_initialization:
+            layer.master_weight = _initialize_affine_weight_cpu(
+                layer.weight, layer.output_size, layer.input_size, per_partition, partition_dim, layer.init_method,
+                stride=layer.stride, return_master_weight=layer.keep_master_weight_for_test,
+                params_dtype=config.params_dtype, tp_group=layer.tp_group)
+        else:
+            _initialize_affine_weight_gpu(layer.weight, layer.init_method, partition_dim=partition_dim,
+                                          stride=layer.stride)
+    if layer.bias is not None:
+        with torch.no_grad():
+            layer.bias.zero_()
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """``Y = XA + b`` with ``A`` split along its output dimension. Returns ``(output, bias_or_None)``."""
 
@@ -490,31 +513,21 @@ class ColumnParallelLinear(torch.nn.Module):
         self.skip_bias_add = skip_bias_add
         self.config = config
 
+        self.init_method, self.stride, self.keep_master_weight_for_test = init_method, stride, keep_master_weight_for_test
         if not skip_weight_param_allocation:
             self.weight = Parameter(torch.empty(self.output_size_per_partition, self.input_size,
-                                                device=_param_device(config), dtype=config.params_dtype))
-            if config.perform_initialization:
-                if config.use_cpu_initialization:
-                    self.master_weight = _initialize_affine_weight_cpu(
-                        self.weight, self.output_size, self.input_size, self.output_size_per_partition, 0,
-                        init_method, stride=stride, return_master_weight=keep_master_weight_for_test,
-                        params_dtype=config.params_dtype, tp_group=tp_group)
-                else:
-                    _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=stride)
-            else:
-                set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+                                                device=param_device(config), dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
         else:
             self.weight = None
 
         if bias:
-            self.bias = Parameter(torch.empty(self.output_size_per_partition, device=_param_device(config),
+            self.bias = Parameter(torch.empty(self.output_size_per_partition, device=param_device(config),
                                               dtype=config.params_dtype))
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
-            if config.perform_initialization:
-                with torch.no_grad():
-                    self.bias.zero_()
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
 
         self.async_tensor_model_parallel_allreduce = config.async_tensor_model_parallel_allreduce and world_size > 1
         self.sequence_parallel = config.sequence_parallel
@@ -530,6 +543,10 @@ class ColumnParallelLinear(torch.nn.Module):
             )
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.fp8_meta = _fp8_meta_for(config)
+
+    def reset_parameters(self):
+        """This rank's columns drawn as the constructor draws them (the meta-device materialisation calls it)."""
+        _reset_parallel_linear(self, 0)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Weight and bias split along the output features (TP axis 0)."""
@@ -595,31 +612,25 @@ class RowParallelLinear(torch.nn.Module):
         if self.sequence_parallel and not self.input_is_parallel:
             raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
 
+        self.init_method, self.stride, self.keep_master_weight_for_test = init_method, stride, keep_master_weight_for_test
         self.weight = Parameter(torch.empty(self.output_size, self.input_size_per_partition,
-                                            device=_param_device(config), dtype=config.params_dtype))
-        if config.perform_initialization:
-            if config.use_cpu_initialization:
-                self.master_weight = _initialize_affine_weight_cpu(
-                    self.weight, self.output_size, self.input_size, self.input_size_per_partition, 1, init_method,
-                    stride=stride, return_master_weight=keep_master_weight_for_test,
-                    params_dtype=config.params_dtype, tp_group=tp_group)
-            else:
-                _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=1, stride=stride)
-        else:
-            set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+                                            device=param_device(config), dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
 
         if bias:
-            self.bias = Parameter(torch.empty(self.output_size, device=_param_device(config),
+            self.bias = Parameter(torch.empty(self.output_size, device=param_device(config),
                                               dtype=config.params_dtype))
-            if config.perform_initialization:
-                with torch.no_grad():
-                    self.bias.zero_()
             # The bias is replicated; with sequence parallelism each rank sees a different part of the
             # sequence, so its gradient must be all-reduced over the TP group.
             setattr(self.bias, "sequence_parallel", self.sequence_parallel)
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
         self.fp8_meta = _fp8_meta_for(config)
+
+    def reset_parameters(self):
+        """This rank's rows drawn as the constructor draws them (the meta-device materialisation calls it)."""
+        _reset_parallel_linear(self, 1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Weight split along the input features (TP axis 1); the bias is replicated."""
@@ -649,6 +660,37 @@ class RowParallelLinear(torch.nn.Module):
         return output, output_bias
 
 
+class InitializedLinear(torch.nn.Linear):
+    """``torch.nn.Linear`` replicated on every rank whose weight is drawn again with ``init_method`` after torch's
+    own initialisation (both draws, as a plain ``nn.Linear`` followed by ``init_method`` makes them), and whose bias
+    is zero. ``fp32_master``: draw the weight in fp32 and round it to the layer's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, init_method: Callable, *, bias: bool = True,
+                 fp32_master: bool = False, perform_initialization: bool = True, dtype=None, device=None):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)  # torch's draw
+        self.init_method, self.fp32_master, self.perform_initialization = init_method, fp32_master, perform_initialization
+        self._draw()
+
+    def _draw(self):
+        if weights_on_meta(self):
+            return
+        with torch.no_grad():
+            if self.perform_initialization:
+                if self.fp32_master:
+                    weight = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+                    self.init_method(weight)
+                    self.weight.copy_(weight)
+                else:
+                    self.init_method(self.weight)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        if hasattr(self, "init_method"):  # not while nn.Linear's constructor runs (the constructor draws next)
+            self._draw()
+
+
 class DuplicatedLinear(torch.nn.Module):
     """``Y = XA + b`` with the whole weight on every tensor-parallel rank (Transformer Engine's
     ``parallel_mode='duplicated'``), applied to the rank's own input: under sequence parallelism each rank
@@ -664,20 +706,33 @@ class DuplicatedLinear(torch.nn.Module):
         self.tp_group = tp_group  # None: parallel_state's TP group
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         sequence_parallel = config.sequence_parallel and tp_size_and_rank(tp_group)[0] > 1
-        # Drawn in full from the default generator (the same on every TP rank), like a CPU-initialised master weight.
-        weight = torch.empty(output_size, input_size, dtype=torch.float32)
-        if config.perform_initialization:
-            init_method(weight)
-        self.weight = Parameter(weight.to(device=_param_device(config), dtype=config.params_dtype))
+        self.config, self.init_method = config, init_method
+        self.weight = Parameter(torch.empty(output_size, input_size, device=param_device(config),
+                                            dtype=config.params_dtype))
+        self.reset_parameters()
         set_tensor_model_parallel_attributes(self.weight, False, 0, 1)
         setattr(self.weight, "sequence_parallel", sequence_parallel)
         if bias:
-            self.bias = Parameter(torch.zeros(output_size, device=_param_device(config), dtype=config.params_dtype))
+            self.bias = Parameter(torch.zeros(output_size, device=param_device(config), dtype=config.params_dtype))
             set_tensor_model_parallel_attributes(self.bias, False, 0, 1)
             setattr(self.bias, "sequence_parallel", sequence_parallel)
         else:
             self.register_parameter("bias", None)
         self.fp8_meta = _fp8_meta_for(config)
+
+    def reset_parameters(self):
+        """The weight drawn in full from the default generator (the same on every TP rank), like a CPU-initialised
+        master weight; a zero bias."""
+        if weights_on_meta(self):
+            return
+        if self.config.perform_initialization:
+            weight = torch.empty(self.output_size, self.input_size, dtype=torch.float32)
+            self.init_method(weight)
+            with torch.no_grad():
+                self.weight.copy_(weight)
+        if getattr(self, "bias", None) is not None:
+            with torch.no_grad():
+                self.bias.zero_()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The whole weight (and bias) replicated over TP, with megatron-core's empty ``_extra_state`` object."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.fake_process_group import is_fake_process_group
 from megatron.core.parallel_state import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
@@ -331,6 +332,10 @@ class _AllToAll(torch.autograd.Function):
             output = torch.empty_like(input_)
         else:
             output = input_.new_empty((sum(output_split_sizes),) + tuple(input_.shape[1:]))
+        if input_.shape[0] == 0 and is_fake_process_group():
+            # --fake-process-group: the peers' token counts are copies of this rank's, so a rank can expect rows
+            # while sending none, which torch's fake backend refuses; nothing moves anyway: zeros of the right shape.
+            return output.zero_()
         torch.distributed.all_to_all_single(output, input_, output_split_sizes=output_split_sizes,
                                             input_split_sizes=input_split_sizes, group=group)
         return output

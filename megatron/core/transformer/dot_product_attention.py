@@ -31,7 +31,7 @@ from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax, attention
 from megatron.core.transformer.attention_variants import attention_with_sinks, window_mask
 from megatron.core.process_groups_config import group_of
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.fusions.fused_layer_norm import param_device
+from megatron.core.device import init_device, param_device, weights_on_meta
 from megatron.core.utils import divide
 
 _CAUSAL_CHECK_CACHE = {}
@@ -126,24 +126,33 @@ class CoreAttention(MegatronModule):
         self.softmax_type = config.softmax_type
         self.window = config.window_size if config.is_window_attention_layer(self.layer_number) else None
         if self.softmax_type == "learnable":
-            # One logit per head: the full [heads] vector from the global generator (the same on every TP rank),
-            # then this rank's heads, so every TP size starts from the same model.
-            full = torch.zeros(config.num_attention_heads, dtype=torch.float32)
-            if config.perform_initialization:
-                config.init_method(full)
-            rank = self._tp_rank if world_size > 1 else 0
-            local = full.chunk(world_size)[rank].to(dtype=config.params_dtype, device=param_device(config))
-            self.softmax_offset = torch.nn.Parameter(local.contiguous())
+            self.softmax_offset = torch.nn.Parameter(torch.empty(self.num_attention_heads_per_partition,
+                                                                 dtype=config.params_dtype, device=param_device(config)))
             tensor_parallel.set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+            self.reset_parameters()
         elif self.softmax_type == "off-by-one":
             self.register_buffer("softmax_offset", torch.zeros(self.num_attention_heads_per_partition,
-                                                               device=param_device(config)), persistent=False)
+                                                               device=init_device(config)), persistent=False)
         else:
             self.softmax_offset = None
         if config.context_parallel_size > 1 and (self.window is not None or self.softmax_offset is not None):
             raise ValueError(f"context parallelism (--context-parallel-size {config.context_parallel_size}) with "
                              f"{'--window-size' if self.window is not None else '--softmax-type ' + self.softmax_type}"
                              " is not implemented: the ring attention has no window or sink")
+
+    def reset_parameters(self):
+        """The learnable sink logits: one per head, the full [heads] vector from the global generator (the same on
+        every TP rank), then this rank's heads, so every TP size starts from the same model."""
+        if not isinstance(self.softmax_offset, torch.nn.Parameter) or weights_on_meta(self):
+            return
+        config = self.config
+        full = torch.zeros(config.num_attention_heads, dtype=torch.float32)
+        if config.perform_initialization:
+            config.init_method(full)
+        world_size = config.num_attention_heads // self.num_attention_heads_per_partition
+        rank = self._tp_rank if world_size > 1 else 0
+        with torch.no_grad():
+            self.softmax_offset.copy_(full.chunk(world_size)[rank])
 
     # ------------------------------------------------------------------------------------------- dispatch
     def _dropout_rng(self):

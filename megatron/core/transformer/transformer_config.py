@@ -77,6 +77,11 @@ class TransformerConfig(ModelParallelConfig):
     init_method: Optional[Callable] = None
     output_layer_init_method: Optional[Callable] = None
     init_method_std: float = flag(0.02, "Standard deviation of the normal weight initialisation.")
+    # Build the weights on the meta device (no storage); the fully sharded wrapper draws them unit by unit, the
+    # same values as without it (megatron/core/distributed/fsdp/meta_init.py).
+    init_model_with_meta_device: bool = flag(False, "Build the model on the meta device and draw the weights "
+                                                    "shard by shard (Megatron-FSDP or FSDP2; the same weights as "
+                                                    "without it), so that no rank ever holds the whole model.")
 
     # Mixed precision
     apply_query_key_layer_scaling: bool = flag(True, "Scale Q * K^T by 1 / layer-number before the softmax and back "

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.activations import erf_gelu, openai_gelu  # noqa: F401  (megatron-core's path)
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
@@ -48,12 +48,8 @@ def get_linear_layer(rows, columns, init_method, perform_initialization=True, co
     if config is not None:
         kwargs = {"dtype": config.params_dtype, "device": param_device(config)}
         perform_initialization = config.perform_initialization
-    layer = torch.nn.Linear(rows, columns, **kwargs)
-    if perform_initialization:
-        init_method(layer.weight)
-    with torch.no_grad():
-        layer.bias.zero_()
-    return layer
+    return tensor_parallel.InitializedLinear(rows, columns, init_method, perform_initialization=perform_initialization,
+                                             **kwargs)
 
 
 def gelu_impl(x):

@@ -89,9 +89,6 @@ def _validate_megatron_fsdp(args) -> None:
     _require(args.pipeline_model_parallel_size == 1,
              "--use-megatron-fsdp with pipeline parallelism is not implemented yet in this library (its fsdp_dtensor "
              "checkpoint holds one model chunk); use --pipeline-model-parallel-size 1")
-    _require(not args.moe_grouped_gemm, "--moe-grouped-gemm with --use-megatron-fsdp is not implemented yet in this "
-                                        "library (its fsdp_dtensor checkpoint needs per-expert weights); drop it (the "
-                                        "experts run as SequentialMLP)")
     bf16_grads = [f"--{d.replace('_', '-')} bf16" for d in ("megatron_fsdp_main_grads_dtype",
                                                             "megatron_fsdp_grad_comm_dtype") if getattr(args, d) == "bf16"]
     if bf16_grads and not args.grad_reduce_in_bf16:

@@ -75,7 +75,7 @@ BLOCKS = (
                        "--grad-reduce-in-bf16)."),
             no_or_disable("strict-fsdp-dtensor-load", help="fsdp_dtensor: load what the checkpoint has and report "
                           "the model keys it lacks (per --dist-ckpt-strictness) instead of stopping."),
-        ),
+        ) + names("""--init-model-with-meta-device"""),
         group="fsdp",
     ),
     Block(
@@ -204,6 +204,14 @@ BLOCKS = (
               --decoupled-lr --decoupled-min-lr --override-opt_param-scheduler
               --use-checkpoint-opt_param-scheduler"""),
         group="training",
+    ),
+    Block(
+        IMPLEMENTED,
+        "the rerun state machine (megatron/core/rerun_state_machine.py) and --fake-process-group",
+        names("""--rerun-mode --error-injection-rate --error-injection-type --check-for-spiky-loss
+              --check-for-large-grads --result-rejected-tracker-filename --iterations-to-skip
+              --fake-process-group"""),
+        group="rerun engine",
     ),
     Block(
         IMPLEMENTED,

@@ -48,14 +48,6 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "meta-device initialisation is being implemented",
-        (
-            switch("--init-model-with-meta-device"),
-        ),
-        group="fsdp", pending=True,
-    ),
-    Block(
-        NOT_AVAILABLE,
         "FP8 parameters (Transformer Engine) are not part of this library",
         (switch("--keep-fp8-transpose-cache"),),
         group="fsdp",
@@ -72,22 +64,13 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "the rerun state machine and --fake-process-group are being implemented",
+        "CUDA memory-history snapshots (torch.cuda.memory._record_memory_history) are not implemented; "
+        "--fake-process-group prints each rank's memory from the tensors it holds instead",
         (
-            value("--rerun-mode", default="validate_results", choices=("disabled", "validate_results",
-                "report_stats")),
-            value("--error-injection-rate", type=int, default=0),
-            value("--error-injection-type", default="transient_error", choices=("correct_result", "transient_error",
-                "persistent_error")),
-            switch("--check-for-spiky-loss"),
-            switch("--check-for-large-grads"),
-            value("--result-rejected-tracker-filename"),
-            value("--iterations-to-skip", type=int, default=[], nargs="+"),
-            switch("--fake-process-group"),
             switch("--record-memory-history"),
             value("--memory-snapshot-path", default="snapshot.pickle"),
         ),
-        group="rerun engine", pending=True,
+        group="profiling",
     ),
     Block(
         NOT_AVAILABLE,

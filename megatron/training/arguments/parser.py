@@ -20,6 +20,7 @@ from megatron.training.arguments.system_args import (
     _add_distributed_args,
     _add_inference_args,
     _add_logging_args,
+    _add_rerun_machine_args,
 )
 from megatron.training.arguments.task_args import _add_biencoder_args, _add_vision_args
 from megatron.training.arguments.training_args import (
@@ -42,6 +43,7 @@ ARGUMENT_GROUPS = (
     _add_checkpointing_args,
     _add_mixed_precision_args,
     _add_distributed_args,
+    _add_rerun_machine_args,
     _add_validation_args,
     _add_data_args,
     _add_autoresume_args,

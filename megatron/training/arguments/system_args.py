@@ -70,15 +70,48 @@ def _add_distributed_args(parser):
     group.add_argument("--no-align-param-gather", action="store_false", dest="align_param_gather",
                        help="Interleaved pipeline: let each chunk's forward hooks launch the parameter all-gathers "
                             "instead of the schedule launching them at aligned points.")
+    group.add_argument("--fake-process-group", action="store_true",
+                       help="Run this one process as rank RANK of a WORLD_SIZE-rank job with a fake process group: "
+                            "every collective returns at once without moving data (values are meaningless, shapes "
+                            "and memory are real). Builds that rank's groups, model shard and optimizer and runs its "
+                            "iterations, to check a large layout and its memory on one machine (docs/reliability.md).")
+    return parser
+
+
+def _add_rerun_machine_args(parser):
+    """The rerun state machine (megatron/core/rerun_state_machine.py) and its checks."""
+    group = parser.add_argument_group(title="rerun engine")
+    group.add_argument("--rerun-mode", type=str, default="validate_results",
+                       choices=["disabled", "validate_results", "report_stats"],
+                       help="validate_results: re-run an iteration whose loss or gradients fail a check, to tell a "
+                            "transient fault (exit 17) from a reproducible result (checkpoint, exit 16, resume on "
+                            "another device); report_stats: re-run every iteration once and report the run-to-run "
+                            "differences; disabled: a failed check stops the run.")
+    group.add_argument("--error-injection-rate", type=int, default=0,
+                       help="Inject an error about once every this many validations (0: never), to test the rerun "
+                            "state machine.")
+    group.add_argument("--error-injection-type", type=str, default="transient_error",
+                       choices=["correct_result", "transient_error", "persistent_error"],
+                       help="What an injected error looks like on the re-runs.")
+    group.add_argument("--check-for-spiky-loss", action="store_true",
+                       help="Re-run an iteration whose local loss is at least 10x the largest of the first 100 "
+                            "(non-fatal).")
     group.add_argument("--check-for-nan-in-loss-and-grad", "--check-for-nan-in-grad", action="store_true",
                        dest="check_for_nan_in_loss_and_grad",
-                       help="Stop the run (every rank, exit code 1) at the first NaN/Inf in a rank's local loss or "
-                            "gradient, naming the iteration and the rank (with --fp16 only NaN: Inf is an overflow "
-                            "that skips the step). --check-for-nan-in-grad is an older name of this flag. Off by "
-                            "default here (on in Megatron-LM HEAD, where its rerun state machine handles it): an "
-                            "--fp16 overflow step can give NaN gradients that the loss scaler skips.")
+                       help="Check every rank's local loss and gradients (before the data-parallel reduction) for "
+                            "NaN/Inf (the default; with --fp16 only NaN: Inf is an overflow that skips the step). "
+                            "--check-for-nan-in-grad is an older name of this flag.")
     group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
-                       dest="check_for_nan_in_loss_and_grad", help="Do not check (the default here).")
+                       dest="check_for_nan_in_loss_and_grad", help="Do not check for NaN/Inf.")
+    group.add_argument("--check-for-large-grads", action="store_true",
+                       help="Re-run an iteration whose local gradient norm is at least 10x the largest of the first "
+                            "100 (non-fatal).")
+    group.add_argument("--result-rejected-tracker-filename", type=str, default=None,
+                       help="Append every rejected result and re-run verdict to this file; at start-up an iteration "
+                            "whose bad result reproduced twice for the same rank is skipped.")
+    group.add_argument("--iterations-to-skip", nargs="+", type=int, default=[],
+                       help="Iterations that run a dummy step (the data iterator advances, nothing is trained).")
+    group.set_defaults(check_for_nan_in_loss_and_grad=True)
     return parser
 
 

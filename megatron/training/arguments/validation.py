@@ -46,7 +46,7 @@ def _flag(dest: str) -> str:
 
 
 def _log(args, message: str) -> None:
-    if args.rank == 0:
+    if args.rank == 0 or getattr(args, "fake_process_group", False):  # a fake rank is the job's only process
         print(message, flush=True)
 
 
@@ -88,6 +88,7 @@ def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature; defa
     _validate_param_gather(args)
     _validate_manual_gc(args)
     _validate_profiling(args)
+    _validate_rerun_machine(args)
     _validate_paths(args)
 
     _set_padded_vocab_size(args)
@@ -542,6 +543,22 @@ def _validate_features(args):
              f"--hang-timeout-minutes must be >= 0 (0 turns hang detection off), got {args.hang_timeout_minutes}")
     _require(args.straggler_minmax_count >= 1,
              f"--straggler-minmax-count must be >= 1, got {args.straggler_minmax_count}")
+
+
+def _validate_rerun_machine(args):
+    """The rerun state machine's flags, and what --fake-process-group turns off (megatron/core/rerun_state_machine.py)."""
+    _require(args.error_injection_rate >= 0,
+             f"--error-injection-rate must be >= 0 (0 never injects), got {args.error_injection_rate}")
+    _require(all(i > 0 for i in args.iterations_to_skip),
+             f"--iterations-to-skip takes iteration numbers >= 1, got {args.iterations_to_skip}")
+    if args.fake_process_group:
+        # Collectives move no data: every value is meaningless, so checking them would only find garbage.
+        checks = [flag for flag, on in (("--check-for-nan-in-loss-and-grad", args.check_for_nan_in_loss_and_grad),
+                                         ("--check-for-spiky-loss", args.check_for_spiky_loss),
+                                         ("--check-for-large-grads", args.check_for_large_grads)) if on]
+        args.check_for_nan_in_loss_and_grad = args.check_for_spiky_loss = args.check_for_large_grads = False
+        if checks:
+            _log(args, f"--fake-process-group: turning off {', '.join(checks)} (values are not exchanged)")
 
 
 def _validate_model_implementation(args):

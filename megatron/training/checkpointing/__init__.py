@@ -23,6 +23,9 @@ from megatron.training.checkpointing.protocol import (ASIDE_SUFFIX, STAGING_SUFF
                                                       CheckpointError, agree_on_save_step, check_checkpoint_args,
                                                       checkpoint_exists, describe_save_error,
                                                       get_checkpoint_tracker_filename, locate, read_metadata)
+from megatron.training.checkpointing.rerun_state import KEY as RERUN_KEY
+from megatron.training.checkpointing.rerun_state import gather_rerun_state
+from megatron.training.checkpointing.rerun_state import pending as pending_rerun
 from megatron.training.checkpointing.rng import get_rng_state
 from megatron.training.checkpointing.torch_format import (CHECKPOINT_VERSION, MODEL_BASENAME,
                                                           find_checkpoint_rank_0, get_checkpoint_name,
@@ -43,7 +46,15 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     args = get_args()
     if num_floating_point_operations_so_far is None:
         num_floating_point_operations_so_far = getattr(args, "num_floating_point_operations_so_far", 0)
-    if args.ckpt_format in _DCP_FORMATS:
+    if getattr(args, "fake_process_group", False):
+        print_rank_0(f"--fake-process-group: not saving checkpoint {iteration} to {args.save} (this process is one "
+                     "rank of a simulated job: its values are meaningless and the other ranks' files would be missing)")
+        return
+    rerun = gather_rerun_state()  # every rank's rerun state machine (checkpointing/rerun_state.py)
+    if args.ckpt_format == "torch_dist":
+        return _dcp_format("torch_dist").save(iteration, model, optimizer, opt_param_scheduler,
+                                              num_floating_point_operations_so_far, {RERUN_KEY: rerun})
+    if args.ckpt_format in _DCP_FORMATS:  # torch_dcp, fsdp_dtensor (Megatron keeps the machine in torch_dist only)
         return _dcp_format(args.ckpt_format).save(iteration, model, optimizer, opt_param_scheduler,
                                                   num_floating_point_operations_so_far)
     if args.ckpt_format is None:
@@ -52,7 +63,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     if getattr(args, "ckpt_format", "torch") != "torch":
         raise CheckpointError(f"--ckpt-format {args.ckpt_format} is not supported by this saver; "
                               "use --ckpt-format torch")
-    return torch_format.save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
+    return torch_format.save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                             {RERUN_KEY: rerun if pending_rerun(rerun) else None})
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):

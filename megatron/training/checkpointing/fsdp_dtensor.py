@@ -30,7 +30,8 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.sharded_io import LocalShard, ShardingError, load_sharded, save_sharded
 from megatron.core.distributed.finalize_model_grads import unwrap_model_chunk
 from megatron.core.transformer.fsdp_dtensor_checkpoint import (MODEL_PREFIX, OPTIMIZER_STATE_PREFIX,
-                                                               PARAM_GROUP_META_PREFIX, global_expert_name, pieces)
+                                                               PARAM_GROUP_META_PREFIX, global_expert_name,
+                                                               is_grouped_expert_weight, pieces)
 from megatron.training.checkpointing import protocol
 from megatron.training.checkpointing.protocol import CheckpointError
 from megatron.training.checkpointing.rng import get_rng_state, set_rng_state
@@ -52,6 +53,18 @@ class ParamBlock:
     local_shape: Tuple[int, ...]
     tp_dim: Optional[int]
     tp: Tuple[int, int]
+    experts: Optional[Tuple[int, int]] = None  # grouped experts: (global index of the first local one, how many)
+
+    def pieces(self, gated: bool):
+        return pieces(self.name, self.local_shape, self.rows, self.tp_dim, self.tp, gated, self.experts)
+
+    def stored_names(self) -> List[str]:
+        """The parameter's names on disk (unsplit): one per expert for grouped expert weights."""
+        if not is_grouped_expert_weight(self.name):
+            return [self.name]
+        prefix, fc = self.name[:-len("weight1")], "linear_fc1" if self.name.endswith("weight1") else "linear_fc2"
+        first, n = self.experts
+        return [f"{prefix}{fc}.weight{first + j}" for j in range(n)]
 
 
 def _tp_of(param) -> Tuple[Optional[int], Tuple[int, int]]:
@@ -85,21 +98,23 @@ def param_blocks(chunk) -> List[ParamBlock]:
     else:
         named = list(unwrap_model_chunk(chunk).named_parameters())
     ep_rank = parallel_state.get_expert_model_parallel_rank() or 0
+    config = getattr(unwrap_model_chunk(chunk), "config", None)
     out = []
     for name, param in named:
-        local = getattr(unwrap_model_chunk(chunk), "config", None)
-        if getattr(param, "is_expert", False) and local is not None:
-            num_local = local.num_moe_experts // (parallel_state.get_expert_model_parallel_world_size() or 1)
+        experts = None
+        if getattr(param, "is_expert", False) and config is not None:
+            num_local = config.num_moe_experts // (parallel_state.get_expert_model_parallel_world_size() or 1)
             name = global_expert_name(name, ep_rank, num_local)
+            experts = (ep_rank * num_local, num_local)
         tp_dim, tp = _tp_of(param)
         block = param.to_local() if hasattr(param, "to_local") else param
-        out.append(ParamBlock(name, param, block.detach(), _rows_of(param), tuple(param.shape), tp_dim, tp))
+        out.append(ParamBlock(name, param, block.detach(), _rows_of(param), tuple(param.shape), tp_dim, tp, experts))
     return out
 
 
 def _shards(pb: ParamBlock, tensor: torch.Tensor, prefix: str, suffix: str, gated: bool) -> Dict[str, LocalShard]:
-    return {prefix + p.name + suffix: LocalShard(tensor[p.start:p.stop], p.global_shape, p.global_offset)
-            for p in pieces(pb.name, pb.local_shape, pb.rows, pb.tp_dim, pb.tp, gated)}
+    return {prefix + p.name + suffix: LocalShard(p.take(tensor), p.global_shape, p.global_offset)
+            for p in pb.pieces(gated)}
 
 
 def _gated(chunk) -> bool:
@@ -155,22 +170,8 @@ def _load_bucketed(optimizer, blocks: List[ParamBlock], loaded_main: Dict[int, t
 
 
 def _optimizer_tensors(optimizer, blocks: List[ParamBlock], create: bool) -> Dict[str, Dict[int, torch.Tensor]]:
-    """{kind: {id(param): this rank's rows of the state}} (FSDP2: the DTensor blocks). Before the first step there
-    is no state: zeros, which ``create`` (a load) puts into the optimizer."""
-    keys = _state_keys(optimizer.optimizer)
-    out = {k: {} for k in keys}
-    for pb in blocks:
-        state = optimizer.optimizer.state[pb.param]
-        for k in keys:
-            value = state.get(k)
-            if value is None:
-                value = torch.zeros_like(pb.param)
-                if create:
-                    state[k] = value
-            out[k][id(pb.param)] = value.to_local() if hasattr(value, "to_local") else value
-        if create and keys[0] == "exp_avg":
-            state["step"] = torch.tensor(float(optimizer._inner_steps), dtype=torch.float32)
-    return out
+    """{kind: {id(param): this rank's block of the state}} of the FSDP2 engine's optimizer."""
+    return optimizer.state_blocks([pb.param for pb in blocks], create)
 
 
 def _check_engine(model):
@@ -200,7 +201,8 @@ def build_state(model, optimizer, with_optimizer: bool, for_load: bool = False) 
         for pb in blocks:
             for kind, by_param in tensors.items():
                 state.update(_shards(pb, fresh(by_param[id(pb.param)]), OPTIMIZER_STATE_PREFIX, "." + kind, gated))
-            state[PARAM_GROUP_META_PREFIX + pb.name] = meta.get(id(pb.param))
+            for name in pb.stored_names():
+                state[PARAM_GROUP_META_PREFIX + name] = meta.get(id(pb.param))
     return state, blocks
 
 
@@ -318,10 +320,10 @@ def _restore(chunk, optimizer, blocks: List[ParamBlock], loaded):
                     state[kind].setdefault(id(pb.param), torch.zeros(pb.block.shape, dtype=torch.float32))
             for suffix, tensor in dest.items():
                 prefix = MODEL_PREFIX if not suffix else OPTIMIZER_STATE_PREFIX
-                for p in pieces(pb.name, pb.local_shape, pb.rows, pb.tp_dim, pb.tp, gated):
+                for p in pb.pieces(gated):
                     shard = loaded.get(prefix + p.name + suffix)
                     if shard is not None:
-                        tensor[p.start:p.stop].copy_(shard.data)
+                        p.take(tensor).copy_(shard.data)
             pb.block.copy_(main[id(pb.param)])
         if bucketed and optimizer is not None:
             _load_bucketed(optimizer, blocks, main, state)

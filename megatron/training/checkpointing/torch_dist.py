@@ -55,6 +55,8 @@ from megatron.training.checkpointing.dist_state import (CHECKPOINT_VERSION, META
                                                         optimizer_tensors, param_of_paths, read_common, safe_args)
 from megatron.training.checkpointing.dist_strictness import check_request, read_metadata_checked
 from megatron.training.checkpointing.protocol import agree_on_save_step, check_checkpoint_args, run_step
+from megatron.training.checkpointing.rerun_state import KEY as RERUN_KEY
+from megatron.training.checkpointing.rerun_state import restore_rerun_state
 from megatron.training.checkpointing.rng import get_rng_state, set_rng_state
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0, unwrap_model
@@ -88,6 +90,7 @@ class SaveOptions:
     save_optim: bool = True
     save_rng: bool = True
     async_save: bool = False
+    extra_common: Optional[dict] = None  # more entries for common.pt (the rerun state machine's); None values skipped
 
 
 @dataclasses.dataclass
@@ -178,6 +181,7 @@ def build_save_state(train_state: TrainState, model, optimizer, opt_param_schedu
         if opt_param_scheduler is not None:
             state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     state["content_metadata"] = content
+    state.update({k: v for k, v in (options.extra_common or {}).items() if v is not None})
     state.update(model_sd)
     if options.save_rng:
         state["rng_state"] = _rng_object(get_rng_state(False))
@@ -205,14 +209,14 @@ def save_to(save_dir, train_state: TrainState, model, optimizer, opt_param_sched
     print_rank_0("  successfully saved checkpoint at iteration {:7d} to {}".format(iteration, save_dir))
 
 
-def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0):
+def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0, extra_common=None):
     """Collective: write checkpoint ``iteration`` under ``--save`` (the global args give the inputs of
-    :func:`save_to`)."""
+    :func:`save_to`). ``extra_common``: more entries for ``common.pt`` (the rerun state machine's)."""
     args = get_args()
     state = TrainState(iteration, getattr(args, "consumed_train_samples", 0),
                        getattr(args, "consumed_valid_samples", 0), num_floating_point_operations_so_far)
     options = SaveOptions(args=args, save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
-                          async_save=bool(getattr(args, "async_save", False)))
+                          async_save=bool(getattr(args, "async_save", False)), extra_common=extra_common)
     save_to(args.save, state, model, optimizer, opt_param_scheduler, options)
 
 
@@ -374,6 +378,8 @@ def load_from(load_dir, model, optimizer, opt_param_scheduler, options: LoadOpti
         optimizer.reload_model_params()
     if load_rng:
         set_rng_state(loaded["rng_state"], False, directory)
+    if not finetune:
+        restore_rerun_state(common.get(RERUN_KEY), directory)
     torch.distributed.barrier()
     print_rank_0("  successfully loaded checkpoint from {} at iteration {}".format(load_dir, train_state.iteration))
     return train_state, ckpt_args

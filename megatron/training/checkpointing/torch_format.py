@@ -38,6 +38,8 @@ from megatron.training.checkpointing import protocol
 from megatron.training.checkpointing.protocol import (STAGING_SUFFIX, CheckpointError, agree_on_save_step,
                                                       atomic_torch_save, barrier, check_checkpoint_args,
                                                       iteration_dirname, locate, run_step)
+from megatron.training.checkpointing.rerun_state import KEY as RERUN_KEY
+from megatron.training.checkpointing.rerun_state import restore_rerun_state
 from megatron.training.checkpointing.rng import get_rng_state, set_rng_state
 from megatron.training.global_vars import get_args
 from megatron.training.utils import is_rank_0, print_rank_0, unwrap_model
@@ -110,9 +112,9 @@ def _model_state(chunk):
     return chunk.state_dict()
 
 
-def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0):
+def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0, common=None):
     """Collective: write checkpoint ``iteration`` under ``--save`` in the torch format and update the tracker once
-    every rank's files are on disk."""
+    every rank's files are on disk. ``common``: more entries for every rank file (the rerun state machine's)."""
     args = get_args()
     model = unwrap_model(model)
     print_rank_0("saving checkpoint at iteration {:7d} to {}".format(iteration, args.save))
@@ -138,7 +140,7 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
     if _writes_model_files():
         error = run_step(lambda: _write_rank_files(args, iteration, model, optimizer, opt_param_scheduler,
                                                    rng_state, num_floating_point_operations_so_far, staged_name,
-                                                   state))
+                                                   state, common))
     # Every rank has fsync'ed and renamed its files (or failed) once this returns.
     agree_on_save_step(error, args.save, iteration, on_failure=remove_staging)
     error = None
@@ -150,7 +152,7 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
 
 
 def _write_rank_files(args, iteration, model, optimizer, opt_param_scheduler, rng_state,
-                      num_floating_point_operations_so_far, staged_name, optim_state):
+                      num_floating_point_operations_so_far, staged_name, optim_state, common=None):
     """Data-parallel rank 0 of each (TP, PP) position: write its files into the staging directory."""
     if optim_state is not None:
         atomic_torch_save(optim_state, get_distributed_optimizer_checkpoint_name(staged_name))
@@ -170,6 +172,7 @@ def _write_rank_files(args, iteration, model, optimizer, opt_param_scheduler, rn
     if rng_state is not None:
         state_dict["rng_state"] = rng_state
     state_dict["num_floating_point_operations_so_far"] = float(num_floating_point_operations_so_far)
+    state_dict.update({k: v for k, v in (common or {}).items() if v is not None})
     atomic_torch_save(state_dict, staged_name)
 
 
@@ -311,6 +314,8 @@ def load(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
             raise CheckpointError(f"{checkpoint_name} holds no RNG state (saved with --no-save-rng?); pass "
                                   "--no-load-rng or --finetune")
         set_rng_state(state_dict["rng_state"], args.data_parallel_random_init, checkpoint_name)
+    if not finetune:
+        restore_rerun_state(state_dict.get(RERUN_KEY), checkpoint_name)
 
     barrier()
     print_rank_0("  successfully loaded checkpoint from {} at iteration {}".format(load_dir, iteration))

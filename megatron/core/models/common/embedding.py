@@ -48,19 +48,30 @@ class Embedding(MegatronModule):
             self.position_embeddings = torch.nn.Embedding(max_sequence_length, self.hidden_size,
                                                           dtype=config.params_dtype, device=param_device(config))
             self._position_embeddings_key = "position_embeddings"
-            if config.perform_initialization:
-                self.init_method(self.position_embeddings.weight)
+            self._init_table(self.position_embeddings)
 
         self._tokentype_embeddings_key = "tokentype_embeddings"
         if self.num_tokentypes > 0:
             self.tokentype_embeddings = torch.nn.Embedding(self.num_tokentypes, self.hidden_size,
                                                            dtype=config.params_dtype, device=param_device(config))
-            if config.perform_initialization:
-                self.init_method(self.tokentype_embeddings.weight)
+            self._init_table(self.tokentype_embeddings)
         else:
             self.tokentype_embeddings = None
 
         self.embedding_dropout = torch.nn.Dropout(embedding_dropout_prob)
+
+    def _init_table(self, table: torch.nn.Embedding) -> None:
+        """A position / token-type table after torch's own initialisation (which its constructor ran): init_method."""
+        if self.config.perform_initialization:
+            self.init_method(table.weight)
+
+    def reset_parameters(self):
+        """Every table drawn again in the constructor's order (the meta-device materialisation calls it)."""
+        self.word_embeddings.reset_parameters()
+        for table in (getattr(self, "position_embeddings", None), self.tokentype_embeddings):
+            if table is not None:
+                table.reset_parameters()
+                self._init_table(table)
 
     def zero_parameters(self):
         """Zero every parameter (a stage that receives the real values by all-reduce)."""

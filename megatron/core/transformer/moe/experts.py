@@ -21,12 +21,14 @@ from typing import List
 
 import torch
 
+from megatron.core import device as _device
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.process_groups_config import pg_rank, pg_size
 from megatron.core.transformer.mlp import apply_swiglu_to_fc1, glu_activation
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import param_device, weights_on_meta
 from megatron.core.utils import log_once, make_sharded_object_for_checkpoint
 
 
@@ -50,6 +52,10 @@ def init_expert_weights(config, local_expert_indices: List[int], num_experts: in
     if ffn % etp:
         raise ValueError(f"moe_ffn_hidden_size ({ffn}) must be divisible by the expert tensor parallel size ({etp})")
     shard = ffn // etp
+    if _device.current_device().type == "meta":  # device.build_on("meta"): shapes only, no values, no RNG draws
+        meta = dict(dtype=config.params_dtype, device="meta")
+        return [(torch.empty(rows // ffn * shard, h, **meta), torch.empty(h, shard, **meta))
+                for _ in local_expert_indices]
     out = []
     for e in range(num_experts):
         fc1 = torch.empty(rows, h, dtype=torch.float32)
@@ -67,6 +73,17 @@ def init_expert_weights(config, local_expert_indices: List[int], num_experts: in
         local2 = fc2[:, etp_rank * shard:(etp_rank + 1) * shard]
         out.append((local1.to(config.params_dtype).contiguous(), local2.to(config.params_dtype).contiguous()))
     return out
+
+
+def expert_weight_shapes(config, pg_collection=None):
+    """(fc1, fc2) shapes of one local expert: ``[2F/ETP or F/ETP, h]``, ``[h, F/ETP]``."""
+    h, ffn = config.hidden_size, config.moe_ffn_hidden_size
+    shard = ffn // expert_tensor_parallel_size_and_rank(pg_collection)[0]
+    return ((2 * shard if config.gated_linear_unit else shard, h), (h, shard))
+
+
+def empty_expert_weight(config, shape):
+    return torch.empty(shape, dtype=config.params_dtype, device=param_device(config))
 
 
 def mark_expert_param(param: torch.nn.Parameter, partition_dim: int, config):
@@ -116,7 +133,7 @@ class ExpertLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight)
         mark_expert_param(self.weight, partition_dim, config)
         if bias:
-            self.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype))
+            self.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device))
             mark_expert_param(self.bias, 0, config)
         else:
             self.register_parameter("bias", None)
@@ -182,11 +199,27 @@ class SequentialMLP(MegatronModule):
                  local_expert_indices=None):
         super().__init__(config=config)
         self.pg_collection = pg_collection
-        indices = _local_indices(num_local_experts, local_expert_indices, pg_collection)
-        weights = init_expert_weights(config, indices, config.num_moe_experts, pg_collection)
+        self.local_expert_indices = _local_indices(num_local_experts, local_expert_indices, pg_collection)
         self.num_local_experts = num_local_experts
-        self.local_experts = torch.nn.ModuleList([ExpertMLP(w1, w2, config, pg_collection) for w1, w2 in weights])
+        fc1, fc2 = expert_weight_shapes(config, pg_collection)
+        self.local_experts = torch.nn.ModuleList([
+            ExpertMLP(empty_expert_weight(config, fc1), empty_expert_weight(config, fc2), config, pg_collection)
+            for _ in self.local_expert_indices])
+        self.reset_parameters()
         log_once("moe_experts_sequential", "MoE experts: SequentialMLP (one MLP per local expert)")
+
+    def reset_parameters(self):
+        """Every expert drawn in expert order (module docstring); this rank's experts and shards kept."""
+        if weights_on_meta(self):
+            return
+        weights = init_expert_weights(self.config, self.local_expert_indices, self.config.num_moe_experts,
+                                      self.pg_collection)
+        with torch.no_grad():
+            for expert, (w1, w2) in zip(self.local_experts, weights):
+                for linear, w in ((expert.linear_fc1, w1), (expert.linear_fc2, w2)):
+                    linear.weight.copy_(w)
+                    if linear.bias is not None:
+                        linear.bias.zero_()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """Local expert ``j`` is global expert ``e = ep_rank * n + j``: its tensors get the prepended offset
@@ -273,18 +306,30 @@ class GroupedMLP(MegatronModule):
         if config.add_bias_linear:
             raise ValueError("bias is not supported with --moe-grouped-gemm (pass --disable-bias-linear)")
         self.pg_collection = pg_collection
-        indices = _local_indices(num_local_experts, local_expert_indices, pg_collection)
-        weights = init_expert_weights(config, indices, config.num_moe_experts, pg_collection)
-        self.num_local_experts = num_local_experts
+        self.local_expert_indices = _local_indices(num_local_experts, local_expert_indices, pg_collection)
+        self.num_local_experts = n = num_local_experts
         h = config.hidden_size
-        self.weight1 = torch.nn.Parameter(torch.cat([w1.t() for w1, _ in weights], dim=1).contiguous())
-        self.weight2 = torch.nn.Parameter(torch.cat([w2.t() for _, w2 in weights], dim=0).contiguous())
+        (rows, _), (_, shard) = expert_weight_shapes(config, pg_collection)
+        self.weight1 = torch.nn.Parameter(empty_expert_weight(config, (h, n * rows)))
+        self.weight2 = torch.nn.Parameter(empty_expert_weight(config, (n * shard, h)))
         mark_expert_param(self.weight1, 1, config)
         mark_expert_param(self.weight2, 0, config)
+        self.reset_parameters()
         self.hidden_size = h
         self.activation_func = expert_activation(config)
         # --recompute-modules moe_act: keep only the fc1 output; the activation (x routing weight) runs again.
         self.recompute_activation = config.recomputes("moe_act")
+
+    def reset_parameters(self):
+        """Every expert drawn in expert order (module docstring), this rank's experts transposed into the grouped
+        layout."""
+        if weights_on_meta(self):
+            return
+        weights = init_expert_weights(self.config, self.local_expert_indices, self.config.num_moe_experts,
+                                      self.pg_collection)
+        with torch.no_grad():
+            self.weight1.copy_(torch.cat([w1.t() for w1, _ in weights], dim=1))
+            self.weight2.copy_(torch.cat([w2.t() for _, w2 in weights], dim=0))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """The same checkpoint tensors as :class:`SequentialMLP` (so either implementation loads the other's):

@@ -139,13 +139,9 @@ def _latent_projection(config, in_features: int, out_features: int, init_method)
     """``fc1_latent_proj`` / ``fc2_latent_proj`` (``--moe-latent-size``): a bias-free linear layer replicated on the
     tensor-parallel ranks; under sequence parallelism each rank projects its own tokens, so its gradient is
     all-reduced over TP like a norm's (``sequence_parallel`` attribute)."""
-    layer = torch.nn.Linear(in_features, out_features, bias=False, dtype=config.params_dtype,
-                            device=param_device(config))
-    if config.perform_initialization:
-        weight = torch.empty(out_features, in_features, dtype=torch.float32)
-        init_method(weight)
-        with torch.no_grad():
-            layer.weight.copy_(weight)
+    layer = tensor_parallel.InitializedLinear(in_features, out_features, init_method, bias=False, fp32_master=True,
+                                              perform_initialization=config.perform_initialization,
+                                              dtype=config.params_dtype, device=param_device(config))
     layer.weight.sequence_parallel = config.sequence_parallel
     return layer
 

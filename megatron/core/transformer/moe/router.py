@@ -25,6 +25,7 @@ from typing import Dict
 import torch
 
 from megatron.core.process_groups_config import pg_group
+from megatron.core.transformer.norms import param_device, weights_on_meta
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
@@ -90,17 +91,16 @@ class TopKRouter(Router):
         self.lb_types = list(types) if isinstance(types, (list, tuple)) else [types]
         coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(self.lb_types)
         self.lb_coeffs = dict(zip(self.lb_types, coeffs))
-        # Created in fp32 from the global generator (identical on every rank), then cast like Megatron.
-        weight = torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32)
-        if config.perform_initialization:
-            config.init_method(weight)
-        self.weight = torch.nn.Parameter(weight.to(config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype,
+                                                     device=param_device(config)))
         self.weight.sequence_parallel = config.sequence_parallel
         if config.add_bias_linear:
-            self.bias = torch.nn.Parameter(torch.zeros(self.num_experts, dtype=config.params_dtype))
+            self.bias = torch.nn.Parameter(torch.empty(self.num_experts, dtype=config.params_dtype,
+                                                       device=param_device(config)))
             self.bias.sequence_parallel = config.sequence_parallel
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
             self.register_buffer("local_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
@@ -114,6 +114,19 @@ class TopKRouter(Router):
         else:
             self.global_tokens_per_expert = self.ga_steps = None
         self.tracked_losses: Dict[str, torch.Tensor] = {}
+
+    def reset_parameters(self):
+        """The weight created in fp32 from the global generator (identical on every rank), then cast like
+        Megatron; a zero bias."""
+        if weights_on_meta(self):
+            return
+        with torch.no_grad():
+            if self.config.perform_initialization:
+                weight = torch.empty(self.num_experts, self.config.hidden_size, dtype=torch.float32)
+                self.config.init_method(weight)
+                self.weight.copy_(weight)
+            if self.bias is not None:
+                self.bias.zero_()
 
     # ------------------------------------------------------------------------------------- pieces
     def gating(self, input: torch.Tensor) -> torch.Tensor:

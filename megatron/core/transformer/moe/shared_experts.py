@@ -9,6 +9,7 @@ import torch
 
 from megatron.core.process_groups_config import group_of
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.norms import param_device, weights_on_meta
 
 
 class SharedExpertMLP(MLP):
@@ -21,13 +22,26 @@ class SharedExpertMLP(MLP):
         self.pg_collection = pg_collection
         self.use_shared_expert_gate = gate
         if gate:
-            weight = torch.empty(1, config.hidden_size, dtype=torch.float32)
-            if config.perform_initialization:
-                config.init_method(weight)
-            self.gate_weight = torch.nn.Parameter(weight.to(config.params_dtype))
+            self.gate_weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype,
+                                                              device=param_device(config)))
             self.gate_weight.sequence_parallel = config.sequence_parallel
+            self._draw_gate()
         else:
             self.gate_weight = None
+
+    def _draw_gate(self):
+        if self.config.perform_initialization and not weights_on_meta(self):
+            weight = torch.empty(1, self.config.hidden_size, dtype=torch.float32)
+            self.config.init_method(weight)
+            with torch.no_grad():
+                self.gate_weight.copy_(weight)
+
+    def reset_parameters(self):
+        """The MLP's linears, then the gate, drawn in the constructor's order."""
+        self.linear_fc1.reset_parameters()
+        self.linear_fc2.reset_parameters()
+        if self.gate_weight is not None:
+            self._draw_gate()
 
     def forward(self, hidden_states):
         output, bias = super().forward(hidden_states)
