@@ -212,6 +212,8 @@ BAD_FLAGS = [
     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --num-distributed-optimizer-instances 2",
      "hybrid sharded data parallelism"),
     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --megatron-fsdp-main-params-dtype bf16", "fp32 main weights"),
+    ("--use-torch-fsdp2 --no-gradient-accumulation-fusion --untie-embeddings-and-output-weights --num-experts 2 "
+     "--moe-grouped-gemm --disable-bias-linear --save /tmp/x", "--moe-grouped-gemm and --ckpt-format torch_dist checkpoints is not available"),
     ("--init-model-with-meta-device", "--init-model-with-meta-device needs --use-megatron-fsdp or --use-torch-fsdp2"),
     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy no_shard "
      "--init-model-with-meta-device", "not supported for no_shard data parallel sharding strategy"),
