@@ -218,8 +218,7 @@ DEEPSEEK_PROBE = ["--hidden-size", "256", "--ffn-hidden-size", "512", "--num-att
 
 
 def _probe_batch(dp, seq):
-    return ["--seq-length", str(seq), "--global-batch-size", str(2 * dp), "--train-iters", "1", "--eval-iters", "0",
-            "--log-interval", "1"]
+    return ["--seq-length", str(seq), "--global-batch-size", str(2 * dp), "--eval-iters", "0", "--log-interval", "1"]
 
 
 def gpt3_config(opts, tmp):
@@ -235,7 +234,8 @@ def gpt3_config(opts, tmp):
 
 
 def deepseek_config(opts, tmp):
-    probe = DEEPSEEK_V3 + ([] if opts.materialize else DEEPSEEK_PROBE) + _probe_batch(512, opts.probe_seq)
+    probe = DEEPSEEK_V3 + ([] if opts.materialize else DEEPSEEK_PROBE) + _probe_batch(512, opts.probe_seq) + \
+        ["--train-iters", "1"]  # (the GPT-3 script counts samples: its probe sets --train-samples instead)
     title = ("DeepSeek-V3 (61 layers: MLA, 3 dense + 58 MoE layers of 256 experts top-8 with a shared expert, 1 MTP "
              "depth): world 1024 = TP 2 (SP) x DP 512, EP 64, expert TP 1, sequence 4096, bf16, distributed "
              f"optimizer\nprobe run: {'full width' if opts.materialize else 'hidden 256, 16 heads, narrow MLA and '}"

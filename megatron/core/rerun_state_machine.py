@@ -499,11 +499,13 @@ class RerunStateMachine:
         diff = forced if forced is not None else compare(self.failed.result, value)
         initial = self.failed.result
         note = f" [injected {self.failed.injected}]" if self.failed.injected else ""
+        differs = f"{value:g} != {initial:g}" if forced is None else \
+            f"{value:g} vs {initial:g}: a mismatch forced by the error injection"
         if self.state == RerunState.RERUNNING_IN_PLACE:
             if diff > tolerance:
                 self._track(RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE, value, message)
                 self.events.append(f"[rerun] {self._where(rank)}: first rerun: the unexpected result is not "
-                                   f"reproducible within the tolerance {tolerance:g} ({value:g} != {initial:g}){note}")
+                                   f"reproducible within the tolerance {tolerance:g} ({differs}){note}")
                 self.events.append(f"[rerun] {self._where(rank)}: Possible transient error!")
                 if fatal:
                     self.flags[_EXIT] = 1
@@ -525,7 +527,7 @@ class RerunStateMachine:
             elif diff > tolerance:
                 self._track(RerunValidationStatus.SECOND_RERUN_NOT_REPRODUCIBLE, value, message)
                 self.events.append(f"[rerun] {self._where(rank)}: second rerun: the unexpected result is not "
-                                   f"reproducible on a different device ({value:g} != {initial:g}), therefore was "
+                                   f"reproducible on a different device ({differs}), therefore was "
                                    f"likely incorrect; the first device (node {self.suspicious_node}, device "
                                    f"{self.suspicious_device}) is suspect{note}")
                 self.events.append(f"[rerun] {self._where(rank)}: Possible persistent error!")
