@@ -552,6 +552,8 @@ def main(argv=None) -> int:
                         help="check this combination (a reproducer line); may be repeated")
     parser.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
     parser.add_argument("--list", action="store_true", help="only print the drawn combinations")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="start no new combination after this many seconds (the summary counts those checked)")
     opts = parser.parse_args(argv)
 
     rng = random.Random(opts.seed)
@@ -570,6 +572,11 @@ def main(argv=None) -> int:
         try:
             checker = Checker(pool, workdir, opts.iterations, opts.rtol, opts.fp8_rtol)
             for i, combo in enumerate(combos):
+                if opts.max_seconds is not None and time.time() - start > opts.max_seconds:
+                    print(f"--max-seconds {opts.max_seconds:g} reached: {len(combos) - i} combinations not checked",
+                          flush=True)
+                    combos = combos[:i]
+                    break
                 t = time.time()
                 failure = checker.check(combo)
                 known = known_issue(combo)
