@@ -209,22 +209,16 @@ def refusal(combo: Combination) -> Optional[str]:
     """The one-line ConfigurationError validate_args gives for ``combo`` (None: accepted)."""
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.errors import ConfigurationError
+    from megatron.training.launch_env import posing_as_rank
 
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    os.environ.update(RANK="0", WORLD_SIZE=str(combo.world()), LOCAL_RANK="0")
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with posing_as_rank(0, combo.world()), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
             args = parse_args(argv=MODEL + ["--train-iters", "1", *combo.train_flags()])
             validate_args(args, {"tokenizer_type": "NullTokenizer"})
         return None
     except ConfigurationError as e:
         return str(e)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _draw_fsdp(rng, o, ep):
