@@ -2,9 +2,10 @@
 unsharded DDP run, on 4 gloo ranks in one launch.
 
 For each layout (DP=4; TP=2 x DP=2 with sequence parallelism; CP=2 x DP=2, where FSDP shards over the 4 DP x CP
-ranks; MoE: TP=2 x DP=2 with sequence parallelism, 4 experts over EP=2 (expert TP 1), dropout on) the per-iteration
-losses and grad norms of 10 iterations of every sharded run (the bucketed no_shard / optim at DP=4, the FSDP2
-strategies at every layout, ZeRO-3 with CP) equal the plain DDP run's within 1e-6 relative (fp32, a small
+ranks; MoE: TP=2 x DP=2 with sequence parallelism, a dense gated-MLP layer then an MoE layer of 4 experts over EP=2
+(expert TP 1), dropout on) the per-iteration losses and grad norms of 10 iterations of every sharded run (the
+bucketed no_shard / optim at DP=4, --use-torch-fsdp2 at DP=4 and TP=2 x DP=2, the FSDP2 strategies of Megatron-FSDP
+at DP=4 and in the MoE layout, ZeRO-3 with CP) equal the plain DDP run's within 1e-6 relative (fp32, a small
 random-token corpus). ``--use-torch-fsdp2`` is not allowed with expert parallelism (Megatron's rule).
 
 The MoE layout also covers the two features that change how the model is built, against the same DDP run:
@@ -40,8 +41,8 @@ TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dist"]
 GROUPED = ["--moe-grouped-gemm"]
 META = ["--init-model-with-meta-device"]
-MOE_LAYOUT = TP2 + MOE + ["--expert-tensor-parallel-size", "1", "--hidden-dropout", "0.1", "--attention-dropout",
-                          "0.1"]
+MOE_LAYOUT = TP2 + MOE + ["--expert-tensor-parallel-size", "1", "--moe-layer-freq", "([0]*1+[1]*1)",
+                          "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
 def _mfsdp(strategy):
@@ -52,7 +53,9 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 LAYOUTS = {"dp4": [], "tp2_dp2": TP2, "cp2_dp2": ["--context-parallel-size", "2"], "moe": MOE_LAYOUT}
 # no_shard and optim are our DDP and distributed optimizer (tests/training/test_train_layouts.py and
 # test_train_moe_parity.py compare those at TP=2 and EP=2): here at DP=4 (and optim built on the meta device).
-MEGATRON_FSDP = {"dp4": {s: [] for s in STRATEGIES}, "tp2_dp2": {s: [] for s in STRATEGIES[2:]},
+# Megatron-FSDP at TP=2 x DP=2 runs in the MoE layout (a dense gated MLP layer, then an MoE layer); the dense
+# TP=2 layout has FSDP2's units (embedding and output layer sharded apart).
+MEGATRON_FSDP = {"dp4": {s: [] for s in STRATEGIES}, "tp2_dp2": {},
                  "cp2_dp2": {"optim_grads_params": []},
                  "moe": {"optim": META, "optim_grads": GROUPED, "optim_grads_params": META}}
 RUNS = []
@@ -212,6 +215,8 @@ BAD_FLAGS = [
     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --num-distributed-optimizer-instances 2",
      "hybrid sharded data parallelism"),
     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --megatron-fsdp-main-params-dtype bf16", "fp32 main weights"),
+    ("--use-torch-fsdp2 --no-gradient-accumulation-fusion --untie-embeddings-and-output-weights --num-experts 2 "
+     "--moe-grouped-gemm --disable-bias-linear --save /tmp/x", "--moe-grouped-gemm and --ckpt-format torch_dist checkpoints is not available"),
     ("--init-model-with-meta-device", "--init-model-with-meta-device needs --use-megatron-fsdp or --use-torch-fsdp2"),
     ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy no_shard "
      "--init-model-with-meta-device", "not supported for no_shard data parallel sharding strategy"),

@@ -69,10 +69,11 @@ def _validate_torch_fsdp2(args) -> None:
     _require(args.untie_embeddings_and_output_weights,
              "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
     _require(not args.fp16, "--use-torch-fsdp2 not supported with fp16 yet: use --bf16")
-    _require(args.ckpt_format != "torch_dist" or not (args.save or args.load),
-             "--use-torch-fsdp2 with --ckpt-format torch_dist checkpoints is not available yet in this library; use "
-             "--ckpt-format torch_dcp (tools/checkpoint/convert.py converts torch_dist checkpoints to torch_dcp and "
-             "back)")
+    # torch_dist cuts each declared tensor to the rows of the FSDP2 shard; GroupedMLP's declared layout transposes
+    # its weights (megatron/core/distributed/fsdp/sharded_state.py), so its rows are not the checkpoint's rows.
+    _require(not (args.ckpt_format == "torch_dist" and args.moe_grouped_gemm and (args.save or args.load)),
+             "--use-torch-fsdp2 with --moe-grouped-gemm and --ckpt-format torch_dist checkpoints is not available in "
+             "this library: use --ckpt-format torch_dcp (or drop --moe-grouped-gemm)")
     if args.ckpt_format == "torch_dcp":
         _require(args.tensor_model_parallel_size <= 1 and args.pipeline_model_parallel_size <= 1,
                  "--ckpt-format torch_dcp supports only --tensor-model-parallel-size 1 and "

@@ -277,9 +277,9 @@ def optimizer_request_tensors(optimizer, params, kinds) -> Dict[str, Dict[int, t
     return {kind: {id(p): torch.zeros(p.shape, dtype=torch.float32) for p in trainable} for kind in kinds}
 
 
-def load_optimizer_state(optimizer, loaded: Dict[str, Dict[str, torch.Tensor]], params_by_path, common, main_kind):
-    """Restore ``optimizer`` from ``loaded`` (``{kind: {path: tensor of the param's shape}}``, as read for
-    :func:`optimizer_sharded_state`) and the common part."""
+def restore_optimizer_common(optimizer, common) -> int:
+    """The param groups' hyper-parameters, the step count and the grad scaler from the common part (either
+    nesting, :func:`optimizer_common`); returns the step."""
     inner = common["optimizer"] if "optimizer" in common else common  # nested (mixed precision, DO) or FP32Optimizer's
     saved_groups = inner["param_groups"]
     if len(saved_groups) != len(optimizer.optimizer.param_groups):
@@ -292,6 +292,13 @@ def load_optimizer_state(optimizer, loaded: Dict[str, Dict[str, torch.Tensor]], 
     scaler = getattr(optimizer, "grad_scaler", None)
     if scaler is not None and common.get("grad_scaler") is not None:
         scaler.load_state_dict(common["grad_scaler"])
+    return step
+
+
+def load_optimizer_state(optimizer, loaded: Dict[str, Dict[str, torch.Tensor]], params_by_path, common, main_kind):
+    """Restore ``optimizer`` from ``loaded`` (``{kind: {path: tensor of the param's shape}}``, as read for
+    :func:`optimizer_sharded_state`) and the common part."""
+    step = restore_optimizer_common(optimizer, common)
     mains = _main_params(optimizer)
     own_main = _main_kind(optimizer)
     adam = "Adam" in type(optimizer.optimizer).__name__

@@ -29,6 +29,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.sharded_io import LocalShard, ShardingError, load_sharded, save_sharded
 from megatron.core.distributed.finalize_model_grads import unwrap_model_chunk
+from megatron.core.distributed.fsdp.sharded_state import block_rows
 from megatron.core.transformer.fsdp_dtensor_checkpoint import (MODEL_PREFIX, OPTIMIZER_STATE_PREFIX,
                                                                PARAM_GROUP_META_PREFIX, global_expert_name,
                                                                is_grouped_expert_weight, pieces)
@@ -80,14 +81,7 @@ def _rows_of(tensor) -> Tuple[int, int]:
     """The rows of a DTensor's global (here: TP-local) tensor that this rank holds (FSDP2: torch.chunk blocks)."""
     if not hasattr(tensor, "to_local"):
         return 0, tensor.shape[0]
-    mesh, total = tensor.device_mesh, tensor.shape[0]
-    chunk = -(-total // mesh.size())
-    start = min(mesh.get_local_rank() * chunk, total)
-    stop = min(start + chunk, total)
-    if tensor.to_local().shape[0] != stop - start:
-        raise CheckpointError(f"fsdp_dtensor: a parameter block of {tensor.to_local().shape[0]} rows where FSDP2 "
-                              f"places {stop - start}")
-    return start, stop
+    return block_rows(tensor)
 
 
 def param_blocks(chunk) -> List[ParamBlock]:

@@ -46,7 +46,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.dist_checkpointing.strategies.common import common_bytes
 from megatron.core.dist_checkpointing.strategies.torch import StorageRequest, async_process_group, to_storage
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.training.checkpointing import protocol
+from megatron.training.checkpointing import dist_fsdp, protocol
 from megatron.training.checkpointing.dist_state import (CHECKPOINT_VERSION, METADATA, DistCheckpointError,
                                                         _drop_unread, apply_loaded_model, load_optimizer_state,
                                                         model_params, model_sharded_state, model_sharded_state_dicts,
@@ -68,6 +68,14 @@ __all__ = ["CHECKPOINT_VERSION", "METADATA", "DistCheckpointError", "apply_loade
 
 def checkpoint_dir(path, iteration):
     return os.path.join(path, protocol.iteration_dirname(iteration))
+
+
+def _unwrapped(model):
+    """The model chunks whose ``sharded_state_dict`` describes the checkpoint: the modules inside the DDP / mixed
+    precision wrappers; an FSDP2-sharded chunk keeps its wrapper, which cuts the declared tensors to this rank's
+    shards (megatron.training.checkpointing.dist_fsdp)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [chunk if getattr(chunk, "uses_fully_shard", False) else unwrap_model(chunk) for chunk in chunks]
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -171,7 +179,11 @@ def build_save_state(train_state: TrainState, model, optimizer, opt_param_schedu
     content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     model_sd = model_sharded_state_dicts(model)
     if options.save_optim:
-        if optimizer is not None:
+        if optimizer is not None and dist_fsdp.is_fully_sharded(model):
+            state["optimizer_state"] = dist_fsdp.optimizer_sharded_state(
+                model, optimizer, dist_fsdp.save_kinds(model, optimizer))
+            state["optimizer"] = optimizer_common(optimizer)
+        elif optimizer is not None:
             tensors = optimizer_tensors(optimizer, model_params(model_sd))
             state["optimizer_state"] = optimizer_sharded_state(model_sd, tensors)
             state["optimizer"] = optimizer_common(optimizer)
@@ -192,7 +204,7 @@ def save_to(save_dir, train_state: TrainState, model, optimizer, opt_param_sched
     """Collective: write checkpoint ``train_state.iteration`` under ``save_dir`` in the torch_dist format; with
     ``options.async_save`` the write runs in the background (:func:`finalize_async_save` waits for it)."""
     finalize_async_save()
-    model = unwrap_model(model)
+    model = _unwrapped(model)
     iteration = train_state.iteration
     print_rank_0("saving checkpoint at iteration {:7d} to {} in torch_dist format".format(iteration, save_dir))
     state = build_save_state(train_state, model, optimizer, opt_param_scheduler, options)
@@ -302,7 +314,7 @@ def load_from(load_dir, model, optimizer, opt_param_scheduler, options: LoadOpti
     (or from a release checkpoint) a zero train state whose consumed samples are None (not restored) —, or None
     without a checkpoint (training starts from scratch)."""
     finalize_async_save()
-    model = unwrap_model(model)
+    model = _unwrapped(model)
     tracker = protocol.get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker) and options.ckpt_step is None:
         if options.exit_on_missing_checkpoint:
@@ -339,13 +351,18 @@ def load_from(load_dir, model, optimizer, opt_param_scheduler, options: LoadOpti
     model_sd = model_sharded_state_dicts(model)
     state = dict(model_sd)
     main_kind = None
+    fully_sharded = dist_fsdp.is_fully_sharded(model)
     if load_optim:
         if "optimizer" not in common:
             raise DistCheckpointError(f"{directory} was saved without optimizer state (--no-save-optim): pass "
                                       "--no-load-optim or --finetune")
-        kinds, main_kind = optimizer_load_kinds(optimizer, stored, directory)
-        state["optimizer_state"] = optimizer_sharded_state(
-            model_sd, optimizer_request_tensors(optimizer, model_params(model_sd), kinds))
+        if fully_sharded:
+            kinds = dist_fsdp.load_kinds(optimizer, stored)
+            state["optimizer_state"] = dist_fsdp.optimizer_sharded_state(model, optimizer, kinds, for_load=True)
+        else:
+            kinds, main_kind = optimizer_load_kinds(optimizer, stored, directory)
+            state["optimizer_state"] = optimizer_sharded_state(
+                model_sd, optimizer_request_tensors(optimizer, model_params(model_sd), kinds))
     params_by_path = param_of_paths(model_sd)
     rng = _rng_object()
     load_rng = not finetune and options.load_rng and saved_tp_pp == (tp, pp) \
@@ -369,7 +386,9 @@ def load_from(load_dir, model, optimizer, opt_param_scheduler, options: LoadOpti
         if ckpt_args is not None:
             train_state.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
             train_state.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
-    if load_optim:
+    if load_optim and fully_sharded:
+        dist_fsdp.load_optimizer_state(model, optimizer, loaded.get("optimizer_state", {}), common["optimizer"], kinds)
+    elif load_optim:
         load_optimizer_state(optimizer, loaded.get("optimizer_state", {}), params_by_path, common["optimizer"],
                              main_kind)
         if opt_param_scheduler is not None and "opt_param_scheduler" in common:

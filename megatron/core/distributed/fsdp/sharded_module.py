@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from megatron.core import device as _device
 from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.fsdp.sharded_state import PIECE_MARK, Piece, fsdp_pieces
 from megatron.core.utils import log_once
 
 FULLY_SHARDED_STRATEGIES = ("optim_grads", "optim_grads_params")
@@ -232,8 +233,35 @@ class FullyShardedModule(torch.nn.Module):
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True):
+        """The module's own state dict (DTensors or whole tensors), or the values read for :meth:`sharded_state_dict`
+        (``dist_checkpointing.load(model.sharded_state_dict(), dir)``): each piece is copied into its rows of this
+        rank's block."""
         with self._sharded():
-            return self.module.load_state_dict(state_dict, strict=strict)
+            if not any(PIECE_MARK in key for key in state_dict):
+                return self.module.load_state_dict(state_dict, strict=strict)
+            pieces, others = fsdp_pieces(self.module)
+            missing = [p.name for p in pieces if p.name not in state_dict]
+            if strict and missing:
+                raise RuntimeError(f"the loaded sharded state lacks {missing[0]} (and {len(missing) - 1} more)")
+            with torch.no_grad():
+                for piece in pieces:
+                    if piece.name in state_dict:
+                        piece.leaf(local_tensor(piece.param)).data.copy_(state_dict[piece.name])
+            rest = {k: v for k, v in state_dict.items() if k in others}
+            return self.module.load_state_dict(rest, strict=False)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
+        """The model's sharded state as its modules declare it, each FSDP2-sharded parameter cut to the rows this
+        rank holds (megatron/core/distributed/fsdp/sharded_state.py); the data are views of the local blocks."""
+        with self._sharded():
+            pieces, others = fsdp_pieces(self.module, prefix, sharded_offsets, metadata)
+        return {**others, **{piece.name: piece.leaf(local_tensor(piece.param)) for piece in pieces}}
+
+    def sharded_pieces(self) -> List[Piece]:
+        """The :class:`Piece` of every FSDP2-sharded parameter (what :meth:`sharded_state_dict` cuts), for state
+        tensors of the same sharding (the optimizer's)."""
+        with self._sharded():
+            return fsdp_pieces(self.module)[0]
 
     def sharded_parameters(self) -> List[Tuple[str, torch.nn.Parameter]]:
         """``(name, DTensor parameter)`` of every parameter, names as in the unwrapped model."""
