@@ -9,6 +9,12 @@ parallel (TP x PP), ``embd`` / ``pos_embd`` the first and last stages sharing em
 expert data parallel, ``intra_dp_cp`` / ``intra_expt_dp`` / ``inter_dist_opt`` / ``intra_dist_opt`` (distributed
 optimizer instances). The constructor takes them as keywords and refuses unknown names.
 
+Every module megatron-core gives a ``pg_collection`` (GPT / Mamba / BERT / T5 models, TransformerBlock / Layer,
+attention incl. MLA, MLP, the MoE layer with its router, experts and dispatchers, the Mamba stack / layer / mixer, the
+MTP block, DistributedDataParallel, get_megatron_optimizer, finalize_model_grads, the pipeline schedules) communicates
+over the collection's groups. A field left None, and no collection at all, means parallel_state's group
+(:func:`pg_group`, :func:`pg_size`, :func:`pg_rank`), so a collection may carry only the groups that differ.
+
 Example::
 
     pgs = ProcessGroupCollection(tp=tp_group, dp=dp_group, dp_cp=dp_group)
@@ -71,45 +77,128 @@ class ProcessGroupCollection:
     def use_mpu_process_groups(cls, required_pgs: Optional[List[str]] = None) -> "ProcessGroupCollection":
         """The groups of :mod:`megatron.core.parallel_state` (all fields, or those named in ``required_pgs``; an
         unknown name raises). Groups parallel_state did not create stay None."""
-        from megatron.core import parallel_state as ps
-
         names = [f.name for f in dataclasses.fields(cls)]
         required = names if required_pgs is None else list(required_pgs)
         invalid = [name for name in required if name not in names]
         if invalid:
             raise ValueError(f"invalid process groups requested: {invalid} (fields: {', '.join(names)})")
-        providers = {
-            "tp": partial(ps.get_tensor_model_parallel_group, check_initialized=False),
-            "pp": ps.get_pipeline_model_parallel_group,
-            "mp": ps.get_model_parallel_group,
-            "embd": ps.get_embedding_group,
-            "pos_embd": ps.get_position_embedding_group,
-            "cp": partial(ps.get_context_parallel_group, check_initialized=False),
-            "tp_cp": partial(ps.get_tensor_and_context_parallel_group, check_initialized=False),
-            "hcp": lambda: None,  # hierarchical CP is not implemented
-            "ep": partial(ps.get_expert_model_parallel_group, check_initialized=False),
-            "expt_tp": partial(ps.get_expert_tensor_parallel_group, check_initialized=False),
-            "tp_ep": partial(ps.get_expert_tensor_and_model_parallel_group, check_initialized=False),
-            "tp_ep_pp": partial(ps.get_expert_tensor_model_pipeline_parallel_group, check_initialized=False),
-            "tp_dp_cp": partial(ps.get_tensor_and_data_parallel_group, check_initialized=False,
-                                with_context_parallel=True),
-            "dp": ps.get_data_parallel_group,
-            "dp_cp": partial(ps.get_data_parallel_group, with_context_parallel=True),
-            "expt_dp": partial(ps.get_expert_data_parallel_group, check_initialized=False),
-            # One distributed-optimizer instance: the intra-instance groups are the whole DP groups.
-            "intra_dp_cp": partial(ps.get_data_parallel_group, with_context_parallel=True),
-            "intra_expt_dp": partial(ps.get_expert_data_parallel_group, check_initialized=False),
-            "inter_dist_opt": lambda: None,
-            "intra_dist_opt": lambda: torch.distributed.group.WORLD,
-        }
+        return cls(**{name: mpu_group(name) for name in required})
 
-        def get(name):
+
+def _mpu_providers():
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": partial(ps.get_tensor_model_parallel_group, check_initialized=False),
+        "pp": ps.get_pipeline_model_parallel_group,
+        "mp": ps.get_model_parallel_group,
+        "embd": ps.get_embedding_group,
+        "pos_embd": ps.get_position_embedding_group,
+        "cp": partial(ps.get_context_parallel_group, check_initialized=False),
+        "tp_cp": partial(ps.get_tensor_and_context_parallel_group, check_initialized=False),
+        "hcp": lambda: None,  # hierarchical CP is not implemented
+        "ep": partial(ps.get_expert_model_parallel_group, check_initialized=False),
+        "expt_tp": partial(ps.get_expert_tensor_parallel_group, check_initialized=False),
+        "tp_ep": partial(ps.get_expert_tensor_and_model_parallel_group, check_initialized=False),
+        "tp_ep_pp": partial(ps.get_expert_tensor_model_pipeline_parallel_group, check_initialized=False),
+        "tp_dp_cp": partial(ps.get_tensor_and_data_parallel_group, check_initialized=False, with_context_parallel=True),
+        "dp": ps.get_data_parallel_group,
+        "dp_cp": partial(ps.get_data_parallel_group, with_context_parallel=True),
+        "expt_dp": partial(ps.get_expert_data_parallel_group, check_initialized=False),
+        # One distributed-optimizer instance: the intra-instance groups are the whole DP groups.
+        "intra_dp_cp": partial(ps.get_data_parallel_group, with_context_parallel=True),
+        "intra_expt_dp": partial(ps.get_expert_data_parallel_group, check_initialized=False),
+        "inter_dist_opt": lambda: None,
+        "intra_dist_opt": lambda: torch.distributed.group.WORLD,
+    }
+
+
+def mpu_group(name: str):
+    """parallel_state's group for the collection field ``name`` (None where parallel_state has not created it)."""
+    try:
+        return _mpu_providers()[name]()
+    except AssertionError:  # parallel_state did not create that group
+        return None
+
+
+def _mpu_size_rank(name: str):
+    """parallel_state's (size, rank) getters for the fields whose getters honour the offline overrides
+    (``set_tensor_model_parallel_world_size`` ...), or None."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": (ps.get_tensor_model_parallel_world_size, ps.get_tensor_model_parallel_rank),
+        "pp": (ps.get_pipeline_model_parallel_world_size, ps.get_pipeline_model_parallel_rank),
+        "cp": (ps.get_context_parallel_world_size, ps.get_context_parallel_rank),
+        "ep": (ps.get_expert_model_parallel_world_size, ps.get_expert_model_parallel_rank),
+        "expt_tp": (ps.get_expert_tensor_parallel_world_size, ps.get_expert_tensor_parallel_rank),
+    }.get(name)
+
+
+def pg_group(pg_collection: Optional[ProcessGroupCollection], name: str):
+    """The group ``name`` a module communicates over: the collection's when it carries one, else parallel_state's
+    (None where neither has it)."""
+    group = None if pg_collection is None else getattr(pg_collection, name)
+    return group if group is not None else mpu_group(name)
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _size_or_rank(pg_collection: Optional[ProcessGroupCollection], name: str, which: int) -> int:
+    """``which`` 0: the size of the group ``name`` (1 where there is none); 1: this rank's index in it (0)."""
+    default = (1, 0)[which]
+    group = None if pg_collection is None else getattr(pg_collection, name)
+    if group is None:
+        getters = _mpu_size_rank(name)
+        if getters is not None:
             try:
-                return providers[name]()
-            except AssertionError:  # parallel_state did not create that group
-                return None
+                return getters[which]() or default
+            except AssertionError:
+                return default
+        group = mpu_group(name)
+    if group is None or not _dist_ready():
+        return default
+    return (torch.distributed.get_world_size, torch.distributed.get_rank)[which](group=group)
 
-        return cls(**{name: get(name) for name in required})
+
+def pg_size(pg_collection: Optional[ProcessGroupCollection], name: str) -> int:
+    """Size of the group ``name`` (:func:`pg_group`); parallel_state's size getters (and their overrides) without a
+    collection group; 1 where there is no group."""
+    return _size_or_rank(pg_collection, name, 0)
+
+
+def pg_rank(pg_collection: Optional[ProcessGroupCollection], name: str) -> int:
+    """This rank's index in the group ``name`` (see :func:`pg_size`); 0 where there is no group."""
+    return _size_or_rank(pg_collection, name, 1)
+
+
+def is_pp_first_stage_of(pg_collection: Optional[ProcessGroupCollection], ignore_virtual: bool = False) -> bool:
+    """First pipeline stage of the collection's ``pp`` group (and, unless ``ignore_virtual``, parallel_state's
+    current virtual chunk is the first)."""
+    from megatron.core import parallel_state as ps
+
+    if not ignore_virtual and ps.get_virtual_pipeline_model_parallel_world_size() is not None \
+            and (ps.get_virtual_pipeline_model_parallel_rank() or 0) != 0:
+        return False
+    return pg_rank(pg_collection, "pp") == 0
+
+
+def is_pp_last_stage_of(pg_collection: Optional[ProcessGroupCollection], ignore_virtual: bool = False) -> bool:
+    """Last pipeline stage of the collection's ``pp`` group (and, unless ``ignore_virtual``, the last virtual
+    chunk)."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if not ignore_virtual and vpp is not None and (ps.get_virtual_pipeline_model_parallel_rank() or 0) != vpp - 1:
+        return False
+    return pg_rank(pg_collection, "pp") == pg_size(pg_collection, "pp") - 1
+
+
+def group_ranks(group) -> List[int]:
+    """Global ranks of ``group``'s members in group-rank order."""
+    return torch.distributed.get_process_group_ranks(group)
 
 
 def group_of(pg_collection: Optional[ProcessGroupCollection], name: str):
@@ -118,13 +207,12 @@ def group_of(pg_collection: Optional[ProcessGroupCollection], name: str):
 
 
 def require_mpu_groups(pg_collection: Optional[ProcessGroupCollection], names, owner: str) -> None:
-    """Refuse a collection whose groups ``names`` differ from parallel_state's, for a module that communicates over
-    those groups through parallel_state (one line naming the module and the groups)."""
+    """Refuse a collection whose groups ``names`` differ from parallel_state's, for a module that still communicates
+    over those groups through parallel_state (one line naming the module and the groups)."""
     if pg_collection is None:
         return
-    mpu = ProcessGroupCollection.use_mpu_process_groups(list(names))
     different = [name for name in names
-                 if getattr(pg_collection, name) is not None and getattr(pg_collection, name) is not getattr(mpu, name)]
+                 if getattr(pg_collection, name) is not None and getattr(pg_collection, name) is not mpu_group(name)]
     if different:
         raise NotImplementedError(f"{owner} communicates over parallel_state's {', '.join(different)} group(s): a "
                                   f"pg_collection with other {', '.join(different)} groups is not supported there yet")

@@ -58,8 +58,9 @@ def context_parallel_chunk_indices(seq_len: int, cp_size: int, cp_rank: int) -> 
     return torch.cat([first, second])
 
 
-def get_batch_on_this_cp_rank(batch: dict) -> dict:
-    """This context-parallel rank's part of every tensor of ``batch`` (megatron-core's function).
+def get_batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
+    """This context-parallel rank's part of every tensor of ``batch`` (megatron-core's function; ``cp_group``
+    defaults to parallel_state's CP group).
 
     Each tensor's sequence dimension (dim 1; dim 2 for ``attention_mask``, whose key dimension stays whole) keeps
     the positions of :func:`context_parallel_chunk_indices`: ``S / CP`` of them, chunk ``r`` first, then chunk
@@ -67,10 +68,12 @@ def get_batch_on_this_cp_rank(batch: dict) -> dict:
     """
     from megatron.core import parallel_state
 
-    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_group is not None:
+        cp_size, cp_rank = get_pg_size(cp_group), get_pg_rank(cp_group)
+    else:
+        cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     if cp_size <= 1:
         return batch
-    cp_rank = parallel_state.get_context_parallel_rank()
     out = {}
     for key, value in batch.items():
         if value is None:

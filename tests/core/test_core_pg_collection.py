@@ -59,6 +59,27 @@ def body():
     grad_whole = whole.embedding.word_embeddings.weight.grad.chunk(2)[rank]
     out["grad_err"] = float((grad_sharded - grad_whole).abs().max())
 
+    # The hybrid model (Mamba-2 mixer + attention) follows the collection's TP group too: heads, groups and channels.
+    from megatron.core.models.mamba import MambaModel
+    from megatron.core.models.mamba.mamba_layer_specs import get_mamba_stack_spec
+
+    mamba = dict(style="llama", mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=8)
+    hybrid = {}
+    for tp, groups in ((2, pgs), (1, None)):
+        torch.manual_seed(5)
+        tensor_parallel.model_parallel_cuda_manual_seed(5)
+        hybrid[tp] = MambaModel(tiny_config(tp=tp, **mamba), get_mamba_stack_spec(), 64, 16,
+                                hybrid_layer_pattern="M*", pg_collection=groups)
+    out["mamba_heads"] = (hybrid[2].decoder.layers[0].mixer.heads, hybrid[1].decoder.layers[0].mixer.heads)
+    out["mamba_logits_err"] = float((hybrid[2](ids, pos, None) - hybrid[1](ids, pos, None).chunk(2, dim=-1)[rank])
+                                    .abs().max())
+    losses = [hybrid[tp](ids, pos, None, labels=labels).mean() for tp in (2, 1)]
+    out["mamba_loss"] = tuple(float(x) for x in losses)
+    for x in losses:
+        x.backward()
+    out["mamba_grad_err"] = float((hybrid[2].embedding.word_embeddings.weight.grad
+                                   - hybrid[1].embedding.word_embeddings.weight.grad.chunk(2)[rank]).abs().max())
+
     ddp = DistributedDataParallel(sharded.config, DistributedDataParallelConfig(), sharded, pg_collection=pgs)
     out["ddp_group"] = (ddp.data_parallel_group is own,
                         all(b.data_parallel_group is own for b in ddp.param_and_grad_buffers))
@@ -83,6 +104,15 @@ def test_model_follows_the_collections_tp_group_not_parallel_state(results):
         assert r["logits_err"] < 1e-5, r
         assert abs(r["loss"][0] - r["loss"][1]) < 1e-5, r
         assert r["grad_err"] < 1e-6, r
+
+
+def test_hybrid_model_follows_the_collections_tp_group(results):
+    for r in results:
+        print(f"MambaModel TP=2 by collection vs whole: logits {r['mamba_logits_err']:.1e}, loss {r['mamba_loss']}, "
+              f"embedding grad {r['mamba_grad_err']:.1e}")
+        assert r["mamba_heads"] == (4, 8), r
+        assert r["mamba_logits_err"] < 1e-5 and abs(r["mamba_loss"][0] - r["mamba_loss"][1]) < 1e-5, r
+        assert r["mamba_grad_err"] < 1e-6, r
 
 
 def test_ddp_reduces_over_the_collections_dp_cp(results):
@@ -115,6 +145,10 @@ def test_use_mpu_process_groups_and_unknown_names(single_rank):
     assert pgs.dp_cp is ps.get_data_parallel_group(with_context_parallel=True)
     some = ProcessGroupCollection.use_mpu_process_groups(["tp", "dp"])
     assert some.tp is pgs.tp and some.pp is None  # unset fields read as None
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    moe = get_default_pg_collection()
+    assert moe.ep is ps.get_expert_model_parallel_group() and moe.tp_dp_cp is pgs.tp_dp_cp and moe.pp is None
     with pytest.raises(ValueError, match="invalid process groups requested: \\['bogus'\\]"):
         ProcessGroupCollection.use_mpu_process_groups(["tp", "bogus"])
     with pytest.raises(ValueError, match="no field bogus"):
@@ -168,11 +202,54 @@ def _gpt_with(config, **kw):
     return GPTModel(config, get_gpt_layer_local_spec(), 64, 16, **kw)
 
 
-def test_moe_refuses_other_expert_groups(single_rank):
+def test_untested_groups_are_refused(single_rank):
+    """T5 (its encoder-decoder split), BERT and the hybrid model take the collection's TP / expert groups; another
+    pipeline or context-parallel group is refused in one line naming the model and the groups."""
+    from megatron.core.models.bert.bert_model import BertModel
+    from megatron.core.models.mamba import MambaModel
+    from megatron.core.models.mamba.mamba_layer_specs import get_mamba_stack_spec
+    from megatron.core.models.T5.t5_model import T5Model
+    from megatron.core.models.T5.t5_spec import get_t5_decoder_with_local_block_spec, get_t5_encoder_with_local_block_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    config = tiny_config()
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    pgs.pp = pgs.cp = torch.distributed.new_group([0])
+    builders = {
+        "T5Model": lambda: T5Model(config, config, get_t5_encoder_with_local_block_spec(1),
+                                   get_t5_decoder_with_local_block_spec(1), 64, 16, pg_collection=pgs),
+        "BertModel": lambda: BertModel(config, 0, vocab_size=64, max_sequence_length=16, pg_collection=pgs),
+        "MambaModel": lambda: MambaModel(tiny_config(style="llama", mamba_head_dim=8, mamba_num_groups=2,
+                                                     mamba_state_dim=8), get_mamba_stack_spec(), 64, 16,
+                                         hybrid_layer_pattern="M*", pg_collection=pgs),
+    }
+    for name, build in builders.items():
+        with pytest.raises(NotImplementedError, match=f"{name} communicates over parallel_state's pp, cp group"):
+            build()
+
+
+def test_schedule_hands_its_groups_to_finalize_and_refuses_shape_hooks(single_rank):
+    """The schedule passes its ``pg_collection`` and ``force_all_reduce`` on to ``finalize_model_grads_func`` and
+    refuses megatron-core's ``adjust_tensor_shapes_fn`` (one line naming it)."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    model = torch.nn.Linear(4, 1)
+    model.config = tiny_config()
+    model.set_input_tensor = lambda tensor: None
+    calls = []
+    model.config.finalize_model_grads_func = lambda models, **kw: calls.append((models, kw))
+    x = torch.ones(2, 4)
+
+    def forward_step(data_iterator, model):
+        out = model(x).sum()
+        return out, lambda output: (output, torch.tensor(1), {"loss": output.detach()})
 
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    pgs.ep = torch.distributed.new_group([0])
-    with pytest.raises(NotImplementedError, match="MoELayer communicates over parallel_state's ep group"):
-        MoELayer(tiny_config(num_moe_experts=2, moe_router_topk=2), pg_collection=pgs)
+    common = dict(forward_step_func=forward_step, data_iterator=iter([None]), model=model, num_microbatches=1,
+                  seq_length=1, micro_batch_size=2)
+    forward_backward_no_pipelining(**common, pg_collection=pgs, force_all_reduce=True)
+    assert calls == [([model], {"pg_collection": pgs, "force_all_reduce": True})]
+    assert float(model.bias.grad) == pytest.approx(2.0)
+    with pytest.raises(NotImplementedError, match=r"forward_backward_no_pipelining\(adjust_tensor_shapes_fn=\.\.\.\)"):
+        forward_backward_no_pipelining(**common, adjust_tensor_shapes_fn=lambda r, s: (r, s))

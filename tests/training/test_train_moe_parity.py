@@ -127,8 +127,8 @@ def expert_bias_body(data):
     for name, extra in BIAS_LAYOUTS.items():
         steps = []  # per step: this rank's routers' biases after the update
 
-        def update_and_record(model, config):
-            original(model, config)
+        def update_and_record(model, config, *groups):  # (the pg_collection, when finalize_model_grads got one)
+            original(model, config, *groups)
             steps.append([m.expert_bias.clone() for chunk in model for m in chunk.modules()
                           if isinstance(m, TopKRouter)])
 

@@ -32,7 +32,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core import device as _device
 from megatron.core import parallel_state
-from megatron.core.process_groups_config import group_of, require_mpu_groups
+from megatron.core.process_groups_config import group_of, pg_group, pg_rank, pg_size
 
 
 def _main_grad(param):
@@ -83,15 +83,25 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, tp_group=No
     _allreduce_coalesced(grads, tp_group)
 
 
-def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
-    """Sum the tied word-embedding grads of the first and last stage (and position embeddings at a split)."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+def _allreduce_embedding_grads(model: List[torch.nn.Module], config, pg_collection=None):
+    """Sum the tied word-embedding grads of the first and last stage (and position embeddings at a split) over the
+    collection's ``embd`` group (else parallel_state's)."""
+    pp_size = pg_size(pg_collection, "pp")
+    if pp_size == 1:
         return
+    embd_group = group_of(pg_collection, "embd")
+    if embd_group is not None:
+        from megatron.core.transformer.module import is_member
 
-    if parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
-        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+        in_embedding_group = is_member(embd_group)
+    else:
+        in_embedding_group = parallel_state.is_rank_in_embedding_group(ignore_virtual=True)
+        embd_group = parallel_state.get_embedding_group() if in_embedding_group else None
+    if in_embedding_group:
+        pp_rank = pg_rank(pg_collection, "pp")
+        if pp_rank == 0:
             chunk = model[0]
-        elif parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        elif pp_rank == pp_size - 1:
             chunk = model[-1]
         else:  # the decoder's first stage at the split rank holds the embedding in its first chunk
             chunk = model[0]
@@ -104,7 +114,7 @@ def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
             if grad is None:
                 # Keep the collective matched on the other stage even if this copy got no gradient.
                 grad = torch.zeros_like(weight)
-            torch.distributed.all_reduce(grad, group=parallel_state.get_embedding_group())
+            torch.distributed.all_reduce(grad, group=embd_group)
 
     if (parallel_state.is_rank_in_position_embedding_group()
             and parallel_state.get_pipeline_model_parallel_split_rank() is not None):
@@ -144,13 +154,15 @@ def _timed(config, name: str):
         timer.stop()
 
 
-def _scale_by_num_tokens(model: List[torch.nn.Module], num_tokens: torch.Tensor):
+def _scale_by_num_tokens(model: List[torch.nn.Module], num_tokens: torch.Tensor, pg_collection=None):
     """Step 4 of the module docstring; ``num_tokens`` is the last stage's count (ignored elsewhere)."""
     num_tokens = num_tokens.to(device=_device.current_device(), dtype=torch.int64).reshape(())
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        torch.distributed.broadcast(num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                    group=parallel_state.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    pp_size = pg_size(pg_collection, "pp")
+    if pp_size > 1:
+        pp_group = pg_group(pg_collection, "pp")
+        torch.distributed.broadcast(num_tokens, src=torch.distributed.get_global_rank(pp_group, pp_size - 1),
+                                    group=pp_group)
+    torch.distributed.all_reduce(num_tokens, group=pg_group(pg_collection, "dp_cp"))
     total = int(num_tokens.item())
     if total > 0:
         for chunk in model:
@@ -173,7 +185,8 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
                          pg_collection=None, force_all_reduce: bool = False):
     """Finish DP sync of every chunk, then the sequence-parallel and the embedding all-reduces, then (per-token
     loss) the division by the global token count. ``pg_collection`` (megatron-core's): ``tp`` sums the
-    sequence-parallel gradients; the embedding, pipeline and expert-bias groups are parallel_state's.
+    sequence-parallel gradients, ``pp`` / ``embd`` the tied embedding's, ``pp`` / ``dp_cp`` the token count,
+    ``tp_dp_cp`` the routers' expert-bias counts (a group left None, or no collection: parallel_state's).
     ``force_all_reduce`` asks for all-reduced (not reduce-scattered) gradients: what the buffers do without the
     distributed optimizer; with it, refused."""
     if not isinstance(model, (list, tuple)):
@@ -182,7 +195,6 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
                                 for c in model):
         raise NotImplementedError("finalize_model_grads(force_all_reduce=True) with the distributed optimizer: the "
                                   "gradient buffers are reduce-scattered; call it without force_all_reduce")
-    require_mpu_groups(pg_collection, ("pp", "embd", "pos_embd", "tp_dp_cp"), "finalize_model_grads")
     config = getattr(model[0], "config", None) or getattr(unwrap_model_chunk(model[0]), "config", None)
 
     with _timed(config, "all-grads-sync"):
@@ -191,14 +203,14 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     with _timed(config, "layernorm-grads-all-reduce"):
         _allreduce_layernorm_grads(model, config, group_of(pg_collection, "tp"))
     with _timed(config, "embedding-grads-all-reduce"):
-        _allreduce_embedding_grads(model, config)
+        _allreduce_embedding_grads(model, config, pg_collection)
     if num_tokens is not None:
-        _scale_by_num_tokens(model, num_tokens)
+        _scale_by_num_tokens(model, num_tokens, pg_collection)
     if config is not None and getattr(config, "num_moe_experts", None):
-        _finish_router_step(model, config)
+        _finish_router_step(model, config, pg_collection)
 
 
-def _finish_router_step(model: List[torch.nn.Module], config):
+def _finish_router_step(model: List[torch.nn.Module], config, pg_collection=None):
     """Steps 5 and 6: every local router's global_aux_loss counts restart (a no-op without that loss); with expert
     biases, one all-reduce of the routers' token counts ``[routers, E]``, then each bias moves by the rate."""
     from megatron.core.transformer.moe.moe_utils import updated_expert_bias
@@ -210,8 +222,7 @@ def _finish_router_step(model: List[torch.nn.Module], config):
     if not routers:
         return  # no expert bias, or this pipeline stage has no MoE layer
     counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
-    torch.distributed.all_reduce(counts, group=parallel_state.get_tensor_and_data_parallel_group(
-        with_context_parallel=True))
+    torch.distributed.all_reduce(counts, group=pg_group(pg_collection, "tp_dp_cp"))
     biases = updated_expert_bias(counts, torch.stack([r.expert_bias.float() for r in routers]),
                                  config.moe_router_bias_update_rate)
     for router, bias in zip(routers, biases):

@@ -5,7 +5,6 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron.core.process_groups_config import require_mpu_groups
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     clip_grad_norm_fp32,
@@ -154,8 +153,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     if not isinstance(model_chunks, (list, tuple)):
         model_chunks = [model_chunks]
     # megatron-core's keywords: the data-parallel groups are the DDP buffers' (DistributedDataParallel's
-    # pg_collection); the gradient norm reduces over parallel_state's model-parallel groups.
-    require_mpu_groups(pg_collection, ("mp", "tp_ep_pp"), "get_megatron_optimizer")
+    # pg_collection); the collection's mp / tp_ep_pp (intra_dist_opt with the distributed optimizer) sum the
+    # gradient norm (None: parallel_state's).
     if config_overrides or dump_param_to_param_group_map is not None:
         raise NotImplementedError("get_megatron_optimizer: config_overrides / dump_param_to_param_group_map are not "
                                   "implemented (per-parameter settings: no_weight_decay_cond, scale_lr_cond, lr_mult)")
@@ -180,11 +179,16 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         inner = _sgd(param_groups, config, on_cuda)
 
     if any(getattr(chunk, "uses_fully_shard", False) for chunk in model_chunks):
-        return FullyShardedOptimizer(inner, config, model_chunks)
+        return _with_groups(FullyShardedOptimizer(inner, config, model_chunks), pg_collection)
     strategies = {getattr(chunk, "data_parallel_sharding_strategy", None) for chunk in model_chunks}
     use_distributed = config.use_distributed_optimizer if strategies == {None} else strategies == {"optim"}
     if use_distributed:
-        return DistributedOptimizer(inner, config, _grad_scaler(config), model_chunks)
+        return _with_groups(DistributedOptimizer(inner, config, _grad_scaler(config), model_chunks), pg_collection)
     if config.fp16 or config.bf16:
-        return Float16OptimizerWithFloat16Params(inner, config, _grad_scaler(config))
-    return FP32Optimizer(inner, config)
+        return _with_groups(Float16OptimizerWithFloat16Params(inner, config, _grad_scaler(config)), pg_collection)
+    return _with_groups(FP32Optimizer(inner, config), pg_collection)
+
+
+def _with_groups(optimizer: MegatronOptimizer, pg_collection) -> MegatronOptimizer:
+    optimizer.pg_collection = pg_collection
+    return optimizer

@@ -106,14 +106,20 @@ def clip_grad_norm_fp32(parameters, grads_for_norm, max_norm: float, norm_type: 
     return total_norm
 
 
-def count_zeros_fp32(parameters: Iterable[torch.Tensor], model_parallel_group=None) -> int:
-    """Number of zero gradient entries over the model-parallel group, counting each parameter once."""
+def count_zeros_fp32(parameters: Iterable[torch.Tensor], model_parallel_group=None, use_decoupled_grad: bool = False,
+                     tp_group=None) -> int:
+    """Number of zero gradient entries over the model-parallel group, counting each parameter once (a replicated
+    parameter on rank 0 of ``tp_group``, parallel_state's TP group when None)."""
+    if use_decoupled_grad:
+        raise NotImplementedError("count_zeros_fp32(use_decoupled_grad=True): decoupled gradients (the "
+                                  "precision-aware optimizer) are not implemented")
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     dev: Optional[torch.device] = None
     total = None
     for param in parameters:
-        if param.grad is None or not param_is_not_shared(param) or not param_is_not_tensor_parallel_duplicate(param):
+        if param.grad is None or not param_is_not_shared(param) or \
+                not param_is_not_tensor_parallel_duplicate(param, tp_group):
             continue
         zeros = param.grad.numel() - torch.count_nonzero(param.grad)
         total = zeros if total is None else total + zeros

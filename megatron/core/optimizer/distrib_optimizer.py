@@ -67,6 +67,20 @@ def _state_keys(optimizer: torch.optim.Optimizer) -> List[str]:
     raise TypeError(f"the distributed optimizer does not know the state of {name}")
 
 
+def _gloo_twin(group, with_context_parallel: bool = False, expert: bool = False):
+    """The gloo group with ``group``'s ranks for the CPU gathers of checkpointing: parallel_state's gloo twin when
+    ``group`` is parallel_state's DP (x CP) / expert-DP group, else ``group`` itself (a group passed in through a
+    pg_collection; on a gloo world it is a gloo group)."""
+    try:
+        if expert and group is parallel_state.get_expert_data_parallel_group(check_initialized=False):
+            return parallel_state.get_expert_data_parallel_group_gloo()
+        if not expert and group is parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel):
+            return parallel_state.get_data_parallel_group_gloo(with_context_parallel=with_context_parallel)
+    except AssertionError:
+        pass
+    return group
+
+
 class DistributedOptimizer(MixedPrecisionOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
                  grad_scaler: Optional[MegatronGradScaler], model_chunks: List[torch.nn.Module]):
@@ -80,9 +94,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                  "DistributedDataParallel (--DDP-impl local) with "
                                  "DistributedDataParallelConfig(use_distributed_optimizer=True)")
             self.buffers.extend(buffers)
-        # Shards over DP x CP: the group the gradients are reduced over (CP ranks are data-parallel replicas).
-        self.data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        self.data_parallel_group_gloo = parallel_state.get_data_parallel_group_gloo(with_context_parallel=True)
+        # Shards over DP x CP: the group the gradients are reduced over (CP ranks are data-parallel replicas), the
+        # DDP chunks' own (their pg_collection's dp_cp, else parallel_state's).
+        self.data_parallel_group = model_chunks[0].data_parallel_group
+        self.data_parallel_group_gloo = _gloo_twin(self.data_parallel_group, with_context_parallel=True)
         self.dp_size = torch.distributed.get_world_size(group=self.data_parallel_group)
         self.dp_rank = torch.distributed.get_rank(group=self.data_parallel_group)
 
@@ -146,8 +161,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             yield from zip(model_group, shard_group)
 
     def get_model_parallel_group(self):
-        # Main grads are sharded over DP as well: norms, zero counts and overflow flags sum over the world.
-        return None
+        # Main grads are sharded over DP as well: norms, zero counts and overflow flags sum over every rank of the
+        # model (pg_collection.intra_dist_opt; None = the world).
+        return None if self.pg_collection is None else self.pg_collection.intra_dist_opt
 
     # ------------------------------------------------------------------------------ step pieces
     def zero_grad(self, set_to_none: bool = True):
@@ -264,10 +280,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """(gloo group, its rank 0 as a global rank, whether this rank is it, group size) of a buffer's sharding
         group: data parallel, or expert data parallel for expert-parallel buffers."""
         if buffer.data_parallel_group is self.data_parallel_group:
-            return (self.data_parallel_group_gloo, parallel_state.get_data_parallel_src_rank(with_context_parallel=True),
-                    self.dp_rank == 0,
-                    self.dp_size)
-        group = parallel_state.get_expert_data_parallel_group_gloo()
+            return (self.data_parallel_group_gloo, torch.distributed.get_global_rank(self.data_parallel_group, 0),
+                    self.dp_rank == 0, self.dp_size)
+        group = _gloo_twin(buffer.data_parallel_group, expert=True)
         return (group, torch.distributed.get_global_rank(group, 0), torch.distributed.get_rank(group=group) == 0,
                 torch.distributed.get_world_size(group=group))
 

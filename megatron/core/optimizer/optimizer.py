@@ -19,7 +19,7 @@ from typing import List, Optional
 import torch
 
 from megatron.core import device as _device
-from megatron.core import parallel_state
+from megatron.core.process_groups_config import pg_group, pg_size
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     get_grad_norm_fp32,
@@ -47,14 +47,10 @@ def _zero_grad_group_helper(group: List[torch.Tensor], set_to_none: bool):
             param.grad.zero_()
 
 
-def _expert_groups_separate() -> bool:
+def _expert_groups_separate(pg_collection=None) -> bool:
     """Whether expert-parallel groups differ from the dense ones (EP > 1 or expert TP != TP): same on every rank."""
-    try:
-        ep = parallel_state.get_expert_model_parallel_world_size()
-        etp = parallel_state.get_expert_tensor_parallel_world_size()
-    except AssertionError:
-        return False
-    return bool(ep) and (ep > 1 or etp != parallel_state.get_tensor_model_parallel_world_size())
+    ep, etp, tp = (pg_size(pg_collection, name) for name in ("ep", "expt_tp", "tp"))
+    return ep > 1 or etp != tp
 
 
 def _model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -64,7 +60,11 @@ def _model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 class MegatronOptimizer(ABC):
-    """Base class: owns the torch optimizer (``self.optimizer``) and the config."""
+    """Base class: owns the torch optimizer (``self.optimizer``) and the config. ``pg_collection`` (set by
+    ``get_megatron_optimizer``; None: parallel_state's groups): ``mp`` sums the gradient norm, zero counts and overflow
+    flags, ``tp_ep_pp`` the expert gradients' norm."""
+
+    pg_collection = None
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig):
         if optimizer is None:
@@ -85,17 +85,21 @@ class MegatronOptimizer(ABC):
         for param in self.get_parameters():
             if param.grad is None:
                 continue
-            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, self._tp_group()):
                 grads.append(param.grad.detach())
         return grads
 
+    def _tp_group(self):
+        """The collection's TP group (None: parallel_state's), which decides the TP duplicates of the norm."""
+        return None if self.pg_collection is None else self.pg_collection.tp
+
     def get_model_parallel_group(self):
         """The group over which norms, zero counts and overflow flags are summed (None = world)."""
-        return parallel_state.get_model_parallel_group()
+        return pg_group(self.pg_collection, "mp")
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         group = self.get_model_parallel_group()
-        if group is None or not _expert_groups_separate():
+        if group is None or not _expert_groups_separate(self.pg_collection):
             return clip_grad_norm_fp32(self.get_parameters(), self.get_main_grads_for_grad_norm(), clip_grad,
                                        model_parallel_group=group)
         # Expert parallelism: dense pieces are unique over TP x PP, expert pieces over expert TP x EP x PP. Each
@@ -106,9 +110,9 @@ class MegatronOptimizer(ABC):
                 continue
             if not getattr(param, "allreduce", True):
                 expert.append(param.grad.detach())
-            elif param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+            elif param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, self._tp_group()):
                 dense.append(param.grad.detach())
-        expert_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+        expert_group = pg_group(self.pg_collection, "tp_ep_pp")
         norm_dense = get_grad_norm_fp32(dense, 2, group)
         norm_expert = get_grad_norm_fp32(expert, 2, expert_group)
         total = (norm_dense ** 2 + norm_expert ** 2) ** 0.5
@@ -116,7 +120,8 @@ class MegatronOptimizer(ABC):
         return total
 
     def count_zeros(self) -> int:
-        return count_zeros_fp32(self.get_parameters(), model_parallel_group=self.get_model_parallel_group())
+        return count_zeros_fp32(self.get_parameters(), model_parallel_group=self.get_model_parallel_group(),
+                                tp_group=self._tp_group())
 
     # ------------------------------------------------------------------ loss scaling
     @abstractmethod
@@ -276,7 +281,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         # Every rank must take the same decision, or the model replicas/shards would diverge.
         # (Expert grads differ across expert-parallel ranks: then the whole world decides together.)
         torch.distributed.all_reduce(self.found_inf, op=torch.distributed.ReduceOp.MAX,
-                                     group=None if _expert_groups_separate() else self.get_model_parallel_group())
+                                     group=None if _expert_groups_separate(self.pg_collection)
+                                     else self.get_model_parallel_group())
         return self.found_inf.item() > 0
 
     @torch.no_grad()

@@ -25,28 +25,75 @@ Interleaved (``forward_backward_pipelining_with_interleaving``): each rank holds
 ``(k mod pC) div p`` (backward: reversed), so ranks cycle through their chunks in groups of ``p``
 micro-batches; warm-up is ``(p - r - 1) * 2 + (C - 1) * p`` steps (all of them when ``M == p`` or
 forward-only). Requires ``M % p == 0``.
+
+Process groups (megatron-core's keywords of every schedule): ``pg_collection`` gives the pipeline (``pp``), context
+(``cp``, the 2023 loss factor and the activation shapes) and tensor (``tp``, sequence-parallel shapes) groups and is
+handed to ``config.finalize_model_grads_func``; ``p2p_communicator`` (a :class:`P2PCommunicator`) the pipeline
+exchanges. Without them: parallel_state's groups.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, List, Optional, Union
+from typing import Iterator, List, Optional, Union
 
 import torch
 from torch.autograd.variable import Variable
 
 from megatron.core import device, parallel_state
 from megatron.core.enums import ModelType
-from megatron.core.pipeline_parallel import p2p_communication
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import pg_group, pg_rank, pg_size
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 
 
-def get_forward_backward_func():
-    """The schedule for the current parallel layout (pp == 1, pp > 1, or pp > 1 with virtual stages)."""
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
+def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None):
+    """The schedule for the parallel layout (pp == 1, pp > 1, or pp > 1 with virtual stages); ``pp_size`` /
+    ``vp_size`` default to parallel_state's (megatron-core's signature)."""
+    if pp_size is None:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size() if vp_size is None else vp_size
+    if pp_size > 1:
+        if vp_size is not None:
             return forward_backward_pipelining_with_interleaving
         return forward_backward_pipelining_without_interleaving
     return forward_backward_no_pipelining
+
+
+class _Pipeline:
+    """The groups one schedule run uses: the pipeline exchanges (``p2p_communicator``, or one over
+    ``pg_collection.pp`` / parallel_state's), this rank's stage, the CP and TP sizes."""
+
+    def __init__(self, config, p2p_communicator=None, pg_collection=None):
+        self.pg_collection = pg_collection
+        if p2p_communicator is not None:
+            self.pp_rank = torch.distributed.get_rank(group=p2p_communicator.pp_group)
+            self.pp_size = torch.distributed.get_world_size(group=p2p_communicator.pp_group)
+        else:
+            self.pp_rank, self.pp_size = pg_rank(pg_collection, "pp"), pg_size(pg_collection, "pp")
+            group = pg_group(pg_collection, "pp")
+            if group is not None and torch.distributed.is_initialized():
+                p2p_communicator = P2PCommunicator(group, config)
+        self.p2p = p2p_communicator
+        self.cp_size = pg_size(pg_collection, "cp")
+        self.tp_size = pg_size(pg_collection, "tp")
+
+    def first(self, ignore_virtual: bool = False) -> bool:
+        """First stage (and, unless ``ignore_virtual``, parallel_state's current chunk is the first)."""
+        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        if not ignore_virtual and vpp is not None and (parallel_state.get_virtual_pipeline_model_parallel_rank() or 0):
+            return False
+        return self.pp_rank == 0
+
+    def last(self, ignore_virtual: bool = False) -> bool:
+        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        if not ignore_virtual and vpp is not None and \
+                (parallel_state.get_virtual_pipeline_model_parallel_rank() or 0) != vpp - 1:
+            return False
+        return self.pp_rank == self.pp_size - 1
+
+    def after_split(self) -> bool:
+        """A decoder stage of an encoder-decoder pipeline (parallel_state's split rank)."""
+        return self.pp_size > 1 and parallel_state.is_pipeline_stage_after_split(self.pp_rank)
 
 
 def deallocate_output_tensor(out, deallocate_pipeline_outputs: bool = False):
@@ -83,12 +130,22 @@ def _autocast(config):
 
 
 def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store,
-                 config, collect_non_loss_data=False, checkpoint_activations_microbatch=None):
+                 config, cp_group_size=None, collect_non_loss_data=False, checkpoint_activations_microbatch=None,
+                 is_first_microbatch=False, current_microbatch=None, vp_stage=None, is_last_stage=None,
+                 after_split=None):
     """Run one micro-batch forward; on the last stage, apply the loss function and store its report.
 
     Returns ``(output_tensor, num_tokens)``: ``num_tokens`` is the loss function's token count on the last
-    stage with the 3-tuple contract, else an int64 zero.
+    stage with the 3-tuple contract, else an int64 zero. ``cp_group_size`` / ``is_last_stage`` (megatron-core's)
+    default to parallel_state's; ``after_split``: this is a decoder stage of an encoder-decoder pipeline.
     """
+    if cp_group_size is None:
+        cp_group_size = parallel_state.get_context_parallel_world_size()
+    if is_last_stage is None:
+        is_last_stage = parallel_state.is_pipeline_last_stage()
+    if after_split is None:
+        after_split = (parallel_state.get_pipeline_model_parallel_world_size() > 1
+                       and parallel_state.is_pipeline_stage_after_split())
     if config.timers is not None:
         config.timers("forward-compute", log_level=2).start()
     # A list of input tensors (the 1F1B schedule of an encoder-decoder model) gets a list of outputs back.
@@ -103,14 +160,14 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
             output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
 
     if getattr(config, "num_moe_experts", None) is not None:  # on every stage: each holds router losses
-        _set_moe_aux_loss_scale(num_microbatches, config)
+        _set_moe_aux_loss_scale(num_microbatches, config, cp_group_size)
     if getattr(config, "mtp_num_layers", None):
         _set_mtp_loss_scale(num_microbatches, config)
     num_tokens = torch.zeros((), dtype=torch.int64)
-    if parallel_state.is_pipeline_last_stage():
+    if is_last_stage:
         if not collect_non_loss_data:
             output_tensor, num_tokens, loss_reduced = _apply_loss_func(loss_func, output_tensor, num_microbatches,
-                                                                       config)
+                                                                       config, cp_group_size)
             forward_data_store.append(loss_reduced)
         else:
             forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
@@ -119,14 +176,13 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
         config.timers("forward-compute").stop()
     if listed:
         # Decoder stages of an encoder-decoder pipeline pass the encoder output on (the skip connection).
-        if (parallel_state.get_pipeline_model_parallel_world_size() > 1
-                and parallel_state.is_pipeline_stage_after_split() and _model_type(model) == ModelType.encoder_and_decoder):
+        if after_split and _model_type(model) == ModelType.encoder_and_decoder:
             return [output_tensor, input_tensor[-1]], num_tokens
         return [output_tensor], num_tokens
     return output_tensor, num_tokens
 
 
-def _apply_loss_func(loss_func, output_tensor, num_microbatches, config):
+def _apply_loss_func(loss_func, output_tensor, num_microbatches, config, cp_size):
     """(tensor to backpropagate, token count, report) from a 3-tuple or legacy 2-tuple loss function."""
     result = loss_func(output_tensor)
     if isinstance(result, (tuple, list)) and len(result) == 3:
@@ -141,13 +197,13 @@ def _apply_loss_func(loss_func, output_tensor, num_microbatches, config):
                                "reported_dict); this one returns the 2023 (loss, reported_dict)")
         loss, loss_reduced = result
         # Megatron scales a 2023-style loss by the context-parallel size (the gradients are averaged over DP x CP).
-        loss = loss * parallel_state.get_context_parallel_world_size()
+        loss = loss * cp_size
         return loss / num_microbatches, torch.zeros((), dtype=torch.int64), loss_reduced
     raise RuntimeError("loss_func must return (loss_sum, num_tokens, reported_dict) or (loss, reported_dict), e.g. "
                        f"(loss, {{'lm loss': averaged_loss}}); got {type(result).__name__}")
 
 
-def _set_moe_aux_loss_scale(num_microbatches, config):
+def _set_moe_aux_loss_scale(num_microbatches, config, cp_size):
     """MoE router losses get the main loss's backward scale: loss scale / micro-batches (x CP), or the loss scale
     alone with ``calculate_per_token_loss`` (the routers pre-multiply by their token count)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -156,7 +212,7 @@ def _set_moe_aux_loss_scale(num_microbatches, config):
     if config.grad_scale_func is not None:
         scale = config.grad_scale_func(scale)
     if not config.calculate_per_token_loss:
-        scale = scale * parallel_state.get_context_parallel_world_size() / num_microbatches
+        scale = scale * cp_size / num_microbatches
     MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
@@ -173,7 +229,7 @@ def _set_mtp_loss_scale(num_microbatches, config):
     MTPLossAutoScaler.set_loss_scale(scale)
 
 
-def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config, after_split=None):
     """Backpropagate one micro-batch; return the gradient of this stage's input (None on the first stage).
 
     Lists (encoder-decoder pipelines): backward runs from ``output_tensor[0]``; the gradient that came back for the
@@ -198,8 +254,10 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
         torch.autograd.backward(output, grad_tensors=output_grad)
 
     input_grads = [x.grad if x is not None else None for x in inputs]
-    if (parallel_state.get_pipeline_model_parallel_world_size() > 1 and parallel_state.is_pipeline_stage_after_split()
-            and model_type == ModelType.encoder_and_decoder and len(output_grads) > 1
+    if after_split is None:
+        after_split = (parallel_state.get_pipeline_model_parallel_world_size() > 1
+                       and parallel_state.is_pipeline_stage_after_split())
+    if (after_split and model_type == ModelType.encoder_and_decoder and len(output_grads) > 1
             and output_grads[1] is not None):
         input_grads[-1].add_(output_grads[1])
     if config.timers is not None:
@@ -243,23 +301,38 @@ def _zero_tokens() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device.current_device())
 
 
-def _finalize(config, models, forward_only, total_num_tokens):
-    """Call ``config.finalize_model_grads_func``, with the step's token count under per-token loss."""
+def _finalize(config, models, forward_only, total_num_tokens, pg_collection=None, force_all_reduce=False):
+    """Call ``config.finalize_model_grads_func``, with the step's token count under per-token loss (and the
+    schedule's ``pg_collection`` / ``force_all_reduce`` when it was given them)."""
     if not forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
-        if config.calculate_per_token_loss:
-            config.finalize_model_grads_func(models, total_num_tokens.clone())
-        else:
-            config.finalize_model_grads_func(models)
+        args = [models, total_num_tokens.clone()] if config.calculate_per_token_loss else [models]
+        kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
+        if force_all_reduce:
+            kwargs["force_all_reduce"] = True
+        config.finalize_model_grads_func(*args, **kwargs)
+
+
+def _refuse_shape_hook(adjust_tensor_shapes_fn, schedule: str) -> None:
+    """megatron-core's ``adjust_tensor_shapes_fn`` (heterogeneous stage shapes) is not implemented: refused.
+    ``first_val_step`` (Transformer Engine's FP8 weight caching during validation) changes no result here."""
+    if adjust_tensor_shapes_fn is not None:
+        raise NotImplementedError(f"{schedule}(adjust_tensor_shapes_fn=...) is not implemented: every stage "
+                                  "exchanges get_tensor_shapes()'s shapes")
 
 
 def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[Iterator, List[Iterator]],
                                    model: Union[torch.nn.Module, List[torch.nn.Module]], num_microbatches: int,
                                    seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int] = None,
-                                   forward_only: bool = False, collect_non_loss_data: bool = False):
+                                   forward_only: bool = False, collect_non_loss_data: bool = False,
+                                   first_val_step: Optional[bool] = None, adjust_tensor_shapes_fn=None,
+                                   p2p_communicator: Optional[P2PCommunicator] = None, pg_collection=None,
+                                   force_all_reduce: bool = False):
     """All micro-batches on one stage; gradients are reduced only during the last backward pass."""
+    _refuse_shape_hook(adjust_tensor_shapes_fn, "forward_backward_no_pipelining")
     model = _single(model, "model")
     data_iterator = _single(data_iterator, "data_iterator")
     config = get_model_config(model)
+    cp_size = pg_size(pg_collection, "cp")
     model_type = _check_model_type(model)
     no_sync = _no_sync_func(config, model)
 
@@ -269,26 +342,30 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     with no_sync():
         for _ in range(num_microbatches - 1):
             output_tensor, num_tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches,
-                                                     input_tensor, forward_data_store, config, collect_non_loss_data)
+                                                     input_tensor, forward_data_store, config, cp_size,
+                                                     collect_non_loss_data, is_last_stage=True, after_split=False)
             total_num_tokens += num_tokens.to(total_num_tokens.device)
             if not forward_only:
-                backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+                backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config, after_split=False)
     # The last micro-batch runs outside no_sync so that the gradient reduction happens once.
     output_tensor, num_tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
-                                             forward_data_store, config, collect_non_loss_data)
+                                             forward_data_store, config, cp_size, collect_non_loss_data,
+                                             is_last_stage=True, after_split=False)
     total_num_tokens += num_tokens.to(total_num_tokens.device)
     if not forward_only:
-        backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
-    _finalize(config, [model], forward_only, total_num_tokens)
+        backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config, after_split=False)
+    _finalize(config, [model], forward_only, total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store
 
 
 def get_tensor_shapes(*, seq_length: int, micro_batch_size: int, config, rank: Optional[int] = None,
-                      model_type=ModelType.encoder_or_decoder, decoder_seq_length: Optional[int] = None) -> List[tuple]:
+                      model_type=ModelType.encoder_or_decoder, decoder_seq_length: Optional[int] = None,
+                      tp_group=None, cp_group=None) -> List[tuple]:
     """Shapes of the activations stage ``rank`` sends: ``[(s / cp [/tp with SP], b, h)]``; for an encoder-decoder
     model an encoder stage sends ``[(se, b, h)]`` and a decoder stage ``[(sd, b, h), (se, b, h)]`` (its output and
-    the encoder output it passes on)."""
-    tp = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    the encoder output it passes on). ``tp_group`` / ``cp_group`` (megatron-core's): default parallel_state's."""
+    groups = None if tp_group is None and cp_group is None else _groups(tp=tp_group, cp=cp_group)
+    tp = pg_size(groups, "tp") if config.sequence_parallel else 1
     if model_type == ModelType.encoder_and_decoder:
         if decoder_seq_length is None:
             raise ValueError("an encoder-decoder pipeline needs decoder_seq_length (--decoder-seq-length)")
@@ -296,35 +373,14 @@ def get_tensor_shapes(*, seq_length: int, micro_batch_size: int, config, rank: O
         if parallel_state.is_pipeline_stage_before_split(rank):
             return [encoder_shape]
         return [(decoder_seq_length // tp, micro_batch_size, config.hidden_size), encoder_shape]
-    seq_length = seq_length // parallel_state.get_context_parallel_world_size()
+    seq_length = seq_length // pg_size(groups, "cp")
     return [(seq_length // tp, micro_batch_size, config.hidden_size)]
 
 
-# Lists of tensors between stages (an encoder-decoder pipeline sends two): one p2p exchange per tensor, in order.
-def _recv_forward(shapes, config):
-    return [p2p_communication.recv_forward(shape, config) for shape in shapes]
+def _groups(**groups):
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
-
-def _recv_backward(shapes, config):
-    return [p2p_communication.recv_backward(shape, config) for shape in shapes]
-
-
-def _send_forward(tensors, config):
-    for tensor in tensors:
-        p2p_communication.send_forward(tensor, config)
-
-
-def _send_backward(grads, config):
-    for grad in grads:
-        p2p_communication.send_backward(grad, config)
-
-
-def _send_forward_recv_backward(tensors, shapes, config):
-    return [p2p_communication.send_forward_recv_backward(t, shape, config) for t, shape in zip(tensors, shapes)]
-
-
-def _send_backward_recv_forward(grads, shapes, config):
-    return [p2p_communication.send_backward_recv_forward(g, shape, config) for g, shape in zip(grads, shapes)]
+    return ProcessGroupCollection(**groups)
 
 
 class _GradSyncToggle:
@@ -349,8 +405,10 @@ def forward_backward_pipelining_without_interleaving(
         *, forward_step_func, data_iterator: Union[Iterator, List[Iterator]],
         model: Union[torch.nn.Module, List[torch.nn.Module]], num_microbatches: int, seq_length: int,
         micro_batch_size: int, decoder_seq_length: Optional[int] = None, forward_only: bool = False,
-        collect_non_loss_data: bool = False):
+        collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None, adjust_tensor_shapes_fn=None,
+        p2p_communicator: Optional[P2PCommunicator] = None, pg_collection=None, force_all_reduce: bool = False):
     """1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards (see module docstring)."""
+    _refuse_shape_hook(adjust_tensor_shapes_fn, "forward_backward_pipelining_without_interleaving")
     model = _single(model, "model")
     data_iterator = _single(data_iterator, "data_iterator")
     config = get_model_config(model)
@@ -358,48 +416,56 @@ def forward_backward_pipelining_without_interleaving(
     grad_sync = _GradSyncToggle(_no_sync_func(config, model))
     grad_sync.disable()
 
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pipe = _Pipeline(config, p2p_communicator, pg_collection)
+    p2p, first, last, after_split = pipe.p2p, pipe.first(), pipe.last(), pipe.after_split()
+    pp_size, pp_rank = pipe.pp_size, pipe.pp_rank
     num_warmup = num_microbatches if forward_only else min(pp_size - pp_rank - 1, num_microbatches)
     num_remaining = num_microbatches - num_warmup
     # Lists of tensors: one per activation exchanged (two after the split of an encoder-decoder model).
+    groups = _groups(tp=pg_group(pg_collection, "tp"), cp=pg_group(pg_collection, "cp"))
     recv_shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, config=config,
-                                    rank=pp_rank - 1, model_type=model_type, decoder_seq_length=decoder_seq_length)
+                                    rank=pp_rank - 1, model_type=model_type, decoder_seq_length=decoder_seq_length,
+                                    tp_group=groups.tp, cp_group=groups.cp)
     send_shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, config=config,
-                                    rank=pp_rank, model_type=model_type, decoder_seq_length=decoder_seq_length)
+                                    rank=pp_rank, model_type=model_type, decoder_seq_length=decoder_seq_length,
+                                    tp_group=groups.tp, cp_group=groups.cp)
 
     total_num_tokens = _zero_tokens()
 
     def fwd(input_tensor):
         output_tensor, num_tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches,
-                                                 input_tensor, forward_data_store, config, collect_non_loss_data)
+                                                 input_tensor, forward_data_store, config, pipe.cp_size,
+                                                 collect_non_loss_data, is_last_stage=last, after_split=after_split)
         total_num_tokens.add_(num_tokens.to(total_num_tokens.device))
         return output_tensor
+
+    def bwd(input_tensor, output_tensor, output_tensor_grad):
+        return backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config, after_split)
 
     forward_data_store = []
     input_tensors, output_tensors = [], []
 
     for _ in range(num_warmup):
-        input_tensor = _recv_forward(recv_shapes, config)
+        input_tensor = p2p.recv_forward(recv_shapes, first)
         output_tensor = fwd(input_tensor)
-        _send_forward(output_tensor, config)
+        p2p.send_forward(output_tensor, last)
         if not forward_only:
             input_tensors.append(input_tensor)
             output_tensors.append(output_tensor)
             deallocate_output_tensor(output_tensor[0], config.deallocate_pipeline_outputs)
 
-    input_tensor = _recv_forward(recv_shapes, config) if num_remaining > 0 else None
+    input_tensor = p2p.recv_forward(recv_shapes, first) if num_remaining > 0 else None
 
     for i in range(num_remaining):
         last_iteration = i == num_remaining - 1
         output_tensor = fwd(input_tensor)
         if forward_only:
-            _send_forward(output_tensor, config)
+            p2p.send_forward(output_tensor, last)
             if not last_iteration:
-                input_tensor = _recv_forward(recv_shapes, config)
+                input_tensor = p2p.recv_forward(recv_shapes, first)
             continue
 
-        output_tensor_grad = _send_forward_recv_backward(output_tensor, send_shapes, config)
+        output_tensor_grad = p2p.send_forward_recv_backward(output_tensor, send_shapes, last)
         input_tensors.append(input_tensor)
         output_tensors.append(output_tensor)
         deallocate_output_tensor(output_tensor[0], config.deallocate_pipeline_outputs)
@@ -407,31 +473,34 @@ def forward_backward_pipelining_without_interleaving(
         input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
         if num_warmup == 0 and last_iteration:
             grad_sync.enable()
-        input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+        input_tensor_grad = bwd(input_tensor, output_tensor, output_tensor_grad)
         if last_iteration:
             input_tensor = None
-            _send_backward(input_tensor_grad, config)
+            p2p.send_backward(input_tensor_grad, first)
         else:
-            input_tensor = _send_backward_recv_forward(input_tensor_grad, recv_shapes, config)
+            input_tensor = p2p.send_backward_recv_forward(input_tensor_grad, recv_shapes, first)
 
     if not forward_only:
         for i in range(num_warmup):
             if i == num_warmup - 1:
                 grad_sync.enable()
             input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
-            output_tensor_grad = _recv_backward(send_shapes, config)
-            input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
-            _send_backward(input_tensor_grad, config)
+            output_tensor_grad = p2p.recv_backward(send_shapes, last)
+            input_tensor_grad = bwd(input_tensor, output_tensor, output_tensor_grad)
+            p2p.send_backward(input_tensor_grad, first)
     grad_sync.enable()
-    _finalize(config, [model], forward_only, total_num_tokens)
+    _finalize(config, [model], forward_only, total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store
 
 
 def forward_backward_pipelining_with_interleaving(
         *, forward_step_func, data_iterator: List[Iterator], model: List[torch.nn.Module], num_microbatches: int,
         seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int] = None,
-        forward_only: bool = False, collect_non_loss_data: bool = False):
+        forward_only: bool = False, collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None,
+        adjust_tensor_shapes_fn=None, p2p_communicator: Optional[P2PCommunicator] = None, pg_collection=None,
+        force_all_reduce: bool = False):
     """Interleaved 1F1B over ``len(model)`` virtual stages per rank (see module docstring)."""
+    _refuse_shape_hook(adjust_tensor_shapes_fn, "forward_backward_pipelining_with_interleaving")
     if not isinstance(model, list) or not isinstance(data_iterator, list):
         raise RuntimeError("the interleaved schedule needs a list of model chunks and a list of data iterators")
     if len(model) != len(data_iterator):
@@ -448,8 +517,8 @@ def forward_backward_pipelining_with_interleaving(
         toggle.disable()
     backward_counts = [0] * len(model)
 
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pipe = _Pipeline(config, p2p_communicator, pg_collection)
+    p2p, pp_size, pp_rank = pipe.p2p, pipe.pp_size, pipe.pp_rank
     num_chunks = len(model)
     if num_microbatches % pp_size != 0:
         raise RuntimeError(
@@ -465,7 +534,8 @@ def forward_backward_pipelining_with_interleaving(
     else:
         num_warmup = min((pp_size - pp_rank - 1) * 2 + (num_chunks - 1) * pp_size, total)
     num_remaining = total - num_warmup
-    (shape,) = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, config=config)
+    (shape,) = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, config=config,
+                                 tp_group=pg_group(pg_collection, "tp"), cp_group=pg_group(pg_collection, "cp"))
 
     input_tensors = [[] for _ in range(num_chunks)]
     output_tensors = [[] for _ in range(num_chunks)]
@@ -491,11 +561,11 @@ def forward_backward_pipelining_with_interleaving(
         set_chunk(c)
         if param_sync_func is not None and not forward_only and k == c * pp_size and c + 1 < num_chunks:
             param_sync_func[c + 1]()
-        if parallel_state.is_pipeline_first_stage() and len(input_tensors[c]) == len(output_tensors[c]):
+        if pipe.first() and len(input_tensors[c]) == len(output_tensors[c]):
             input_tensors[c].append(None)
         output_tensor, num_tokens = forward_step(forward_step_func, data_iterator[c], model[c], num_microbatches,
-                                                 input_tensors[c][-1], forward_data_store, config,
-                                                 collect_non_loss_data)
+                                                 input_tensors[c][-1], forward_data_store, config, pipe.cp_size,
+                                                 collect_non_loss_data, is_last_stage=pipe.last(), after_split=False)
         total_num_tokens.add_(num_tokens.to(total_num_tokens.device))
         output_tensors[c].append(output_tensor)
         if forward_only:
@@ -506,7 +576,7 @@ def forward_backward_pipelining_with_interleaving(
     def backward_helper(k):
         c = chunk_id(k, forward=False)
         set_chunk(c)
-        if parallel_state.is_pipeline_last_stage() and len(output_tensor_grads[c]) == 0:
+        if pipe.last() and len(output_tensor_grads[c]) == 0:
             output_tensor_grads[c].append(None)
         backward_counts[c] += 1
         if len(toggles) > 1 and backward_counts[c] == num_microbatches:
@@ -514,27 +584,26 @@ def forward_backward_pipelining_with_interleaving(
         elif len(toggles) == 1 and k == total - 1:
             toggles[0].enable()
         return backward_step(input_tensors[c].pop(0), output_tensors[c].pop(0), output_tensor_grads[c].pop(0),
-                             model_type, config)
+                             model_type, config, after_split=False)
 
     # Warm-up: forward passes only.
     set_chunk(0)
-    input_tensors[0].append(p2p_communication.recv_forward(shape, config))
+    input_tensors[0].append(p2p.recv_forward(shape, pipe.first()))
     for k in range(num_warmup):
         output_tensor = forward_helper(k)
         next_c = chunk_id(k + 1, forward=True)
-        recv_prev = not (parallel_state.is_pipeline_first_stage(ignore_virtual=True) and next_c == 0)
+        recv_prev = not (pipe.first(ignore_virtual=True) and next_c == 0)
         if k == total - 1:
             recv_prev = False
-        if parallel_state.is_pipeline_last_stage():
+        if pipe.last():
             output_tensor = None
         if k == num_warmup - 1 and not forward_only and not all_warmup:
-            recv_next = not parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-            input_tensor, output_tensor_grad = p2p_communication.send_forward_backward_recv_forward_backward(
-                output_tensor, None, recv_prev=recv_prev, recv_next=recv_next, tensor_shape=shape, config=config)
+            recv_next = not pipe.last(ignore_virtual=True)
+            input_tensor, output_tensor_grad = p2p.send_forward_backward_recv_forward_backward(
+                output_tensor, None, recv_prev=recv_prev, recv_next=recv_next, tensor_shape=shape)
             output_tensor_grads[num_chunks - 1].append(output_tensor_grad)
         else:
-            input_tensor = p2p_communication.send_forward_recv_forward(output_tensor, recv_prev=recv_prev,
-                                                                       tensor_shape=shape, config=config)
+            input_tensor = p2p.send_forward_recv_forward(output_tensor, recv_prev=recv_prev, tensor_shape=shape)
         input_tensors[next_c].append(input_tensor)
         deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
 
@@ -545,16 +614,16 @@ def forward_backward_pipelining_with_interleaving(
         input_tensor_grad = backward_helper(k)
 
         set_chunk(chunk_id(forward_k, forward=True))
-        if parallel_state.is_pipeline_last_stage():
+        if pipe.last():
             output_tensor = None
         set_chunk(chunk_id(k, forward=False))
-        if parallel_state.is_pipeline_first_stage():
+        if pipe.first():
             input_tensor_grad = None
 
         # The first rank runs p - 1 forward steps ahead of the last rank (and vice versa for backward),
         # so the chunk that the next received tensor belongs to is computed from that lag.
         recv_prev = True
-        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+        if pipe.first(ignore_virtual=True):
             next_forward_c = chunk_id(forward_k - (pp_size - 1), forward=True)
             if next_forward_c == num_chunks - 1:
                 recv_prev = False
@@ -562,7 +631,7 @@ def forward_backward_pipelining_with_interleaving(
         else:
             next_forward_c = chunk_id(forward_k + 1, forward=True)
         recv_next = True
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        if pipe.last(ignore_virtual=True):
             next_backward_c = chunk_id(k - (pp_size - 1), forward=False)
             if next_backward_c == 0:
                 recv_next = False
@@ -572,9 +641,8 @@ def forward_backward_pipelining_with_interleaving(
         if k == num_remaining - 1:
             recv_prev = False
 
-        input_tensor, output_tensor_grad = p2p_communication.send_forward_backward_recv_forward_backward(
-            output_tensor, input_tensor_grad, recv_prev=recv_prev, recv_next=recv_next, tensor_shape=shape,
-            config=config)
+        input_tensor, output_tensor_grad = p2p.send_forward_backward_recv_forward_backward(
+            output_tensor, input_tensor_grad, recv_prev=recv_prev, recv_next=recv_next, tensor_shape=shape)
         deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
         if recv_prev:
             input_tensors[next_forward_c].append(input_tensor)
@@ -584,17 +652,17 @@ def forward_backward_pipelining_with_interleaving(
     # Cool-down: the remaining backward passes.
     if not forward_only:
         if all_warmup:
-            output_tensor_grads[num_chunks - 1].append(p2p_communication.recv_backward(shape, config))
+            output_tensor_grads[num_chunks - 1].append(p2p.recv_backward(shape, pipe.last()))
         for k in range(num_remaining, total):
             input_tensor_grad = backward_helper(k)
             next_c = chunk_id(k + 1, forward=False)
-            recv_next = not (parallel_state.is_pipeline_last_stage(ignore_virtual=True) and next_c == num_chunks - 1)
+            recv_next = not (pipe.last(ignore_virtual=True) and next_c == num_chunks - 1)
             if k == total - 1:
                 recv_next = False
-            output_tensor_grads[next_c].append(p2p_communication.send_backward_recv_backward(
-                input_tensor_grad, recv_next=recv_next, tensor_shape=shape, config=config))
+            output_tensor_grads[next_c].append(p2p.send_backward_recv_backward(
+                input_tensor_grad, recv_next=recv_next, tensor_shape=shape))
     for toggle in toggles:
         toggle.enable()
     set_chunk(0)
-    _finalize(config, model, forward_only, total_num_tokens)
+    _finalize(config, model, forward_only, total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store

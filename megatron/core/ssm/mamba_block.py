@@ -15,6 +15,7 @@ from typing import Optional, Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import pg_rank, pg_size
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.ssm.mamba_hybrid_layer_allocation import HybridPattern, Symbols, layers_of_stage, \
     parse_hybrid_pattern
@@ -34,10 +35,10 @@ class MambaStackSubmodules:
     final_norm: Union[ModuleSpec, type] = IdentityOp
 
 
-def stage_layers(pattern: HybridPattern, vp_stage: Optional[int] = None):
-    """(global index of the first layer, layer symbols) of this pipeline rank and virtual chunk."""
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    rank = parallel_state.get_pipeline_model_parallel_rank()
+def stage_layers(pattern: HybridPattern, vp_stage: Optional[int] = None, pg_collection=None):
+    """(global index of the first layer, layer symbols) of this pipeline rank (``pg_collection.pp``, else
+    parallel_state's) and virtual chunk."""
+    pp, rank = pg_size(pg_collection, "pp"), pg_rank(pg_collection, "pp")
     if vp_stage is None:
         vp_stage = parallel_state.get_virtual_pipeline_model_parallel_rank() or 0
     return layers_of_stage(pattern, pp, rank, vp_stage)
@@ -45,15 +46,20 @@ def stage_layers(pattern: HybridPattern, vp_stage: Optional[int] = None):
 
 class MambaStack(MegatronModule):
     """``MambaStack(config, submodules, hybrid_override_pattern=None, pre_process=True, post_layer_norm=True,
-    post_process=True, *, hybrid_layer_pattern=None, vp_stage=None)``;
-    ``forward(hidden_states, attention_mask, inference_params=None, rotary_pos_emb=None) -> [s, b, h]``."""
+    post_process=True, device=None, dtype=None, pg_collection=None, *, hybrid_layer_pattern=None, vp_stage=None)``;
+    ``forward(hidden_states, attention_mask, inference_params=None, rotary_pos_emb=None) -> [s, b, h]``. The
+    collection's ``pp`` group (else parallel_state's) picks this stage's layers; every layer gets the collection."""
 
     def __init__(self, config, submodules: MambaStackSubmodules, residual_in_fp32: bool = False,
                  pre_process: bool = True, hybrid_attention_ratio: float = 0.0, hybrid_mlp_ratio: float = 0.0,
                  hybrid_override_pattern: Optional[str] = None, post_layer_norm: bool = True,
-                 post_process: bool = True, *, hybrid_layer_pattern: Optional[str] = None,
-                 vp_stage: Optional[int] = None):
+                 post_process: bool = True, device=None, dtype=None, pg_collection=None, *,
+                 hybrid_layer_pattern: Optional[str] = None, vp_stage: Optional[int] = None):
         super().__init__(config=config)
+        if device is not None or dtype is not None:
+            raise ValueError("MambaStack: device / dtype are taken from the config (use_cpu_initialization, "
+                             "params_dtype)")
+        self.pg_collection = pg_collection
         if residual_in_fp32:
             raise ValueError("MambaStack: residual_in_fp32 is not implemented")
         if hybrid_attention_ratio or hybrid_mlp_ratio:
@@ -70,12 +76,13 @@ class MambaStack(MegatronModule):
         self.post_layer_norm = post_layer_norm
         self.input_tensor = None
         self.sequence_parallel = config.sequence_parallel
-        offset, symbols = stage_layers(self.pattern, vp_stage)
+        offset, symbols = stage_layers(self.pattern, vp_stage, pg_collection)
         self.layer_type_list = list(symbols)
         specs = {Symbols.MAMBA: submodules.mamba_layer, Symbols.ATTENTION: submodules.attention_layer,
                  Symbols.MLP: submodules.mlp_layer, Symbols.MOE: submodules.moe_layer}
         self.layers = torch.nn.ModuleList(
-            [build_module(specs[symbol], config=config, layer_number=offset + i + 1)
+            [build_module(specs[symbol], config=config, layer_number=offset + i + 1,
+                          **({} if pg_collection is None else {"pg_collection": pg_collection}))
              for i, symbol in enumerate(symbols)])
         if post_process and post_layer_norm:
             self.final_norm = build_module(submodules.final_norm, config=config, hidden_size=config.hidden_size,

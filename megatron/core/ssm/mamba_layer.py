@@ -27,20 +27,23 @@ class MambaLayerSubmodules:
 
 
 class MambaLayer(MegatronModule):
-    """``MambaLayer(config, submodules, layer_number=1, residual_in_fp32=False)``;
+    """``MambaLayer(config, submodules, layer_number=1, residual_in_fp32=False, pg_collection=None)`` (the collection
+    goes to the mixer);
     ``forward(hidden_states [s, b, h], attention_mask=None, inference_params=None, rotary_pos_emb=None)``."""
 
     def __init__(self, config, submodules: MambaLayerSubmodules, layer_number: int = 1,
-                 residual_in_fp32: bool = False):
+                 residual_in_fp32: bool = False, pg_collection=None):
         super().__init__(config=config)
         if residual_in_fp32:
             raise ValueError("MambaLayer: residual_in_fp32 is not implemented (use --fp32-residual-connection)")
         self.layer_number = layer_number
+        self.pg_collection = pg_collection
         self.hidden_dropout = config.hidden_dropout
         self.norm = build_module(submodules.norm, config=config, hidden_size=config.hidden_size,
                                  eps=config.layernorm_epsilon)
         self.mixer = build_module(submodules.mixer, config=config, d_model=config.hidden_size,
-                                  layer_number=layer_number)
+                                  layer_number=layer_number,
+                                  **({} if pg_collection is None else {"pg_collection": pg_collection}))
         self.mamba_bda = build_module(submodules.mamba_bda)
         self.sharded_state_dict_keys_map = dict(submodules.sharded_state_dict_keys_map)
 

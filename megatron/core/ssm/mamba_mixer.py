@@ -31,7 +31,8 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import group_of, pg_rank, pg_size
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.utils import log_once
 from megatron.core.ssm.ssd_chunked_scan import causal_depthwise_conv1d, ssd_chunked_scan
@@ -110,14 +111,15 @@ def _mark_tp(param: torch.nn.Parameter) -> None:
 
 class MambaMixer(MegatronModule):
     """``MambaMixer(config, submodules, d_model, d_conv=4, A_init_range=(1, 16), dt_min=0.001, dt_max=0.1,
-    dt_init_floor=1e-4, conv_bias=True, chunk_size=128, layer_number=None)``;
-    ``forward(hidden_states [s, b, h]) -> (output [s, b, h], None)``."""
+    dt_init_floor=1e-4, conv_bias=True, chunk_size=128, layer_number=None, ..., pg_collection=None)``;
+    ``forward(hidden_states [s, b, h]) -> (output [s, b, h], None)``. The collection's ``tp`` group (else
+    parallel_state's) splits the heads, groups and channels."""
 
     def __init__(self, config, submodules: MambaMixerSubmodules = None, d_model: Optional[int] = None,
                  d_conv: int = 4, A_init_range: Tuple[float, float] = (1, 16), dt_min: float = 0.001,
                  dt_max: float = 0.1, dt_init_floor: float = 1e-4, conv_bias: bool = True, chunk_size: int = 128,
                  layer_number: Optional[int] = None, bias: bool = False, rmsnorm: bool = True,
-                 norm_before_gate: bool = False, D_has_hdim: bool = False):
+                 norm_before_gate: bool = False, D_has_hdim: bool = False, pg_collection=None):
         super().__init__(config=config)
         if bias or not rmsnorm or norm_before_gate or D_has_hdim:
             raise ValueError("MambaMixer implements megatron-core's defaults only: bias=False, rmsnorm=True, "
@@ -127,7 +129,10 @@ class MambaMixer(MegatronModule):
         self.layer_number = layer_number
         self.chunk_size = chunk_size
         self.d_conv = d_conv
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.pg_collection = pg_collection
+        self.tp_group = group_of(pg_collection, "tp")
+        tp = pg_size(pg_collection, "tp")
+        groups = {} if self.tp_group is None else {"tp_group": self.tp_group}
         self.heads, self.groups = dims.heads // tp, dims.groups // tp
         self.d_inner = dims.d_inner // tp
         log_once("mamba_scan", "Mamba-2 mixer: PyTorch causal conv1d + chunked SSD scan (no mamba_ssm / "
@@ -137,32 +142,39 @@ class MambaMixer(MegatronModule):
         out_cls = _module_class(submodules.out_proj, tensor_parallel.RowParallelLinear)
         in_rows = sum(size for _, size in dims.in_proj_parts)
         self.in_proj = in_cls(dims.hidden, in_rows, config=config, init_method=_no_init, bias=False,
-                              gather_output=False, skip_bias_add=True)
+                              gather_output=False, skip_bias_add=True, **groups)
         conv_channels = sum(size for _, size in dims.conv_parts)
         kwargs = {"dtype": config.params_dtype, "device": self.in_proj.weight.device}
-        self.conv1d = torch.nn.Conv1d(conv_channels // tp, conv_channels // tp, d_conv, groups=conv_channels // tp,
-                                      padding=d_conv - 1, bias=conv_bias, **kwargs)
+        # skip_init: nn.Conv1d's own init would draw a TP-dependent number of values from the default generator (the
+        # weights below are drawn whole and sliced, so that every TP size initialises the same model).
+        self.conv1d = torch.nn.utils.skip_init(torch.nn.Conv1d, conv_channels // tp, conv_channels // tp, d_conv,
+                                               groups=conv_channels // tp, padding=d_conv - 1, bias=conv_bias, **kwargs)
         self.A_log = torch.nn.Parameter(torch.empty(self.heads, dtype=torch.float32, device=kwargs["device"]))
         self.D = torch.nn.Parameter(torch.empty(self.heads, dtype=torch.float32, device=kwargs["device"]))
         self.dt_bias = torch.nn.Parameter(torch.empty(self.heads, **kwargs))
         self.norm = _GroupRMSNorm(self.d_inner, self.groups, **kwargs)
         self.out_proj = out_cls(dims.d_inner, dims.hidden, config=config, init_method=config.output_layer_init_method,
-                                bias=False, input_is_parallel=True, skip_bias_add=True)
+                                bias=False, input_is_parallel=True, skip_bias_add=True, **groups)
         for p in (self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias, self.norm.weight):
             if p is not None:
                 _mark_tp(p)
         self._init_ranges = (A_init_range, dt_min, dt_max, dt_init_floor)
-        if config.perform_initialization:
-            self._initialize()
+        self._initialize_or_conv_default()
 
     def reset_parameters(self):
-        """The submodules' draws (torch's own for the conv), then the mixer's, in the constructor's order."""
-        for child in (self.in_proj, self.conv1d, self.out_proj):
+        """The submodules' draws, then the mixer's, in the constructor's order."""
+        for child in (self.in_proj, self.out_proj):
             child.reset_parameters()
         with torch.no_grad():
             self.norm.weight.fill_(1.0)
+        self._initialize_or_conv_default()
+
+    def _initialize_or_conv_default(self):
+        """The mixer's draws (:meth:`_initialize`); without ``perform_initialization``, torch's own conv values."""
         if self.config.perform_initialization:
             self._initialize()
+        else:
+            self.conv1d.reset_parameters()
 
     @torch.no_grad()
     def _initialize(self):
@@ -170,8 +182,7 @@ class MambaMixer(MegatronModule):
             return
         dims = self.dims
         A_init_range, dt_min, dt_max, dt_init_floor = self._init_ranges
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp, tp_rank = pg_size(self.pg_collection, "tp"), pg_rank(self.pg_collection, "tp")
         rows = rank_rows(dims.in_proj_parts, tp, tp_rank)
         weight = torch.empty(sum(s for _, s in dims.in_proj_parts), dims.hidden, dtype=torch.float32)
         self.config.init_method(weight)

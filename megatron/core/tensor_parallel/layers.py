@@ -52,11 +52,14 @@ from megatron.core.utils import (all_gather_into_tensor, divide, make_tp_sharded
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
 
-def param_is_not_tensor_parallel_duplicate(param) -> bool:
-    """True for parameters that are split across TP ranks, or for the copy held by TP rank 0."""
-    return (hasattr(param, "tensor_model_parallel") and param.tensor_model_parallel) or (
-        get_tensor_model_parallel_rank() == 0
-    )
+def param_is_not_tensor_parallel_duplicate(param, tp_group=None) -> bool:
+    """True for parameters that are split across TP ranks, or for the copy held by rank 0 of ``tp_group``
+    (parallel_state's TP group when None)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if tp_group is not None:
+        return torch.distributed.get_rank(group=tp_group) == 0
+    return get_tensor_model_parallel_rank() == 0
 
 
 def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride: int) -> None:
@@ -84,7 +87,7 @@ def _linear_sharded_state_dict(module, prefix, sharded_offsets, metadata, axis_m
     """A tensor-parallel layer's sharded state: its state dict with ``axis_map``'s tensors split over TP (the rest,
     e.g. a row-parallel bias or FP8 scaling state, replicated) plus megatron-core's empty ``_extra_state`` object."""
     dp_cp_group = (metadata or {}).get("dp_cp_group")
-    tp_group = getattr(module, "tp_group", None)
+    tp_group = getattr(module, "tp_group", None) or (metadata or {}).get("tp_group")
     state = module.state_dict(prefix="", keep_vars=True)
     state["_extra_state"] = None  # megatron-core's linear layers always carry one (no FP8 metadata here)
     return make_sharded_tensors_for_checkpoint(state, prefix, {k: v for k, v in axis_map.items() if k in state},
@@ -696,12 +699,13 @@ class DuplicatedLinear(torch.nn.Module):
     Returns ``(output, bias_or_None)``."""
 
     def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: Callable,
-                 bias: bool = False, skip_bias_add: bool = False):
+                 bias: bool = False, skip_bias_add: bool = False, tp_group=None):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.skip_bias_add = skip_bias_add
+        self.tp_group = tp_group  # None: parallel_state's TP group
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
-        sequence_parallel = config.sequence_parallel and get_tensor_model_parallel_world_size() > 1
+        sequence_parallel = config.sequence_parallel and tp_size_and_rank(tp_group)[0] > 1
         self.config, self.init_method = config, init_method
         self.weight = Parameter(torch.empty(output_size, input_size, device=param_device(config),
                                             dtype=config.params_dtype))

@@ -20,10 +20,19 @@ def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
     return tensor_list
 
 
-def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = False) -> torch.Tensor:
-    """This TP rank's equal 1-D slice of ``tensor`` (used to distribute saved activations)."""
-    partition_size = torch.numel(tensor) // parallel_state.get_tensor_model_parallel_world_size()
-    start_index = partition_size * parallel_state.get_tensor_model_parallel_rank()
+def _tp(tp_group):
+    if tp_group is None:
+        return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank(),
+                parallel_state.get_tensor_model_parallel_group())
+    return torch.distributed.get_world_size(tp_group), torch.distributed.get_rank(tp_group), tp_group
+
+
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = False, tp_group=None) -> torch.Tensor:
+    """This TP rank's equal 1-D slice of ``tensor`` (used to distribute saved activations); ``tp_group`` defaults
+    to parallel_state's."""
+    tp_size, tp_rank, _ = _tp(tp_group)
+    partition_size = torch.numel(tensor) // tp_size
+    start_index = partition_size * tp_rank
     end_index = start_index + partition_size
     if new_buffer:
         data = torch.empty(partition_size, dtype=tensor.dtype, device=tensor.device, requires_grad=False)
@@ -32,12 +41,12 @@ def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = F
     return tensor.view(-1)[start_index:end_index]
 
 
-def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:
+def gather_split_1d_tensor(tensor: torch.Tensor, tp_group=None) -> torch.Tensor:
     """Inverse of :func:`split_tensor_into_1d_equal_chunks`: all-gather the 1-D slices of the TP group."""
-    numel_gathered = torch.numel(tensor) * parallel_state.get_tensor_model_parallel_world_size()
+    tp_size, _, group = _tp(tp_group)
+    numel_gathered = torch.numel(tensor) * tp_size
     gathered = torch.empty(numel_gathered, dtype=tensor.dtype, device=tensor.device, requires_grad=False)
-    all_gather_into_tensor(gathered, tensor.contiguous(),
-                                             group=parallel_state.get_tensor_model_parallel_group())
+    all_gather_into_tensor(gathered, tensor.contiguous(), group=group)
     return gathered
 
 

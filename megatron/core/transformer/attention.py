@@ -19,13 +19,13 @@ from typing import Optional, Union
 
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
 from megatron.core.transformer.attention_variants import l2_norm
 from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType
 from megatron.core.utils import log_once
-from megatron.core.process_groups_config import group_of, require_mpu_groups
+from megatron.core.process_groups_config import group_of
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary import apply_rotary_pos_emb
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -92,8 +92,7 @@ class ParallelAttention(MegatronModule):
                  pg_collection=None, cp_comm_type=None):
         super().__init__(config=config)
         # Process groups (megatron-core's pg_collection): the TP group splits the heads and carries the linear
-        # layers' collectives; None = parallel_state's. Context parallelism runs over parallel_state's CP group.
-        require_mpu_groups(pg_collection, ("cp",), type(self).__name__)
+        # layers' collectives, the CP group the core attention's ring; None = parallel_state's.
         self.pg_collection = pg_collection
         self.tp_group = group_of(pg_collection, "tp")
         self.layer_number = max(1, layer_number)

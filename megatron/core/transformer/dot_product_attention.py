@@ -29,7 +29,7 @@ from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.utils import log_once
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask
 from megatron.core.transformer.attention_variants import attention_with_sinks, window_mask
-from megatron.core.process_groups_config import group_of, require_mpu_groups
+from megatron.core.process_groups_config import group_of
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.device import init_device, param_device, weights_on_meta
 from megatron.core.utils import divide
@@ -70,9 +70,10 @@ class CoreAttention(MegatronModule):
     """
 
     def __init__(self, layer_number, config, attn_mask_type=AttnMaskType.padding, attention_dropout=None,
-                 softmax_scale=None, k_channels=None, v_channels=None, *, tp_group=None):
+                 softmax_scale=None, k_channels=None, v_channels=None, *, tp_group=None, cp_group=None):
         super().__init__(config=config)
         self.tp_group = tp_group  # splits the heads; None = parallel_state's TP group
+        self.cp_group = cp_group  # the ring of context parallelism; None = parallel_state's CP group
         self.fp16 = config.fp16
         self.bf16 = config.bf16
         self.apply_query_key_layer_scaling = config.apply_query_key_layer_scaling
@@ -169,10 +170,11 @@ class CoreAttention(MegatronModule):
     def _context_parallel_forward(self, query_layer, key_layer, value_layer, attention_mask):
         from megatron.core.transformer.context_parallel import context_parallel_attention
 
-        if parallel_state.get_context_parallel_world_size() != self.cp_size:
+        group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
+        if torch.distributed.get_world_size(group=group) != self.cp_size:
             raise RuntimeError(f"config.context_parallel_size is {self.cp_size} but the context-parallel group has "
-                               f"{parallel_state.get_context_parallel_world_size()} ranks: pass the same size to "
-                               "initialize_model_parallel(context_parallel_size=...)")
+                               f"{torch.distributed.get_world_size(group=group)} ranks: pass the same size to "
+                               "initialize_model_parallel(context_parallel_size=...) or in pg_collection.cp")
         causal = self.attn_mask_type == AttnMaskType.causal
         if attention_mask is not None and not causal:
             raise NotImplementedError("context parallelism supports causal attention or no mask, not an explicit "
@@ -180,8 +182,8 @@ class CoreAttention(MegatronModule):
         # A causal layer ignores a passed mask: with CP the causal structure is per chunk pair (see the module).
         dropout_p = self.attention_dropout.p if self.training else 0.0
         return context_parallel_attention(
-            query_layer, key_layer, value_layer, group=parallel_state.get_context_parallel_group(),
-            global_ranks=parallel_state.get_context_parallel_global_ranks(), comm_type=self.cp_comm_type,
+            query_layer, key_layer, value_layer, group=group,
+            global_ranks=torch.distributed.get_process_group_ranks(group), comm_type=self.cp_comm_type,
             causal=causal, softmax_scale=self.softmax_scale,
             dropout=self.attention_dropout if dropout_p > 0.0 else None,
             dropout_rng=self._dropout_rng() if dropout_p > 0.0 else None)
@@ -306,10 +308,9 @@ class DotProductAttention(CoreAttention):
     def __init__(self, config, layer_number: int = 1, attn_mask_type=AttnMaskType.padding, attention_type=None,
                  attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None,
                  pg_collection=None):
-        require_mpu_groups(pg_collection, ("cp",), "DotProductAttention")
         super().__init__(layer_number, config, attn_mask_type, attention_dropout=attention_dropout,
                          softmax_scale=softmax_scale, k_channels=k_channels, v_channels=v_channels,
-                         tp_group=group_of(pg_collection, "tp"))
+                         tp_group=group_of(pg_collection, "tp"), cp_group=group_of(pg_collection, "cp"))
         self.pg_collection = pg_collection
         if cp_comm_type is not None:  # this layer's --cp-comm-type (megatron-core passes it per layer)
             self.cp_comm_type = cp_comm_type

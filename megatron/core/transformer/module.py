@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import is_pp_first_stage_of, is_pp_last_stage_of
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, own_and_children_sharded_state_dict
 
 _FLOAT_TYPES = (torch.float32,)
@@ -15,11 +16,18 @@ def param_is_not_shared(param) -> bool:
     return not getattr(param, "shared", False)
 
 
-def sync_tied_weight_across_pipeline(weight: torch.Tensor, is_copy: bool) -> None:
+def is_member(group) -> bool:
+    """Whether this rank belongs to ``group`` (a group made by ``new_group`` on every rank is a placeholder on the
+    others)."""
+    return group is not None and group is not torch.distributed.GroupMember.NON_GROUP_MEMBER
+
+
+def sync_tied_weight_across_pipeline(weight: torch.Tensor, is_copy: bool, embd_group=None) -> None:
     """Make the last stage's copy of the tied embedding equal to the first stage's.
 
     The copy (``is_copy``) starts at zero, so an all-reduce (sum) over the embedding group — the first and
-    last stage of each pipeline — gives both stages the first stage's values.
+    last stage of each pipeline; ``embd_group`` (a pg_collection's ``embd``) or parallel_state's — gives both
+    stages the first stage's values.
     """
     if is_copy:
         with torch.no_grad():
@@ -27,6 +35,10 @@ def sync_tied_weight_across_pipeline(weight: torch.Tensor, is_copy: bool) -> Non
         weight.shared = True
         weight.shared_embedding = True
     if not torch.distributed.is_initialized():
+        return
+    if embd_group is not None:
+        if is_member(embd_group):
+            torch.distributed.all_reduce(weight.data, group=embd_group)
         return
     if parallel_state.is_rank_in_embedding_group():
         torch.distributed.all_reduce(weight.data, group=parallel_state.get_embedding_group())
@@ -196,10 +208,12 @@ class Float16Module(MegatronModule):
         return self.module.set_input_tensor(input_tensor)
 
     def forward(self, *inputs, **kwargs):
-        if parallel_state.is_pipeline_first_stage():
+        # The stage comes from the wrapped model's pg_collection (megatron-core's), else parallel_state.
+        groups = getattr(self.module, "pg_collection", None)
+        if is_pp_first_stage_of(groups):
             inputs = fp32_to_float16(inputs, self.float16_convertor)
         outputs = self.module(*inputs, **kwargs)
-        if parallel_state.is_pipeline_last_stage():
+        if is_pp_last_stage_of(groups):
             outputs = float16_to_fp32(outputs)
         return outputs
 

@@ -31,8 +31,8 @@ from typing import Union
 
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.process_groups_config import require_mpu_groups
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import group_of, pg_rank, pg_size
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -98,22 +98,24 @@ class MLASelfAttention(MegatronModule):
     def __init__(self, config, submodules: MLASelfAttentionSubmodules = None, layer_number: int = 1,
                  attn_mask_type=AttnMaskType.causal, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
-        # megatron-core's pg_collection: this layer communicates over parallel_state's TP and CP groups.
-        require_mpu_groups(pg_collection, ("tp", "cp"), "MLASelfAttention")
+        # megatron-core's pg_collection: its TP group splits the heads (and carries the linear layers' and the
+        # sequence-parallel collectives), its CP group the core attention's ring; None = parallel_state's.
         self.pg_collection = pg_collection
+        self.tp_group = group_of(pg_collection, "tp")
         if not getattr(config, "multi_latent_attention", False):
             raise ValueError("MLASelfAttention needs an MLATransformerConfig (--multi-latent-attention)")
         sub = submodules if submodules is not None else MLASelfAttentionSubmodules()
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp = pg_size(pg_collection, "tp")
         n = config.num_attention_heads
         self.num_heads_per_partition = divide(n, tp)
         self.d_n, self.d_r, self.d_v = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         self.d_q = self.d_n + self.d_r
         h, init = config.hidden_size, config.init_method
-        column = dict(config=config, init_method=init, bias=False, gather_output=False)
-        duplicated = dict(config=config, init_method=init, bias=False)
+        groups = {} if self.tp_group is None else {"tp_group": self.tp_group}
+        column = dict(config=config, init_method=init, bias=False, gather_output=False, **groups)
+        duplicated = dict(config=config, init_method=init, bias=False, **groups)
         norm = config.qk_layernorm
         self.q_lora_rank = config.q_lora_rank
         if self.q_lora_rank is None:
@@ -134,10 +136,11 @@ class MLASelfAttention(MegatronModule):
         self.core_attention = _build(sub.core_attention, DotProductAttention, config=config,
                                      layer_number=self.layer_number, attn_mask_type=attn_mask_type,
                                      softmax_scale=self.softmax_scale, k_channels=self.d_q, v_channels=self.d_v,
-                                     cp_comm_type=cp_comm_type)
+                                     cp_comm_type=cp_comm_type,
+                                     **({} if pg_collection is None else {"pg_collection": pg_collection}))
         self.linear_proj = _build(sub.linear_proj, tensor_parallel.RowParallelLinear, n * self.d_v, h, config=config,
                                   init_method=config.output_layer_init_method, bias=config.add_bias_linear,
-                                  input_is_parallel=True, skip_bias_add=True)
+                                  input_is_parallel=True, skip_bias_add=True, **groups)
         self.rotary_pos_emb = mla_rotary_embedding(config)
         self.recompute_up_proj = config.recomputes("mla_up_proj")
         self.recompute_core_attention = config.recomputes("core_attn")
@@ -153,7 +156,7 @@ class MLASelfAttention(MegatronModule):
     # ------------------------------------------------------------------------------------------ pieces
     def _rotary(self, seq_len: int, inference_params):
         """(angles of this rank's positions ``[s, 1, 1, d_r]``, concentration)."""
-        cp = self.config.context_parallel_size
+        cp = pg_size(self.pg_collection, "cp")
         if inference_params is not None:
             start = inference_params.sequence_len_offset
             emb = self.rotary_pos_emb(start + seq_len)
@@ -162,7 +165,7 @@ class MLASelfAttention(MegatronModule):
             emb = self.rotary_pos_emb(seq_len * cp)
         emb, mscale = emb if isinstance(emb, tuple) else (emb, 1.0)
         if inference_params is None and cp > 1:
-            emb = get_pos_emb_on_this_cp_rank(emb, seq_dim=0)
+            emb = get_pos_emb_on_this_cp_rank(emb, seq_dim=0, cp_size=cp, cp_rank=pg_rank(self.pg_collection, "cp"))
         return emb[start:start + seq_len], mscale
 
     def _up_projections(self, q_latent, kv_latent, k_r, freqs, mscale):
@@ -217,10 +220,10 @@ class MLASelfAttention(MegatronModule):
         kv_latent, k_r = torch.split(kv_compressed, [self.config.kv_lora_rank, self.d_r], dim=-1)
         # k_r feeds every local head: all-gather it along the sequence under SP (its gradient is reduce-scattered),
         # else sum its gradient over the TP ranks, whose heads differ.
-        if self.config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
-            k_r = tensor_parallel.gather_from_sequence_parallel_region(k_r)
+        if self.config.sequence_parallel and pg_size(self.pg_collection, "tp") > 1:
+            k_r = tensor_parallel.gather_from_sequence_parallel_region(k_r, group=self.tp_group)
         else:
-            k_r = tensor_parallel.copy_to_tensor_model_parallel_region(k_r)
+            k_r = tensor_parallel.copy_to_tensor_model_parallel_region(k_r, group=self.tp_group)
         freqs, mscale = self._rotary(k_r.size(0), inference_params)
         if self.recompute_up_proj and self.training and torch.is_grad_enabled():
             query, key, value = tensor_parallel.checkpoint(

@@ -32,7 +32,8 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import group_of, pg_group, pg_size
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import loss_auto_scaler
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -103,46 +104,54 @@ MTPLossAutoScaler = loss_auto_scaler(
 class MultiTokenPredictionLayer(MegatronModule):
     """One depth: ``forward(embedding [s, b, h], hidden_states [s, b, h], attention_mask, rotary_pos_emb) -> h_k``."""
 
-    def __init__(self, config, transformer_layer_spec: Union[ModuleSpec, type], layer_number: int = 1):
+    def __init__(self, config, transformer_layer_spec: Union[ModuleSpec, type], layer_number: int = 1,
+                 vp_stage=None, pg_collection=None):
         super().__init__(config=config)
         from megatron.core.transformer.norms import get_norm
 
+        self.pg_collection = pg_collection
+        self.tp_group = group_of(pg_collection, "tp")
         self.layer_number = layer_number
         self.enorm = get_norm(config)
         self.hnorm = get_norm(config)
         self.eh_proj = tensor_parallel.ColumnParallelLinear(2 * config.hidden_size, config.hidden_size, config=config,
                                                             init_method=config.init_method, bias=False,
-                                                            gather_output=False)
+                                                            gather_output=False, tp_group=self.tp_group)
         # Numbered after the decoder's layers (KV-cache and MoE-loss bookkeeping are keyed by layer number).
         self.transformer_layer = build_module(transformer_layer_spec, config=config,
-                                              layer_number=config.num_layers + layer_number)
+                                              layer_number=config.num_layers + layer_number,
+                                              **({} if pg_collection is None else {"pg_collection": pg_collection}))
         self.final_layernorm = get_norm(config)
 
     def forward(self, embedding, hidden_states, attention_mask, rotary_pos_emb=None):
         x = torch.cat([self.enorm(embedding), self.hnorm(hidden_states)], dim=-1)
         x, _ = self.eh_proj(x)
-        x = tensor_parallel.gather_from_tensor_model_parallel_region(x)
-        if self.config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
-            x = tensor_parallel.scatter_to_sequence_parallel_region(x)
+        x = tensor_parallel.gather_from_tensor_model_parallel_region(x, group=self.tp_group)
+        if self.config.sequence_parallel and pg_size(self.pg_collection, "tp") > 1:
+            x = tensor_parallel.scatter_to_sequence_parallel_region(x, group=self.tp_group)
         out = self.transformer_layer(x, attention_mask, rotary_pos_emb=rotary_pos_emb)
         out = out[0] if isinstance(out, tuple) else out
         return self.final_layernorm(out)
 
 
 class MultiTokenPredictionBlock(MegatronModule):
-    """``MultiTokenPredictionBlock(config, spec)``: the D depths (``layers.{k-1}``); ``tracked_losses`` holds each
-    depth's logged MTP loss summed over this step's micro-batches (cleared by :func:`reduce_mtp_losses`)."""
+    """``MultiTokenPredictionBlock(config, spec, vp_stage=None, pg_collection=None)``: the D depths
+    (``layers.{k-1}``); ``tracked_losses`` holds each depth's logged MTP loss summed over this step's micro-batches
+    (cleared by :func:`reduce_mtp_losses`). The collection's ``tp`` / ``cp`` / ``dp_cp`` groups (else
+    parallel_state's) split the layers, roll the tokens across CP ranks and average the logged losses."""
 
-    def __init__(self, config, spec: MultiTokenPredictionBlockSubmodules):
+    def __init__(self, config, spec: MultiTokenPredictionBlockSubmodules, vp_stage=None, pg_collection=None):
         super().__init__(config=config)
-        self.layers = torch.nn.ModuleList([build_module(s, config=config, layer_number=k + 1)
+        self.pg_collection = pg_collection
+        groups = {} if pg_collection is None else {"pg_collection": pg_collection}
+        self.layers = torch.nn.ModuleList([build_module(s, config=config, layer_number=k + 1, **groups)
                                            for k, s in enumerate(spec.layer_specs)])
         self.tracked_losses: Dict[int, torch.Tensor] = {}
 
     def forward(self, input_ids, position_ids, hidden_states, attention_mask, embedding, rotary_pos_emb=None):
         """``[h_1, ..., h_D]`` from the decoder output ``hidden_states`` (``embedding(input_ids, position_ids)`` is
         the model's shared embedding)."""
-        cp_group = _cp_group(self.config)
+        cp_group = _cp_group(self.pg_collection)
         outputs = []
         for layer in self.layers:
             input_ids, _ = roll_tensor(input_ids, cp_group)
@@ -159,8 +168,8 @@ class MultiTokenPredictionBlock(MegatronModule):
         self.tracked_losses[depth] = self.tracked_losses.get(depth, 0.0) + value.detach().float()
 
 
-def _cp_group(config):
-    return parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
+def _cp_group(pg_collection):
+    return pg_group(pg_collection, "cp") if pg_size(pg_collection, "cp") > 1 else None
 
 
 def process_mtp_loss(block: MultiTokenPredictionBlock, hidden_states, mtp_hidden_states, labels, loss_mask,
@@ -169,7 +178,7 @@ def process_mtp_loss(block: MultiTokenPredictionBlock, hidden_states, mtp_hidden
     ``output_logits(h)`` applies the (shared) output layer, ``per_token_loss(labels, logits)`` the model's loss."""
     config = block.config
     depths = len(mtp_hidden_states)
-    cp_group = _cp_group(config)
+    cp_group = _cp_group(block.pg_collection)
     if loss_mask is None:
         loss_mask = torch.ones_like(labels, dtype=torch.float32)
     loss_mask = loss_mask.float()
@@ -204,7 +213,7 @@ def reduce_mtp_losses(model, num_microbatches: int) -> Dict[str, float]:
         values = torch.stack([torch.as_tensor(block.tracked_losses.get(k, 0.0), dtype=torch.float32,
                                               device=first.device) for k in range(len(block.layers))])
         block.tracked_losses.clear()
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        group = pg_group(block.pg_collection, "dp_cp")
         torch.distributed.all_reduce(values, group=group)
         values /= torch.distributed.get_world_size(group=group) * num_microbatches
         out.update({f"mtp_{k + 1} loss": float(v) for k, v in enumerate(values)})

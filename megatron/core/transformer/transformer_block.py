@@ -15,7 +15,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.enums import ModelType
 from megatron.core.transformer.enums import AttnMaskType, LayerType
-from megatron.core.process_groups_config import require_mpu_groups
+from megatron.core.process_groups_config import group_of, pg_rank, pg_size
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import get_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -34,10 +34,18 @@ class TransformerBlockSubmodules:
     layer_norm: Optional[Union[ModuleSpec, type]] = None
 
 
-def _split_stages(role: Optional[str]):
+def _pp(pp_rank: Optional[int], pp_size: Optional[int]):
+    """(rank, size) of the pipeline stage: the given ones, else parallel_state's."""
+    if pp_size is None:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_size > 1 else 0
+    return pp_rank, pp_size
+
+
+def _split_stages(role: Optional[str], pp: int):
     """(first stage, number of stages) of the pipeline stages holding ``role``'s layers: with a split rank the
     encoder of an encoder-decoder model lives on stages ``[0, split)`` and the decoder on ``[split, pp)``."""
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
     split = parallel_state.get_pipeline_model_parallel_split_rank()
     if role is None or pp == 1 or split is None:
         return 0, pp
@@ -48,15 +56,20 @@ def _split_stages(role: Optional[str]):
     raise ValueError(f"role must be None, 'encoder' or 'decoder', got {role!r}")
 
 
-def get_num_layers_to_build(config, standalone_embedding_stage: bool = False, role: Optional[str] = None) -> int:
-    """Layers held by this pipeline stage (per virtual chunk): ``num_layers / pp [/ vpp]``.
+def get_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None, *,
+                            pp_size: Optional[int] = None, standalone_embedding_stage: Optional[bool] = None,
+                            role: Optional[str] = None) -> int:
+    """Layers held by pipeline stage ``pp_rank`` of ``pp_size`` (default: parallel_state's) per virtual chunk:
+    ``num_layers / pp [/ vpp]`` (megatron-core's signature; ``vp_stage`` does not change the even split).
 
     ``role`` ('encoder' / 'decoder'): the stack of an encoder-decoder model; with
     ``--pipeline-model-parallel-split-rank`` its layers are divided over its own stages only.
     """
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank, pp = _pp(pp_rank, pp_size)
+    if standalone_embedding_stage is None:
+        standalone_embedding_stage = bool(getattr(config, "standalone_embedding_stage", False))
     num_layers = config.num_layers
-    first, stages = _split_stages(role)
+    first, stages = _split_stages(role, pp)
     if stages != pp:
         if standalone_embedding_stage:
             raise ValueError("--standalone-embedding-stage with --pipeline-model-parallel-split-rank is not supported")
@@ -70,7 +83,7 @@ def get_num_layers_to_build(config, standalone_embedding_stage: bool = False, ro
         return num_layers // stages
     if pp > 1:
         transformer_pp = pp - 1 if standalone_embedding_stage else pp
-        if standalone_embedding_stage and parallel_state.get_pipeline_model_parallel_rank() == 0:
+        if standalone_embedding_stage and pp_rank == 0:
             return 0
         if num_layers % transformer_pp != 0:
             raise ValueError(f"num_layers ({num_layers}) must be divisible by the number of pipeline stages that hold "
@@ -86,22 +99,23 @@ def get_num_layers_to_build(config, standalone_embedding_stage: bool = False, ro
 
 
 def get_layer_offset(config, num_layers_here: int, standalone_embedding_stage: bool = False,
-                     role: Optional[str] = None) -> int:
+                     role: Optional[str] = None, *, pp_rank: Optional[int] = None, pp_size: Optional[int] = None,
+                     vp_stage: Optional[int] = None) -> int:
     """Global index of this chunk's first layer (within its stack).
 
     Without virtual stages: ``pp_rank * layers_per_stage``. With ``vpp`` chunks, chunk ``v`` of stage ``p``
     starts at ``v * (L / vpp) + p * layers_per_chunk`` (8 layers, pp 2, vpp 2: stage 0 holds [0,1] and
     [4,5], stage 1 holds [2,3] and [6,7]). A decoder after the split rank numbers its layers from 0 again.
     """
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    first, stages = _split_stages(role)
-    if stages != parallel_state.get_pipeline_model_parallel_world_size():
+    pp_rank, pp = _pp(pp_rank, pp_size)
+    first, stages = _split_stages(role, pp)
+    if stages != pp:
         return (pp_rank - first) * num_layers_here
-    if standalone_embedding_stage and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+    if standalone_embedding_stage and pp > 1:
         pp_rank = max(pp_rank - 1, 0)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if vpp is not None:
-        vp_rank = parallel_state.get_virtual_pipeline_model_parallel_rank() or 0
+        vp_rank = vp_stage if vp_stage is not None else (parallel_state.get_virtual_pipeline_model_parallel_rank() or 0)
         return vp_rank * (config.num_layers // vpp) + pp_rank * num_layers_here
     return pp_rank * num_layers_here
 
@@ -116,12 +130,11 @@ class ParallelTransformer(MegatronModule):
 
     def __init__(self, config, model_type=ModelType.encoder_or_decoder, layer_type=LayerType.encoder,
                  self_attn_mask_type=AttnMaskType.padding, post_layer_norm=True, pre_process=True,
-                 post_process=True, drop_path_rate=0.0, *, layer_spec=None, pg_collection=None):
+                 post_process=True, drop_path_rate=0.0, *, layer_spec=None, pg_collection=None, vp_stage=None):
         super().__init__(config=config)
-        # megatron-core's pg_collection reaches every spec-built layer; the layers are placed by parallel_state's
-        # pipeline rank, so another PP group is refused.
-        require_mpu_groups(pg_collection, ("pp",), type(self).__name__)
+        # megatron-core's pg_collection reaches every spec-built layer; its pp group places the layers.
         self.pg_collection = pg_collection
+        self.tp_group = group_of(pg_collection, "tp")
         # The two stacks of an encoder-decoder model divide the pipeline at the split rank.
         role = None
         if model_type == ModelType.encoder_and_decoder:
@@ -144,8 +157,9 @@ class ParallelTransformer(MegatronModule):
         self.distribute_saved_activations = bool(config.distribute_saved_activations) and not config.sequence_parallel
 
         standalone = config.standalone_embedding_stage
-        self.num_layers = get_num_layers_to_build(config, standalone, role)
-        offset = get_layer_offset(config, self.num_layers, standalone, role)
+        pp = dict(pp_rank=pg_rank(pg_collection, "pp"), pp_size=pg_size(pg_collection, "pp"))
+        self.num_layers = get_num_layers_to_build(config, standalone_embedding_stage=standalone, role=role, **pp)
+        offset = get_layer_offset(config, self.num_layers, standalone, role, vp_stage=vp_stage, **pp)
         self.drop_path_rates = [rate.item() for rate in torch.linspace(0, drop_path_rate, max(config.num_layers, 1))]
 
         groups = {} if pg_collection is None else {"pg_collection": pg_collection}
@@ -318,11 +332,11 @@ class TransformerBlock(ParallelTransformer):
                              "being built (parallel_state.set_virtual_pipeline_model_parallel_rank)")
         super().__init__(config, model_type=model_type, layer_type=layer_type, post_layer_norm=post_layer_norm,
                          pre_process=pre_process, post_process=post_process, layer_spec=spec,
-                         pg_collection=pg_collection)
+                         pg_collection=pg_collection, vp_stage=vp_stage)
         self.vp_stage = vp_stage
         # megatron-core's attributes: layers per pipeline rank (of the whole model, not this chunk) and whether
         # selective recompute checkpoints the core attention.
-        self.num_layers_per_pipeline_rank = config.num_layers // parallel_state.get_pipeline_model_parallel_world_size()
+        self.num_layers_per_pipeline_rank = config.num_layers // pg_size(pg_collection, "pp")
         self.checkpoint_core_attention = config.recomputes("core_attn")
 
     def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,

@@ -84,7 +84,10 @@ def sharded_state_dict_default(module: torch.nn.Module, prefix: str = "",
 def own_and_children_sharded_state_dict(module: torch.nn.Module, prefix: str, sharded_offsets, metadata: dict,
                                         tp_group=None) -> ShardedStateDict:
     """``module``'s own parameters and persistent buffers (split over TP along ``partition_dim`` when marked
-    tensor-parallel, replicated otherwise), then each child's :func:`sharded_state_dict_default`."""
+    tensor-parallel, replicated otherwise), then each child's :func:`sharded_state_dict_default`. The TP group is
+    ``tp_group``, else ``metadata['tp_group']`` (a model built from a pg_collection sets it), else parallel_state's."""
+    if tp_group is None:
+        tp_group = metadata.get("tp_group")
     own = {}
     module._save_to_state_dict(own, "", keep_vars=True)
     axis_map = {name: t.partition_dim for name, t in own.items()

@@ -22,6 +22,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.gpt.gpt_model import LanguageModule
+from megatron.core.process_groups_config import require_mpu_groups
 from megatron.core.transformer.module import MegatronModule, sync_tied_weight_across_pipeline
 from megatron.core.transformer.rotary import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -77,6 +78,9 @@ class T5Model(LanguageModule):
                  position_embedding_type="learned_absolute", rotary_percent=1.0, seq_len_interpolation_factor=None,
                  relative_attention_num_buckets=32, relative_attention_max_distance=128, add_encoder=True,
                  add_decoder=True, pg_collection=None):
+        # The encoder-decoder split and its position-embedding group are parallel_state's: a collection with
+        # other pipeline / context-parallel groups is refused.
+        require_mpu_groups(pg_collection, ("pp", "embd", "pos_embd", "cp"), "T5Model")
         super().__init__(config, pg_collection, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         if position_embedding_type not in ("learned_absolute", "rope"):
             raise NotImplementedError(f"T5 position_embedding_type {position_embedding_type!r}: only "

@@ -5,11 +5,11 @@ Submodule names are megatron-core's (``embedding``, ``decoder.layers.{i}.self_at
 """
 from __future__ import annotations
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_model import logits_or_loss
-from megatron.core.process_groups_config import group_of, require_mpu_groups
+from megatron.core.process_groups_config import group_of, is_pp_first_stage_of, pg_rank, pg_size
 from megatron.core.transformer.module import MegatronModule, sync_tied_weight_across_pipeline
 from megatron.core.transformer.rotary import RotaryEmbedding, YarnRotaryEmbedding, get_pos_emb_on_this_cp_rank
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -24,14 +24,23 @@ def _or(value, default):
 
 class LanguageModule(MegatronModule):
     """Shared-embedding handling of megatron-core language models (tied weight lives in ``output_layer`` on
-    the last stage). ``LanguageModule(config, pg_collection=None)``: the TP group of the collection splits the
-    vocabulary (embedding, output layer, loss); the pipeline's embedding groups are parallel_state's."""
+    the last stage). ``LanguageModule(config, pg_collection=None)``: the collection's ``tp`` group splits the
+    vocabulary (embedding, output layer, loss), ``pp`` places the stage, ``embd`` ties the first and last stage's
+    embedding copies, ``cp`` selects this rank's rotary angles; a group the collection leaves None (or no
+    collection) is parallel_state's."""
 
     def __init__(self, config, pg_collection=None, share_embeddings_and_output_weights: bool = False):
         super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
-        require_mpu_groups(pg_collection, ("pp", "embd", "pos_embd", "cp"), type(self).__name__)
         self.pg_collection = pg_collection
         self.tp_group = group_of(pg_collection, "tp")
+        self.cp_group = group_of(pg_collection, "cp")
+        self.pp_group = group_of(pg_collection, "pp")
+        self.embd_group = group_of(pg_collection, "embd")
+        ties = share_embeddings_and_output_weights or getattr(config, "mtp_num_layers", None)
+        if (ties and pg_collection is not None and pg_collection.pp is not None and self.embd_group is None
+                and pg_size(pg_collection, "pp") > 1):
+            raise ValueError("a pg_collection with pipeline parallelism (pp) must carry its embd group (the first and "
+                             "last stage of each pipeline) for the tied / MTP embedding")
 
     # The last stage's embedding copy for multi-token prediction (GPTModel sets it); a stage holding it also uses it
     # as the tied output weight.
@@ -52,14 +61,14 @@ class LanguageModule(MegatronModule):
         # The first and last stage hold one weight twice when it is tied, or when MTP needs the embedding there.
         if not (self.share_embeddings_and_output_weights or getattr(self.config, "mtp_num_layers", None)):
             return
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        if pg_size(self.pg_collection, "pp") == 1:
             if self.share_embeddings_and_output_weights:
                 self.shared_embedding_or_output_weight().zero_out_wgrad = True
             return
-        if parallel_state.is_pipeline_first_stage() and self.pre_process and not self.post_process:
+        if is_pp_first_stage_of(self.pg_collection) and self.pre_process and not self.post_process:
             self.shared_embedding_or_output_weight().shared_embedding = True
         is_copy = self.post_process and not self.pre_process
-        sync_tied_weight_across_pipeline(self.shared_embedding_or_output_weight(), is_copy)
+        sync_tied_weight_across_pipeline(self.shared_embedding_or_output_weight(), is_copy, self.embd_group)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """The default sharded state, with the output layer tied to the word embedding: on a last stage without
@@ -68,6 +77,12 @@ class LanguageModule(MegatronModule):
         may have another padded size on load."""
         if sharded_offsets:
             raise ValueError("a language model takes no sharded_offsets")
+        # A model built from a pg_collection: replicas over its DP x CP group, and over its TP group for the tensors
+        # every TP rank holds whole (norms, routers), in the modules that do not carry a TP group themselves.
+        for name, field in (("dp_cp_group", "dp_cp"), ("tp_group", "tp")):
+            group = group_of(self.pg_collection, field)
+            if group is not None and name not in (metadata or {}):
+                metadata = {**(metadata or {}), name: group}
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         embedding_key = f"{prefix}embedding.word_embeddings.weight"
@@ -97,7 +112,7 @@ class LanguageModule(MegatronModule):
         """Length of the full sequence: the local length x TP (with SP, for hidden states) x CP."""
         if inference_params is not None:
             return inference_params.max_sequence_length
-        cp = self.config.context_parallel_size
+        cp = pg_size(self.pg_collection, "cp")
         if input_ids is not None:
             return input_ids.size(1) * cp
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
@@ -189,8 +204,7 @@ class GPTModel(LanguageModule):
         if self.mtp_process:
             from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
-            require_mpu_groups(pg_collection, ("tp",), "multi-token prediction")
-            self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec)
+            self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec, pg_collection=pg_collection)
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
@@ -230,9 +244,11 @@ class GPTModel(LanguageModule):
             rotary_pos_emb = self.rotary_pos_emb(self._rotary_seq_len(input_ids, decoder_input, inference_params))
             if isinstance(rotary_pos_emb, tuple):  # YaRN: (angles, concentration); attention applies the latter
                 rotary_pos_emb = rotary_pos_emb[0]
-            if self.config.context_parallel_size > 1:
+            cp = pg_size(self.pg_collection, "cp")
+            if cp > 1:
                 # Angles of this CP rank's positions (chunks r and 2CP-1-r), as the batch was split.
-                rotary_pos_emb = get_pos_emb_on_this_cp_rank(rotary_pos_emb, seq_dim=0)
+                rotary_pos_emb = get_pos_emb_on_this_cp_rank(rotary_pos_emb, seq_dim=0, cp_size=cp,
+                                                             cp_rank=pg_rank(self.pg_collection, "cp"))
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                                      inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
         if not self.post_process:

@@ -14,6 +14,7 @@ from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.gpt.gpt_model import LanguageModule
+from megatron.core.process_groups_config import require_mpu_groups
 from megatron.core.ssm.mamba_block import MambaStack
 from megatron.core.transformer.rotary import RotaryEmbedding
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -24,7 +25,9 @@ class MambaModel(LanguageModule):
     hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0, hybrid_override_pattern=None, post_process=True,
     fp16_lm_cross_entropy=False, parallel_output=True, share_embeddings_and_output_weights=False,
     position_embedding_type='none', rotary_percent=1.0, rotary_base=10000, seq_len_interpolation_factor=None,
-    vp_stage=None, *, hybrid_layer_pattern=None)``; the pattern defaults to ``config.hybrid_layer_pattern``.
+    vp_stage=None, pg_collection=None, *, hybrid_layer_pattern=None)``; the pattern defaults to
+    ``config.hybrid_layer_pattern``; the collection's groups (``tp`` for the vocabulary and every layer, ``pp`` for the
+    stage's layers, ``embd`` for tied weights; else parallel_state's) reach every module.
 
     ``forward(input_ids [b, s], position_ids [b, s], attention_mask, decoder_input=None, labels=None,
     inference_params=None)`` -> logits ``[b, s, V/tp]``, or the per-token loss ``[b, s]`` with ``labels``.
@@ -36,8 +39,12 @@ class MambaModel(LanguageModule):
                  fp16_lm_cross_entropy: bool = False, parallel_output: bool = True,
                  share_embeddings_and_output_weights: bool = False, position_embedding_type: str = "none",
                  rotary_percent: float = 1.0, rotary_base: int = 10000, seq_len_interpolation_factor=None,
-                 vp_stage: Optional[int] = None, *, hybrid_layer_pattern: Optional[str] = None):
-        super().__init__(config=config, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+                 vp_stage: Optional[int] = None, pg_collection=None, *, hybrid_layer_pattern: Optional[str] = None):
+        # The hybrid stack's pipeline split and context parallelism are not tested with a collection: a collection
+        # with other pipeline / context-parallel groups is refused.
+        require_mpu_groups(pg_collection, ("pp", "embd", "pos_embd", "cp"), "MambaModel")
+        super().__init__(config=config, pg_collection=pg_collection,
+                         share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError("position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
                              f"got {position_embedding_type!r}")
@@ -53,7 +60,8 @@ class MambaModel(LanguageModule):
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                    position_embedding_type=position_embedding_type)
+                                                    position_embedding_type=position_embedding_type,
+                                                    tp_group=self.tp_group)
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent,
                                                   rotary_interleaved=config.rotary_interleaved,
@@ -62,7 +70,8 @@ class MambaModel(LanguageModule):
         self.decoder = build_module(mamba_stack_spec, config, pre_process=pre_process,
                                     hybrid_attention_ratio=hybrid_attention_ratio, hybrid_mlp_ratio=hybrid_mlp_ratio,
                                     post_process=post_process,
-                                    hybrid_layer_pattern=hybrid_layer_pattern, vp_stage=vp_stage)
+                                    hybrid_layer_pattern=hybrid_layer_pattern, vp_stage=vp_stage,
+                                    **({} if pg_collection is None else {"pg_collection": pg_collection}))
         if not isinstance(self.decoder, MambaStack):
             raise TypeError(f"mamba_stack_spec must build a MambaStack, got {type(self.decoder).__name__}")
         if post_process:
@@ -70,7 +79,7 @@ class MambaModel(LanguageModule):
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
                 skip_bias_add=False, gather_output=not parallel_output,
                 skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                reuse_cpu_output_buffer=True)
+                tp_group=self.tp_group, reuse_cpu_output_buffer=True)
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
 

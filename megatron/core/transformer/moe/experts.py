@@ -22,19 +22,19 @@ from typing import List
 import torch
 
 from megatron.core import device as _device
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.process_groups_config import pg_rank, pg_size
 from megatron.core.transformer.mlp import apply_swiglu_to_fc1, glu_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import param_device, weights_on_meta
 from megatron.core.utils import log_once, make_sharded_object_for_checkpoint
 
 
-def expert_tensor_parallel_size_and_rank():
-    size = parallel_state.get_expert_tensor_parallel_world_size()
-    rank = parallel_state.get_expert_tensor_parallel_rank()
-    return (size or 1), (rank or 0)
+def expert_tensor_parallel_size_and_rank(pg_collection=None):
+    """(size, rank) of the expert tensor-parallel group (``pg_collection.expt_tp``, else parallel_state's)."""
+    return pg_size(pg_collection, "expt_tp"), pg_rank(pg_collection, "expt_tp")
 
 
 def expert_activation(config):
@@ -44,11 +44,11 @@ def expert_activation(config):
     return config.activation_func
 
 
-def init_expert_weights(config, local_expert_indices: List[int], num_experts: int):
+def init_expert_weights(config, local_expert_indices: List[int], num_experts: int, pg_collection=None):
     """``[(fc1 [2F/ETP or F/ETP, h], fc2 [h, F/ETP])]`` for the local experts (module docstring)."""
     h, ffn = config.hidden_size, config.moe_ffn_hidden_size
     rows = 2 * ffn if config.gated_linear_unit else ffn
-    etp, etp_rank = expert_tensor_parallel_size_and_rank()
+    etp, etp_rank = expert_tensor_parallel_size_and_rank(pg_collection)
     if ffn % etp:
         raise ValueError(f"moe_ffn_hidden_size ({ffn}) must be divisible by the expert tensor parallel size ({etp})")
     shard = ffn // etp
@@ -75,10 +75,10 @@ def init_expert_weights(config, local_expert_indices: List[int], num_experts: in
     return out
 
 
-def expert_weight_shapes(config):
+def expert_weight_shapes(config, pg_collection=None):
     """(fc1, fc2) shapes of one local expert: ``[2F/ETP or F/ETP, h]``, ``[h, F/ETP]``."""
     h, ffn = config.hidden_size, config.moe_ffn_hidden_size
-    shard = ffn // expert_tensor_parallel_size_and_rank()[0]
+    shard = ffn // expert_tensor_parallel_size_and_rank(pg_collection)[0]
     return ((2 * shard if config.gated_linear_unit else shard, h), (h, shard))
 
 
@@ -103,13 +103,20 @@ def expert_parallel_is_separate(config) -> bool:
     return config.expert_model_parallel_size > 1 or etp != config.tensor_model_parallel_size
 
 
-def expert_checkpoint_layout():
-    """(EP size, EP rank, expert-TP size, expert-TP rank, expert-DP rank) of this rank, for the sharded state."""
-    etp, etp_rank = expert_tensor_parallel_size_and_rank()
-    ep = parallel_state.get_expert_model_parallel_world_size() or 1
-    ep_rank = parallel_state.get_expert_model_parallel_rank() or 0
-    edp_rank = parallel_state.get_expert_data_parallel_rank() if parallel_state.is_initialized() else 0
-    return ep, ep_rank, etp, etp_rank, edp_rank
+def expert_checkpoint_layout(pg_collection=None):
+    """(EP size, EP rank, expert-TP size, expert-TP rank, expert-DP rank) of this rank, for the sharded state (the
+    collection's ``ep`` / ``expt_tp`` / ``expt_dp`` groups, else parallel_state's)."""
+    etp, etp_rank = expert_tensor_parallel_size_and_rank(pg_collection)
+    return (pg_size(pg_collection, "ep"), pg_rank(pg_collection, "ep"), etp, etp_rank,
+            pg_rank(pg_collection, "expt_dp"))
+
+
+def _local_indices(num_local_experts: int, given, pg_collection) -> List[int]:
+    """This rank's global expert indices: ``given``, else the EP rank's block ``ep_rank * n ... + n - 1``."""
+    if given is not None:
+        return list(given)
+    start = pg_rank(pg_collection, "ep") * num_local_experts
+    return list(range(start, start + num_local_experts))
 
 
 def _expert_extra_state(key: str, offsets, etp_rank: int, edp_rank: int):
@@ -120,8 +127,9 @@ def _expert_extra_state(key: str, offsets, etp_rank: int, edp_rank: int):
 class ExpertLinear(torch.nn.Module):
     """A local linear layer of one expert (no communication: the dispatcher moves the tokens)."""
 
-    def __init__(self, weight: torch.Tensor, bias: bool, partition_dim: int, config):
+    def __init__(self, weight: torch.Tensor, bias: bool, partition_dim: int, config, pg_collection=None):
         super().__init__()
+        self.pg_collection = pg_collection
         self.weight = torch.nn.Parameter(weight)
         mark_expert_param(self.weight, partition_dim, config)
         if bias:
@@ -136,7 +144,7 @@ class ExpertLinear(torch.nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """Weight split over expert TP along its partition dim (fc1 rows, fc2 columns); fc1's bias split with its
         rows, fc2's replicated; replicas over the expert data-parallel group; plus the empty ``_extra_state``."""
-        _, _, etp, etp_rank, edp_rank = expert_checkpoint_layout()
+        _, _, etp, etp_rank, edp_rank = expert_checkpoint_layout(self.pg_collection)
         axis = len(sharded_offsets)
         out = {}
         for name, tensor in (("weight", self.weight), ("bias", self.bias)):
@@ -154,10 +162,10 @@ class ExpertLinear(torch.nn.Module):
 
 
 class ExpertMLP(torch.nn.Module):
-    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor, config):
+    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor, config, pg_collection=None):
         super().__init__()
-        self.linear_fc1 = ExpertLinear(fc1, config.add_bias_linear, 0, config)
-        self.linear_fc2 = ExpertLinear(fc2, config.add_bias_linear, 1, config)
+        self.linear_fc1 = ExpertLinear(fc1, config.add_bias_linear, 0, config, pg_collection)
+        self.linear_fc2 = ExpertLinear(fc2, config.add_bias_linear, 1, config, pg_collection)
         self.activation_func = expert_activation(config)
         self.gated = config.gated_linear_unit
 
@@ -182,16 +190,20 @@ class ExpertMLP(torch.nn.Module):
 
 
 class SequentialMLP(MegatronModule):
-    """``SequentialMLP(num_local_experts, config)``; ``forward(tokens, tokens_per_expert, probs) -> (out, None)``."""
+    """``SequentialMLP(num_local_experts, config, submodules=None, pg_collection=None)``; ``forward(tokens,
+    tokens_per_expert, probs) -> (out, None)``. The collection's ``ep`` / ``expt_tp`` / ``expt_dp`` groups (else
+    parallel_state's) choose this rank's experts and shards; ``local_expert_indices`` (keyword) overrides the
+    experts."""
 
-    def __init__(self, num_local_experts: int, config, submodules=None, local_expert_indices=None):
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, *,
+                 local_expert_indices=None):
         super().__init__(config=config)
-        self.local_expert_indices = (local_expert_indices if local_expert_indices is not None
-                                     else list(range(num_local_experts)))
+        self.pg_collection = pg_collection
+        self.local_expert_indices = _local_indices(num_local_experts, local_expert_indices, pg_collection)
         self.num_local_experts = num_local_experts
-        fc1, fc2 = expert_weight_shapes(config)
+        fc1, fc2 = expert_weight_shapes(config, pg_collection)
         self.local_experts = torch.nn.ModuleList([
-            ExpertMLP(empty_expert_weight(config, fc1), empty_expert_weight(config, fc2), config)
+            ExpertMLP(empty_expert_weight(config, fc1), empty_expert_weight(config, fc2), config, pg_collection)
             for _ in self.local_expert_indices])
         self.reset_parameters()
         log_once("moe_experts_sequential", "MoE experts: SequentialMLP (one MLP per local expert)")
@@ -200,7 +212,8 @@ class SequentialMLP(MegatronModule):
         """Every expert drawn in expert order (module docstring); this rank's experts and shards kept."""
         if weights_on_meta(self):
             return
-        weights = init_expert_weights(self.config, self.local_expert_indices, self.config.num_moe_experts)
+        weights = init_expert_weights(self.config, self.local_expert_indices, self.config.num_moe_experts,
+                                      self.pg_collection)
         with torch.no_grad():
             for expert, (w1, w2) in zip(self.local_experts, weights):
                 for linear, w in ((expert.linear_fc1, w1), (expert.linear_fc2, w2)):
@@ -212,7 +225,7 @@ class SequentialMLP(MegatronModule):
         """Local expert ``j`` is global expert ``e = ep_rank * n + j``: its tensors get the prepended offset
         ``(axis, e, E)`` and keys ``{prefix}experts.<name>`` (``{prefix}experts.{e}.<name>`` without the axis under
         ``singleton_local_shards``)."""
-        ep, ep_rank, _, _, _ = expert_checkpoint_layout()
+        ep, ep_rank, _, _, _ = expert_checkpoint_layout(self.pg_collection)
         num_global = ep * self.num_local_experts
         singleton = bool((metadata or {}).get("singleton_local_shards", False))
         out = {}
@@ -284,17 +297,19 @@ def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: List
 
 
 class GroupedMLP(MegatronModule):
-    """``GroupedMLP(num_local_experts, config)`` with Megatron's legacy ``weight1``/``weight2`` layout."""
+    """``GroupedMLP(num_local_experts, config, submodules=None, pg_collection=None)`` with Megatron's legacy
+    ``weight1``/``weight2`` layout (groups as :class:`SequentialMLP`)."""
 
-    def __init__(self, num_local_experts: int, config, submodules=None, local_expert_indices=None):
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, *,
+                 local_expert_indices=None):
         super().__init__(config=config)
         if config.add_bias_linear:
             raise ValueError("bias is not supported with --moe-grouped-gemm (pass --disable-bias-linear)")
-        self.local_expert_indices = (local_expert_indices if local_expert_indices is not None
-                                     else list(range(num_local_experts)))
+        self.pg_collection = pg_collection
+        self.local_expert_indices = _local_indices(num_local_experts, local_expert_indices, pg_collection)
         self.num_local_experts = n = num_local_experts
         h = config.hidden_size
-        (rows, _), (_, shard) = expert_weight_shapes(config)
+        (rows, _), (_, shard) = expert_weight_shapes(config, pg_collection)
         self.weight1 = torch.nn.Parameter(empty_expert_weight(config, (h, n * rows)))
         self.weight2 = torch.nn.Parameter(empty_expert_weight(config, (n * shard, h)))
         mark_expert_param(self.weight1, 1, config)
@@ -310,7 +325,8 @@ class GroupedMLP(MegatronModule):
         layout."""
         if weights_on_meta(self):
             return
-        weights = init_expert_weights(self.config, self.local_expert_indices, self.config.num_moe_experts)
+        weights = init_expert_weights(self.config, self.local_expert_indices, self.config.num_moe_experts,
+                                      self.pg_collection)
         with torch.no_grad():
             self.weight1.copy_(torch.cat([w1.t() for w1, _ in weights], dim=1))
             self.weight2.copy_(torch.cat([w2.t() for _, w2 in weights], dim=0))
@@ -324,7 +340,7 @@ class GroupedMLP(MegatronModule):
         if (metadata or {}).get("singleton_local_shards"):
             raise NotImplementedError("singleton_local_shards is not supported with --moe-grouped-gemm: save with "
                                       "the default layout")
-        ep, ep_rank, etp, etp_rank, edp_rank = expert_checkpoint_layout()
+        ep, ep_rank, etp, etp_rank, edp_rank = expert_checkpoint_layout(self.pg_collection)
         n, h, axis = self.num_local_experts, self.hidden_size, len(sharded_offsets)
         experts = (axis, ep_rank, ep)
         gated = self.config.gated_linear_unit

@@ -18,8 +18,8 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.process_groups_config import require_mpu_groups
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import pg_group, pg_rank, pg_size
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import param_device
 from megatron.core.transformer.moe.router import LOSS_NAMES, TopKRouter, tensor_and_context_parallel_group
@@ -35,23 +35,22 @@ class MoESubmodules:
     shared_experts: Union[ModuleSpec, type] = None
 
 
-# The groups an MoE layer communicates over (router, dispatcher, experts): through parallel_state for now.
-MOE_PROCESS_GROUPS = ("tp", "ep", "expt_tp", "tp_ep", "expt_dp", "tp_dp_cp", "dp_cp", "cp")
-
-
 class BaseMoELayer(MegatronModule):
+    """The expert layout of an MoE layer: ``pg_collection``'s groups (``ep``, ``expt_tp``, ``tp_ep``, ``expt_dp`` for
+    the experts and dispatcher, ``tp_cp`` / ``tp_dp_cp`` for the router's losses; a group left None, or no collection,
+    is parallel_state's)."""
+
     def __init__(self, config, layer_number: Optional[int] = None, pg_collection=None):
         super().__init__(config=config)
-        require_mpu_groups(pg_collection, MOE_PROCESS_GROUPS, type(self).__name__)
         self.pg_collection = pg_collection
         self.layer_number = layer_number
-        ep = parallel_state.get_expert_model_parallel_world_size() or 1
+        ep = pg_size(pg_collection, "ep")
         if config.num_moe_experts % ep != 0:
             raise ValueError(f"num_moe_experts ({config.num_moe_experts}) must be divisible by the expert model "
                              f"parallel size ({ep})")
         self.expert_parallel_size = ep
         self.num_local_experts = config.num_moe_experts // ep
-        ep_rank = parallel_state.get_expert_model_parallel_rank() or 0
+        ep_rank = pg_rank(pg_collection, "ep")
         offset = ep_rank * self.num_local_experts
         self.local_expert_indices = [offset + i for i in range(self.num_local_experts)]
 
@@ -64,7 +63,8 @@ class MoELayer(BaseMoELayer):
                  pg_collection=None):
         super().__init__(config, layer_number, pg_collection)
         submodules = submodules or MoESubmodules()
-        self.router = TopKRouter(config, layer_number)
+        groups = {} if pg_collection is None else {"pg_collection": pg_collection}
+        self.router = TopKRouter(config, layer_number, **groups)
         experts = submodules.experts
         if experts is None:
             from megatron.core.transformer.moe.experts import SequentialMLP
@@ -78,7 +78,7 @@ class MoELayer(BaseMoELayer):
             self.fc2_latent_proj = _latent_projection(config, config.moe_latent_size, config.hidden_size,
                                                       config.output_layer_init_method)
         self.experts = build_module(experts, self.num_local_experts, expert_config,
-                                    local_expert_indices=self.local_expert_indices)
+                                    local_expert_indices=self.local_expert_indices, **groups)
         dispatcher = config.moe_token_dispatcher_type
         if dispatcher == "allgather":
             cls = MoEAllGatherTokenDispatcher
@@ -86,7 +86,7 @@ class MoELayer(BaseMoELayer):
             cls = MoEAlltoAllTokenDispatcher
         else:
             raise ValueError(f"moe_token_dispatcher_type {dispatcher!r} is not implemented (allgather or alltoall)")
-        self.token_dispatcher = cls(self.num_local_experts, self.local_expert_indices, config)
+        self.token_dispatcher = cls(self.num_local_experts, self.local_expert_indices, config, **groups)
         self.use_shared_expert = config.moe_shared_expert_intermediate_size is not None
         if self.use_shared_expert:
             shared = submodules.shared_experts
@@ -94,8 +94,7 @@ class MoELayer(BaseMoELayer):
                 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
                 shared = SharedExpertMLP
-            self.shared_experts = build_module(shared, config=config, gate=config.moe_shared_expert_gate,
-                                               **({} if pg_collection is None else {"pg_collection": pg_collection}))
+            self.shared_experts = build_module(shared, config=config, gate=config.moe_shared_expert_gate, **groups)
         self.recompute_shared_experts = config.recomputes("shared_experts")
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
@@ -104,13 +103,14 @@ class MoELayer(BaseMoELayer):
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         for name in ("fc1_latent_proj", "fc2_latent_proj"):
             if hasattr(self, name):
+                metadata = ensure_metadata_has_dp_cp_group(metadata)
                 out.update(make_sharded_tensors_for_checkpoint(
                     {"_extra_state": None}, f"{prefix}{name}.", {}, sharded_offsets,
-                    dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]))
+                    tp_group=metadata.get("tp_group"), dp_cp_group=metadata["dp_cp_group"]))
         return out
 
     def forward(self, hidden_states: torch.Tensor):
-        if (self.training and parallel_state.get_tensor_model_parallel_world_size() > 1
+        if (self.training and pg_size(self.pg_collection, "tp") > 1
                 and not self.config.sequence_parallel):
             raise ValueError("During training, performance may degrade if MoE and tensor parallelism are enabled "
                              "without also enabling sequence parallelism.")
@@ -153,10 +153,11 @@ def moe_routers(model) -> List[TopKRouter]:
 
 
 def reduce_moe_losses(model, num_microbatches: int, num_moe_layers: int,
-                      per_layer_logging: bool = False) -> Dict[str, float]:
+                      per_layer_logging: bool = False, pg_collection=None) -> Dict[str, float]:
     """Megatron's MoE metrics of the last step (module docstring); clears the routers' tracked sums.
 
-    Collective over the world (every rank must call it, with the same ``num_moe_layers``).
+    Collective over the world (every rank must call it, with the same ``num_moe_layers``); the sums run over
+    ``pg_collection``'s ``pp``, ``tp_cp`` and ``dp`` groups (else parallel_state's).
     """
     routers = moe_routers(model)
     names = sorted({name for r in routers for name in r.tracked_losses})
@@ -179,12 +180,12 @@ def reduce_moe_losses(model, num_microbatches: int, num_moe_layers: int,
                 values[i, r.layer_number - 1] += r.tracked_losses[name].cpu()
         r.tracked_losses.clear()
     # Each layer lives on one pipeline stage: SUM over PP; SUM over TP(xCP); AVG over DP.
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
-    group = tensor_and_context_parallel_group()
+    if pg_size(pg_collection, "pp") > 1:
+        torch.distributed.all_reduce(values, group=pg_group(pg_collection, "pp"))
+    group = tensor_and_context_parallel_group(pg_collection)
     if group is not None and torch.distributed.get_world_size(group=group) > 1:
         torch.distributed.all_reduce(values, group=group)
-    dp_group = parallel_state.get_data_parallel_group()
+    dp_group = pg_group(pg_collection, "dp")
     torch.distributed.all_reduce(values, group=dp_group)
     # global_load_balancing_loss is summed over TP x DP (x CP) (Megatron's reduce_group_has_dp); the others AVG.
     for i, name in enumerate(names):

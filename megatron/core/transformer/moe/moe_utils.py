@@ -347,3 +347,15 @@ def reduce_scatter_along_first_dim(x: torch.Tensor, group, sizes: Optional[List[
         return x
     sizes = list(sizes) if sizes is not None else [x.shape[0] // world] * world
     return _ReduceScatterFirstDim.apply(x, group, sizes)
+
+
+# The groups an MoE layer communicates over (megatron-core's get_default_pg_collection).
+MOE_GROUPS = ("ep", "tp", "cp", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "tp_dp_cp")
+
+
+def get_default_pg_collection():
+    """megatron-core's: a ProcessGroupCollection with parallel_state's MoE groups (``ep``, ``tp``, ``cp``,
+    ``expt_tp``, ``expt_dp``, ``tp_ep``, ``tp_cp``, ``tp_dp_cp``); its other fields are None."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups(list(MOE_GROUPS))

@@ -24,8 +24,7 @@ from typing import Dict
 
 import torch
 
-from megatron.core import parallel_state
-from megatron.core.process_groups_config import require_mpu_groups
+from megatron.core.process_groups_config import pg_group
 from megatron.core.transformer.norms import param_device, weights_on_meta
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import (
@@ -39,32 +38,20 @@ from megatron.core.transformer.moe.moe_utils import (
     z_loss_func,
 )
 
-# The groups a router reduces over (TP x CP for the aux losses, TP x DP x CP for the global counts).
-MOE_ROUTER_GROUPS = ("tp", "cp", "tp_cp", "dp_cp", "tp_dp_cp")
-
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
               "global_aux_loss": "global_load_balancing_loss"}
 
 
-def global_load_balancing_group():
-    """global_aux_loss's group: tensor x data (x context) parallel, every rank of one pipeline stage's replicas; None
-    without process groups."""
-    try:
-        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    except AssertionError:
-        return None
+def global_load_balancing_group(pg_collection=None):
+    """global_aux_loss's group: tensor x data (x context) parallel, every rank of one pipeline stage's replicas
+    (``pg_collection.tp_dp_cp``, else parallel_state's); None without process groups."""
+    return pg_group(pg_collection, "tp_dp_cp")
 
 
-def tensor_and_context_parallel_group():
-    """The group whose ranks hold different tokens of the same sequences (TP x CP when context parallelism exists,
-    else TP); None without process groups."""
-    getter = getattr(parallel_state, "get_tensor_and_context_parallel_group", None)
-    try:
-        if getter is not None:
-            return getter()
-        return parallel_state.get_tensor_model_parallel_group(check_initialized=False)
-    except AssertionError:
-        return None
+def tensor_and_context_parallel_group(pg_collection=None):
+    """The group whose ranks hold different tokens of the same sequences: TP x CP (``pg_collection.tp_cp``, else
+    parallel_state's; TP without context parallelism); None without process groups."""
+    return pg_group(pg_collection, "tp_cp")
 
 
 def _group_size(group) -> int:
@@ -79,8 +66,7 @@ class Router(MegatronModule, ABC):
 
     def __init__(self, config, pg_collection=None):
         super().__init__(config=config)
-        require_mpu_groups(pg_collection, MOE_ROUTER_GROUPS, type(self).__name__)
-        self.pg_collection = pg_collection
+        self.pg_collection = pg_collection  # tp_cp: the aux losses' sums; tp_dp_cp: the global counts
         self.layer_number = None
 
     @abstractmethod
@@ -165,7 +151,7 @@ class TopKRouter(Router):
     def _global_counts(self, counts: torch.Tensor, num_tokens: int):
         """global_aux_loss: (running mean over this step's micro-batches of the counts summed over TP x DP (x CP),
         T_tot)."""
-        group = global_load_balancing_group()
+        group = global_load_balancing_group(self.pg_collection)
         size = _group_size(group)
         if size > 1:
             torch.distributed.all_reduce(counts, group=group)
@@ -188,7 +174,7 @@ class TopKRouter(Router):
         coeff = self.config.moe_z_loss_coeff
         if coeff is None or not self._needs_losses():
             return logits
-        group = tensor_and_context_parallel_group()
+        group = tensor_and_context_parallel_group(self.pg_collection)
         z = z_loss_func(logits, coeff / _group_size(group)) * self._token_count_factor(logits.shape[0])
         self._track("z_loss", z / coeff)
         return MoEAuxLossAutoScaler.apply(logits, z)
@@ -197,7 +183,7 @@ class TopKRouter(Router):
                                     batch: int) -> torch.Tensor:
         if not self._needs_losses():
             return probs
-        group = tensor_and_context_parallel_group()
+        group = tensor_and_context_parallel_group(self.pg_collection)
         group_size = _group_size(group)
         for lb_type in self.lb_types:
             coeff = self.lb_coeffs[lb_type]

@@ -21,7 +21,7 @@ from typing import List
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core.process_groups_config import pg_group
 from megatron.core.transformer.moe.moe_utils import (
     all_to_all,
     gather_along_first_dim,
@@ -45,16 +45,18 @@ def _rank(group) -> int:
 
 
 class MoETokenDispatcher:
-    """Common state: the expert groups and this rank's experts."""
+    """Common state: the expert groups (``pg_collection``'s ``tp_ep``, ``ep``, ``expt_tp``, else parallel_state's)
+    and this rank's experts. ``(num_local_experts, local_expert_indices, config, pg_collection=None)``."""
 
-    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config):
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config, pg_collection=None):
         self.config = config
+        self.pg_collection = pg_collection
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
-        self.tp_ep_group = parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False)
-        self.ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
-        self.etp_group = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
+        self.tp_ep_group = pg_group(pg_collection, "tp_ep")
+        self.ep_group = pg_group(pg_collection, "ep")
+        self.etp_group = pg_group(pg_collection, "expt_tp")
         self.tp_ep_size = _size(self.tp_ep_group)
         self.ep_size = _size(self.ep_group)
         self.etp_size = _size(self.etp_group)
