@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
-from helpers.models_helpers import gpt_inputs, single_rank, tiny_config  # noqa: F401  (fixture)
+from helpers.models_helpers import gpt_inputs, set_global_weights, single_rank, tiny_config  # noqa: F401
 
 
 def _gpt(config, pg_collection=None):
@@ -18,6 +18,21 @@ def _gpt(config, pg_collection=None):
 
     return GPTModel(config, get_gpt_layer_local_spec(), 64, 16, pg_collection=pg_collection,
                     position_embedding_type="rope")
+
+
+def _mla_gpt(tp, pg_collection):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
+        qk_pos_emb_head_dim=4, v_head_dim=6, qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False,
+        ffn_hidden_size=48, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp, position_embedding_type="rope", mtp_num_layers=1, padded_vocab_size=64,
+        max_position_embeddings=16)
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, multi_latent_attention=True)
+    return GPTModel(config, spec, 64, 16, position_embedding_type="rope", pg_collection=pg_collection)
 
 
 def body():
@@ -80,6 +95,21 @@ def body():
     out["mamba_grad_err"] = float((hybrid[2].embedding.word_embeddings.weight.grad
                                    - hybrid[1].embedding.word_embeddings.weight.grad.chunk(2)[rank]).abs().max())
 
+    # Multi-latent attention with a multi-token-prediction depth, the same: equal weights from their checkpoint keys.
+    mla = {}
+    for tp, groups in ((2, pgs), (1, None)):
+        mla[tp] = _mla_gpt(tp, groups)
+        set_global_weights(mla[tp])
+    out["mla_logits_err"] = float((mla[2](ids, pos, None) - mla[1](ids, pos, None).chunk(2, dim=-1)[rank])
+                                  .abs().max())
+    losses = [mla[tp](ids, pos, None, labels=labels).mean() for tp in (2, 1)]
+    out["mla_loss"] = tuple(float(x) for x in losses)
+    out["mtp_loss"] = tuple(float(mla[tp].mtp.tracked_losses[0]) for tp in (2, 1))
+    for x in losses:
+        x.backward()
+    out["mla_grad_err"] = float((mla[2].embedding.word_embeddings.weight.grad
+                                 - mla[1].embedding.word_embeddings.weight.grad.chunk(2)[rank]).abs().max())
+
     ddp = DistributedDataParallel(sharded.config, DistributedDataParallelConfig(), sharded, pg_collection=pgs)
     out["ddp_group"] = (ddp.data_parallel_group is own,
                         all(b.data_parallel_group is own for b in ddp.param_and_grad_buffers))
@@ -113,6 +143,14 @@ def test_hybrid_model_follows_the_collections_tp_group(results):
         assert r["mamba_heads"] == (4, 8), r
         assert r["mamba_logits_err"] < 1e-5 and abs(r["mamba_loss"][0] - r["mamba_loss"][1]) < 1e-5, r
         assert r["mamba_grad_err"] < 1e-6, r
+
+
+def test_mla_and_mtp_follow_the_collections_tp_group(results):
+    for r in results:
+        print(f"MLA + MTP GPT, TP=2 by collection vs whole: logits {r['mla_logits_err']:.1e}, loss {r['mla_loss']}, "
+              f"MTP depth-1 loss {r['mtp_loss']}, embedding grad {r['mla_grad_err']:.1e}")
+        assert r["mla_logits_err"] < 1e-5 and abs(r["mla_loss"][0] - r["mla_loss"][1]) < 1e-5, r
+        assert abs(r["mtp_loss"][0] - r["mtp_loss"][1]) < 1e-5 and r["mla_grad_err"] < 1e-6, r
 
 
 def test_ddp_reduces_over_the_collections_dp_cp(results):
@@ -204,12 +242,14 @@ def _gpt_with(config, **kw):
 
 def test_untested_groups_are_refused(single_rank):
     """T5 (its encoder-decoder split), BERT and the hybrid model take the collection's TP / expert groups; another
-    pipeline or context-parallel group is refused in one line naming the model and the groups."""
+    pipeline or context-parallel group is refused in one line naming the model and the groups; so is another
+    context-parallel group by multi-latent attention and multi-token prediction."""
     from megatron.core.models.bert.bert_model import BertModel
     from megatron.core.models.mamba import MambaModel
     from megatron.core.models.mamba.mamba_layer_specs import get_mamba_stack_spec
     from megatron.core.models.T5.t5_model import T5Model
-    from megatron.core.models.T5.t5_spec import get_t5_decoder_with_local_block_spec, get_t5_encoder_with_local_block_spec
+    from megatron.core.models.T5.t5_spec import (get_t5_decoder_with_local_block_spec,
+                                                  get_t5_encoder_with_local_block_spec)
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     config = tiny_config()
@@ -226,6 +266,11 @@ def test_untested_groups_are_refused(single_rank):
     for name, build in builders.items():
         with pytest.raises(NotImplementedError, match=f"{name} communicates over parallel_state's pp, cp group"):
             build()
+    # Multi-latent attention and multi-token prediction take the collection's TP group, not another CP group.
+    with pytest.raises(NotImplementedError, match="MLASelfAttention communicates over parallel_state's cp group"):
+        _mla_gpt(1, pgs)
+    with pytest.raises(NotImplementedError, match="MultiTokenPredictionBlock communicates over parallel_state's cp"):
+        _gpt_with(tiny_config(style="llama", mtp_num_layers=1), pg_collection=pgs, position_embedding_type="rope")
 
 
 def test_schedule_hands_its_groups_to_finalize_and_refuses_shape_hooks(single_rank):

@@ -17,14 +17,16 @@ independent reference is the whole model (every size 1, no collection): (b)'s pe
 parts added) and gradient norms equal its own within 2e-5 at both steps (step 2's loss checks step 1's update); and
 every rank must see the same losses, gradient norms and parameters in (a) and (b). (b) then saves
 ``model.sharded_state_dict()`` with ``dist_checkpointing.save`` (replicas and expert shards from the collection's
-groups); loaded into the whole model it gives the whole run's trained weights (< 1e-4; the weights are ~0.05). If any module still reached
-parallel_state's (size-1) groups, run (b) would train another model: unsplit heads or vocabulary, no pipeline
-exchange, no expert all-to-all, no CP ring.
+groups); loaded into the whole model it gives the whole run's trained weights (< 1e-4; the weights are ~0.05).
+If any module still reached parallel_state's (size-1) groups, run (b) would train another model: unsplit heads or
+vocabulary, no pipeline exchange, no expert all-to-all, no CP ring. Every tensor starts from one global value drawn
+from its checkpoint key (``set_global_weights``), so that all layouts start from the same model.
 """
 import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
+from helpers.models_helpers import set_global_weights
 
 SEQ, MICRO_BATCH, MICRO_BATCHES, VOCAB = 16, 2, 2, 64
 LAYOUTS = {"tp2-pp2-ep2": dict(tp=2, cp=1, pp=2, ep=2, dist_opt=False),
@@ -67,31 +69,6 @@ def _collection(layout):
     return pgs
 
 
-def _set_global_weights(model):
-    """Give every tensor of the model the values of one global tensor drawn from its checkpoint key, sliced by its
-    sharded_state_dict's offsets: the same weights whatever the layout (a pipeline stage draws its layers from another
-    point of the RNG stream at construction). Norm weights keep their ones."""
-    import zlib
-
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    def leaves(tree):
-        for value in tree.values() if isinstance(tree, dict) else tree:
-            yield from leaves(value) if isinstance(value, (dict, list)) else [value]
-
-    with torch.no_grad():
-        for sh in leaves(model.sharded_state_dict()):
-            assert not isinstance(sh, ShardedTensorFactory), sh
-            if not isinstance(sh, ShardedTensor) or "norm" in sh.key:
-                continue
-            g = torch.Generator().manual_seed(zlib.crc32(sh.key.encode()))
-            full = 0.05 * torch.randn(sh.global_shape, generator=g)
-            pre = sh.prepend_axis_num  # leading axes (the expert index) the local tensor does not have
-            index = tuple(off if axis < pre else slice(off, off + sh.local_shape[axis - pre])
-                          for axis, off in enumerate(sh.global_offset))
-            sh.data.copy_(full[index])
-
-
 def _build(layout, pgs):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -121,7 +98,7 @@ def _train(layout, pgs, save_dir=None):
     pp_rank, pp_size = pg_rank(pgs, "pp"), pg_size(pgs, "pp")
     model = _build(layout, pgs)
     config = model.config
-    _set_global_weights(model)
+    set_global_weights(model)
     dist_opt = layout["dist_opt"]  # sharded over the collection's dp_cp / expt_dp groups
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt), model,
                                   pg_collection=pgs)

@@ -103,3 +103,28 @@ def spread_moe_weights(model, expert_std: float):
                 p.normal_(0, 0.5)
             elif "experts" in name:
                 p.normal_(0, expert_std)
+
+
+def set_global_weights(model):
+    """Give every tensor of the model the values of one global tensor drawn from its checkpoint key, sliced by its
+    sharded_state_dict's offsets: the same weights whatever the layout (a pipeline stage draws its layers from another
+    point of the RNG stream at construction). Norm weights keep their ones."""
+    import zlib
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def leaves(tree):
+        for value in tree.values() if isinstance(tree, dict) else tree:
+            yield from leaves(value) if isinstance(value, (dict, list)) else [value]
+
+    with torch.no_grad():
+        for sh in leaves(model.sharded_state_dict()):
+            assert not isinstance(sh, ShardedTensorFactory), sh
+            if not isinstance(sh, ShardedTensor) or "norm" in sh.key:
+                continue
+            g = torch.Generator().manual_seed(zlib.crc32(sh.key.encode()))
+            full = 0.05 * torch.randn(sh.global_shape, generator=g)
+            pre = sh.prepend_axis_num  # leading axes (the expert index) the local tensor does not have
+            index = tuple(off if axis < pre else slice(off, off + sh.local_shape[axis - pre])
+                          for axis, off in enumerate(sh.global_offset))
+            sh.data.copy_(full[index])
