@@ -13,6 +13,7 @@ validation can compute the data-parallel size before anything is initialised.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -142,3 +143,19 @@ def export_launch_env(launch: LaunchEnv) -> None:
     os.environ["LOCAL_RANK"] = str(launch.local_rank)
     os.environ["MASTER_ADDR"] = launch.master_addr
     os.environ["MASTER_PORT"] = str(launch.master_port)
+
+
+@contextlib.contextmanager
+def posing_as_rank(rank: int, world_size: int):
+    """Within the block, torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (0) say this process is ``rank`` of
+    ``world_size`` (a fake process group's rank, or argument validation for another world); restored after."""
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -20,6 +20,7 @@ import torch
 
 from megatron.core import device, parallel_state
 from megatron.core.distributed.memory import resident_state_bytes
+from megatron.training.launch_env import posing_as_rank
 from megatron.training.theoretical_memory import GB, MB, report_theoretical_memory
 
 STATE_KINDS = ("weights", "grads", "optimizer")
@@ -70,20 +71,6 @@ def format_rank_memory_report(report: dict) -> str:
     ])
 
 
-@contextlib.contextmanager
-def _launch_env(rank: int, world_size: int):
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def build_rank(argv: List[str], rank: int, world_size: int, model_provider, model_type, meta: bool = True,
                args_defaults=None) -> dict:
     """Build rank ``rank`` of a ``world_size``-rank job for the Megatron flags ``argv`` in this process (fake process
@@ -98,7 +85,7 @@ def build_rank(argv: List[str], rank: int, world_size: int, model_provider, mode
         raise RuntimeError("build_rank needs a process without torch.distributed (it creates a fake process group)")
     # On the meta device there are no values to initialise (and torch's meta normal_ pulls in torch._dynamo).
     extra = ["--fake-process-group"] + (["--no-initialization"] if meta else [])
-    with _launch_env(rank, world_size):
+    with posing_as_rank(rank, world_size):
         initialize_megatron(argv=list(argv) + extra, args_defaults=args_defaults or {})
     try:
         args = global_vars.get_args()
