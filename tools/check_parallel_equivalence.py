@@ -13,7 +13,8 @@ per-tensor delayed scaling (emulated on CPU), the MoE routing options (top-k, sc
 load-balancing / z loss, expert bias, shared expert, grouped GEMM, token dispatcher), multi-latent attention and
 multi-token prediction. A tiny GPT (or MoE GPT) trains ``--iterations`` steps on mock data on gloo ranks, every layout
 starting from the same torch_dist checkpoint (written once per model by a single rank, loaded with ``--finetune``,
-resharded by the loader; FSDP runs start from ``--use-cpu-initialization`` on both sides instead); the
+resharded by the loader, into torch FSDP2's shards too; Megatron-FSDP runs start from ``--use-cpu-initialization`` on
+both sides instead); the
 language-model loss and the gradient norm of every iteration are compared with the single-rank run of the same model
 and features (and optimizer settings), relative tolerance ``--rtol`` (``--fp8-rtol`` with FP8). A failure (a
 mismatch or a crash) is shrunk by dropping one option at a time (with the options that need it) while it still fails
@@ -222,9 +223,10 @@ def refusal(combo: Combination) -> Optional[str]:
 
 
 def _draw_fsdp(rng, o, ep):
-    """torch FSDP2 (EP 1) or Megatron-FSDP, without pipeline parallelism. Neither can load the shared torch_dist
-    checkpoint yet (FSDP2's DTensor parameters, Megatron-FSDP's fsdp_dtensor format), so both sides start from
-    --use-cpu-initialization (full weights drawn on the CPU, then sharded: the same for every layout without PP)."""
+    """torch FSDP2 (EP 1) or Megatron-FSDP, without pipeline parallelism. FSDP2 loads the shared torch_dist
+    checkpoint (resharded into its DTensor shards); Megatron-FSDP saves fsdp_dtensor and does not load it, so for it
+    both sides start from --use-cpu-initialization (full weights drawn on the CPU, then sharded: the same for every
+    layout without PP)."""
     for option in ("--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size"):
         o.pop(option, None)
     if ep == 1 and rng.random() < 0.5:
@@ -233,8 +235,7 @@ def _draw_fsdp(rng, o, ep):
     else:
         strategy = rng.choice(["no_shard", "optim", "optim_grads", "optim_grads_params"])
         o.update({"--use-megatron-fsdp": (), "--data-parallel-sharding-strategy": (strategy,),
-                  "--ckpt-format": ("fsdp_dtensor",)})
-    o["--use-cpu-initialization"] = ()
+                  "--ckpt-format": ("fsdp_dtensor",), "--use-cpu-initialization": ()})
 
 
 def _draw_moe(rng, o, ep, etp, tp):

@@ -513,9 +513,10 @@ class RerunStateMachine:
                 node, dev = node_and_device()
                 self.suspicious_node, self.suspicious_device = node, dev
                 self._track(RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE, value, message)
+                then = "need to rerun on a different device to verify correctness" if fatal else \
+                    f"not a fatal check ({message}): training goes on"
                 self.events.append(f"[rerun] {self._where(rank)}: first rerun: the unexpected result is reproducible "
-                                   f"within the tolerance {tolerance:g} ({value:g} = {initial:g}); need to rerun on "
-                                   f"a different device to verify correctness{note}")
+                                   f"within the tolerance {tolerance:g} ({value:g} = {initial:g}); {then}{note}")
                 if fatal:
                     self.flags[_CHECKPOINT] = 1
         elif self.state == RerunState.RERUNNING_FROM_CHECKPOINT:

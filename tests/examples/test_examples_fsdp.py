@@ -13,7 +13,7 @@ from helpers.examples_helpers import FAKE_SRUN, install_fake, iteration_lines, r
 
 pytestmark = pytest.mark.timeout(300)
 SMALL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --kv-channels 8 --seq-length 32 "
-         "--max-position-embeddings 32 --vocab-size 500 --micro-batch-size 1 --global-batch-size 4 "
+         "--max-position-embeddings 32 --vocab-size 500 --micro-batch-size 2 --global-batch-size 4 "
          "--train-samples 12 --lr-decay-samples 12 --lr-warmup-samples 4 --save-interval 3 --eval-iters 0 "
          "--num-workers 0 --distributed-backend gloo --log-interval 1")
 

@@ -157,3 +157,39 @@ def test_data_replay_report_stats_and_disabled_mode():
     with pytest.raises(ResultRejectedError, match=r"^iteration 2: found NaN in local forward loss calculation on "
                                                    r"rank 0 \(node \S+, device \S+\): unexpected result nan"):
         _iteration(disabled, [math.nan])
+
+
+def test_spiky_loss_and_large_grads_flags_validate_through_the_machine(monkeypatch):
+    """--check-for-spiky-loss / --check-for-large-grads (megatron/training/numerical_checks.py): the first 100
+    losses / grad norms only record their largest value; then a loss (grad norm) of 10x that is rejected, re-run
+    in place and, reproducible and non-fatal, the run goes on (exit nothing); a NaN is left to the NaN check."""
+    from megatron.training import numerical_checks as nc
+
+    lines = []
+    m = _machine(lines=lines)
+    monkeypatch.setattr(rsm, "_MACHINE", m)
+    checks = nc.ResultChecks(nan=False, allow_inf=False, spiky_loss=True, large_grads=True)
+    layer = torch.nn.Linear(2, 2, bias=False)
+
+    def iteration(loss, grad):
+        passes = 0
+        while m.should_run_forward_backward(None):
+            nc.validate_loss(torch.tensor(loss), checks)
+            layer.weight.grad = torch.full((2, 2), grad / 2.0)  # norm = grad
+            nc.validate_grads([layer], checks)
+            passes += 1
+        return passes, m.should_checkpoint_and_exit()
+
+    for i in range(100):
+        assert iteration(1.0 + i / 100, 0.5) == (1, (False, False, 0))
+    assert iteration(19.8, 4.9) == (1, (False, False, 0))  # below 10 x 1.99 and 10 x 0.5
+    assert iteration(20.0, 0.5) == (2, (False, False, 0))  # spiky (>= 19.9): re-run, reproducible, go on
+    assert any("unexpected result 20 at iteration 102, validation call #1 (message='Spiky loss')" in line
+               for line in lines), lines
+    assert lines[-1].endswith("first rerun: the unexpected result is reproducible within the tolerance 0 (20 = 20); not "
+                              "a fatal check (Spiky loss): training goes on"), lines
+    lines.clear()
+    assert iteration(1.0, 5.0) == (2, (False, False, 0))  # large grads (>= 5.0)
+    assert any("unexpected result 5 at iteration 103, validation call #1 (message='found unexpectedly large "
+               "grads')" in line for line in lines), lines
+    assert iteration(math.nan, math.nan) == (1, (False, False, 0))  # not "large": the NaN check's job (off here)
