@@ -15,14 +15,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from megatron.core.rank_grid import (  # noqa: F401 - default_*_ranks, generate_*: megatron-core's names here
-    RankGenerator,
-    default_embedding_ranks,
-    default_position_embedding_ranks,
-    embedding_ranks_of,
-    expert_rank_generator,
-    generate_masked_orthogonal_rank_groups,
-)
+from megatron.core.rank_grid import (RankGenerator, default_embedding_ranks, default_position_embedding_ranks,  # noqa
+                                     embedding_ranks_of, expert_rank_generator, generate_masked_orthogonal_rank_groups)
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer
 
 # Process groups of this rank.
