@@ -171,3 +171,30 @@ def test_schedule_table_and_first_val_step():
     assert get_schedule_table(3, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
     assert check_first_val_step(None, True, True) and not check_first_val_step(False, True, True)
     assert check_first_val_step(False, False, True) and not check_first_val_step(True, True, False)
+
+
+def test_layer_and_attention_classes_and_optimizer_configs(single_rank):
+    from helpers.models_helpers import tiny_config
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer.optimizer_config import AdamOptimizerConfig, SGDOptimizerConfig
+    from megatron.core.transformer.attention import Attention, CrossAttention, SelfAttention
+    from megatron.core.transformer.transformer_layer import (BaseTransformerLayer, MoETransformerLayer,
+                                                             NoopTransformerLayer, TransformerLayer)
+
+    assert issubclass(SelfAttention, Attention) and issubclass(CrossAttention, Attention)
+    layer = TransformerLayer(tiny_config(), get_gpt_layer_local_spec().submodules)
+    assert isinstance(layer, BaseTransformerLayer) and isinstance(NoopTransformerLayer(1), BaseTransformerLayer)
+    assert mamba_stack_spec.submodules.moe_layer.module is MoETransformerLayer
+    moe = MoETransformerLayer(tiny_config(), get_gpt_layer_local_spec().submodules)
+    assert moe.is_moe_layer and isinstance(moe, TransformerLayer)
+
+    model = torch.nn.Linear(4, 4)
+    model.config = tiny_config()
+    sgd = get_megatron_optimizer(SGDOptimizerConfig(lr=0.1, sgd_momentum=0.5), [model])
+    adam = get_megatron_optimizer(AdamOptimizerConfig(lr=0.1, adam_beta2=0.95), [model])
+    inner = [getattr(o, "optimizer", o) for o in (sgd, adam)]
+    assert isinstance(inner[0], torch.optim.SGD) and inner[0].param_groups[0]["momentum"] == 0.5
+    assert isinstance(inner[1], torch.optim.Adam | torch.optim.AdamW) and inner[1].param_groups[0]["betas"][1] == 0.95
