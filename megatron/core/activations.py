@@ -23,3 +23,8 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(1.702 x)``, the sigmoid approximation of GeLU (gpt-oss's gate, ``--quick-geglu``)."""
     return x * torch.sigmoid(1.702 * x)
+
+
+
+# megatron-core's name for the same tanh approximation.
+fast_gelu = openai_gelu

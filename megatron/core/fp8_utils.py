@@ -83,6 +83,11 @@ class Fp8Recipe:
         return E5M2 if (self.fp8_format == "hybrid" and index == GRAD_OUTPUT) else E4M3
 
 
+def get_fp8_align_size(fp8_recipe) -> int:
+    """Alignment (in rows) an FP8 GEMM needs: 32 for the ``mxfp8`` recipe (its 1x32 scaling blocks), else 16."""
+    return 32 if str(getattr(fp8_recipe, "value", fp8_recipe)) == "mxfp8" else 16
+
+
 def fp8_recipe_from_config(config) -> Optional[Fp8Recipe]:
     """The FP8 recipe of a ``TransformerConfig`` (None when FP8 is off or the config has no FP8 fields)."""
     fmt = getattr(config, "fp8", None)  # plain ModelParallelConfigs (not transformers) have no FP8 fields

@@ -15,7 +15,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from megatron.core.rank_grid import RankGenerator, embedding_ranks_of, expert_rank_generator
+from megatron.core.rank_grid import (RankGenerator, default_embedding_ranks, default_position_embedding_ranks,  # noqa
+                                     embedding_ranks_of, expert_rank_generator, generate_masked_orthogonal_rank_groups)
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer
 
 # Process groups of this rank.
@@ -67,6 +68,7 @@ _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = None
 _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
 _MPU_TENSOR_MODEL_PARALLEL_RANK = None
 _MPU_PIPELINE_MODEL_PARALLEL_RANK = None
+_MPU_DATA_PARALLEL_RANK = None
 
 _GLOBAL_MEMORY_BUFFER = None
 
@@ -82,6 +84,17 @@ def _new_group(ranks: Sequence[int], timeout: Optional[timedelta], backend: Opti
     if backend is not None:
         kwargs["backend"] = backend
     return torch.distributed.new_group(list(ranks), **kwargs)
+
+
+def create_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+                 group_desc=None):
+    """``torch.distributed.new_group`` with megatron-core's keywords (``group_desc`` names the group in torch's
+    logs); collective over the world like ``new_group``."""
+    kwargs = {"ranks": ranks, "backend": backend, "pg_options": pg_options,
+              "use_local_synchronization": use_local_synchronization, "group_desc": group_desc}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    return torch.distributed.new_group(**kwargs)
 
 
 def initialize_model_parallel(
@@ -468,8 +481,17 @@ def get_data_parallel_world_size(with_context_parallel: bool = False, partial_da
     return 0
 
 
+def set_data_parallel_rank(rank):
+    """Override what ``get_data_parallel_rank`` returns (``None`` clears it; ``destroy_model_parallel`` too)."""
+    global _MPU_DATA_PARALLEL_RANK
+    _MPU_DATA_PARALLEL_RANK = rank
+
+
 def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
-    """Rank in the DP (or DP x CP: ``cp_rank + CP * dp_rank``) group; 0 without torch.distributed."""
+    """Rank in the DP (or DP x CP: ``cp_rank + CP * dp_rank``) group; 0 without torch.distributed; the value of
+    ``set_data_parallel_rank`` when one was set."""
+    if _MPU_DATA_PARALLEL_RANK is not None:
+        return _MPU_DATA_PARALLEL_RANK
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(group=get_data_parallel_group(with_context_parallel, partial_data_parallel))
     return 0
@@ -744,6 +766,13 @@ def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = Fal
 
 # ----------------------------------------------------------------------------------- memory buffer
 
+def get_all_ranks() -> str:
+    """This rank's coordinates as ``"<tp>_<dp>_<cp>_<pp>_<ep>"`` (e.g. for per-rank file names)."""
+    ranks = [get_tensor_model_parallel_rank(), get_data_parallel_rank(), get_context_parallel_rank(),
+             get_pipeline_model_parallel_rank(), get_expert_model_parallel_rank()]
+    return "_".join(str(r or 0) for r in ranks)
+
+
 def get_global_memory_buffer() -> GlobalMemoryBuffer:
     if _GLOBAL_MEMORY_BUFFER is None:
         raise AssertionError("global memory buffer is not initialized")
@@ -773,6 +802,7 @@ def destroy_model_parallel():
     global _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP
     global _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE, _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     global _MPU_TENSOR_MODEL_PARALLEL_RANK, _MPU_PIPELINE_MODEL_PARALLEL_RANK, _GLOBAL_MEMORY_BUFFER
+    global _MPU_DATA_PARALLEL_RANK
     _TENSOR_MODEL_PARALLEL_GROUP = _PIPELINE_MODEL_PARALLEL_GROUP = _MODEL_PARALLEL_GROUP = None
     _EMBEDDING_GROUP = _POSITION_EMBEDDING_GROUP = _DATA_PARALLEL_GROUP = _DATA_PARALLEL_GROUP_GLOO = None
     _CONTEXT_PARALLEL_GROUP = _AMAX_REDUCTION_GROUP = None
@@ -781,7 +811,7 @@ def destroy_model_parallel():
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
     _PIPELINE_MODEL_PARALLEL_SPLIT_RANK = None
     _MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = _MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
-    _MPU_TENSOR_MODEL_PARALLEL_RANK = _MPU_PIPELINE_MODEL_PARALLEL_RANK = None
+    _MPU_TENSOR_MODEL_PARALLEL_RANK = _MPU_PIPELINE_MODEL_PARALLEL_RANK = _MPU_DATA_PARALLEL_RANK = None
     _DATA_PARALLEL_GROUP_WITH_CP = _DATA_PARALLEL_GROUP_WITH_CP_GLOO = _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = None
     _TENSOR_AND_CONTEXT_PARALLEL_GROUP = _TENSOR_AND_DATA_PARALLEL_GROUP = None
     _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = None

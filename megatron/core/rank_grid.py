@@ -111,18 +111,39 @@ class RankGenerator:
         inside = set(d.strip() for d in token.lower().split("-"))
         if not inside <= set(self.order):
             raise RuntimeError(f"unknown dimension in group token {token!r}")
-        in_dims = [d for d in self.order if d in inside]
-        out_dims = [d for d in self.order if d not in inside]
+        return generate_masked_orthogonal_rank_groups(self.world_size, [self.sizes[d] for d in self.order],
+                                                      [d in inside for d in self.order])
 
-        def product(dims):
-            # itertools.product varies the *last* element fastest; reverse so the first dim is fastest.
-            for combo in itertools.product(*[range(self.sizes[d]) for d in reversed(dims)]):
-                yield dict(zip(reversed(dims), combo))
 
-        groups = []
-        for outer in product(out_dims):
-            groups.append([self.rank_of({**outer, **inner}) for inner in product(in_dims)])
-        return groups
+def generate_masked_orthogonal_rank_groups(world_size: int, parallel_size: List[int],
+                                           mask: List[bool]) -> List[List[int]]:
+    """The groups spanned by the dimensions where ``mask`` is True of a grid whose sizes are ``parallel_size``
+    (first dimension fastest: ``rank = sum_i c_i * prod_{j<i} size_j``).
+
+    Ranks whose coordinates agree on every unmasked dimension form one group; inside a group the masked
+    coordinates run first-fastest, and groups are listed with the unmasked coordinates first-fastest. E.g.
+    sizes ``[2, 3, 4]`` (tp, dp, pp) with mask ``[False, True, False]`` gives the 8 dp groups
+    ``[0, 2, 4], [1, 3, 5], [6, 8, 10], ...``.
+    """
+    total = 1
+    for size in parallel_size:
+        total *= size
+    if total != world_size:
+        raise RuntimeError(f"world_size ({world_size}) is not the product of the parallel sizes {list(parallel_size)}")
+    strides, stride = [], 1
+    for size in parallel_size:
+        strides.append(stride)
+        stride *= size
+    dims_in = [i for i, m in enumerate(mask) if m]
+    dims_out = [i for i, m in enumerate(mask) if not m]
+
+    def offsets(dims):
+        # itertools.product varies the *last* element fastest; reverse so the first dimension is fastest.
+        for combo in itertools.product(*[range(parallel_size[i]) for i in reversed(dims)]):
+            yield sum(c * strides[i] for i, c in zip(reversed(dims), combo))
+
+    inner = list(offsets(dims_in))
+    return [[base + off for off in inner] for base in offsets(dims_out)]
 
 
 def expert_rank_generator(world_size: int, tp: int, pp: int, expert_model_parallel_size: int = 1,
@@ -139,6 +160,16 @@ def expert_rank_generator(world_size: int, tp: int, pp: int, expert_model_parall
     return RankGenerator(tp=etp, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, cp=1, order=order)
 
 
+def default_embedding_ranks(pp_ranks: Sequence[int]) -> List[int]:
+    """The stages holding the word embedding of one pipeline group: the first and the last (one rank: itself)."""
+    return [pp_ranks[0]] if len(pp_ranks) == 1 else [pp_ranks[0], pp_ranks[-1]]
+
+
+def default_position_embedding_ranks(pp_ranks: Sequence[int]) -> List[int]:
+    """The stage holding the position embedding of one pipeline group: the first."""
+    return [pp_ranks[0]]
+
+
 def embedding_ranks_of(pipeline_ranks: Sequence[int], split_rank: Optional[int] = None):
     """(embedding ranks, position-embedding ranks) of one pipeline group.
 
@@ -149,8 +180,8 @@ def embedding_ranks_of(pipeline_ranks: Sequence[int], split_rank: Optional[int] 
     ranks = list(pipeline_ranks)
     if len(ranks) == 1:
         return ranks, ranks
-    emb = [ranks[0], ranks[-1]]
-    pos = [ranks[0]]
+    emb = default_embedding_ranks(ranks)
+    pos = default_position_embedding_ranks(ranks)
     if split_rank is not None:
         if ranks[split_rank] not in emb:
             emb = [ranks[0], ranks[split_rank], ranks[-1]]

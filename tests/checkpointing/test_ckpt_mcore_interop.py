@@ -197,7 +197,7 @@ def ours_body(root):
               for style in STYLES for saved_tp in SAVED_TPS}
     saved = {style: save_body(style, root) for style in STYLES}
     described = {(style, tp): describe_body(style, tp) for style in STYLES for tp in SAVED_TPS}
-    return {"loaded": loaded, "saved": saved, "described": described}
+    return {"loaded": loaded, "saved": saved, "described": described, "moe": moe_body(root)}
 
 
 def _compare_described(ours, theirs, label):
@@ -226,13 +226,16 @@ def test_sharded_state_dict_matches_megatron_core(interop, style):
 
 @pytest.fixture(scope="module")
 def interop(oracle, tmp_path_factory):
+    """One oracle launch saving every megatron-core checkpoint (dense and MoE), one launch of our ranks loading and
+    saving (:func:`ours_body`, :func:`moe_body`), one oracle launch loading ours."""
     root = tmp_path_factory.mktemp("mcore_interop")
     _run_oracle(oracle, root, [dict(mode="save", style=style, tp=tp, pp=1, ckpt=root / f"mcore_{style}_tp{tp}",
-                                    out=root / f"ref_{style}_tp{tp}.pt") for style in STYLES for tp in SAVED_TPS])
+                                    out=root / f"ref_{style}_tp{tp}.pt") for style in STYLES for tp in SAVED_TPS]
+                + _moe_save_jobs(root))
     outputs = run_distributed(ours_body, 2, str(root), timeout=400)
     _run_oracle(oracle, root, [dict(mode="load", style=style, tp=load_tp, pp=1, ckpt=root / f"ours_{style}_tp{tp}_pp{pp}",
                                     out=root / f"mcore_from_{style}_tp{tp}_pp{pp}.pt")
-                               for style in STYLES for tp, pp, load_tp in SAVE_LAYOUTS])
+                               for style in STYLES for tp, pp, load_tp in SAVE_LAYOUTS] + _moe_load_jobs(root))
     return root, outputs
 
 
@@ -318,7 +321,20 @@ def moe_body(root):
     return out
 
 
-def test_moe_checkpoints_move_both_ways_with_megatron_core(oracle, tmp_path):
+def _moe_save_jobs(root):
+    return [dict(mode="save", style="mixtral", tp=1, pp=1, ep=2, ckpt=root / "mcore_ep2", out=root / "ref.pt"),
+            dict(mode="save", style="deepseek", tp=1, pp=1, ep=2, ckpt=root / "mcore_deepseek",
+                 out=root / "ref_deepseek.pt")]
+
+
+def _moe_load_jobs(root):
+    return [dict(mode="load", style="mixtral", tp=1, pp=1, ep=1, ckpt=root / "ours_ep2",
+                 out=root / "mcore_from_ours.pt"),
+            dict(mode="load", style="deepseek", tp=1, pp=1, ep=1, ckpt=root / "ours_deepseek",
+                 out=root / "mcore_from_ours_deepseek.pt")]
+
+
+def test_moe_checkpoints_move_both_ways_with_megatron_core(interop):
     """MoE (4 experts, top-2, SequentialMLP): megatron-core at EP=2 saves, we load at EP=2, EP=1 and PP=2; we save
     at EP=2, megatron-core loads at EP=1. Same logits (expert keys [L, E, ...], gate/up halves, _extra_state).
 
@@ -327,16 +343,8 @@ def test_moe_checkpoints_move_both_ways_with_megatron_core(oracle, tmp_path):
     of the heterogeneous stack, mtp.layers.0.*), we load at TP=1, TP=2 + SP and EP=2: equal logits and MTP loss; we
     save at TP=2 + SP (Transformer Engine's norm names), megatron-core loads it at TP=1 with its TE-spec keys: equal
     logits and MTP loss."""
-    _run_oracle(oracle, tmp_path, [
-        dict(mode="save", style="mixtral", tp=1, pp=1, ep=2, ckpt=tmp_path / "mcore_ep2", out=tmp_path / "ref.pt"),
-        dict(mode="save", style="deepseek", tp=1, pp=1, ep=2, ckpt=tmp_path / "mcore_deepseek",
-             out=tmp_path / "ref_deepseek.pt")])
-    outputs = run_distributed(moe_body, 2, str(tmp_path), timeout=400)
-    _run_oracle(oracle, tmp_path, [
-        dict(mode="load", style="mixtral", tp=1, pp=1, ep=1, ckpt=tmp_path / "ours_ep2",
-             out=tmp_path / "mcore_from_ours.pt"),
-        dict(mode="load", style="deepseek", tp=1, pp=1, ep=1, ckpt=tmp_path / "ours_deepseek",
-             out=tmp_path / "mcore_from_ours_deepseek.pt")])
+    tmp_path, outputs = interop  # (the interop fixture's launches ran the MoE jobs and moe_body too)
+    outputs = [o["moe"] for o in outputs]
     expected = torch.load(tmp_path / "ref.pt")
     differences = [d for rank, o in enumerate(outputs) for d in _compare_described(
         o["described"], torch.load(tmp_path / f"ref.pt.sharded{rank}"), f"mixtral EP=2 rank {rank}")]

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import group_of, pg_group, pg_size, require_mpu_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import loss_auto_scaler
@@ -66,6 +66,39 @@ def get_gpt_mtp_block_spec(config, spec,
 
 
 # ------------------------------------------------------------------------------------------------------ rolling
+def _on_last_stage(ignore_virtual: bool, vp_stage: Optional[int]) -> bool:
+    if parallel_state.get_pipeline_model_parallel_rank() != parallel_state.get_pipeline_model_parallel_world_size() - 1:
+        return False
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if ignore_virtual or vpp is None:
+        return True
+    stage = parallel_state.get_virtual_pipeline_model_parallel_rank() if vp_stage is None else vp_stage
+    return stage == vpp - 1
+
+
+def get_mtp_ranks(pp_ranks: List[int], config) -> List[int]:
+    """The ranks of a pipeline group that hold MTP depths: the last stage's (none without ``mtp_num_layers``; a
+    custom pipeline layout, which could place them elsewhere, is not supported here)."""
+    return [pp_ranks[-1]] if config.mtp_num_layers else []
+
+
+def mtp_on_this_rank(config, ignore_virtual: Optional[bool] = True, vp_stage: Optional[int] = None) -> bool:
+    """Whether this rank builds the MTP block: with ``mtp_num_layers``, on the last pipeline stage (and, unless
+    ``ignore_virtual``, on its last virtual chunk: ``vp_stage``, else parallel_state's virtual rank)."""
+    return bool(config.mtp_num_layers) and _on_last_stage(bool(ignore_virtual), vp_stage)
+
+
+def get_mtp_layer_offset(config, vp_stage: Optional[int] = None) -> int:
+    """The global index of this rank's first MTP depth: 0 (every depth lives on the last stage)."""
+    return 0
+
+
+def get_mtp_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> int:
+    """How many MTP depths this rank (or virtual chunk ``vp_stage``) builds: all ``mtp_num_layers`` on the last
+    pipeline stage's last chunk, else 0."""
+    return (config.mtp_num_layers or 0) if _on_last_stage(False, vp_stage) else 0
+
+
 def roll_tensor(tensor: torch.Tensor, cp_group=None):
     """``(tensor rolled left by one along its last dim with the vacated slot 0, sum of the result)``; with a context-
     parallel group of size > 1 the roll is global over the zig-zag chunks (module docstring)."""

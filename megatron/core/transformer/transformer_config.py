@@ -45,6 +45,22 @@ def check_moe_routing(load_balancing_type, aux_loss_coeff, topk: int, score_func
                          "zero: pass --moe-router-pre-softmax (as Megatron requires)")
 
 
+def is_layer_window_attention(window_size: Optional[Tuple[int, int]], window_attn_skip_freq: Union[int, List[int], None],
+                              layer_number: int) -> bool:
+    """Whether layer ``layer_number`` (1-based) uses sliding-window attention: never without ``window_size``;
+    every layer when ``window_attn_skip_freq`` is None; with an int N the layers whose number is not a multiple of
+    N; with a list, the layers whose entry is truthy (entry ``layer_number - 1``)."""
+    if not window_size:
+        return False
+    if window_attn_skip_freq is None:
+        return True
+    if isinstance(window_attn_skip_freq, int):
+        return layer_number % window_attn_skip_freq != 0
+    if isinstance(window_attn_skip_freq, (list, tuple)):
+        return bool(window_attn_skip_freq[layer_number - 1])
+    raise ValueError(f"window_attn_skip_freq must be None, an int or a list, got {window_attn_skip_freq!r}")
+
+
 @dataclass
 class TransformerConfig(ModelParallelConfig):
     """Transformer settings; derived sizes are filled and contradictions rejected in ``__post_init__``."""
@@ -479,14 +495,7 @@ class TransformerConfig(ModelParallelConfig):
 
     def is_window_attention_layer(self, layer_number: int) -> bool:
         """Whether global layer ``layer_number`` (1-based) attends within ``window_size`` (see the field)."""
-        if self.window_size is None:
-            return False
-        freq = self.window_attn_skip_freq
-        if freq is None:
-            return True
-        if isinstance(freq, int):
-            return layer_number % freq != 0
-        return bool(freq[layer_number - 1])
+        return is_layer_window_attention(self.window_size, self.window_attn_skip_freq, layer_number)
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer ``layer_number`` (1-based) has an MoE MLP (``moe_layer_freq``)."""

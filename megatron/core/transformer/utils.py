@@ -20,6 +20,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
 from megatron.core.fusions.fused_layer_norm import param_device
 from megatron.core.fusions.fused_softmax import attention_mask_func  # noqa: F401  (megatron-core's path)
+from megatron.core.transformer.transformer_config import is_layer_window_attention  # noqa: F401  (megatron-core's path)
 from megatron.core.utils import (make_sharded_object_for_checkpoint, make_sharded_tensor_for_checkpoint,  # noqa: F401
                                  make_sharded_tensors_for_checkpoint, make_tp_sharded_tensor_for_checkpoint)
 

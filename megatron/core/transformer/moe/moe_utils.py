@@ -176,6 +176,97 @@ def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tens
     return expert_bias + torch.sign(average - tokens_per_expert) * rate
 
 
+def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor,
+                            expert_bias_update_rate: float) -> torch.Tensor:
+    """megatron-core's form of :func:`updated_expert_bias`: first sums ``tokens_per_expert`` in place over
+    parallel_state's tensor x data x context parallel group, then moves the bias by the rate."""
+    from megatron.core import parallel_state
+
+    with torch.no_grad():
+        torch.distributed.all_reduce(
+            tokens_per_expert, group=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True))
+        return updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_rate)
+
+
+def get_tokens_per_expert_and_token_count(routing_map: torch.Tensor, reduce_group, topk: Optional[int] = None,
+                                          with_padding_mask: bool = False):
+    """``(global tokens per expert [E], local token count, total token count)`` of a ``[T, E]`` routing map: the
+    per-expert counts summed over ``reduce_group`` (autograd-aware all-reduce); the token counts are T and
+    ``T x |reduce_group|``, or, ``with_padding_mask`` (padding tokens routed nowhere), the routed pairs / ``topk``
+    locally and globally."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    local_per_expert = routing_map.sum(dim=0)
+    global_per_expert = reduce_from_tensor_model_parallel_region(local_per_expert, reduce_group)
+    if with_padding_mask:
+        return global_per_expert, local_per_expert.sum() / topk, global_per_expert.sum() / topk
+    local_tokens = routing_map.shape[0]
+    return global_per_expert, local_tokens, local_tokens * torch.distributed.get_world_size(group=reduce_group)
+
+
+def pad_routing_map(routing_map: torch.Tensor, pad_multiple: int) -> torch.Tensor:
+    """Route extra tokens to each expert until its token count is a multiple of ``pad_multiple``: in each expert's
+    column of the ``[T, E]`` map the first ``(-count) mod pad_multiple`` unrouted tokens become routed. Modifies
+    ``routing_map`` in place and returns it."""
+    by_expert = routing_map.t()  # a view: [E, T]
+    missing = (-by_expert.sum(dim=1)) % pad_multiple
+    free_rank = torch.cumsum((by_expert == 0).int(), dim=1)  # 1, 2, ... at the unrouted tokens of each expert
+    by_expert[(by_expert == 0) & (free_rank <= missing.unsqueeze(1))] = 1
+    return routing_map
+
+
+def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """A device tensor copied to the host (non-blocking; as a NumPy array with ``as_numpy``; ``record_stream``
+    keeps the device tensor alive for the current stream); anything else is returned unchanged."""
+    if not (torch.is_tensor(tensor) and tensor.device.type != "cpu"):
+        return tensor
+    host = tensor.to("cpu", non_blocking=True)
+    if record_stream and tensor.is_cuda:
+        tensor.record_stream(torch.cuda.current_stream())
+    return host.numpy() if as_numpy else host
+
+
+class RouterGatingLinearFunction(torch.autograd.Function):
+    """``y = x W^T (+ b)`` computed in ``router_dtype`` while only the original (e.g. bf16) ``x``, ``W``, ``b`` are
+    saved for backward: ``dx = dy W``, ``dW = dy^T x`` (in ``router_dtype``, cast back to the inputs' dtypes),
+    ``db = sum_t dy``."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], router_dtype):
+        ctx.save_for_backward(inp, weight, bias)
+        ctx.router_dtype = router_dtype
+        x = inp.reshape(-1, inp.shape[-1]).to(router_dtype)
+        w = weight.to(router_dtype)
+        out = torch.mm(x, w.t()) if bias is None else torch.addmm(bias.to(router_dtype), x, w.t())
+        return out.view(*inp.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        inp, weight, bias = ctx.saved_tensors
+        dtype = ctx.router_dtype
+        dy = grad_output.reshape(-1, grad_output.shape[-1]).to(dtype)
+        grad_input = torch.mm(dy, weight.to(dtype)).to(inp.dtype).view(inp.shape)
+        grad_weight = torch.mm(dy.t(), inp.reshape(-1, inp.shape[-1]).to(dtype)).to(weight.dtype)
+        grad_bias = dy.sum(dim=0).to(bias.dtype) if bias is not None else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+def router_gating_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         router_dtype: torch.dtype) -> torch.Tensor:
+    """The router's logits ``inp W^T (+ bias)`` in ``router_dtype`` (see :class:`RouterGatingLinearFunction`)."""
+    return RouterGatingLinearFunction.apply(inp, weight, bias, router_dtype)
+
+
+def get_align_size_for_quantization(config) -> int:
+    """Token-count alignment the grouped GEMMs need: that of the FP8 recipe with ``config.fp8`` (32 for mxfp8, else
+    16), 16 otherwise."""
+    if getattr(config, "fp8", None):
+        from megatron.core.fp8_utils import get_fp8_align_size
+
+        return get_fp8_align_size(config.fp8_recipe)
+    return 16
+
+
 def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: Optional[int] = None):
     capacity = math.ceil((num_tokens / num_experts) * capacity_factor)
     if min_capacity is not None and capacity < min_capacity:

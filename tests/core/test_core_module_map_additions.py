@@ -1,0 +1,127 @@
+"""Behaviour of the megatron-core names added for the public module map (test_core_module_map.py counts them):
+each checked against an independent computation (plain PyTorch, hand-worked rank tables, the rule written out)."""
+import types
+
+import pytest
+import torch
+
+from helpers.models_helpers import single_rank  # noqa: F401  (fixture)
+
+from megatron.core import parallel_state
+from megatron.core.rank_grid import RankGenerator
+
+
+def test_masked_orthogonal_groups_and_embedding_ranks():
+    gen = parallel_state.generate_masked_orthogonal_rank_groups
+    # sizes (tp, dp, pp) = (2, 3, 4): rank = tp + 2 dp + 6 pp; the dp groups vary dp inside, (tp, pp) outside.
+    dp = gen(24, [2, 3, 4], [False, True, False])
+    assert dp[:3] == [[0, 2, 4], [1, 3, 5], [6, 8, 10]] and len(dp) == 8
+    assert gen(8, [2, 2, 2], [True, False, True]) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1).get_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    with pytest.raises(RuntimeError, match="not the product"):
+        gen(7, [2, 2], [True, False])
+    assert parallel_state.default_embedding_ranks([3, 7, 11]) == [3, 11]
+    assert parallel_state.default_embedding_ranks([5]) == [5]
+    assert parallel_state.default_position_embedding_ranks([3, 7, 11]) == [3]
+
+
+def test_all_ranks_data_parallel_override_and_create_group(single_rank):
+    assert parallel_state.get_all_ranks() == "0_0_0_0_0"
+    parallel_state.set_data_parallel_rank(3)
+    try:
+        assert parallel_state.get_data_parallel_rank() == 3 and parallel_state.get_all_ranks() == "0_3_0_0_0"
+    finally:
+        parallel_state.set_data_parallel_rank(None)
+    assert parallel_state.get_data_parallel_rank() == 0
+    group = parallel_state.create_group([0], group_desc="test-group")
+    x = torch.ones(2)
+    torch.distributed.all_reduce(x, group=group)
+    assert torch.equal(x, torch.ones(2)) and torch.distributed.get_world_size(group) == 1
+
+
+def test_window_attention_rule():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    assert not is_layer_window_attention(None, 2, 1)
+    assert [is_layer_window_attention((4, 0), 2, n) for n in (1, 2, 3, 4)] == [True, False, True, False]
+    assert is_layer_window_attention((4, 0), None, 7)
+    assert [is_layer_window_attention((4, 0), [1, 0, 1], n) for n in (1, 2, 3)] == [True, False, True]
+    cfg = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=2, window_size=(4, 0),
+                            window_attn_skip_freq=2)
+    assert [cfg.is_window_attention_layer(n) for n in (1, 2, 3, 4)] == [True, False, True, False]
+
+
+def test_fast_gelu_and_fp8_align():
+    from megatron.core.activations import fast_gelu
+    from megatron.core.fp8_utils import get_fp8_align_size
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    x = torch.linspace(-4, 4, 33)
+    torch.testing.assert_close(fast_gelu(x), torch.nn.functional.gelu(x, approximate="tanh"))
+    assert get_fp8_align_size("mxfp8") == 32 and get_fp8_align_size("delayed") == 16
+    assert get_align_size_for_quantization(types.SimpleNamespace(fp8=None)) == 16
+    assert get_align_size_for_quantization(types.SimpleNamespace(fp8="e4m3", fp8_recipe="mxfp8")) == 32
+
+
+def test_moe_routing_helpers(single_rank):
+    from megatron.core.transformer.moe import moe_utils
+
+    routing = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 1, 0], [0, 0, 0], [0, 0, 1]], dtype=torch.int)
+    padded = moe_utils.pad_routing_map(routing.clone(), 3)
+    # counts (2, 2, 1) -> 3 each: expert 0 takes its first unrouted token (1), expert 1 token 0, expert 2 tokens 0, 1.
+    expected = routing.clone()
+    expected[1, 0] = expected[0, 1] = expected[0, 2] = expected[1, 2] = 1
+    assert torch.equal(padded, expected) and (padded.sum(0) % 3 == 0).all()
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    per_expert, local, total = moe_utils.get_tokens_per_expert_and_token_count(routing.bool(), group)
+    assert per_expert.tolist() == [2, 2, 1] and local == 5 and total == 5
+    _, local, total = moe_utils.get_tokens_per_expert_and_token_count(routing.bool(), group, topk=1,
+                                                                       with_padding_mask=True)
+    assert float(local) == 5.0 and float(total) == 5.0
+
+    counts, bias = torch.tensor([4.0, 1.0, 1.0]), torch.zeros(3)
+    updated = moe_utils.get_updated_expert_bias(counts, bias, 0.1)
+    torch.testing.assert_close(updated, torch.tensor([-0.1, 0.1, 0.1]))
+    assert moe_utils.maybe_move_tensor_to_cpu(counts) is counts
+
+
+def test_router_gating_linear_matches_fp32_linear_and_saves_low_precision():
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(4, dtype=torch.bfloat16, requires_grad=True)
+    out = router_gating_linear(x, w, b, torch.float32)
+    assert out.dtype == torch.float32 and out.shape == (3, 2, 4)
+    x32, w32, b32 = (t.detach().float().requires_grad_() for t in (x, w, b))
+    ref = torch.nn.functional.linear(x32, w32, b32)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(ref)
+    out.backward(g)
+    ref.backward(g)
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    for ours, theirs in ((x.grad, x32.grad), (w.grad, w32.grad), (b.grad, b32.grad)):
+        torch.testing.assert_close(ours.float(), theirs, atol=2e-2, rtol=2e-2)
+
+
+def test_mtp_placement(single_rank):
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    cfg = types.SimpleNamespace(mtp_num_layers=2)
+    assert mtp.get_mtp_ranks([0, 4, 8], cfg) == [8] and mtp.get_mtp_ranks([0, 4], types.SimpleNamespace(
+        mtp_num_layers=None)) == []
+    # one pipeline stage: it is the last, so it builds every depth
+    assert mtp.mtp_on_this_rank(cfg) and mtp.get_mtp_num_layers_to_build(cfg) == 2
+    assert mtp.get_mtp_layer_offset(cfg) == 0
+    assert not mtp.mtp_on_this_rank(types.SimpleNamespace(mtp_num_layers=None))
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(2)
+    try:
+        assert mtp.get_mtp_num_layers_to_build(cfg, vp_stage=0) == 0
+        assert mtp.get_mtp_num_layers_to_build(cfg, vp_stage=1) == 2
+        assert mtp.mtp_on_this_rank(cfg, ignore_virtual=True, vp_stage=0)
+        assert not mtp.mtp_on_this_rank(cfg, ignore_virtual=False, vp_stage=0)
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
