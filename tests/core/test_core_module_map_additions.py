@@ -125,3 +125,49 @@ def test_mtp_placement(single_rank):
         assert not mtp.mtp_on_this_rank(cfg, ignore_virtual=False, vp_stage=0)
     finally:
         parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+
+
+def test_rank_utils_log_on_one_rank(monkeypatch, caplog):
+    import logging
+
+    from megatron.core._rank_utils import log_single_rank, safe_get_rank
+    from megatron.core.datasets.utils import log_single_rank as datasets_log
+
+    assert datasets_log is log_single_rank
+    if not torch.distributed.is_initialized():
+        monkeypatch.setenv("RANK", "2")
+        assert safe_get_rank() == 2
+        logger = logging.getLogger("module-map-test")
+        with caplog.at_level(logging.INFO, logger="module-map-test"):
+            log_single_rank(logger, logging.INFO, "rank zero only")
+            log_single_rank(logger, logging.INFO, "rank two", rank=2)
+        assert [r.getMessage() for r in caplog.records] == ["rank two"]
+        monkeypatch.setenv("RANK", "x")
+        assert safe_get_rank() == 0
+
+
+def test_moe_module_spec_and_vision_module():
+    from megatron.core.models.common.vision_module.vision_module import VisionModule
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    spec = get_moe_module_spec(use_te=False, num_experts=4)
+    assert spec.module is MoELayer and spec.submodules.experts is SequentialMLP
+    assert get_moe_module_spec(False, 4, moe_grouped_gemm=True).submodules.experts is GroupedMLP
+    with pytest.raises(ImportError, match="(?i)transformer engine|transformer_engine"):
+        get_moe_module_spec(num_experts=4)  # megatron-core's default asks for Transformer Engine layers
+    config = types.SimpleNamespace(num_layers=1)
+    vision = VisionModule(config)
+    assert isinstance(vision, MegatronModule) and vision.config is config
+
+
+def test_schedule_table_and_first_val_step():
+    from megatron.core.pipeline_parallel.schedules import check_first_val_step, get_schedule_table
+
+    assert get_schedule_table(4, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    # an uneven last group takes the remaining micro-batches
+    assert get_schedule_table(3, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
+    assert check_first_val_step(None, True, True) and not check_first_val_step(False, True, True)
+    assert check_first_val_step(False, False, True) and not check_first_val_step(True, True, False)

@@ -8,6 +8,8 @@ from typing import List, Optional, Tuple
 
 import numpy
 
+from megatron.core._rank_utils import log_single_rank  # noqa: F401  (the datasets' import path)
+
 logger = logging.getLogger(__name__)
 
 
@@ -24,23 +26,6 @@ def normalize(weights: List[float]) -> List[float]:
     if not w_sum > 0:
         raise ValueError(f"dataset weights must sum to a positive number, got {list(weights)}")
     return (w / w_sum).tolist()
-
-
-def _global_rank() -> int:
-    try:
-        import torch
-
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank()
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        pass
-    return 0
-
-
-def log_single_rank(log: logging.Logger, *args, rank: int = 0, **kwargs) -> None:
-    """Log only on global rank ``rank`` (every process logs when torch.distributed is not initialised)."""
-    if _global_rank() == rank:
-        log.log(*args, **kwargs)
 
 
 def get_blend_from_list(blend: Optional[List[str]]) -> Optional[Tuple[List[str], Optional[List[float]]]]:

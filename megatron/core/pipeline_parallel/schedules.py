@@ -34,7 +34,7 @@ exchanges. Without them: parallel_state's groups.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Union
+from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch.autograd.variable import Variable
@@ -493,6 +493,26 @@ def forward_backward_pipelining_without_interleaving(
     return forward_data_store
 
 
+def get_schedule_table(num_microbatches: int, num_model_chunks: int,
+                       microbatch_group_size_per_vp_stage: int) -> List[Tuple[int, int]]:
+    """The interleaved schedule's order of ``(micro-batch, model chunk)`` forward passes (backward passes run the
+    chunks in reverse): the micro-batches go in groups of ``microbatch_group_size_per_vp_stage`` (the last group
+    takes what is left); each group runs through chunk 0, then chunk 1, ... E.g. 4 micro-batches, 2 chunks, groups
+    of 2: (0,0) (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1)."""
+    table = []
+    for start in range(0, num_microbatches, microbatch_group_size_per_vp_stage):
+        group = range(start, min(start + microbatch_group_size_per_vp_stage, num_microbatches))
+        table.extend((mb, chunk) for chunk in range(num_model_chunks) for mb in group)
+    return table
+
+
+def check_first_val_step(first_val_step, forward_only, cond):
+    """``cond``, and with ``first_val_step`` given on a forward-only pass, also ``first_val_step``."""
+    if first_val_step is not None and forward_only:
+        return first_val_step and cond
+    return cond
+
+
 def forward_backward_pipelining_with_interleaving(
         *, forward_step_func, data_iterator: List[Iterator], model: List[torch.nn.Module], num_microbatches: int,
         seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int] = None,
@@ -543,8 +563,10 @@ def forward_backward_pipelining_with_interleaving(
     forward_data_store = []
     total_num_tokens = _zero_tokens()
 
+    table = get_schedule_table(num_microbatches, num_chunks, pp_size)
+
     def chunk_id(k, forward):
-        c = (k % (pp_size * num_chunks)) // pp_size
+        c = table[k % total][1]
         return c if forward else num_chunks - c - 1
 
     def set_chunk(c):

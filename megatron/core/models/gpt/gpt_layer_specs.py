@@ -1,6 +1,7 @@
 """Layer specs for megatron-core's GPTModel (``get_gpt_layer_local_spec()``, ``get_gpt_decoder_block_spec()``)."""
 from __future__ import annotations
 
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.multi_token_prediction import get_gpt_mtp_block_spec  # noqa: F401  (megatron-core)
 from megatron.core.transformer.norms import FusedLayerNorm
@@ -8,20 +9,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import (LOCAL_NORM_KEYS_MAP, MLA_NORM_KEYS_MAP, TransformerLayer,
                                                           default_layer_submodules)
-
-
-def get_moe_module_spec(num_experts=None, moe_grouped_gemm=False) -> ModuleSpec:
-    """The MoE MLP: TopKRouter + dispatcher + SequentialMLP (or GroupedMLP with grouped GEMM) + shared experts."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-
-    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-        experts=GroupedMLP if moe_grouped_gemm else SequentialMLP,
-        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(
-            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))))
 
 
 def get_mla_self_attention_spec(qk_layernorm=False) -> ModuleSpec:
@@ -58,7 +45,7 @@ def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layern
         if num_experts is None:
             submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."] = LOCAL_NORM_KEYS_MAP["pre_mlp_layernorm."]
     if num_experts is not None:
-        submodules.mlp = get_moe_module_spec(num_experts, moe_grouped_gemm)
+        submodules.mlp = get_moe_module_spec(False, num_experts, moe_grouped_gemm)
     return ModuleSpec(module=TransformerLayer, submodules=submodules)
 
 

@@ -8,7 +8,7 @@ only; ``final_norm`` the config's normalization.
 from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.gpt.gpt_layer_specs import get_moe_module_spec
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
@@ -53,7 +53,7 @@ def get_mamba_stack_spec(moe_grouped_gemm: bool = False) -> ModuleSpec:
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=_attention_only()),
         mlp_layer=ModuleSpec(module=TransformerLayer, submodules=_mlp_only(dense_mlp)),
         moe_layer=ModuleSpec(module=TransformerLayer, submodules=_mlp_only(get_moe_module_spec(
-            moe_grouped_gemm=moe_grouped_gemm), fused_norm=False)),
+            use_te=False, moe_grouped_gemm=moe_grouped_gemm), fused_norm=False)),
         final_norm=FusedLayerNorm))
 
 

@@ -1,0 +1,1 @@
+"""megatron-core's path of the vision models' base module."""
