@@ -2,11 +2,13 @@
 unsharded DDP run, on 4 gloo ranks in one launch.
 
 For each layout (DP=4; TP=2 x DP=2 with sequence parallelism; CP=2 x DP=2, where FSDP shards over the 4 DP x CP
-ranks; MoE: TP=2 x DP=2 with sequence parallelism, a dense gated-MLP layer then an MoE layer of 4 experts over EP=2
-(expert TP 1), dropout on) the per-iteration losses and grad norms of 10 iterations of every sharded run (the
-bucketed no_shard / optim at DP=4, --use-torch-fsdp2 at DP=4 and TP=2 x DP=2, the FSDP2 strategies of Megatron-FSDP
-at DP=4 and in the MoE layout, ZeRO-3 with CP) equal the plain DDP run's within 1e-6 relative (fp32, a small
-random-token corpus). ``--use-torch-fsdp2`` is not allowed with expert parallelism (Megatron's rule).
+ranks; MoE: TP=2 x DP=2 with sequence parallelism, a dense gated-MLP layer then an MoE layer of 4 experts over EP=4,
+expert TP 1, dropout on) the per-iteration losses and grad norms of 10 iterations of every sharded run (the bucketed
+no_shard / optim at DP=4, --use-torch-fsdp2 at DP=4 and TP=2 x DP=2, the FSDP2 strategies of Megatron-FSDP at DP=4
+and in the MoE layout, ZeRO-3 with CP) equal the plain DDP run's within 1e-6 relative (fp32, a small random-token
+corpus). ``--use-torch-fsdp2`` is not allowed with expert parallelism (Megatron's rule). At EP=4 each expert's FSDP
+mesh is one rank, where FSDP2 divides the gradients itself and the gloo reduction must not divide them again (EP=2,
+2-rank expert meshes, trains in test_ckpt_fsdp.py).
 
 The MoE layout also covers the two features that change how the model is built, against the same DDP run:
 ``--moe-grouped-gemm`` (the ZeRO-2 run has GroupedMLP experts, the DDP reference SequentialMLP ones) and
@@ -36,7 +38,7 @@ TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--split", "
         "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "10", "--log-interval", "1",
         "--eval-iters", "0", "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion"]
 MOE = ["--swiglu", "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
-       "--moe-aux-loss-coeff", "1e-2", "--expert-model-parallel-size", "2"]
+       "--moe-aux-loss-coeff", "1e-2", "--expert-model-parallel-size", "4"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dist"]
 GROUPED = ["--moe-grouped-gemm"]

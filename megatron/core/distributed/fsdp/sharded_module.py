@@ -126,6 +126,7 @@ class FullyShardedModule(torch.nn.Module):
 
         self.expert_mesh = None
         self.units: List[FSDPModule] = []
+        mesh_sizes = []  # of each unit's mesh
         experts = [m for m in _outermost(module.modules(), _is_expert_container)]
         if experts:
             if expert_dp_group is None:
@@ -134,18 +135,24 @@ class FullyShardedModule(torch.nn.Module):
             for m in experts:
                 fully_shard(m, mesh=self.expert_mesh, **kwargs)
                 self.units.append(m)
+                mesh_sizes.append(self.expert_mesh.size())
         for m in units:
             if m is module or not any(True for _ in m.parameters()):
                 continue
             fully_shard(m, mesh=self.fsdp_mesh, **kwargs)
             self.units.append(m)
+            mesh_sizes.append(self.fsdp_mesh.size())
         fully_shard(module, mesh=self.fsdp_mesh, reshard_after_forward=kwargs["reshard_after_forward"],
                     mp_policy=_mp_policy(config, ddp_config, root=True))
         self.units.append(module)
+        mesh_sizes.append(self.fsdp_mesh.size())
         gloo = torch.distributed.get_backend(dp_cp_group) == "gloo"
-        for unit in self.units:
+        for unit, mesh_size in zip(self.units, mesh_sizes):
             unit.set_gradient_divide_factor(divide)
-            if gloo:  # gloo has no PREMUL_SUM / AVG: reduce with SUM and scale locally
+            # gloo has no PREMUL_SUM / AVG: reduce with SUM and scale locally. Not on a mesh of one rank (experts
+            # when the expert data-parallel size is 1): FSDP2 (torch 2.13) skips the reduce-scatter there and
+            # divides by the factor itself, and forced SUM would divide a second time (gradients / d^2).
+            if gloo and mesh_size > 1:
                 unit.set_force_sum_reduction_for_comms(True)
             if keep_whole:
                 unit.set_reshard_after_backward(False)
