@@ -202,6 +202,15 @@ def get_model_config(model):
     return get_attr_wrapped_model(model, "config", allow_none=False)
 
 
+def get_model_xattn(model):
+    """The model's ``xattn_needed`` (whether it needs cross-attention inputs, e.g. multimodal decoders), looked up
+    through its wrappers; False when no layer of the chain defines it."""
+    try:
+        return get_attr_wrapped_model(model, "xattn_needed")
+    except RuntimeError:
+        return False
+
+
 # ------------------------------------------------------------------------------------ process groups and sharding
 def get_pg_rank(group=None) -> int:
     """This rank's index in ``group`` (0 without a group or without torch.distributed)."""

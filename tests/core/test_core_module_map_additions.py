@@ -223,3 +223,52 @@ def test_gpt_spec_helpers_and_cp_rope_rows(single_rank):
     assert torch.equal(get_pos_emb_on_this_cp_rank(angles, 0, group), angles)
     with pytest.raises(ValueError, match="cp_group"):
         get_pos_emb_on_this_cp_rank(angles, 0, None)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_position_bias_matches_hf_t5(bidirectional):
+    from transformers import T5Config
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from megatron.core.models.common.embeddings.relative_pos_embedding import RelativePositionEmbedding
+
+    torch.manual_seed(0)
+    ours = RelativePositionEmbedding(bidirectional, torch.nn.init.normal_, num_attention_heads=3,
+                                     relative_attention_num_buckets=16, relative_attention_max_distance=20)
+    hf_config = T5Config(d_model=12, d_kv=4, num_heads=3, relative_attention_num_buckets=16,
+                         relative_attention_max_distance=20, is_decoder=not bidirectional)
+    theirs = T5Attention(hf_config, has_relative_attention_bias=True)
+    theirs.relative_attention_bias.weight.data.copy_(ours.relative_attention_bias.weight)
+    offsets = torch.arange(-40, 41)
+    assert torch.equal(ours._relative_position_bucket(offsets, bidirectional, 16, 20),
+                       T5Attention._relative_position_bucket(offsets, bidirectional, 16, 20))
+    torch.testing.assert_close(ours(7, 30), theirs.compute_bias(7, 30))
+    block = types.SimpleNamespace(input_tensor=None)
+    cfg = types.SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=2)
+    assert RelativePositionEmbedding.get_relative_seq_len(None, block, torch.zeros(5, 1, 4), cfg) == 10
+
+
+def test_reset_model_temporary_tensors_and_model_xattn():
+    from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
+    from megatron.core.utils import get_model_xattn
+
+    class Router(torch.nn.Module):
+        def __init__(self, bias):
+            super().__init__()
+            self.expert_bias = torch.zeros(3) if bias else None
+            self.local_tokens_per_expert = torch.tensor([2.0, 1.0, 0.0])
+            self.global_tokens_per_expert = torch.tensor([5.0, 5.0, 5.0])
+
+        def reset_global_aux_loss_tracker(self):
+            self.global_tokens_per_expert.zero_()
+
+    with_bias, without_bias = Router(True), Router(False)
+    reset_model_temporary_tensors(None, [torch.nn.Sequential(with_bias), torch.nn.Sequential(without_bias)])
+    assert with_bias.local_tokens_per_expert.sum() == 0 and with_bias.global_tokens_per_expert.sum() == 0
+    assert without_bias.local_tokens_per_expert.sum() == 3 and without_bias.global_tokens_per_expert.sum() == 0
+
+    inner = torch.nn.Linear(2, 2)
+    wrapper = types.SimpleNamespace(module=inner)
+    assert get_model_xattn(wrapper) is False
+    inner.xattn_needed = True
+    assert get_model_xattn(wrapper) is True

@@ -210,21 +210,30 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
         _finish_router_step(model, config, pg_collection)
 
 
+def reset_model_temporary_tensors(config, model: List[torch.nn.Module]):
+    """Restart the routers' per-step sums: the global_aux_loss token counts and, with expert biases, the tokens
+    counted per expert (megatron-core's; the end of each finalize)."""
+    for chunk in model:
+        for module in chunk.modules():
+            if hasattr(module, "reset_global_aux_loss_tracker"):
+                module.reset_global_aux_loss_tracker()
+            if getattr(module, "expert_bias", None) is not None and hasattr(module, "local_tokens_per_expert"):
+                module.local_tokens_per_expert.zero_()
+
+
 def _finish_router_step(model: List[torch.nn.Module], config, pg_collection=None):
-    """Steps 5 and 6: every local router's global_aux_loss counts restart (a no-op without that loss); with expert
-    biases, one all-reduce of the routers' token counts ``[routers, E]``, then each bias moves by the rate."""
+    """Steps 5 and 6: with expert biases, one all-reduce of the routers' token counts ``[routers, E]``, then each
+    bias moves by the rate; then every local router's per-step sums restart (:func:`reset_model_temporary_tensors`;
+    a no-op without those losses and biases)."""
     from megatron.core.transformer.moe.moe_utils import updated_expert_bias
 
-    routers = [m for chunk in model for m in chunk.modules() if hasattr(m, "reset_global_aux_loss_tracker")]
-    for router in routers:
-        router.reset_global_aux_loss_tracker()
-    routers = [r for r in routers if r.expert_bias is not None]
-    if not routers:
-        return  # no expert bias, or this pipeline stage has no MoE layer
-    counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
-    torch.distributed.all_reduce(counts, group=pg_group(pg_collection, "tp_dp_cp"))
-    biases = updated_expert_bias(counts, torch.stack([r.expert_bias.float() for r in routers]),
-                                 config.moe_router_bias_update_rate)
-    for router, bias in zip(routers, biases):
-        router.expert_bias.copy_(bias)
-        router.local_tokens_per_expert.zero_()
+    routers = [m for chunk in model for m in chunk.modules()
+               if hasattr(m, "reset_global_aux_loss_tracker") and m.expert_bias is not None]
+    if routers:  # else no expert bias, or this pipeline stage has no MoE layer
+        counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
+        torch.distributed.all_reduce(counts, group=pg_group(pg_collection, "tp_dp_cp"))
+        biases = updated_expert_bias(counts, torch.stack([r.expert_bias.float() for r in routers]),
+                                     config.moe_router_bias_update_rate)
+        for router, bias in zip(routers, biases):
+            router.expert_bias.copy_(bias)
+    reset_model_temporary_tensors(config, model)
