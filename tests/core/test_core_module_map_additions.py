@@ -171,3 +171,55 @@ def test_schedule_table_and_first_val_step():
     assert get_schedule_table(3, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
     assert check_first_val_step(None, True, True) and not check_first_val_step(False, True, True)
     assert check_first_val_step(False, False, True) and not check_first_val_step(True, True, False)
+
+
+def test_layer_and_attention_classes_and_optimizer_configs(single_rank):
+    from helpers.models_helpers import tiny_config
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer.optimizer_config import AdamOptimizerConfig, SGDOptimizerConfig
+    from megatron.core.transformer.attention import Attention, CrossAttention, SelfAttention
+    from megatron.core.transformer.transformer_layer import (BaseTransformerLayer, MoETransformerLayer,
+                                                             NoopTransformerLayer, TransformerLayer)
+
+    assert issubclass(SelfAttention, Attention) and issubclass(CrossAttention, Attention)
+    layer = TransformerLayer(tiny_config(), get_gpt_layer_local_spec().submodules)
+    assert isinstance(layer, BaseTransformerLayer) and isinstance(NoopTransformerLayer(1), BaseTransformerLayer)
+    assert mamba_stack_spec.submodules.moe_layer.module is MoETransformerLayer
+    moe = MoETransformerLayer(tiny_config(), get_gpt_layer_local_spec().submodules)
+    assert moe.is_moe_layer and isinstance(moe, TransformerLayer)
+
+    model = torch.nn.Linear(4, 4)
+    model.config = tiny_config()
+    sgd = get_megatron_optimizer(SGDOptimizerConfig(lr=0.1, sgd_momentum=0.5), [model])
+    adam = get_megatron_optimizer(AdamOptimizerConfig(lr=0.1, adam_beta2=0.95), [model])
+    inner = [getattr(o, "optimizer", o) for o in (sgd, adam)]
+    assert isinstance(inner[0], torch.optim.SGD) and inner[0].param_groups[0]["momentum"] == 0.5
+    assert isinstance(inner[1], torch.optim.Adam | torch.optim.AdamW) and inner[1].param_groups[0]["betas"][1] == 0.95
+
+
+def test_gpt_spec_helpers_and_cp_rope_rows(single_rank):
+    from helpers.models_helpers import tiny_config
+
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    assert specs.get_mlp_module_spec(use_te=False).module is MLP
+    assert specs.get_mlp_module_spec(use_te=False, num_experts=4).module is MoELayer
+    with pytest.raises(ImportError):
+        specs.get_mlp_module_spec()  # megatron-core's default: Transformer Engine layers
+    cfg = tiny_config(num_layers=4, num_moe_experts=4, moe_layer_freq=[0, 1, 0, 1], moe_router_topk=2)
+    layer_specs = specs.get_gpt_decoder_layer_specs(cfg, use_transformer_engine=False)
+    kinds = [s.submodules.mlp.module for s in layer_specs]
+    assert kinds == [MLP, MoELayer, MLP, MoELayer]
+    assert specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False).layer_specs == layer_specs
+
+    angles = torch.arange(8.0).view(8, 1, 1, 1)
+    group = parallel_state.get_context_parallel_group()  # one rank: the rows are all of them
+    assert torch.equal(get_pos_emb_on_this_cp_rank(angles, 0, group), angles)
+    with pytest.raises(ValueError, match="cp_group"):
+        get_pos_emb_on_this_cp_rank(angles, 0, None)

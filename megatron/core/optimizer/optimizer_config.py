@@ -61,3 +61,17 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig: --loss-scale must be positive, got {self.loss_scale}")
         if self.clip_grad < 0:
             raise ValueError(f"OptimizerConfig: --clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+
+
+@dataclass
+class AdamOptimizerConfig(OptimizerConfig):
+    """An :class:`OptimizerConfig` for Adam (``optimizer='adam'``; ``adam_beta1/2``, ``adam_eps``)."""
+
+    optimizer: str = "adam"
+
+
+@dataclass
+class SGDOptimizerConfig(OptimizerConfig):
+    """An :class:`OptimizerConfig` for SGD with momentum (``optimizer='sgd'``; ``sgd_momentum``)."""
+
+    optimizer: str = "sgd"

@@ -308,3 +308,7 @@ class CrossAttention(ParallelAttention):
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_params=None,
                 rotary_pos_emb=None, packed_seq_params=None):
         return super().forward(hidden_states, attention_mask, key_value_states, inference_params, rotary_pos_emb)
+
+
+# megatron-core's name of the attention base class (SelfAttention and CrossAttention derive from it).
+Attention = ParallelAttention

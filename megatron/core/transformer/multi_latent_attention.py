@@ -240,3 +240,8 @@ class MLASelfAttention(MegatronModule):
         else:
             context = self.core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)
+
+
+# megatron-core's name of the multi-latent attention class (megatron-core's MLASelfAttention derives from it; here
+# the self-attention form is the only one and is the class itself).
+MultiLatentAttention = MLASelfAttention

@@ -7,6 +7,7 @@ loads Megatron's legacy names through the one table of :mod:`megatron.core.trans
 """
 from __future__ import annotations
 
+from abc import ABC
 from dataclasses import dataclass, field
 from typing import Dict, Union
 
@@ -88,7 +89,15 @@ class DropPath(torch.nn.Module):
         return hidden_state.div(keep_prob) * random_tensor
 
 
-class ParallelTransformerLayer(MegatronModule):
+class BaseTransformerLayer(ABC):
+    """The common parent of transformer-layer classes (megatron-core's marker): a spec whose module derives from it
+    is a per-layer spec, repeated for every layer of a block."""
+
+    def __init__(self):
+        pass
+
+
+class ParallelTransformerLayer(MegatronModule, BaseTransformerLayer):
     """``ParallelTransformerLayer(config, layer_number, layer_type, self_attn_mask_type, drop_path_rate)``.
 
     ``forward(hidden_states [s, b, h], attention_mask, encoder_output=None, enc_dec_attn_mask=None,
@@ -238,7 +247,7 @@ def _mlp_kwargs(spec, layer_number, pg_collection) -> dict:
     return {}
 
 
-class NoopTransformerLayer(MegatronModule):
+class NoopTransformerLayer(MegatronModule, BaseTransformerLayer):
     """Stands in for the zero layers of a standalone-embedding stage: returns a copy of its input so that the
     stage's output is not the received tensor itself."""
 
@@ -272,6 +281,15 @@ class TransformerLayer(ParallelTransformerLayer):
                                  enc_dec_attn_mask=context_mask, inference_params=inference_params,
                                  rotary_pos_emb=rotary_pos_emb)
         return output, context
+
+
+class MoETransformerLayer(TransformerLayer):
+    """A :class:`TransformerLayer` whose MLP is a mixture of experts (megatron-core's class for MoE layers, e.g. in
+    hybrid stacks); it computes exactly as a TransformerLayer and marks itself ``is_moe_layer``."""
+
+    def __init__(self, *args, **kwargs):
+        self.is_moe_layer = True
+        super().__init__(*args, **kwargs)
 
 
 def default_layer_submodules(attn_mask_type) -> TransformerLayerSubmodules:

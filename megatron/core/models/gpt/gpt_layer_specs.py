@@ -1,6 +1,8 @@
 """Layer specs for megatron-core's GPTModel (``get_gpt_layer_local_spec()``, ``get_gpt_decoder_block_spec()``)."""
 from __future__ import annotations
 
+from typing import List, Optional
+
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.multi_token_prediction import get_gpt_mtp_block_spec  # noqa: F401  (megatron-core)
@@ -49,9 +51,27 @@ def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layern
     return ModuleSpec(module=TransformerLayer, submodules=submodules)
 
 
-def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization=None,
-                               qk_l2_norm=False, vp_stage=None) -> TransformerBlockSubmodules:
-    """One layer spec per global layer: MoE where ``config.moe_layer_freq`` says so, dense elsewhere."""
+def get_mlp_module_spec(use_te: Optional[bool] = True, num_experts: Optional[int] = None,
+                        moe_grouped_gemm: Optional[bool] = False, fp8: Optional[str] = None,
+                        moe_use_legacy_grouped_gemm: Optional[bool] = False,
+                        use_te_op_fuser: Optional[bool] = False) -> ModuleSpec:
+    """The MLP of a GPT layer: the dense MLP (column-parallel fc1, row-parallel fc2), or with ``num_experts`` the
+    MoE MLP (:func:`get_moe_module_spec`). ``use_te`` (megatron-core's default) / ``use_te_op_fuser`` ask for
+    Transformer Engine layers, which this library does not build: a clear error says so. ``fp8`` is deprecated
+    in megatron-core and ignored."""
+    if use_te or use_te_op_fuser:
+        from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
+
+        transformer_engine_layers_unavailable()
+    if num_experts is not None:
+        return get_moe_module_spec(False, num_experts, moe_grouped_gemm, moe_use_legacy_grouped_gemm)
+    return default_layer_submodules(AttnMaskType.causal).mlp
+
+
+def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool = False, normalization=None,
+                                qk_l2_norm=False, vp_stage=None, pp_rank=None) -> List[ModuleSpec]:
+    """One layer spec per global layer of the model: MoE where ``config.moe_layer_freq`` says so, dense
+    elsewhere."""
     if use_transformer_engine:
         from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
 
@@ -60,7 +80,14 @@ def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, nor
     dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
     moe = get_gpt_layer_local_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
                                    multi_latent_attention=mla)
-    specs = [moe if config.is_moe_layer(i + 1) else dense for i in range(config.num_layers)]
+    return [moe if config.is_moe_layer(i + 1) else dense for i in range(config.num_layers)]
+
+
+def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization=None,
+                               qk_l2_norm=False, vp_stage=None) -> TransformerBlockSubmodules:
+    """The block's spec: :func:`get_gpt_decoder_layer_specs` for every global layer (TransformerBlock builds the
+    ones of its pipeline stage) and the final norm."""
+    specs = get_gpt_decoder_layer_specs(config, use_transformer_engine, normalization, qk_l2_norm)
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=FusedLayerNorm)  # the final norm
 
 

@@ -2,7 +2,7 @@
 Transformer Engine's; the modules and their state-dict names are the same, the norms are separate modules).
 
 ``M`` MambaLayer(norm, MambaMixer(in_proj column parallel, out_proj row parallel)); ``*`` TransformerLayer with
-causal self-attention only; ``-`` TransformerLayer with a dense MLP only; ``E`` TransformerLayer with an MoE MLP
+causal self-attention only; ``-`` TransformerLayer with a dense MLP only; ``E`` MoETransformerLayer with an MoE MLP
 only; ``final_norm`` the config's normalization.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.norms import FusedLayerNorm
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import LOCAL_NORM_KEYS_MAP, TransformerLayer, \
+from megatron.core.transformer.transformer_layer import LOCAL_NORM_KEYS_MAP, MoETransformerLayer, TransformerLayer, \
     TransformerLayerSubmodules, default_layer_submodules
 
 
@@ -52,7 +52,7 @@ def get_mamba_stack_spec(moe_grouped_gemm: bool = False) -> ModuleSpec:
             sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"})),
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=_attention_only()),
         mlp_layer=ModuleSpec(module=TransformerLayer, submodules=_mlp_only(dense_mlp)),
-        moe_layer=ModuleSpec(module=TransformerLayer, submodules=_mlp_only(get_moe_module_spec(
+        moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=_mlp_only(get_moe_module_spec(
             use_te=False, moe_grouped_gemm=moe_grouped_gemm), fused_norm=False)),
         final_norm=FusedLayerNorm))
 
