@@ -521,10 +521,6 @@ KNOWN_ISSUES = [
      "multi-token prediction under context parallelism: each CP rank divides its MTP loss by its own token count "
      "N_k (Megatron-LM's formula, kept: the last position's rolled-out token leaves CP rank 0 one token short), so "
      "the loss differs from one rank's global mean (relative 9e-6 at iteration 1; grad norm 4e-4 to 7e-4)"),
-    (lambda c: c.options.get("--data-parallel-sharding-strategy", ("",))[0] in ("optim_grads", "optim_grads_params")
-     and c.size("--expert-model-parallel-size") > 1,
-     "Megatron-FSDP optim_grads / optim_grads_params with expert parallelism: the expert gradients are scaled unlike "
-     "one rank's (grad norm 6% low; Adam hides it, SGD's loss differs from iteration 2)"),
 ]
 
 
