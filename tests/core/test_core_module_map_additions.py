@@ -272,3 +272,31 @@ def test_reset_model_temporary_tensors_and_model_xattn():
     assert get_model_xattn(wrapper) is False
     inner.xattn_needed = True
     assert get_model_xattn(wrapper) is True
+
+
+def test_frozen_weight_linears_save_no_input_and_give_input_grads(single_rank):
+    from helpers.models_helpers import tiny_config
+
+    from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer, MegatronTokenizer
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    assert MegatronLegacyTokenizer is MegatronTokenizer
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    for cls, kwargs in ((ColumnParallelLinear, dict(gather_output=True)), (RowParallelLinear,
+                                                                          dict(input_is_parallel=True))):
+        layer = cls(8, 6, config=cfg, init_method=torch.nn.init.normal_, bias=True, skip_bias_add=False, **kwargs)
+        layer.weight.requires_grad_(False)
+        x = torch.randn(5, 2, 8, requires_grad=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            out, _ = layer(x)
+        assert (5, 2, 8) not in saved, f"{cls.__name__} saved its input for a frozen weight"
+        ref_x = x.detach().clone().requires_grad_()
+        ref = torch.nn.functional.linear(ref_x, layer.weight, layer.bias)
+        torch.testing.assert_close(out, ref)
+        g = torch.randn_like(ref)
+        out.backward(g)
+        ref.backward(g)
+        torch.testing.assert_close(x.grad, ref_x.grad)
+        assert layer.weight.grad is None and layer.bias.grad is not None

@@ -80,3 +80,7 @@ class MegatronTokenizer(ABC):
     @property
     def mask(self):
         self._missing("mask")
+
+
+# megatron-core 0.16's name of this base class (MegatronTokenizer there is the new megatron.core.tokenizers one).
+MegatronLegacyTokenizer = MegatronTokenizer

@@ -39,6 +39,7 @@ from megatron.core.parallel_state import (
 )
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -450,6 +451,43 @@ def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradi
     )
 
 
+class LinearWithFrozenWeight(torch.autograd.Function):
+    """``y = x W^T (+ b)`` for a weight that does not train: only ``W`` is saved (not the input), backward returns
+    ``dx = dy W`` (all-reduced over ``tp_group`` with ``allreduce_dgrad``) and no weight or bias gradient."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(weight)
+        ctx.allreduce_dgrad, ctx.tp_group = allreduce_dgrad, tp_group
+        output = torch.matmul(input, weight.t())
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (weight,) = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        if ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        return grad_input, None, None, None, None
+
+
+def linear_with_frozen_weight(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                              tp_group=None, grad_output_buffer=None, wgrad_deferral_limit=None,
+                              async_grad_allreduce=None):
+    """The parallel linears' path when ``weight.requires_grad`` is False (megatron-core's signature): with
+    ``sequence_parallel`` the input is first gathered along the sequence (its gradient reduce-scattered back).
+    ``gradient_accumulation_fusion`` has nothing to accumulate here; the wgrad-deferral arguments must stay None."""
+    if grad_output_buffer is not None or wgrad_deferral_limit is not None:
+        raise ValueError("linear_with_frozen_weight: grad_output_buffer / wgrad_deferral_limit apply to the trainable "
+                         "path only")
+    if async_grad_allreduce is not None:
+        allreduce_dgrad = async_grad_allreduce
+    group = tp_group if tp_group is not None else get_tensor_model_parallel_group()
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=group)
+    return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad, group)
+
+
 def _fp8_meta_for(config) -> Optional[Fp8Meta]:
     """The FP8 scaling state of a new linear layer when the config asks for FP8 (else None)."""
     recipe = fp8_recipe_from_config(config)
@@ -573,13 +611,19 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
 
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-            input=input_parallel, weight=weight, bias=bias,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            async_grad_allreduce=self.async_tensor_model_parallel_allreduce,
-            sequence_parallel=self.sequence_parallel, fp8_meta=self.fp8_meta, output_buffer=self.output_buffer,
-            tp_group=self.tp_group,
-        )
+        if not weight.requires_grad and self.fp8_meta is None and self.output_buffer is None:
+            output_parallel = linear_with_frozen_weight(
+                input_parallel, weight, bias, self.gradient_accumulation_fusion,
+                allreduce_dgrad=self.async_tensor_model_parallel_allreduce, sequence_parallel=self.sequence_parallel,
+                tp_group=self.tp_group)
+        else:
+            output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+                input=input_parallel, weight=weight, bias=bias,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                async_grad_allreduce=self.async_tensor_model_parallel_allreduce,
+                sequence_parallel=self.sequence_parallel, fp8_meta=self.fp8_meta, output_buffer=self.output_buffer,
+                tp_group=self.tp_group,
+            )
         if self.gather_output:
             if self.sequence_parallel:
                 raise RuntimeError("gather_output=True is not supported with sequence parallelism")
@@ -642,11 +686,16 @@ class RowParallelLinear(torch.nn.Module):
         else:
             assert not self.sequence_parallel
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-            input=input_parallel, weight=self.weight, bias=None,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            async_grad_allreduce=False, sequence_parallel=False, fp8_meta=self.fp8_meta, tp_group=self.tp_group,
-        )
+        if not self.weight.requires_grad and self.fp8_meta is None:
+            output_parallel = linear_with_frozen_weight(input_parallel, self.weight, None,
+                                                        self.gradient_accumulation_fusion, allreduce_dgrad=False,
+                                                        sequence_parallel=False, tp_group=self.tp_group)
+        else:
+            output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+                input=input_parallel, weight=self.weight, bias=None,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                async_grad_allreduce=False, sequence_parallel=False, fp8_meta=self.fp8_meta, tp_group=self.tp_group,
+            )
         if self.sequence_parallel:
             output_ = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
         else:
