@@ -300,3 +300,19 @@ def test_frozen_weight_linears_save_no_input_and_give_input_grads(single_rank):
         ref.backward(g)
         torch.testing.assert_close(x.grad, ref_x.grad)
         assert layer.weight.grad is None and layer.bias.grad is not None
+
+
+def test_base_data_parallel_template_and_ddp_derives_from_it():
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+    assert issubclass(DistributedDataParallel, _BaseDataParallel)
+    inner = torch.nn.Linear(3, 2)
+    wrapper = _BaseDataParallel(config=None, module=inner)
+    x = torch.randn(4, 3)
+    with wrapper.no_sync():
+        torch.testing.assert_close(wrapper(x), inner(x))
+    wrapper.start_grad_sync(), wrapper.finish_grad_sync(), wrapper.zero_grad_buffer(), wrapper.broadcast_params()
+    assert list(wrapper.state_dict()) == ["weight", "bias"] == list(wrapper.state_dict_for_save_checkpoint())
+    wrapper.load_state_dict({"weight": torch.zeros(2, 3), "bias": torch.ones(2)})
+    assert torch.equal(inner(x), torch.ones(4, 2))

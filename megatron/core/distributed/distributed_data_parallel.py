@@ -14,6 +14,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import group_of
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import unwrap_model_chunk
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
@@ -43,7 +44,7 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(_BaseDataParallel):
     """Wraps ``module``; gradients land in contiguous per-dtype buffers and are averaged over DP.
 
     Use::
@@ -58,10 +59,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
                  module: torch.nn.Module, disable_bucketing: bool = False, pg_collection=None):
-        super().__init__()
-        self.config = config
+        super().__init__(config, module)
         self.ddp_config = ddp_config
-        self.module = module
         self.bucket_size = ddp_config.effective_bucket_size(disable_bucketing)
         # megatron-core's pg_collection: ``dp_cp`` reduces the gradients, ``expt_dp`` the expert gradients
         # (None: parallel_state's groups).
@@ -150,9 +149,6 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.finish_param_sync(skip_next=self.ddp_config.align_param_gather)
 
     # ------------------------------------------------------------------------------ public API
-    def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
-
     @contextmanager
     def no_sync(self):
         """Backward passes inside only accumulate into the buffers (no data-parallel communication)."""
@@ -226,21 +222,15 @@ class DistributedDataParallel(torch.nn.Module):
         if self.ddp_config.overlap_param_gather:
             self.start_param_sync(force_sync=True)
 
-    def state_dict(self, prefix: str = "", keep_vars: bool = False):
+    def state_dict(self, prefix: str = "", keep_vars: bool = False, destination=None):
         self._sync_pending_params()  # --overlap-param-gather: a checkpoint holds whole parameters
-        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        return super().state_dict(prefix=prefix, keep_vars=keep_vars, destination=destination)
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         self._sync_pending_params()
-        inner = self.module
-        if hasattr(inner, "state_dict_for_save_checkpoint"):
-            return inner.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
-        return inner.state_dict(prefix=prefix, keep_vars=keep_vars)
+        return super().state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
 
     def sharded_state_dict(self, prefix: str = "", *args, **kwargs):
-        """The wrapped module's sharded state (megatron-core's ``_BaseDataParallel``); whole parameters."""
+        """The wrapped module's sharded state (:class:`_BaseDataParallel`'s); whole parameters."""
         self._sync_pending_params()
-        return self.module.sharded_state_dict(prefix, *args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        return self.module.load_state_dict(state_dict, strict=strict)
+        return super().sharded_state_dict(prefix, *args, **kwargs)
