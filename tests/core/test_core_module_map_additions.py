@@ -316,3 +316,25 @@ def test_base_data_parallel_template_and_ddp_derives_from_it():
     assert list(wrapper.state_dict()) == ["weight", "bias"] == list(wrapper.state_dict_for_save_checkpoint())
     wrapper.load_state_dict({"weight": torch.zeros(2, 3), "bias": torch.ones(2)})
     assert torch.equal(inner(x), torch.ones(4, 2))
+
+
+def test_torch_strategy_flatten_and_legacy_metadata_classes():
+    import pickle
+
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torch_flatten
+
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.strategies import torch as strategy
+
+    obj = ShardedObject("k", {"x": 1}, (1,), (0,), replica_id=0)
+    nested = {"a": {"b": [torch.ones(1), torch.zeros(1)], "c": [1, 2]}, "d": obj, "e": 3}
+    flat, paths = strategy.flatten_state_dict(nested)
+    assert flat["d"] is obj and paths["d"] == ("d",)
+    plain = {k: v for k, v in nested.items() if k != "d"}
+    theirs, their_paths = torch_flatten(plain)
+    assert {k: v for k, v in flat.items() if k != "d"}.keys() == theirs.keys() == {"a.b.0", "a.b.1", "a.c", "e"}
+    assert {k: p for k, p in paths.items() if k != "d"} == their_paths
+    with pytest.raises(ValueError, match="duplicated"):
+        strategy.flatten_state_dict({"a.b": 1, "a": {"b": 2}})
+    for cls in (strategy.MCoreMetadata, strategy.MCoreSavePlan):
+        assert type(pickle.loads(pickle.dumps(cls()))) is cls

@@ -9,18 +9,45 @@ layout megatron-core's own torch_dist strategy reads and writes, so the checkpoi
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from megatron.core.dist_checkpointing.sharded_io import (LocalShard, ShardingError, load_sharded, read_dcp_metadata,
                                                          save_sharded)
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (AsyncSaveShardedStrategy, LoadShardedStrategy,
                                                               StrategyAction, register_default_strategy)
+
+
+class MCoreMetadata:
+    """Kept importable for megatron-core checkpoints whose pickled DCP ``.metadata`` names this (empty) class."""
+
+
+class MCoreSavePlan:
+    """Kept importable for megatron-core checkpoints whose pickled DCP ``.metadata`` names this (empty) class."""
+
+
+def flatten_state_dict(state_dict) -> Tuple[dict, Dict[str, tuple]]:
+    """``(flat, mappings)``: ``state_dict``'s leaves under dotted keys (``{'a': {'b': [x, y]}}`` -> ``a.b.0``,
+    ``a.b.1`` when the list holds tensors; lists of plain values stay whole) and each key's original path, as
+    torch DCP's ``flatten_state_dict`` with sharded leaves (:class:`ShardedBase`) terminal like tensors. A key
+    reached twice raises ``ValueError``."""
+    from torch.distributed.checkpoint._traverse import traverse_state_dict
+
+    flat, mappings = {}, {}
+
+    def visit(path, value):
+        key = ".".join(str(p) for p in path)
+        if key in flat:
+            raise ValueError(f"duplicated flatten key {key}")
+        flat[key], mappings[key] = value, path
+
+    traverse_state_dict(state_dict, visit, lambda x: isinstance(x, (torch.Tensor, ShardedBase)))
+    return flat, mappings
 
 
 def _chunk(sh_ten: ShardedTensor, data: torch.Tensor) -> LocalShard:
