@@ -338,3 +338,22 @@ def test_torch_strategy_flatten_and_legacy_metadata_classes():
         strategy.flatten_state_dict({"a.b": 1, "a": {"b": 2}})
     for cls in (strategy.MCoreMetadata, strategy.MCoreSavePlan):
         assert type(pickle.loads(pickle.dumps(cls()))) is cls
+
+
+def test_forward_step_calc_loss_contracts():
+    from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
+
+    config = types.SimpleNamespace(calculate_per_token_loss=False, timers=None, num_moe_experts=None,
+                                   mtp_num_layers=None)
+    store = []
+    out = torch.tensor(6.0)
+    loss, tokens = forward_step_calc_loss(None, out, lambda t: (t, torch.tensor(3), {"lm loss": t}), config, None,
+                                          False, 2, store, cp_group_size=1, is_last_stage=True)
+    assert float(loss) == 1.0 and int(tokens) == 3 and store == [{"lm loss": out}]  # 6 / 3 tokens / 2 micro-batches
+    loss, tokens = forward_step_calc_loss(None, out, lambda t: (t, {"lm loss": t}), config, None, False, 2, store,
+                                          cp_group_size=2, is_last_stage=True)
+    assert float(loss) == 6.0 and int(tokens) == 0  # the 2023 contract: x CP / micro-batches
+    loss, _ = forward_step_calc_loss(None, out, None, config, None, False, 2, store, 1, False)
+    assert loss is out and len(store) == 2  # not the last stage: nothing stored
+    with pytest.raises(ValueError, match="both"):
+        forward_step_calc_loss(None, out, None, config, None, False, 2, store, cp_group_size=1)

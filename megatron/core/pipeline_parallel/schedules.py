@@ -159,26 +159,45 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
         else:
             output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
 
-    if getattr(config, "num_moe_experts", None) is not None:  # on every stage: each holds router losses
-        _set_moe_aux_loss_scale(num_microbatches, config, cp_group_size)
-    if getattr(config, "mtp_num_layers", None):
-        _set_mtp_loss_scale(num_microbatches, config)
-    num_tokens = torch.zeros((), dtype=torch.int64)
-    if is_last_stage:
-        if not collect_non_loss_data:
-            output_tensor, num_tokens, loss_reduced = _apply_loss_func(loss_func, output_tensor, num_microbatches,
-                                                                       config, cp_group_size)
-            forward_data_store.append(loss_reduced)
-        else:
-            forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
-
-    if config.timers is not None:
-        config.timers("forward-compute").stop()
+    output_tensor, num_tokens = forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage,
+                                                       collect_non_loss_data, num_microbatches, forward_data_store,
+                                                       cp_group_size, is_last_stage)
     if listed:
         # Decoder stages of an encoder-decoder pipeline pass the encoder output on (the skip connection).
         if after_split and _model_type(model) == ModelType.encoder_and_decoder:
             return [output_tensor, input_tensor[-1]], num_tokens
         return [output_tensor], num_tokens
+    return output_tensor, num_tokens
+
+
+def forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
+                           num_microbatches, forward_data_store, cp_group_size=None, is_last_stage=None):
+    """The loss half of :func:`forward_step`: on the last stage, ``loss_func(output_tensor)`` (the 3-tuple or the
+    2023 2-tuple contract, see :func:`_apply_loss_func`; with ``collect_non_loss_data`` its ``non_loss_data=True``
+    result; without a ``loss_func`` the output itself) goes into ``forward_data_store``; stops the
+    ``forward-compute`` timer; sets the MoE / MTP loss scales. Returns ``(tensor to backpropagate, num_tokens)``.
+    ``cp_group_size`` and ``is_last_stage`` come together, or both default to parallel_state's."""
+    if cp_group_size is None and is_last_stage is None:
+        cp_group_size = parallel_state.get_context_parallel_world_size()
+        is_last_stage = parallel_state.is_pipeline_last_stage()
+    elif cp_group_size is None or is_last_stage is None:
+        raise ValueError("forward_step_calc_loss: give both cp_group_size and is_last_stage, or neither")
+    num_tokens = torch.zeros((), dtype=torch.int64)
+    if is_last_stage:
+        if loss_func is None:
+            forward_data_store.append(output_tensor)
+        elif not collect_non_loss_data:
+            output_tensor, num_tokens, loss_reduced = _apply_loss_func(loss_func, output_tensor, num_microbatches,
+                                                                       config, cp_group_size)
+            forward_data_store.append(loss_reduced)
+        else:
+            forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+    if config.timers is not None:
+        config.timers("forward-compute").stop()
+    if getattr(config, "num_moe_experts", None) is not None:  # on every stage: each holds router losses
+        _set_moe_aux_loss_scale(num_microbatches, config, cp_group_size)
+    if getattr(config, "mtp_num_layers", None):
+        _set_mtp_loss_scale(num_microbatches, config)
     return output_tensor, num_tokens
 
 
