@@ -357,3 +357,23 @@ def test_forward_step_calc_loss_contracts():
     assert loss is out and len(store) == 2  # not the last stage: nothing stored
     with pytest.raises(ValueError, match="both"):
         forward_step_calc_loss(None, out, None, config, None, False, 2, store, cp_group_size=1)
+
+
+def test_mtp_layer_submodules(single_rank):
+    from helpers.models_helpers import tiny_config
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionLayer,
+                                                                  MultiTokenPredictionLayerSubmodules,
+                                                                  get_mtp_layer_spec)
+    from megatron.core.transformer.spec_utils import build_module
+
+    cfg = tiny_config(style="llama", mtp_num_layers=1)
+    spec = get_mtp_layer_spec(get_gpt_layer_local_spec(), use_transformer_engine=False)
+    assert isinstance(spec.submodules, MultiTokenPredictionLayerSubmodules)
+    from_spec = build_module(spec, config=cfg, layer_number=1)
+    from_layer_spec = MultiTokenPredictionLayer(cfg, get_gpt_layer_local_spec())  # the layer spec alone
+    shapes = {k: tuple(v.shape) for k, v in from_spec.state_dict().items()}
+    assert shapes == {k: tuple(v.shape) for k, v in from_layer_spec.state_dict().items()}
+    assert shapes["eh_proj.weight"] == (32, 64) and type(from_spec.enorm).__name__ == "RMSNorm"
+    assert from_spec.transformer_layer.layer_number == cfg.num_layers + 1

@@ -46,9 +46,31 @@ class MultiTokenPredictionBlockSubmodules:
     layer_specs: List[ModuleSpec] = field(default_factory=list)
 
 
-def get_mtp_layer_spec(transformer_layer_spec: ModuleSpec) -> ModuleSpec:
-    """The spec of one MTP depth around ``transformer_layer_spec``."""
-    return ModuleSpec(module=MultiTokenPredictionLayer, params={"transformer_layer_spec": transformer_layer_spec})
+@dataclass
+class MultiTokenPredictionLayerSubmodules:
+    """The parts of one MTP depth: ``enorm`` / ``hnorm`` (the embedding's and the hidden states' norms), ``eh_proj``
+    (the ``[2h -> h]`` projection), ``transformer_layer`` (its spec) and ``layer_norm`` (the final norm)."""
+
+    enorm: Union[ModuleSpec, type] = None
+    hnorm: Union[ModuleSpec, type] = None
+    eh_proj: Union[ModuleSpec, type] = None
+    transformer_layer: Union[ModuleSpec, type] = None
+    layer_norm: Union[ModuleSpec, type] = None
+
+
+def get_mtp_layer_spec(transformer_layer_spec: ModuleSpec, use_transformer_engine: bool = False) -> ModuleSpec:
+    """The spec of one MTP depth around ``transformer_layer_spec``: the config's norms, a column-parallel
+    ``eh_proj``. Transformer Engine layers (``use_transformer_engine``) are not built by this library: a clear
+    error says so."""
+    if use_transformer_engine:
+        from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
+
+        transformer_engine_layers_unavailable()
+    from megatron.core.transformer.norms import FusedLayerNorm
+
+    return ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=FusedLayerNorm, hnorm=FusedLayerNorm, eh_proj=tensor_parallel.ColumnParallelLinear,
+        transformer_layer=transformer_layer_spec, layer_norm=FusedLayerNorm))
 
 
 def get_gpt_mtp_block_spec(config, spec,
@@ -137,24 +159,26 @@ MTPLossAutoScaler = loss_auto_scaler(
 class MultiTokenPredictionLayer(MegatronModule):
     """One depth: ``forward(embedding [s, b, h], hidden_states [s, b, h], attention_mask, rotary_pos_emb) -> h_k``."""
 
-    def __init__(self, config, transformer_layer_spec: Union[ModuleSpec, type], layer_number: int = 1,
-                 vp_stage=None, pg_collection=None):
+    def __init__(self, config, submodules: Union[MultiTokenPredictionLayerSubmodules, ModuleSpec, type],
+                 layer_number: int = 1, vp_stage=None, pg_collection=None):
         super().__init__(config=config)
-        from megatron.core.transformer.norms import get_norm
-
+        if not isinstance(submodules, MultiTokenPredictionLayerSubmodules):  # a transformer layer spec alone
+            submodules = get_mtp_layer_spec(submodules).submodules
+        self.submodules = submodules
         self.pg_collection = pg_collection
         self.tp_group = group_of(pg_collection, "tp")
         self.layer_number = layer_number
-        self.enorm = get_norm(config)
-        self.hnorm = get_norm(config)
-        self.eh_proj = tensor_parallel.ColumnParallelLinear(2 * config.hidden_size, config.hidden_size, config=config,
-                                                            init_method=config.init_method, bias=False,
-                                                            gather_output=False, tp_group=self.tp_group)
+        self.vp_stage = vp_stage
+        h, eps = config.hidden_size, config.layernorm_epsilon
+        self.enorm = build_module(submodules.enorm, config=config, hidden_size=h, eps=eps)
+        self.hnorm = build_module(submodules.hnorm, config=config, hidden_size=h, eps=eps)
+        self.eh_proj = build_module(submodules.eh_proj, 2 * h, h, config=config, init_method=config.init_method,
+                                    bias=False, skip_bias_add=False, gather_output=False, tp_group=self.tp_group)
         # Numbered after the decoder's layers (KV-cache and MoE-loss bookkeeping are keyed by layer number).
-        self.transformer_layer = build_module(transformer_layer_spec, config=config,
+        self.transformer_layer = build_module(submodules.transformer_layer, config=config,
                                               layer_number=config.num_layers + layer_number,
                                               **({} if pg_collection is None else {"pg_collection": pg_collection}))
-        self.final_layernorm = get_norm(config)
+        self.final_layernorm = build_module(submodules.layer_norm, config=config, hidden_size=h, eps=eps)
 
     def forward(self, embedding, hidden_states, attention_mask, rotary_pos_emb=None):
         x = torch.cat([self.enorm(embedding), self.hnorm(hidden_states)], dim=-1)
