@@ -154,8 +154,8 @@ def test_moe_module_spec_and_vision_module():
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     spec = get_moe_module_spec(use_te=False, num_experts=4)
-    assert spec.module is MoELayer and spec.submodules.experts is SequentialMLP
-    assert get_moe_module_spec(False, 4, moe_grouped_gemm=True).submodules.experts is GroupedMLP
+    assert spec.module is MoELayer and spec.submodules.experts.module is SequentialMLP
+    assert get_moe_module_spec(False, 4, moe_grouped_gemm=True).submodules.experts.module is GroupedMLP
     with pytest.raises(ImportError, match="(?i)transformer engine|transformer_engine"):
         get_moe_module_spec(num_experts=4)  # megatron-core's default asks for Transformer Engine layers
     config = types.SimpleNamespace(num_layers=1)
@@ -377,3 +377,30 @@ def test_mtp_layer_submodules(single_rank):
     assert shapes == {k: tuple(v.shape) for k, v in from_layer_spec.state_dict().items()}
     assert shapes["eh_proj.weight"] == (32, 64) and type(from_spec.enorm).__name__ == "RMSNorm"
     assert from_spec.transformer_layer.layer_number == cfg.num_layers + 1
+
+
+def test_backend_spec_builders(single_rank):
+    from helpers.models_helpers import tiny_config
+
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    local = LocalSpecProvider()
+    dense = specs.get_mlp_module_spec_for_backend(local)
+    assert (dense.submodules.linear_fc1, dense.submodules.linear_fc2) == (ColumnParallelLinear, RowParallelLinear)
+    moe = get_moe_module_spec_for_backend(local, num_experts=4)
+    assert moe.module is MoELayer and moe.submodules.experts.module is SequentialMLP
+    assert moe.submodules.shared_experts.submodules.linear_fc1 is ColumnParallelLinear
+    cfg = tiny_config(style="llama", mtp_num_layers=2, num_moe_experts=4, moe_router_topk=2)
+    layer = specs.get_gpt_layer_local_spec(num_experts=4)
+    block = specs.get_gpt_mtp_block_spec_for_backend(cfg, layer, local)  # one stage: it is the last
+    assert [s.module for s in block.layer_specs] == [MultiTokenPredictionLayer] * 2
+    assert block.layer_specs[0].submodules.transformer_layer is layer
+    model_layer = MoELayer(cfg, moe.submodules)  # the MoE spec builds
+    assert len(model_layer.experts.local_experts) == 4
+    assert specs.get_gpt_mtp_block_spec_for_backend(tiny_config(), layer, local) is None

@@ -58,6 +58,12 @@ class MultiTokenPredictionLayerSubmodules:
     layer_norm: Union[ModuleSpec, type] = None
 
 
+def _mtp_layer_spec(transformer_layer_spec, column_parallel_linear: type, layer_norm: type) -> ModuleSpec:
+    return ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=layer_norm, hnorm=layer_norm, eh_proj=column_parallel_linear, transformer_layer=transformer_layer_spec,
+        layer_norm=layer_norm))
+
+
 def get_mtp_layer_spec(transformer_layer_spec: ModuleSpec, use_transformer_engine: bool = False) -> ModuleSpec:
     """The spec of one MTP depth around ``transformer_layer_spec``: the config's norms, a column-parallel
     ``eh_proj``. Transformer Engine layers (``use_transformer_engine``) are not built by this library: a clear
@@ -68,9 +74,13 @@ def get_mtp_layer_spec(transformer_layer_spec: ModuleSpec, use_transformer_engin
         transformer_engine_layers_unavailable()
     from megatron.core.transformer.norms import FusedLayerNorm
 
-    return ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
-        enorm=FusedLayerNorm, hnorm=FusedLayerNorm, eh_proj=tensor_parallel.ColumnParallelLinear,
-        transformer_layer=transformer_layer_spec, layer_norm=FusedLayerNorm))
+    return _mtp_layer_spec(transformer_layer_spec, tensor_parallel.ColumnParallelLinear, FusedLayerNorm)
+
+
+def get_mtp_layer_spec_for_backend(transformer_layer_spec: ModuleSpec, backend) -> ModuleSpec:
+    """One MTP depth with ``backend``'s column-parallel linear and norm (a
+    :class:`megatron.core.models.backends.BackendSpecProvider`)."""
+    return _mtp_layer_spec(transformer_layer_spec, backend.column_parallel_linear(), backend.layer_norm())
 
 
 def get_gpt_mtp_block_spec(config, spec,

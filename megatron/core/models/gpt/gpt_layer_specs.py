@@ -3,9 +3,14 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec, get_moe_module_spec_for_backend
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.multi_token_prediction import get_gpt_mtp_block_spec  # noqa: F401  (megatron-core)
+from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
+                                                              get_mtp_layer_spec_for_backend,
+                                                              get_mtp_num_layers_to_build)
 from megatron.core.transformer.norms import FusedLayerNorm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -55,17 +60,48 @@ def get_mlp_module_spec(use_te: Optional[bool] = True, num_experts: Optional[int
                         moe_grouped_gemm: Optional[bool] = False, fp8: Optional[str] = None,
                         moe_use_legacy_grouped_gemm: Optional[bool] = False,
                         use_te_op_fuser: Optional[bool] = False) -> ModuleSpec:
-    """The MLP of a GPT layer: the dense MLP (column-parallel fc1, row-parallel fc2), or with ``num_experts`` the
-    MoE MLP (:func:`get_moe_module_spec`). ``use_te`` (megatron-core's default) / ``use_te_op_fuser`` ask for
-    Transformer Engine layers, which this library does not build: a clear error says so. ``fp8`` is deprecated
-    in megatron-core and ignored."""
+    """The MLP of a GPT layer with this library's layers (:func:`get_mlp_module_spec_for_backend`). ``use_te``
+    (megatron-core's default) / ``use_te_op_fuser`` ask for Transformer Engine layers, which this library does not
+    build: a clear error says so. ``fp8`` is deprecated in megatron-core and ignored."""
     if use_te or use_te_op_fuser:
         from megatron.core.transformer.te_support import transformer_engine_layers_unavailable
 
         transformer_engine_layers_unavailable()
+    return get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts, moe_grouped_gemm,
+                                           moe_use_legacy_grouped_gemm)
+
+
+def get_mlp_module_spec_for_backend(backend: BackendSpecProvider, num_experts: Optional[int] = None,
+                                    moe_grouped_gemm: Optional[bool] = False,
+                                    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+                                    use_te_op_fuser: Optional[bool] = False,
+                                    use_te_activation_func: bool = False) -> ModuleSpec:
+    """The dense MLP (the backend's column-parallel fc1, or its fused norm + linear, and row-parallel fc2), or with
+    ``num_experts`` the MoE MLP (:func:`get_moe_module_spec_for_backend`). ``use_te_op_fuser`` (Transformer Engine's
+    fused MLP) and an activation module are not built by this library: refused."""
+    if use_te_op_fuser:
+        raise ValueError("use_te_op_fuser: Transformer Engine's fused MLP is not built by this library")
     if num_experts is not None:
-        return get_moe_module_spec(False, num_experts, moe_grouped_gemm, moe_use_legacy_grouped_gemm)
-    return default_layer_submodules(AttnMaskType.causal).mlp
+        return get_moe_module_spec_for_backend(backend, num_experts, moe_grouped_gemm, moe_use_legacy_grouped_gemm,
+                                               use_te_activation_func)
+    if use_te_activation_func and backend.activation_func() is not None:
+        raise ValueError("use_te_activation_func: this library's MLPs apply config.activation_func themselves")
+    fc1 = (backend.column_parallel_layer_norm_linear() if backend.fuse_layernorm_and_linear()
+           else backend.column_parallel_linear())
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=backend.row_parallel_linear()))
+
+
+def get_gpt_mtp_block_spec_for_backend(config, spec, backend: BackendSpecProvider, vp_stage=None, pp_rank=None):
+    """The MTP block of this pipeline stage from ``backend``'s classes: ``mtp_num_layers`` depths around the
+    decoder's last layer spec (``spec``: a layer ``ModuleSpec`` or a ``TransformerBlockSubmodules``); None where no
+    depth is built (no MTP, or not the last stage)."""
+    if get_mtp_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank) == 0:
+        return None
+    last = spec.layer_specs[-1] if isinstance(spec, TransformerBlockSubmodules) else spec
+    if not isinstance(last, ModuleSpec):
+        raise ValueError(f"get_gpt_mtp_block_spec_for_backend: expected a layer ModuleSpec, got {type(spec).__name__}")
+    return MultiTokenPredictionBlockSubmodules(
+        layer_specs=[get_mtp_layer_spec_for_backend(last, backend)] * config.mtp_num_layers)
 
 
 def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool = False, normalization=None,
