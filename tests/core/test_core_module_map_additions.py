@@ -94,8 +94,11 @@ def test_router_gating_linear_matches_fp32_linear_and_saves_low_precision():
     x = torch.randn(3, 2, 8, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(4, dtype=torch.bfloat16, requires_grad=True)
-    out = router_gating_linear(x, w, b, torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        out = router_gating_linear(x, w, b, torch.float32)
     assert out.dtype == torch.float32 and out.shape == (3, 2, 4)
+    assert saved == [torch.bfloat16] * 3  # x, W, b as given: no float32 copy is kept for backward
     x32, w32, b32 = (t.detach().float().requires_grad_() for t in (x, w, b))
     ref = torch.nn.functional.linear(x32, w32, b32)
     torch.testing.assert_close(out, ref)
