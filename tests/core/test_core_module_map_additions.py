@@ -404,3 +404,22 @@ def test_backend_spec_builders(single_rank):
     model_layer = MoELayer(cfg, moe.submodules)  # the MoE spec builds
     assert len(model_layer.experts.local_experts) == 4
     assert specs.get_gpt_mtp_block_spec_for_backend(tiny_config(), layer, local) is None
+
+
+def test_mock_multimodal_dataset():
+    from helpers.data_support import tokenizer_args
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.multimodal_dataset import MockMultimodalDataset, MultimodalDatasetConfig
+    from megatron.tokenizer import build_tokenizer
+
+    fields = dict(random_seed=1, sequence_length=8, blend=None, split="1,0,0",
+                  tokenizer=build_tokenizer(tokenizer_args("NullTokenizer", vocab_size=100)),
+                  reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+    with pytest.raises(ValueError, match="image_w"):
+        MultimodalDatasetConfig(image_h=4, **fields)
+    config = MultimodalDatasetConfig(image_h=4, image_w=6, preprocess_func=lambda s: {**s, "seen": True}, **fields)
+    train = BlendedMegatronDatasetBuilder(MockMultimodalDataset, [3, None, None], lambda: True, config).build()[0]
+    sample = train[0]
+    assert sample["image"].shape == (3, 4, 6) and not sample["image"].any() and sample["seen"]
+    assert sample["tokens"].shape == (8,)
