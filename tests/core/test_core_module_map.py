@@ -23,7 +23,7 @@ GPU_ONLY = ("transformer_engine", "te_", "cuda_graph", "full_cuda_graph", "nvrx"
             "msc_utils", "nccl_allocator", "cpu_offload", "fsdp_dtensor", "hybrid_optimizer", "energy_monitor",
             "triton", "cutlass", "flashinfer", "gpu_", "_cuda")
 MODULES_PRESENT = 120
-NAMES_PRESENT = 494
+NAMES_PRESENT = 495
 
 
 def _oracle_map(root):

@@ -426,3 +426,24 @@ def test_mock_multimodal_dataset():
     sample = train[0]
     assert sample["image"].shape == (3, 4, 6) and not sample["image"].any() and sample["seen"]
     assert sample["tokens"].shape == (8,)
+
+
+def test_set_model_to_sequence_parallel_flags(single_rank):
+    # The numerics were checked once at TP=2 (decoder output [s/2, b, h] with SP, [s, b, h] without, logits equal).
+    from helpers.models_helpers import tiny_config
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+    model = GPTModel(tiny_config(), get_gpt_layer_local_spec(), 64, 16)
+    model.reduce_scatter_embeddings = False  # not touched for learned absolute positions (megatron-core's rule)
+    keep = model.decoder.layers[0]
+    set_model_to_sequence_parallel(model, True, exclude_modules=[keep])
+    kept = {id(m) for m in keep.modules()}
+    flags = [(id(m) in kept, m.sequence_parallel) for m in model.modules() if hasattr(m, "sequence_parallel")]
+    assert model.config.sequence_parallel is True and model.embedding.scatter_to_sequence_parallel is True
+    assert all(on for inside, on in flags if not inside) and not any(on for inside, on in flags if inside)
+    assert model.reduce_scatter_embeddings is False
+    set_model_to_sequence_parallel(model, False)
+    assert not any(m.sequence_parallel for m in model.modules() if hasattr(m, "sequence_parallel"))

@@ -106,3 +106,27 @@ def apply_sharded_keys_map(sharded_state_dict: ShardedStateDict, prefix: str, ke
     if keys_map:
         apply_prefix_mapping(sharded_state_dict, {f"{prefix}{old}": f"{prefix}{new}" for old, new in keys_map.items()})
     return sharded_state_dict
+
+
+def set_model_to_sequence_parallel(model, set_to: bool = False, exclude_modules=None) -> None:
+    """Turn sequence parallelism on or off in a built model (e.g. off for inference): ``model.config.sequence_parallel``
+    and every ``sequence_parallel`` / ``scatter_to_sequence_parallel`` / ``reduce_scatter_embeddings`` attribute of
+    the model's modules (the last one not for learned absolute positions) become ``set_to``; the modules in
+    ``exclude_modules`` and everything below them keep theirs."""
+    attrs = ["sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings"]
+    if getattr(model, "position_embedding_type", None) == "learned_absolute":
+        attrs.remove("reduce_scatter_embeddings")
+    model.config.sequence_parallel = set_to
+    excluded = {id(m) for m in (exclude_modules or [])}
+
+    def visit(module):
+        if id(module) in excluded:
+            return
+        for attr in attrs:
+            if hasattr(module, attr):
+                setattr(module, attr, set_to)
+        for child in module._modules.values():
+            if child is not None:
+                visit(child)
+
+    visit(model)
