@@ -447,3 +447,21 @@ def test_set_model_to_sequence_parallel_flags(single_rank):
     assert model.reduce_scatter_embeddings is False
     set_model_to_sequence_parallel(model, False)
     assert not any(m.sequence_parallel for m in model.modules() if hasattr(m, "sequence_parallel"))
+
+
+def test_cached_metadata_reader_reads_metadata_once(tmp_path):
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+        CachedMetadataFileSystemReader)
+
+    dcp.save({"w": torch.arange(6.0)}, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    reader = CachedMetadataFileSystemReader(str(tmp_path))
+    first = reader.read_metadata()
+    os.remove(tmp_path / ".metadata")  # a second read from disk would fail now
+    assert reader.read_metadata() is first and "w" in first.state_dict_metadata
+    loaded = {"w": torch.zeros(6)}
+    dcp.load(loaded, storage_reader=reader, no_dist=True)
+    assert torch.equal(loaded["w"], torch.arange(6.0))
