@@ -21,11 +21,16 @@ class Fp8Recipe(str, enum.Enum):
 
 
 class LayerType(enum.Enum):
+    """Legacy values 1-5; ``embedding`` / ``loss`` / ``mtp`` (megatron-core's) name the entries of a pipeline layer
+    layout (:mod:`megatron.core.transformer.pipeline_parallel_layer_layout`)."""
     encoder = 1
     decoder = 2
     retro_encoder = 3
     retro_decoder = 4
     retro_decoder_with_retriever = 5
+    embedding = 6
+    loss = 7
+    mtp = 8
 
 
 class AttnType(enum.Enum):

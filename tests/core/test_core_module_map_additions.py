@@ -478,3 +478,34 @@ def test_reduce_scatter_with_fp32_accumulation_one_rank(single_rank):
     assert torch.equal(out, x)
     with pytest.raises(ValueError, match="SUM"):
         reduce_scatter_with_fp32_accumulation(out, x, torch.distributed.ReduceOp.MAX, None, False)
+
+
+def test_pipeline_parallel_layer_layout():
+    from megatron.core.transformer.enums import LayerType as T
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout as Layout
+
+    E, t, m, L = T.embedding, T.decoder, T.mtp, T.loss
+    assert Layout.parse_str_to_list("Ettt|(tt|)*2,m|L") == [[E, t, t, t], [t, t], [t, t], [m], [L]]
+    assert Layout.get_num_stages_from_str("Ettt|(tt|)*29,m|L") == 32
+    assert Layout.parse_str_to_list("Et*3|L") == [[E, t, t, t], [L]]
+    # 2 ranks x 3 virtual stages: stage i is virtual stage i // 2 of rank i % 2.
+    layout = Layout("Et|t|tt|t|m|L", 2)
+    assert layout.layout == [[[E, t], [t, t], [m]], [[t], [t], [L]]]
+    assert layout.flatten_layout == [E, t, t, t, t, t, m, L]
+    assert [layout.get_num_layers_to_build(t, v, r) for v in range(3) for r in range(2)] == [1, 1, 2, 1, 0, 0]
+    assert layout.get_layer_id_list(t, vp_stage=1, pp_rank=0) == [2, 3]
+    assert layout.get_layer_id_list(t, vp_stage=1, pp_rank=1) == [4]
+    assert layout.get_layer_offset(m, vp_stage=2, pp_rank=0) == 0
+    assert layout.validate_layer_layout(num_layers=5, mtp_num_layers=1) is True  # MTP not on the last rank
+    with pytest.raises(ValueError, match="last virtual stage"):
+        Layout("Et|t|tt|tm|L|", 2).validate_layer_layout(5, 1)
+    assert Layout("Ett|m|L|", 1).layout == [[[E, t, t], [m], [L], []]]
+    assert Layout([["embedding", "decoder", "mtp"], ["loss"]], 2).validate_layer_layout(1, 1) is True
+    assert Layout([["embedding", "decoder"], ["mtp", "loss"]], 2).validate_layer_layout(1, 1) is False
+    with pytest.raises(ValueError, match="num_layers"):
+        layout.validate_layer_layout(num_layers=4, mtp_num_layers=1)
+    with pytest.raises(ValueError, match="multiple"):
+        Layout("Et|L", 3)
+    with pytest.raises(ValueError, match="invalid layer character"):
+        Layout.parse_str_to_list("Ex|L")
+    assert Layout.from_str("Et|L", 2) is Layout.from_str("Et|L", 2) and "PP rank" in layout.pretty_repr()
