@@ -79,7 +79,7 @@ def _check_resume(name, results_per_rank, save_dir):
     return worst
 
 
-@pytest.mark.parametrize("world", [1, 2, 8])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(8, marks=pytest.mark.slow)])
 def test_ckpt_exact_resume(world, gpt_data, tmp_path):
     results = run_distributed(resume_body, world, RESUME_CASES[world], gpt_data, str(tmp_path), timeout=400)
     for name, extra in RESUME_CASES[world]:

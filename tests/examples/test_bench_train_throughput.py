@@ -15,6 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(REPO, "benchmarks", "train_throughput.py")
 
 
+@pytest.mark.slow  # the benchmark itself lives in benchmarks/; training throughput paths are tested elsewhere
 @pytest.mark.timeout(300)
 def test_train_throughput_tiny_both_sides(tmp_path):
     out = tmp_path / "result.json"

@@ -38,7 +38,8 @@ def _check_run(rc, out, ckpt_dir, iters=3, world=1):
 
 @pytest.mark.parametrize("script,nproc,extra,world_line", [
     ("pretrain_gpt.sh", None, "", "data-parallel-size: 1, tensor-model-parallel size: 1"),
-    ("pretrain_gpt_distributed.sh", 2, "", "data-parallel-size: 2, tensor-model-parallel size: 1"),
+    pytest.param("pretrain_gpt_distributed.sh", 2, "", "data-parallel-size: 2, tensor-model-parallel size: 1",
+                 marks=pytest.mark.slow),  # DP 2 over torchrun: the SLURM rendezvous test below
     # TP 2 with sequence parallelism (PP is exercised by the SLURM script below; 2 processes at most here)
     ("pretrain_gpt_distributed_with_mp.sh", 2, "--pipeline-model-parallel-size 1",
      "data-parallel-size: 1, tensor-model-parallel size: 2, pipeline-model-parallel size: 1"),
@@ -77,6 +78,7 @@ def test_examples_distributed_reads_rendezvous_from_slurm(tmp_path, gpt_data):
     _check_run(rc, out, tmp_path / "ckpt", iters=1, world=2)
 
 
+@pytest.mark.slow  # a BERT script runs in test_examples_today.py::test_bert_340m_script_on_cpu
 def test_examples_bert_scripts(tmp_path, bert_data):
     for script, nproc in (("pretrain_bert.sh", None), ("pretrain_bert_distributed.sh", 2)):
         run_dir = tmp_path / script

@@ -48,7 +48,8 @@ def _check(rc, out, ckpt_dir):
 
 @pytest.mark.parametrize("script,procs,extra", [
     ("pretrain_t5_distributed_with_mp.sh", 2, "--num-layers 2 --use-legacy-models --ckpt-format torch"),
-    ("t5/train_t5_220m_distributed.sh", 1, "--encoder-num-layers 2 --decoder-num-layers 2"),
+    pytest.param("t5/train_t5_220m_distributed.sh", 1, "--encoder-num-layers 2 --decoder-num-layers 2",
+                 marks=pytest.mark.slow),
 ])
 def test_t5_scripts_on_cpu(tmp_path, t5_data, script, procs, extra):
     env = script_env(tmp_path, DATA_PATH=t5_data, CHECKPOINT_PATH=tmp_path / "ckpt", GPUS_PER_NODE=procs,

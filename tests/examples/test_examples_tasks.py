@@ -84,6 +84,7 @@ def test_finetune_mnli_script(tmp_path, checkpoints):
     assert (tmp_path / "mnli" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
+@pytest.mark.slow  # RACE finetuning: tests/tasks/test_tasks_finetune.py
 def test_finetune_race_script(tmp_path, checkpoints):
     rng = random.Random(1)
     for part, n in (("train/middle", 2), ("dev/middle", 1), ("dev/high", 1)):

@@ -38,6 +38,7 @@ def _check(rc, out, ckpt_dir, iters=3):
     print("\n".join(line for line, _ in lines))  # shown with pytest -s
 
 
+@pytest.mark.slow  # the 175B script runs under fake SLURM in test_examples_launch.py and as ranks of 1024
 def test_gpt3_175b_script_on_cpu(tmp_path, gpt_data):
     env = script_env(tmp_path, DATA_PATH=gpt_data, CHECKPOINT_PATH=tmp_path / "ckpt", GPUS_PER_NODE=1,
                      TENSORBOARD_LOGS_PATH=tmp_path / "tb", RAMPUP_BATCH_SIZE="",
@@ -77,6 +78,7 @@ def test_bert_340m_script_on_cpu(tmp_path, bert_data):
     assert any("sop loss:" in line for line, _ in iteration_lines(out))
 
 
+@pytest.mark.slow  # MoE training layouts: tests/training/test_train_moe_parity.py
 def test_mixtral_8x7b_script_on_cpu_with_mock_data(tmp_path):
     """The Mixtral MoE script (grouped GEMM, all-to-all dispatcher, distributed optimizer, bf16) on 2 gloo ranks:
     EP shrunk to 2 and PP to 1, 4 experts; the MoE load-balancing loss shows in every iteration line."""

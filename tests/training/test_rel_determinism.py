@@ -39,6 +39,7 @@ def data(tmp_path_factory):
     return preprocess_corpus_slice(str(tmp_path_factory.mktemp("det_data")), num_docs=200)
 
 
+@pytest.mark.slow  # bit-identical reruns are also asserted by every exact-resume test
 @pytest.mark.timeout(300)
 def test_rel_same_seed_and_layout_give_bit_identical_losses(data):
     first = run_distributed(determinism_body, 2, data, timeout=240)

@@ -92,6 +92,7 @@ def test_rel_hang_rank_stuck_in_python_inside_a_collective_phase(tmp_path, data_
     assert "Python stack of the main thread" in text and "in _stall" in text and "in train_step" in text, own[-3000:]
 
 
+@pytest.mark.slow  # the hang detector itself: the stuck-rank and SIGSTOP tests
 @pytest.mark.timeout(150)
 def test_rel_hang_slow_rank_is_no_false_alarm_and_is_reported_as_straggler(tmp_path, data_path):
     delay = HANG_S / 2  # per micro-batch; the other ranks wait that long in the loss all-reduce each iteration

@@ -53,7 +53,8 @@ def _check_failure_reported(job, codes, times, failed_rank, exc_name, fault_time
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("delay", [0, 2], ids=["raise", "raise_while_peers_in_collective"])
+@pytest.mark.parametrize("delay", [pytest.param(0, marks=pytest.mark.slow), 2],
+                         ids=["raise", "raise_while_peers_in_collective"])
 def test_rel_ranks_exception_on_one_rank_ends_all(tmp_path, data_path, delay):
     job = Job(str(tmp_path), data_path, 3, env={"MEGATRON_FAULT_INJECT": f"raise:rank=1:iter=3:delay={delay}"})
     job.wait_for(r"iteration\s+2/")
@@ -64,7 +65,7 @@ def test_rel_ranks_exception_on_one_rank_ends_all(tmp_path, data_path, delay):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("killed", [2, 0], ids=["rank2", "rank0_store_host"])
+@pytest.mark.parametrize("killed", [pytest.param(2, marks=pytest.mark.slow), 0], ids=["rank2", "rank0_store_host"])
 def test_rel_ranks_sigkill_of_one_rank_ends_all(tmp_path, data_path, killed):
     job = Job(str(tmp_path), data_path, 3, extra=["--train-iters", "100000"])
     job.wait_for(r"iteration\s+3/")

@@ -57,7 +57,7 @@ def reference_losses(gpt_data):
     return losses
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_loss_curve_is_layout_independent(world, reference_losses, gpt_data):
     results = run_distributed(layouts_body, world, RUNS[world], gpt_data, timeout=400)
     for name, _ in RUNS[world]:
