@@ -208,7 +208,7 @@ def test_get_megatron_optimizer_with_config_overrides_and_scheduler():
     assert b0["weight_decay"] == 0.0 and w1["lr"] == pytest.approx(0.5 * 4e-2)
     assert w1["weight_decay"] == pytest.approx(0.1) and b1["weight_decay"] == 0.0  # start 0 -> end 0.2, halfway
     with pytest.raises(ValueError, match="optimizer should not be overriden"):
-        get_megatron_optimizer(cfg, [model], config_overrides={ParamKey(name="*"): {"optimizer": "sgd"}})
+        get_megatron_optimizer(cfg, [model], config_overrides={ParamKey(name="*"): {"optimizer": "adam"}})
 
 
 def test_range():
