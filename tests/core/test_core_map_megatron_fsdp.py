@@ -12,6 +12,7 @@ import torch
 
 from helpers.dist_harness import run_distributed
 
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp.src import megatron_fsdp as mfsdp
 from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp as core_mod
 from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
@@ -166,8 +167,7 @@ def test_fully_shard_trains_like_an_unsharded_model_on_two_gloo_ranks():
 
 def test_megatron_fsdp_names_without_a_process_group():
     assert mfsdp.__version__ == "0.3.1" and mfsdp.__package_name__ == "megatron_fsdp"
-    assert mfsdp.DistributedDataParallelConfig is __import__(
-        "megatron.core.distributed", fromlist=["DistributedDataParallelConfig"]).DistributedDataParallelConfig
+    assert mfsdp.DistributedDataParallelConfig is DistributedDataParallelConfig
     assert [s.name for s in fs_mod.ShardingStrategy] == ["NO_SHARD", "OPTIM", "OPTIM_GRADS", "OPTIM_GRADS_PARAMS"]
     assert fs_mod.experimental_api(lambda: 1)._experimental_api
     assert [s.name for s in core_mod.TrainingState] == ["FORWARD", "PRE_BACKWARD", "POST_BACKWARD", "IDLE"]
@@ -204,3 +204,45 @@ def test_megatron_fsdp_names_without_a_process_group():
         fs_mod._strategy_name(7, fs_mod._STRATEGY_NAMES, "FSDP / inner DP sharding strategy")
     with pytest.raises(ValueError, match="outer_dp_sharding_strategy"):
         mfsdp.DistributedDataParallelConfig(outer_dp_sharding_strategy="optim")
+
+
+def test_buffer_layout_and_bucket_allocators():
+    from types import SimpleNamespace
+
+    # Cells of 4 over 2 ranks. Hand layout: item 0 (6) at 0 leaves a gap of 2 in cell [4, 8); item 3 (5, remainder
+    # 1) is pulled in to end its remainder at 8 -> [7, 12); the small item 4 (1) fills [6, 7); item 2 (8) at 12;
+    # the small item 1 (2) left over goes at 20. 22 elements padded to a multiple of 2 * 4: 24.
+    shapes = [torch.Size([6]), torch.Size([2]), torch.Size([2, 4]), torch.Size([5]), torch.Size([1])]
+    cfg = mfsdp.DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params")
+    index, bucket, shard = pgb.build_data_parallel_buffer_index(shapes, 1, 2, True, cfg, bucket_id=3,
+                                                                chunk_size_factor=4)
+    assert {i: (t.global_data_index, t.size) for i, t in index.items()} == \
+        {0: (0, 6), 3: (7, 5), 4: (6, 1), 2: (12, 8), 1: (20, 2)}
+    assert [t.item_id for t in bucket.items] == [0, 3, 4, 2, 1] and bucket.size == 24 and bucket.bucket_id == 3
+    assert tuple(shard) == (3, 12, 0, 12, 12)
+    _, unsharded, virtual = pgb.build_data_parallel_buffer_index(
+        shapes, 1, 2, False, mfsdp.DistributedDataParallelConfig(), chunk_size_factor=4)
+    assert unsharded.size == 22 and tuple(virtual) == (0, 11, 11, 11, 11)
+
+    temp = pgb.StorageResizeBasedBucketAllocator()
+    data = temp.allocate(0, 6, torch.float32, torch.device("cpu")).data
+    temp.free(0)
+    assert data.untyped_storage().nbytes() == 0
+    assert temp.allocate(0, 6, torch.float32, torch.device("cpu")).data is data and data.untyped_storage().nbytes() == 24
+
+    rotary = pgb.RotaryBucketAllocator("t_rot")
+    a = rotary.allocate(0, 4, torch.float32, torch.device("cpu"))
+    rotary.allocate(1, 4, torch.float32, torch.device("cpu"))
+    rotary.free(0)
+    c = rotary.allocate(2, 4, torch.float32, torch.device("cpu"))  # reuses bucket 0's buffer
+    assert c.data.data_ptr() == a.data.data_ptr() and rotary.num_global_buffer == 2
+
+    # Two units of two equal buckets each share 2 x 2 pooled buffers; bucket 4 (no unit) uses the backup allocator.
+    groups = [SimpleNamespace(fsdp_unit_id=u, dtype=torch.float32, params=[torch.empty(n)])
+              for u, n in ((0, 3), (0, 5), (1, 3), (1, 5), (None, 7))]
+    pool = pgb.FixedPoolAllocator("t_pool", groups)
+    assert pool.fsdp_double_buffer_units == [0, 1]
+    b0, b2 = (pool.allocate(i, 3, torch.float32, torch.device("cpu")) for i in (0, 2))
+    assert b0.data.data_ptr() != b2.data.data_ptr() and pool.using_buffer == {0: (0, 0), 2: (1, 0)}
+    pool.free(0)
+    assert pool.allocate(4, 7, torch.float32, torch.device("cpu")).data.numel() == 7 and 4 in pool.backup_allocator.buckets

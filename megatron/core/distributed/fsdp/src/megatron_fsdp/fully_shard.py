@@ -188,19 +188,9 @@ def fully_shard(module: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
     """:func:`fully_shard_model` then :func:`fully_shard_optimizer`: ``optimizer``'s parameter list and state are
     replaced by one group of the sharded model's parameters (its defaults: lr, betas, ...). Returns
     ``(model, optimizer)``."""
-    model = fully_shard_model(
-        module=module, device_mesh=device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim,
-        hybrid_fsdp_group=hybrid_fsdp_group, expt_device_mesh=expt_device_mesh, fsdp_unit_modules=fsdp_unit_modules,
-        zero_dp_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy, device=device,
-        init_model_with_meta_device=init_model_with_meta_device, grad_reduce_in_fp32=grad_reduce_in_fp32,
-        preserve_fp32_weights=preserve_fp32_weights, overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather, sync_model_each_microbatch=sync_model_each_microbatch,
-        preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt, check_for_nan_in_grad=check_for_nan_in_grad,
-        average_in_collective=average_in_collective, disable_bucketing=disable_bucketing,
-        calculate_per_token_loss=calculate_per_token_loss, keep_fp8_transpose_cache=keep_fp8_transpose_cache,
-        nccl_ub=nccl_ub, fsdp_double_buffer=fsdp_double_buffer,
-        disable_symmetric_registration=disable_symmetric_registration,
-        enable_fine_grained_param_gather=enable_fine_grained_param_gather)
+    arguments = dict(locals())  # every argument of fully_shard_model, plus the optimizer
+    optimizer = arguments.pop("optimizer")
+    model = fully_shard_model(**arguments)
     model._replace_param_with_distributed_if_needed()
     optimizer.param_groups.clear()
     optimizer.state.clear()
