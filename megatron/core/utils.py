@@ -180,14 +180,17 @@ def safely_set_viewless_tensor_data(tensor: torch.Tensor, new_data_tensor: torch
     tensor.data = new_data_tensor
 
 
-def get_attr_wrapped_model(model, attr: str, allow_none: bool = True):
-    """Find ``attr`` on ``model`` or on the first ``.module`` in its wrapper chain that has it."""
+def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
+    """Find ``attr`` on ``model`` or on the first ``.module`` in its wrapper chain that has it; with
+    ``return_model_obj`` return that module instead of the attribute."""
     if isinstance(model, list):
         raise RuntimeError("get_attr_wrapped_model does not support lists of model chunks")
     while not hasattr(model, attr):
         if not hasattr(model, "module"):
             raise RuntimeError(f"couldn't find attribute {attr} on the model or its wrappers")
         model = model.module
+    if return_model_obj:
+        return model
     value = getattr(model, attr)
     if not allow_none and value is None:
         raise RuntimeError(f"attribute {attr} of the model is None")
