@@ -1,6 +1,7 @@
 """megatron-core's combined 1F1B family (EP all-to-all overlap), one rank.
 
-Reference: a tiny GPT (3 layers: MoE with shared experts and an aux loss, dense, MoE last; alltoall dispatcher)
+Reference: a tiny GPT (3 layers: MoE with shared experts and an aux loss, dense, MoE last; alltoall dispatcher;
+also with one multi-token prediction depth)
 run through the plain ``GPTModel.forward`` and one autograd pass, or through ``forward_backward_no_pipelining``.
 The same model (a copy) run through ``GPTModel.build_schedule_plan`` and the schedule nodes (pre-process, per layer
 attn / dispatch / experts / combine, post-process), through ``combined_1f1b_schedule_for_no_pipelining`` and
@@ -24,7 +25,7 @@ def _config(**extra):
                   moe_router_topk=2, moe_ffn_hidden_size=24, moe_layer_freq=[1, 0, 1],
                   moe_shared_expert_intermediate_size=16, moe_aux_loss_coeff=0.01,
                   moe_token_dispatcher_type="alltoall", add_bias_linear=False, hidden_dropout=0.0,
-                  attention_dropout=0.0, use_cpu_initialization=True)
+                  attention_dropout=0.0, use_cpu_initialization=True, position_embedding_type="rope")
     fields.update(extra)
     return TransformerConfig(**fields)
 
@@ -35,7 +36,7 @@ def _model(**extra):
 
     config = _config(**extra)
     torch.manual_seed(0)
-    model = GPTModel(config, get_gpt_decoder_block_spec(config), VOCAB, SEQ, position_embedding_type="rope")
+    model = GPTModel(config, get_gpt_decoder_block_spec(config), VOCAB, SEQ)
     with torch.no_grad():  # routers that spread the tokens unevenly
         for layer in model.decoder.layers:
             if hasattr(layer.mlp, "router"):
@@ -65,23 +66,29 @@ def model(single_rank):  # noqa: F811
     return _model()
 
 
-def test_schedule_plan_nodes_equal_plain_forward_backward(model):
+@pytest.mark.parametrize("mtp", [0, 1], ids=["decoder", "mtp"])
+def test_schedule_plan_nodes_equal_plain_forward_backward(model, mtp):
+    """With ``mtp``: one multi-token prediction depth (an MoE layer) whose loss rides on the main hidden states."""
     from megatron.core.models.common.model_chunk_schedule_plan import (
         TransformerLayerSchedulePlan, TransformerModelChunkSchedulePlan)
     from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
     from megatron.core.pipeline_parallel.utils import NoopScheduleNode
 
-    ref, got = _model(), _model()
-    batch = _batch(0)
+    extra = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5} if mtp else {}
+    ref, got = _model(**extra), _model(**extra)
+    batch = dict(_batch(0), loss_mask=(_batch(0)["labels"] % 3 != 0).float())
     loss_ref = ref(**batch)
     (loss_ref * torch.linspace(0.5, 1.5, loss_ref.numel()).view_as(loss_ref)).sum().backward()
+    if mtp:
+        assert ref.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0, "the MTP loss must train the MTP depth"
 
     plan = got.build_schedule_plan(**batch)
-    assert isinstance(plan, TransformerModelChunkSchedulePlan) and plan.num_layers() == 3
+    assert isinstance(plan, TransformerModelChunkSchedulePlan) and plan.num_layers() == 3 + mtp
     kinds = [(type(p.moe_dispatch), type(p.moe_combine)) for p in plan._transformer_layers]
     assert kinds[0] == (TransformerLayerNode, TransformerLayerNode)
     assert kinds[1] == (NoopScheduleNode, NoopScheduleNode)  # the dense layer
     assert isinstance(plan.get_layer(2), TransformerLayerSchedulePlan)
+    assert isinstance(plan.get_layer(2 + mtp).mtp_post_process, TransformerLayerNode if mtp else NoopScheduleNode)
     loss = TransformerModelChunkSchedulePlan.run(plan, None)
     assert loss.shape == (BATCH, SEQ)
     torch.testing.assert_close(loss, loss_ref.detach(), rtol=1e-6, atol=1e-6)
@@ -225,8 +232,9 @@ def test_weak_method_free_input_rules_and_refusals(model):
 
     with pytest.raises(ValueError, match="Unsupported layer type"):
         build_layer_callables(torch.nn.Linear(2, 2))
-    with pytest.raises(NotImplementedError, match="post-process node"):
-        build_mtp_layer_callables(None)
+    mtp2 = _model(mtp_num_layers=2)
+    with pytest.raises(NotImplementedError, match="mtp_num_layers=1"):
+        build_mtp_layer_callables(mtp2.mtp.layers[0])
     forward_funcs, dw = build_layer_callables(model.decoder.layers[1])
     with pytest.raises(NotImplementedError, match="dense layer"):
         forward_funcs[1](None, None, None)

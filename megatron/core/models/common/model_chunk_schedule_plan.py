@@ -136,8 +136,8 @@ class TransformerModelChunkSchedulePlan(AbstractSchedulePlan):
 
     ``TransformerModelChunkSchedulePlan(model, input_ids, position_ids, attention_mask, decoder_input=None,
     labels=None, packed_seq_params=None, extra_block_kwargs=None, runtime_gather_output=None, loss_mask=None,
-    padding_mask=None)``: the arguments of ``model.forward`` go to the chunk state; the decoder's layers get a layer
-    plan each (the multi-token prediction block runs in the post-process node here).
+    padding_mask=None)``: the arguments of ``model.forward`` go to the chunk state; the decoder's layers, then the
+    multi-token prediction depths, get a layer plan each.
     """
 
     def __init__(self, model, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
@@ -170,6 +170,7 @@ class TransformerModelChunkSchedulePlan(AbstractSchedulePlan):
 
         self.pre_process = PreProcessNode(model, state, self._event, comp_stream)
         self._build_layer_schedule_plan(model.decoder, comp_stream, comm_stream)
+        self._build_layer_schedule_plan(getattr(model, "mtp", None), comp_stream, comm_stream)
         if model.post_process:
             self.post_process = PostProcessNode(model, state, self._event, comp_stream)
 

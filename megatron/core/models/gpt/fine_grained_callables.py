@@ -20,8 +20,10 @@ backward runs from its outputs *and* those tensors with their accumulated gradie
 backwards is the chain rule of the whole layer. On one stream (CPU) the nodes compute exactly what
 ``GPTModel.forward`` computes; on a GPU the schedule overlaps a micro-batch's all-to-all with another's computation.
 
-Multi-token prediction: megatron-core runs each MTP layer as nodes too (``build_mtp_layer_callables``); here the
-MTP block runs inside the post-process node (same math, no overlap), and ``build_mtp_layer_callables`` is refused.
+A multi-token prediction depth is a layer of the plan too (:func:`build_mtp_layer_callables`): its ``attn`` node
+embeds the rolled tokens and projects ``[enorm(e), hnorm(h)]`` before the transformer layer's attention, and its
+``mtp_post_process`` node applies the depth's norm and hands ``[h_0, h_1]`` (concatenated along the sequence) to the
+post-process node, which computes the MTP loss.
 """
 from __future__ import annotations
 
@@ -105,8 +107,8 @@ class PreProcessNode(ScheduleNode):
 
 
 class PostProcessNode(ScheduleNode):
-    """The chunk's last node (last stage): the multi-token prediction block and its losses, the output layer and
-    the loss (``GPTModel._postprocess``), in fp32. ``PostProcessNode(gpt_model, chunk_state, event, stream)``."""
+    """The chunk's last node (last stage): the multi-token prediction losses (the depths ran as layers of the
+    plan), the output layer and the loss (``GPTModel._postprocess``), in fp32. ``PostProcessNode(gpt_model, chunk_state, event, stream)``."""
 
     def __init__(self, gpt_model, chunk_state, event, stream):
         super().__init__(weak_method(self.forward_impl), stream, event, name="post_process")
@@ -123,7 +125,7 @@ class PostProcessNode(ScheduleNode):
         out = model._postprocess(
             hidden_states=hidden_states, input_ids=state.input_ids, position_ids=state.position_ids,
             labels=state.labels, rotary_pos_emb=state.rotary_pos_emb, rotary_pos_cos=state.rotary_pos_cos,
-            rotary_pos_sin=state.rotary_pos_sin, mtp_in_postprocess=True, loss_mask=state.loss_mask,
+            rotary_pos_sin=state.rotary_pos_sin, mtp_in_postprocess=False, loss_mask=state.loss_mask,
             decoder_input=state.decoder_input, attention_mask=state.attention_mask,
             packed_seq_params=state.packed_seq_params, sequence_len_offset=state.sequence_len_offset,
             runtime_gather_output=state.runtime_gather_output, extra_block_kwargs=state.extra_block_kwargs)
@@ -298,10 +300,56 @@ def build_transformer_layer_callables(layer: TransformerLayer):
 
 
 def build_mtp_layer_callables(layer):
-    """megatron-core runs a multi-token prediction layer as nodes of the schedule; here the MTP block runs inside
-    the post-process node (same math), so this is refused."""
-    raise NotImplementedError("multi-token prediction layers are not split into schedule nodes here: the MTP block "
-                              "runs inside the chunk's post-process node (PostProcessNode)")
+    """The callables of a multi-token prediction depth ``k`` (one depth, as megatron-core's overlap asks):
+    ``attn`` first (depth 1) keeps the decoder's output ``h_0`` on the chunk state, rolls the chunk's token and
+    position ids left by one, embeds them and feeds ``eh_proj([enorm(e), hnorm(h_{k-1})])`` to its transformer
+    layer's attention callable; dispatch / experts / combine are the transformer layer's (no final decoder norm);
+    ``mtp_post_process`` applies the depth's final norm and, at the last depth, returns ``[h_0, h_1, ..., h_D]``
+    concatenated along the sequence for ``GPTModel._postprocess``. Every callable runs under the depth's RNG
+    context (the tracker's fork with sequence parallelism), as the MTP block does."""
+    from megatron.core.transformer.multi_token_prediction import _cp_group, roll_tensor
+
+    if layer.config.mtp_num_layers != 1:
+        raise NotImplementedError("the combined 1F1B schedule supports one multi-token prediction layer "
+                                  f"(mtp_num_layers=1), got {layer.config.mtp_num_layers}")
+    forward_funcs, backward_dw = build_transformer_layer_callables(layer.transformer_layer)
+    attn, dispatch, experts, combine, _ = forward_funcs
+    cp_group = _cp_group(layer.pg_collection)
+
+    def rng():
+        return (tensor_parallel.get_cuda_rng_tracker().fork() if layer.config.sequence_parallel
+                else contextlib.nullcontext())
+
+    def mtp_attn_forward(node, hidden_states):
+        state = node.chunk_state
+        if node.is_first_layer:
+            state.mtp_hidden_states = [hidden_states]
+        state.input_ids, _ = roll_tensor(state.input_ids, cp_group)
+        state.position_ids, _ = roll_tensor(state.position_ids, cp_group)
+        embedded = state.model.embedding(input_ids=state.input_ids, position_ids=state.position_ids)
+        with rng():
+            return attn(node, layer._concat_embeddings(hidden_states, embedded))
+
+    def in_rng(func):
+        def call(node, *args):
+            with rng():
+                return func(node, *args)
+
+        return call
+
+    def mtp_post_process_forward(node, hidden_states):
+        state = node.chunk_state
+        with rng():
+            hidden_states = layer._postprocess(hidden_states)
+        state.mtp_hidden_states.append(hidden_states)
+        if node.is_last_layer:
+            hidden_states = torch.cat(state.mtp_hidden_states, dim=0)
+            state.mtp_hidden_states = None
+        return hidden_states
+
+    backward_dw["attn"] = [backward_dw["attn"], layer.eh_proj]
+    return [mtp_attn_forward, in_rng(dispatch), in_rng(experts), in_rng(combine), mtp_post_process_forward], \
+        backward_dw
 
 
 def build_layer_callables(layer):

@@ -5,6 +5,8 @@ Submodule names are megatron-core's (``embedding``, ``decoder.layers.{i}.self_at
 """
 from __future__ import annotations
 
+import torch
+
 from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
@@ -272,20 +274,26 @@ class GPTModel(LanguageModule):
                      rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, decoder_input=None,
                      attention_mask=None, inference_params=None, packed_seq_params=None, sequence_len_offset=None,
                      runtime_gather_output=None, extra_block_kwargs=None, inference_context=None):
-        """After the decoder (last stage): the multi-token prediction block and its losses (training with
-        labels, when ``mtp_in_postprocess``), the output layer; returns the logits ``[b, s, V/tp]``, or the
-        per-token loss ``[b, s]`` with labels. Other stages return ``hidden_states``."""
+        """After the decoder (last stage): the multi-token prediction depths' losses (training with labels; the
+        MTP block runs here when ``mtp_in_postprocess``, else ``hidden_states`` is ``[main, h_1, ..., h_D]``
+        concatenated along the sequence by a schedule plan's MTP layers), the output layer; returns the logits
+        ``[b, s, V/tp]``, or the per-token loss ``[b, s]`` with labels. Other stages return ``hidden_states``."""
         if not self.post_process:
             return hidden_states
         if runtime_gather_output:
             raise NotImplementedError("GPTModel: runtime_gather_output is not supported")
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        if mtp_in_postprocess and self.mtp_process and labels is not None and self.training:
+        mtp_hidden = None
+        if self.mtp_process and not mtp_in_postprocess:
+            # The depths ran as layers of a schedule plan: [main, h_1, ..., h_D] concatenated along the sequence.
+            hidden_states, *mtp_hidden = torch.chunk(hidden_states, 1 + self.config.mtp_num_layers, dim=0)
+        if self.mtp_process and labels is not None and self.training:
             # The MTP depths' losses ride on the main hidden states (MTPLossAutoScaler): not in the returned loss.
             from megatron.core.transformer.multi_token_prediction import process_mtp_loss
 
-            mtp_hidden = self.mtp(input_ids, position_ids, hidden_states, attention_mask, self.embedding,
-                                  rotary_pos_emb)
+            if mtp_hidden is None:
+                mtp_hidden = self.mtp(input_ids, position_ids, hidden_states, attention_mask, self.embedding,
+                                      rotary_pos_emb)
             hidden_states = process_mtp_loss(self.mtp, hidden_states, mtp_hidden, labels, loss_mask,
                                              lambda h: self.output_layer(h, weight=output_weight)[0],
                                              self.compute_language_model_loss)
