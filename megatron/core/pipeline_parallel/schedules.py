@@ -42,6 +42,9 @@ from torch.autograd.variable import Variable
 from megatron.core import device, parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedule_helpers import (clear_embedding_activation_buffer,  # noqa: F401
+                                                              finish_embedding_wgrad_compute, get_pp_rank_microbatches,
+                                                              set_current_microbatch)
 from megatron.core.process_groups_config import pg_group, pg_rank, pg_size
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.process_groups_config import group_of, pg_group, pg_size, require_mpu_groups
+from megatron.core.process_groups_config import group_of, pg_group, pg_size
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import loss_auto_scaler
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -215,13 +215,10 @@ class MultiTokenPredictionBlock(MegatronModule):
     """``MultiTokenPredictionBlock(config, spec, vp_stage=None, pg_collection=None)``: the D depths
     (``layers.{k-1}``); ``tracked_losses`` holds each depth's logged MTP loss summed over this step's micro-batches
     (cleared by :func:`reduce_mtp_losses`). The collection's ``tp`` / ``cp`` / ``dp_cp`` groups (else parallel_state's)
-    split the layers, roll the tokens across CP ranks and average the logged losses; another ``cp`` group than
-    parallel_state's is refused (not tested)."""
+    split the layers, roll the tokens across CP ranks and average the logged losses."""
 
     def __init__(self, config, spec: MultiTokenPredictionBlockSubmodules, vp_stage=None, pg_collection=None):
         super().__init__(config=config)
-        # Tested with a collection's TP group; its token roll over another context-parallel group is not: refused.
-        require_mpu_groups(pg_collection, ("cp",), "MultiTokenPredictionBlock")
         self.pg_collection = pg_collection
         groups = {} if pg_collection is None else {"pg_collection": pg_collection}
         self.layers = torch.nn.ModuleList([build_module(s, config=config, layer_number=k + 1, **groups)
