@@ -21,6 +21,13 @@ groups); loaded into the whole model it gives the whole run's trained weights (<
 If any module still reached parallel_state's (size-1) groups, run (b) would train another model: unsplit heads or
 vocabulary, no pipeline exchange, no expert all-to-all, no CP ring. Every tensor starts from one global value drawn
 from its checkpoint key (``set_global_weights``), so that all layouts start from the same model.
+
+In the same launch, BERT (TP 2 x PP 2, tied embedding), T5 (TP 2 x PP 2 split at 1: encoder on stage 0, decoder on
+stage 1, word and position embeddings on both), a hybrid Mamba model (TP 2 x PP 2, pattern ``M*``) and a GPT with
+multi-latent attention and one multi-token-prediction depth (TP 2 + SP x CP 2) each run one forward-backward step of
+2 micro-batches (schedule, DDP, finalize_model_grads) built (a) with parallel_state's groups of that shape and (b)
+with parallel_state at size 1 and the groups passed as ``pg_collection``: every rank's losses and every parameter's
+reduced gradient must be equal (<= 1e-6).
 """
 import pytest
 import torch
@@ -195,6 +202,7 @@ def body(ckpt_root):
 # as pg_collection: the reported losses and every gradient must be equal. Each layout splits the model (TP 2 with PP 2
 # or CP 2): a module still reaching parallel_state's (size-1) groups would compute another model, or hang.
 MODEL_LAYOUTS = {"bert tp2-pp2": dict(tp=2, cp=1, pp=2, ep=1),
+                 "t5 tp2-pp2 split 1": dict(tp=2, cp=1, pp=2, ep=1, split=1),
                  "mamba tp2-pp2": dict(tp=2, cp=1, pp=2, ep=1),
                  "mla+mtp tp2-cp2": dict(tp=2, cp=2, pp=1, ep=1)}
 MODEL_SEQ, MODEL_DEC_SEQ = 8, 6
@@ -309,7 +317,7 @@ def _mla_mtp(layout, pgs, first, last):
     return model, _gpt_step(pgs), {}
 
 
-MODEL_BUILDERS = {"bert": _bert, "mamba": _mamba, "mla+mtp": _mla_mtp}
+MODEL_BUILDERS = {"bert": _bert, "t5": _t5, "mamba": _mamba, "mla+mtp": _mla_mtp}
 
 
 def _model_step(name, layout, pgs):
