@@ -217,9 +217,32 @@ def _groups_body():
     out["timeout_all"] = (ag._get_backend(cpu).options._timeout,
                           torch.distributed.group.WORLD._get_backend(cpu).options._timeout)
     out.update(_hybrid_data_and_schedule(ps))
+    out.update(_bridge(rank))
     ps.destroy_model_parallel()
     out["rank"] = rank
     return out
+
+
+def _bridge(rank):
+    """A TP 2 source grid (ranks 0, 1) bridged to a DP 2 destination grid (ranks 2, 3): fan-out from leader 1."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    names = ["tp", "cp", "pp", "dp"]
+    bridge = BridgeCommunicator(HyperCommGrid([2, 1, 1, 1], names), HyperCommGrid([1, 1, 1, 2], names, rank_offset=2))
+    plan = {r: (info.role.value, info.send_to_ranks, info.recv_from_ranks) for r, info in bridge.comm_map.items()}
+    x0, x1 = torch.arange(24.0).view(4, 2, 3), torch.arange(24.0).view(4, 2, 3) + 100
+    got = {}
+    if rank < 2:  # the source: micro-batch 0 forward, then 1 forward with 0's gradient, then 1's gradient
+        bridge.send_forward(x0)
+        got["g0"] = bridge.send_forward_recv_backward(x1).tolist()
+        got["g1"] = bridge.recv_backward().tolist()
+    else:
+        a0 = bridge.recv_forward()
+        a1 = bridge.send_backward_recv_forward(a0.detach() * 2)
+        bridge.send_backward(a1.detach() * 3)
+        got["a0"], got["a1"], got["grad"] = a0.tolist(), a1.tolist(), a1.requires_grad
+    return {"plan": plan, "bridge": got, "leaders": (bridge.src_tp_leaders, bridge.dest_tp_leaders)}
 
 
 # Packed samples of DP rank 0 and 1 (CP peers read the same): their cu_seqlens (one empty sub-sample).
@@ -281,6 +304,17 @@ def test_parallel_state_groups_world_4():
         assert out["hybrid_batch"] == ([tokens], 2, 2)
         assert out["timeout_one"] == (timedelta(minutes=7), timedelta(minutes=30))
         assert out["timeout_all"] == (timedelta(minutes=9), timedelta(minutes=9))
+    # The bridge: leader 1 sends halves of the batch to 2 and 3; the gradients come back to both source ranks.
+    x0, x1 = torch.arange(24.0).view(4, 2, 3), torch.arange(24.0).view(4, 2, 3) + 100
+    for rank, out in enumerate(results):
+        assert out["leaders"] == ([1], [2, 3])
+        assert out["plan"] == {0: ("MEMBER", [], []), 1: ("SENDER", [2, 3], []), 2: ("RECEIVER", [], [1]),
+                               3: ("RECEIVER", [], [1])}
+        if rank < 2:
+            assert out["bridge"] == {"g0": (2 * x0).tolist(), "g1": (3 * x1).tolist()}
+        else:
+            half = slice(0, 2) if rank == 2 else slice(2, 4)
+            assert out["bridge"] == {"a0": x0[half].tolist(), "a1": x1[half].tolist(), "grad": True}
     # The data schedule: every rank got the oracle's schedule, and exactly its sub-samples, whole.
     oracle_groups = _oracle_scheduler_class()(4, _Group(4, 0)).get_groups_and_subsamples(
         list(enumerate(_GLOBAL_SEQLENS)), None)[1]
@@ -329,3 +363,44 @@ def test_parallel_state_one_instance(single_rank):
     ps.update_pg_timeout(timedelta(minutes=11))
     assert dp_cp._get_backend(torch.device("cpu")).options._timeout == timedelta(minutes=11)
     ps.update_pg_timeout(timedelta(minutes=30))
+
+
+def test_bridge_plan_matches_oracle(monkeypatch):
+    """Leaders, boundary broadcast groups and the fan-in / fan-out plan of several grid pairs, against the oracle's
+    own methods (run on instances that skip the collective constructor)."""
+    from dataclasses import dataclass, field
+    from enum import Enum
+    from typing import Dict, List, Optional, Tuple
+
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    namespace = {"dataclass": dataclass, "field": field, "Enum": Enum, "Dict": Dict, "List": List,
+                 "Optional": Optional, "Tuple": Tuple, "torch": torch, "HyperCommGrid": HyperCommGrid}
+    for name in ("CommRole", "RankCommInfo", "BridgeCommunicator"):
+        _oracle_definition("pipeline_parallel/bridge_communicator.py", name, namespace)
+    names = ["tp", "cp", "pp", "dp"]
+    pairs = [([2, 1, 1, 1], [1, 1, 1, 2]), ([1, 1, 2, 4], [2, 1, 1, 2]), ([2, 1, 2, 2], [1, 1, 3, 4]),
+             ([4, 1, 1, 2], [2, 1, 2, 1])]
+    for src_shape, dest_shape in pairs:
+        src = HyperCommGrid(src_shape, names)
+        dest = HyperCommGrid(dest_shape, names, rank_offset=src.size)
+        for rank in range(src.size + dest.size):
+            plans = []
+            for cls in (BridgeCommunicator, namespace["BridgeCommunicator"]):
+                bridge = object.__new__(cls)
+                bridge.current_rank, bridge.src_grid, bridge.dest_grid, bridge.comm_map = rank, src, dest, {}
+                src_leaders = bridge.get_leader_rank(src, is_src=True)
+                dest_leaders = bridge.get_leader_rank(dest, is_src=False)
+                bridge.build_comm_map(src_leaders[0], dest_leaders[0])
+                plans.append((src_leaders, dest_leaders, bridge.get_boundary_pp_stage_ranks(src, True),
+                              bridge.get_boundary_pp_stage_ranks(dest, False),
+                              {r: (i.role.value, i.send_to_ranks, i.recv_from_ranks) for r, i in bridge.comm_map.items()}))
+            assert plans[0] == plans[1], (src_shape, dest_shape, rank)
+    bridge = object.__new__(BridgeCommunicator)
+    bridge.dim_mapping = {"s": 0, "b": 1, "h": 2}
+    parts = bridge._split_tensor_at_batch_dim(torch.arange(12.0).view(2, 3, 2), 2)
+    assert [p.shape for p in parts] == [(2, 2, 2), (2, 1, 2)] and all(p.is_contiguous() for p in parts)
+    with pytest.raises(ValueError, match="num_splits must be positive"):
+        bridge._split_tensor_at_batch_dim(torch.zeros(2, 2, 2), 0)
