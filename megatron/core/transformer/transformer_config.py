@@ -311,6 +311,16 @@ class TransformerConfig(ModelParallelConfig):
     moe_apply_probs_on_input: bool = flag(False, "Multiply each token's expert input by its routing weight and take "
                                                  "the expert output as it is (Llama 4; needs --moe-router-topk 1).")
 
+    # DeepSeek sparse attention (DeepSeek-V3.2; megatron/core/transformer/experimental_attention_variant/dsa.py): the
+    # core attention of multi-latent attention when experimental_attention_variant is "dsa" (megatron-core's fields;
+    # through megatron.core only: the command line's --experimental-attention-variant is not available).
+    experimental_attention_variant: Optional[str] = None
+    dsa_indexer_n_heads: Optional[int] = None
+    dsa_indexer_head_dim: Optional[int] = None
+    dsa_indexer_topk: Optional[int] = None
+    dsa_indexer_loss_coeff: Optional[float] = None
+    dsa_indexer_use_sparse_loss: bool = False
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_model_settings()
@@ -453,6 +463,7 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError("moe_grouped_gemm supports bf16 and fp32 parameters, not fp16")
 
     def _validate_attention_variants(self):
+        self._validate_dsa()
         if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise ValueError(f"softmax_type must be vanilla, off-by-one or learnable, got {self.softmax_type!r}")
         if self.window_size is not None:
@@ -470,6 +481,27 @@ class TransformerConfig(ModelParallelConfig):
         if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.gated_linear_unit:
             raise ValueError("glu_linear_offset / activation_func_clamp_value apply to a gated linear unit: set "
                              "gated_linear_unit (--swiglu or --quick-geglu)")
+
+    def _validate_dsa(self):
+        variant = self.experimental_attention_variant
+        if variant is None:
+            return
+        if variant != "dsa":
+            raise ValueError(f"experimental_attention_variant {variant!r}: only 'dsa' (DeepSeek sparse attention) is "
+                             "part of this library")
+        if not self.multi_latent_attention:
+            raise ValueError("DeepSeek sparse attention (experimental_attention_variant='dsa') needs multi-latent "
+                             "attention (MLATransformerConfig)")
+        for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
+            if not getattr(self, name) or getattr(self, name) <= 0:
+                raise ValueError(f"DeepSeek sparse attention needs {name} > 0, got {getattr(self, name)}")
+        if self.dsa_indexer_head_dim < getattr(self, "qk_pos_emb_head_dim", 0):
+            raise ValueError(f"dsa_indexer_head_dim ({self.dsa_indexer_head_dim}) must hold the rotary part "
+                             f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim})")
+        if self.context_parallel_size > 1:
+            raise ValueError("DeepSeek sparse attention does not support context parallelism (context_parallel_size)")
+        if self.apply_rope_fusion:
+            raise ValueError("DeepSeek sparse attention does not support RoPE fusion (apply_rope_fusion)")
 
     def _validate_llama4_settings(self):
         freq = self.no_rope_freq
