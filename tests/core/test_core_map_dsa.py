@@ -150,5 +150,5 @@ def test_config_refusals():
         _config(dsa_indexer_topk=None)
     with pytest.raises(ValueError, match="context parallelism"):
         _config(context_parallel_size=2)
-    with pytest.raises(ValueError, match="only 'dsa'"):
-        _config(experimental_attention_variant="gated_delta_net")
+    with pytest.raises(ValueError, match="must be .dsa. or .gated_delta_net."):
+        _config(experimental_attention_variant="gdn")

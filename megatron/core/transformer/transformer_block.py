@@ -166,8 +166,11 @@ class ParallelTransformer(MegatronModule):
 
         def build_layer(layer_number):
             if isinstance(layer_spec, TransformerBlockSubmodules):
-                return build_module(layer_spec.layer_specs[layer_number - 1], config=config,
-                                    layer_number=layer_number, **groups)
+                # one spec per global layer (this library's block specs), or per layer of this stage (megatron-core's
+                # sliced ones, e.g. the experimental attention variants' block spec)
+                specs = layer_spec.layer_specs
+                index = layer_number - 1 if len(specs) == config.num_layers else layer_number - 1 - offset
+                return build_module(specs[index], config=config, layer_number=layer_number, **groups)
             if layer_spec is not None:
                 return build_module(layer_spec, config=config, layer_number=layer_number, **groups)
             return ParallelTransformerLayer(config, layer_number, layer_type=layer_type,

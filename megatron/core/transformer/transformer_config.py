@@ -311,10 +311,18 @@ class TransformerConfig(ModelParallelConfig):
     moe_apply_probs_on_input: bool = flag(False, "Multiply each token's expert input by its routing weight and take "
                                                  "the expert output as it is (Llama 4; needs --moe-router-topk 1).")
 
-    # DeepSeek sparse attention (DeepSeek-V3.2; megatron/core/transformer/experimental_attention_variant/dsa.py): the
-    # core attention of multi-latent attention when experimental_attention_variant is "dsa" (megatron-core's fields;
-    # through megatron.core only: the command line's --experimental-attention-variant is not available).
+    # megatron-core's experimental attention variants (its fields; through megatron.core only: the command line's
+    # --experimental-attention-variant is not available): "dsa", DeepSeek sparse attention (DeepSeek-V3.2;
+    # megatron/core/transformer/experimental_attention_variant/dsa.py), the core attention of multi-latent attention;
+    # "gated_delta_net", Gated DeltaNet linear attention (Qwen3-Next; megatron/core/ssm/gated_delta_net.py) on the
+    # layers linear_attention_freq selects (int N: every layer but each N-th; or a 0/1 list, 1 = GDN).
     experimental_attention_variant: Optional[str] = None
+    linear_attention_freq: Optional[Union[int, List[int]]] = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
     dsa_indexer_n_heads: Optional[int] = None
     dsa_indexer_head_dim: Optional[int] = None
     dsa_indexer_topk: Optional[int] = None
@@ -486,9 +494,21 @@ class TransformerConfig(ModelParallelConfig):
         variant = self.experimental_attention_variant
         if variant is None:
             return
-        if variant != "dsa":
-            raise ValueError(f"experimental_attention_variant {variant!r}: only 'dsa' (DeepSeek sparse attention) is "
-                             "part of this library")
+        if variant not in ("dsa", "gated_delta_net"):
+            raise ValueError(f"experimental_attention_variant must be 'dsa' or 'gated_delta_net', got {variant!r}")
+        if variant == "gated_delta_net":
+            freq = self.linear_attention_freq
+            if freq is None:
+                raise ValueError("Gated DeltaNet (experimental_attention_variant='gated_delta_net') needs "
+                                 "linear_attention_freq (the GDN / attention layer pattern)")
+            if isinstance(freq, (list, tuple)) and len(freq) != self.num_layers:
+                raise ValueError(f"linear_attention_freq lists {len(freq)} layers; the model has {self.num_layers}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                                 f"linear_num_key_heads ({self.linear_num_key_heads})")
+            if self.context_parallel_size > 1:
+                raise ValueError("Gated DeltaNet does not support context parallelism (context_parallel_size)")
+            return
         if not self.multi_latent_attention:
             raise ValueError("DeepSeek sparse attention (experimental_attention_variant='dsa') needs multi-latent "
                              "attention (MLATransformerConfig)")
