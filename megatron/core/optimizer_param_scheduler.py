@@ -18,13 +18,14 @@ Weight decay, with ``I`` = increment steps and ``r = n / I``: ``end_wd`` once ``
 
 Each param group gets ``lr * group['lr_mult']`` and ``wd * group['wd_mult']`` (both default 1), where ``lr`` is
 computed with the group's own ``max_lr`` / ``min_lr`` when it has them (``--decoupled-lr`` /
-``--decoupled-min-lr`` groups of the embedding and output weights) and the scheduler's otherwise; warmup
-always starts from ``init_lr``.
+``--decoupled-min-lr`` groups of the embedding and output weights, or a ``ParamGroupOverride``) and the
+scheduler's otherwise; warmup always starts from ``init_lr``. Likewise ``wd`` uses the group's own ``start_wd`` /
+``end_wd`` when a ``ParamGroupOverride`` set them.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, List, Optional, Tuple, TypedDict
 
 import torch
 
@@ -33,6 +34,50 @@ from megatron.core.utils import print_rank_0
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+
+
+class ParamGroupOverride(TypedDict, total=False):
+    """Per-parameter-group settings that replace the optimizer's / scheduler's defaults for the parameters a
+    :class:`~megatron.core.optimizer.optimizer_config.ParamKey` matches (``get_megatron_optimizer``'s
+    ``config_overrides``). The scheduler reads ``max_lr`` / ``min_lr`` in ``get_lr``, ``start_wd`` / ``end_wd``
+    in ``get_wd`` and multiplies the weight decay by ``wd_mult``; any other key (``lr_mult``, an optimizer
+    hyper-parameter) is copied into the param group as well. A plain dict: ``ParamGroupOverride(wd_mult=0.0)``.
+    """
+
+    max_lr: float
+    min_lr: float
+    start_wd: float
+    end_wd: float
+    wd_mult: float
+
+
+def get_canonical_lr_for_logging(param_groups: List[dict]) -> Optional[float]:
+    """The ``lr`` of the first param group flagged ``default_config`` (the groups whose learning rate follows the
+    scheduler's own max / min lr, which all share one value), or None when no group is flagged."""
+    return next((group.get("lr") for group in param_groups if group.get("default_config", False)), None)
+
+
+def param_group_override_to_tuple(param_group_override: Optional[ParamGroupOverride]
+                                  ) -> Optional[Tuple[Tuple[str, Any], ...]]:
+    """A hashable form of an override: its ``(key, value)`` items sorted by key, so that two dicts with the same
+    entries in another order give the same tuple; None stays None."""
+    if param_group_override is None:
+        return None
+    return tuple(sorted(param_group_override.items()))
+
+
+def combine_param_group_overrides(param_group_overrides: List[Optional[ParamGroupOverride]]) -> ParamGroupOverride:
+    """Merge the overrides of every ParamKey a parameter matched into one (None entries skipped).
+
+    A key set by several overrides must have one value; different values raise ``ValueError`` naming the key.
+    """
+    combined: ParamGroupOverride = ParamGroupOverride()
+    for override in param_group_overrides:
+        for key, value in (override or {}).items():
+            if key in combined and combined[key] != value:
+                raise ValueError(f"Conflicting overrides for {key}: {combined[key]} and {value}")
+            combined[key] = value
+    return combined
 
 
 
@@ -96,20 +141,22 @@ class OptimizerParamScheduler:
         print_rank_0(f"> learning rate decay style: {self.lr_decay_style}")
 
     # ------------------------------------------------------------------------------ schedules
-    def get_wd(self) -> float:
+    def get_wd(self, param_group: Optional[dict] = None) -> float:
+        """The weight decay after ``num_steps`` steps, for ``param_group``'s start / end wd if it sets them."""
+        start_wd = param_group.get("start_wd", self.start_wd) if param_group else self.start_wd
+        end_wd = param_group.get("end_wd", self.end_wd) if param_group else self.end_wd
         if self.num_steps > self.wd_incr_steps:
-            return self.end_wd
+            return end_wd
         if self.wd_incr_style == "constant":
-            if self.start_wd != self.end_wd:
+            if start_wd != end_wd:
                 raise ValueError("constant weight decay needs --start-weight-decay == --end-weight-decay")
-            return self.end_wd
+            return end_wd
         incr_ratio = float(self.num_steps) / float(self.wd_incr_steps)
-        delta_wd = self.end_wd - self.start_wd
         if self.wd_incr_style == "linear":
             coeff = incr_ratio
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * (1 - incr_ratio)) + 1.0)
-        return self.start_wd + coeff * delta_wd
+        return start_wd + coeff * (end_wd - start_wd)
 
     def get_lr(self, param_group: Optional[dict] = None) -> float:
         """The learning rate after ``num_steps`` steps, for ``param_group``'s max/min lr if it sets them."""
@@ -151,10 +198,9 @@ class OptimizerParamScheduler:
     def step(self, increment: int):
         """Advance by ``increment`` steps and write lr / weight decay into every param group."""
         self.num_steps += increment
-        new_wd = self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
-            group["weight_decay"] = new_wd * group.get("wd_mult", 1.0)
+            group["weight_decay"] = self.get_wd(group) * group.get("wd_mult", 1.0)
 
     # ------------------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:

@@ -9,6 +9,9 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer  # noqa: F401  (megatron-core's path)
+from megatron.core.cp_batch import (context_parallel_chunk_indices, get_batch_on_this_cp_rank,  # noqa: F401
+                                    get_batch_on_this_hybrid_cp_rank, get_thd_batch_on_this_cp_rank,
+                                    thd_partitioned_indices)
 
 
 def ensure_divisibility(numerator: int, denominator: int) -> None:
@@ -40,49 +43,6 @@ def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group=Non
 def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``input_`` over ``group`` and keep this rank's equal slice along dim 0 in ``output``."""
     return getattr(torch.distributed, _REDUCE_SCATTER_TENSOR_NAME)(output, input_, group=group, async_op=async_op)
-
-
-def context_parallel_chunk_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Positions (along the sequence) that context-parallel rank ``cp_rank`` of ``cp_size`` holds.
-
-    The sequence is cut into ``2 * cp_size`` equal chunks; rank ``r`` holds chunk ``r`` followed by chunk
-    ``2 * cp_size - 1 - r`` (Megatron's load-balanced "zigzag" split: under a causal mask an early chunk has
-    little work and a late one much, so every rank gets one of each). Example, 8 positions, CP = 2: rank 0 holds
-    ``[0, 1, 6, 7]``, rank 1 holds ``[2, 3, 4, 5]``.
-    """
-    if seq_len % (2 * cp_size) != 0:
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context-parallel size ({2 * cp_size})")
-    chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
-    return torch.cat([first, second])
-
-
-def get_batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
-    """This context-parallel rank's part of every tensor of ``batch`` (megatron-core's function; ``cp_group``
-    defaults to parallel_state's CP group).
-
-    Each tensor's sequence dimension (dim 1; dim 2 for ``attention_mask``, whose key dimension stays whole) keeps
-    the positions of :func:`context_parallel_chunk_indices`: ``S / CP`` of them, chunk ``r`` first, then chunk
-    ``2 CP - 1 - r``. ``None`` values pass through; with CP = 1 the batch is returned unchanged.
-    """
-    from megatron.core import parallel_state
-
-    if cp_group is not None:
-        cp_size, cp_rank = get_pg_size(cp_group), get_pg_rank(cp_group)
-    else:
-        cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
-    if cp_size <= 1:
-        return batch
-    out = {}
-    for key, value in batch.items():
-        if value is None:
-            out[key] = value
-            continue
-        dim = 2 if key == "attention_mask" else 1
-        index = context_parallel_chunk_indices(value.size(dim), cp_size, cp_rank).to(value.device)
-        out[key] = value.index_select(dim, index)
-    return out
 
 
 _LOGGED = set()
@@ -180,18 +140,17 @@ def safely_set_viewless_tensor_data(tensor: torch.Tensor, new_data_tensor: torch
     tensor.data = new_data_tensor
 
 
-def get_attr_wrapped_model(model, attr: str, allow_none: bool = True):
-    """Find ``attr`` on ``model`` or on the first ``.module`` in its wrapper chain that has it."""
+def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
+    """Find ``attr`` on ``model`` or on the first ``.module`` in its wrapper chain that has it (with
+    ``allow_none=False``: that has it set to something other than None); return its value, or with
+    ``return_model_obj`` the object that holds it."""
     if isinstance(model, list):
         raise RuntimeError("get_attr_wrapped_model does not support lists of model chunks")
-    while not hasattr(model, attr):
+    while (not hasattr(model, attr)) if allow_none else getattr(model, attr, None) is None:
         if not hasattr(model, "module"):
             raise RuntimeError(f"couldn't find attribute {attr} on the model or its wrappers")
         model = model.module
-    value = getattr(model, attr)
-    if not allow_none and value is None:
-        raise RuntimeError(f"attribute {attr} of the model is None")
-    return value
+    return model if return_model_obj else getattr(model, attr)
 
 
 def get_model_type(model):

@@ -240,10 +240,10 @@ def _gpt_with(config, **kw):
     return GPTModel(config, get_gpt_layer_local_spec(), 64, 16, **kw)
 
 
-def test_untested_groups_are_refused(single_rank):
-    """T5 (its encoder-decoder split), BERT and the hybrid model take the collection's TP / expert groups; another
-    pipeline or context-parallel group is refused in one line naming the model and the groups; so is another
-    context-parallel group by multi-latent attention and multi-token prediction."""
+def test_models_take_the_collections_pipeline_and_cp_groups(single_rank):
+    """BERT, T5, the hybrid model, multi-latent attention and multi-token prediction take a collection whose
+    pipeline / context-parallel groups are not parallel_state's (no refusal) and hold those groups; their training
+    with such groups is compared with parallel_state's in tests/core/test_core_pg_collection_layouts.py."""
     from megatron.core.models.bert.bert_model import BertModel
     from megatron.core.models.mamba import MambaModel
     from megatron.core.models.mamba.mamba_layer_specs import get_mamba_stack_spec
@@ -255,22 +255,18 @@ def test_untested_groups_are_refused(single_rank):
     config = tiny_config()
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     pgs.pp = pgs.cp = torch.distributed.new_group([0])
-    builders = {
-        "T5Model": lambda: T5Model(config, config, get_t5_encoder_with_local_block_spec(1),
-                                   get_t5_decoder_with_local_block_spec(1), 64, 16, pg_collection=pgs),
-        "BertModel": lambda: BertModel(config, 0, vocab_size=64, max_sequence_length=16, pg_collection=pgs),
-        "MambaModel": lambda: MambaModel(tiny_config(style="llama", mamba_head_dim=8, mamba_num_groups=2,
-                                                     mamba_state_dim=8), get_mamba_stack_spec(), 64, 16,
-                                         hybrid_layer_pattern="M*", pg_collection=pgs),
+    models = {
+        "BertModel": BertModel(config, 0, vocab_size=64, max_sequence_length=16, pg_collection=pgs),
+        "MambaModel": MambaModel(tiny_config(style="llama", mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=8),
+                                 get_mamba_stack_spec(), 64, 16, hybrid_layer_pattern="M*", pg_collection=pgs),
+        "MLA GPTModel": _mla_gpt(1, pgs),
+        "MTP GPTModel": _gpt_with(tiny_config(style="llama", mtp_num_layers=1), pg_collection=pgs,
+                                  position_embedding_type="rope"),
     }
-    for name, build in builders.items():
-        with pytest.raises(NotImplementedError, match=f"{name} communicates over parallel_state's pp, cp group"):
-            build()
-    # Multi-latent attention and multi-token prediction take the collection's TP group, not another CP group.
-    with pytest.raises(NotImplementedError, match="MLASelfAttention communicates over parallel_state's cp group"):
-        _mla_gpt(1, pgs)
-    with pytest.raises(NotImplementedError, match="MultiTokenPredictionBlock communicates over parallel_state's cp"):
-        _gpt_with(tiny_config(style="llama", mtp_num_layers=1), pg_collection=pgs, position_embedding_type="rope")
+    models["T5Model"] = T5Model(config, config, get_t5_encoder_with_local_block_spec(1),
+                                get_t5_decoder_with_local_block_spec(1), 64, 16, pg_collection=pgs)
+    for name, model in models.items():
+        assert (model.pp_group, model.cp_group) == (pgs.pp, pgs.cp), name
 
 
 def test_schedule_hands_its_groups_to_finalize_and_refuses_shape_hooks(single_rank):

@@ -21,12 +21,19 @@ groups); loaded into the whole model it gives the whole run's trained weights (<
 If any module still reached parallel_state's (size-1) groups, run (b) would train another model: unsplit heads or
 vocabulary, no pipeline exchange, no expert all-to-all, no CP ring. Every tensor starts from one global value drawn
 from its checkpoint key (``set_global_weights``), so that all layouts start from the same model.
+
+In the same launch, BERT (TP 2 x PP 2, tied embedding), T5 (TP 2 x PP 2 split at 1: encoder on stage 0, decoder on
+stage 1, word and position embeddings on both), a hybrid Mamba model (TP 2 x PP 2, pattern ``M*``) and a GPT with
+multi-latent attention and one multi-token-prediction depth (TP 2 + SP x CP 2) each run one forward-backward step of
+2 micro-batches (schedule, DDP, finalize_model_grads) built (a) with parallel_state's groups of that shape and (b)
+with parallel_state at size 1 and the groups passed as ``pg_collection``: every rank's losses and every parameter's
+reduced gradient must be equal (<= 1e-6).
 """
 import pytest
 import torch
 
 from helpers.dist_harness import run_distributed
-from helpers.models_helpers import set_global_weights
+from helpers.models_helpers import set_global_weights, tiny_config
 
 SEQ, MICRO_BATCH, MICRO_BATCHES, VOCAB = 16, 2, 2, 64
 LAYOUTS = {"tp2-pp2-ep2": dict(tp=2, cp=1, pp=2, ep=2, dist_opt=False),
@@ -185,7 +192,176 @@ def body(ckpt_root):
         results[name]["ckpt_vs_whole"] = (sorted(loaded) == sorted(whole["params"]), max(
             float((loaded[k] - whole["params"][k]).abs().max()) for k in whole["params"]))
     ps.destroy_model_parallel()
+    results["models"] = _models_body()
     return results
+
+
+# ------------------------------------------------------------------------------------- BERT, T5, Mamba, MLA + MTP
+# One forward-backward step (2 micro-batches through the schedule, DDP, finalize_model_grads) of each tiny model, built
+# (a) with parallel_state's groups of the layout, (b) with parallel_state at every size 1 and the layout's groups passed
+# as pg_collection: the reported losses and every gradient must be equal. Each layout splits the model (TP 2 with PP 2
+# or CP 2): a module still reaching parallel_state's (size-1) groups would compute another model, or hang.
+MODEL_LAYOUTS = {"bert tp2-pp2": dict(tp=2, cp=1, pp=2, ep=1),
+                 "t5 tp2-pp2 split 1": dict(tp=2, cp=1, pp=2, ep=1, split=1),
+                 "mamba tp2-pp2": dict(tp=2, cp=1, pp=2, ep=1),
+                 "mla+mtp tp2-cp2": dict(tp=2, cp=2, pp=1, ep=1)}
+MODEL_SEQ, MODEL_DEC_SEQ = 8, 6
+
+
+def _tokens(seed, shape):
+    return torch.randint(1, VOCAB - 4, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _bert(layout, pgs, first, last):
+    from megatron.core.models.bert import BertModel
+
+    config = tiny_config(tp=layout["tp"], pp=layout["pp"])
+    model = BertModel(config, 2, vocab_size=VOCAB, max_sequence_length=16, pre_process=first, post_process=last,
+                      share_embeddings_and_output_weights=True, pg_collection=pgs)
+
+    def forward_step(data_iterator, model):
+        seed = next(data_iterator)
+        ids = _tokens(seed, (MICRO_BATCH, MODEL_SEQ))
+        padding = torch.ones(MICRO_BATCH, MODEL_SEQ)
+        padding[1, -3:] = 0
+        types = (torch.arange(MODEL_SEQ) >= MODEL_SEQ // 2).long().expand(MICRO_BATCH, MODEL_SEQ)
+        out = model(ids, padding, tokentype_ids=types, lm_labels=_tokens(seed + 1, (MICRO_BATCH, MODEL_SEQ)))
+
+        def loss_func(output):
+            lm, binary = output
+            total = (lm.float() * padding).sum() + torch.nn.functional.cross_entropy(
+                binary.float(), torch.tensor([0, 1]), reduction="sum")
+            return total, torch.tensor(MICRO_BATCH * MODEL_SEQ), {"loss": total.detach().clone()}
+
+        return out, loss_func
+
+    return model, forward_step, {}
+
+
+def _t5(layout, pgs, first, last):
+    from megatron.core.models.T5 import T5Model
+    from megatron.core.models.T5.t5_spec import (get_t5_decoder_with_local_block_spec,
+                                                 get_t5_encoder_with_local_block_spec)
+    from megatron.core.enums import ModelType
+    from helpers.t5_helpers import t5_inputs, t5_masks
+
+    config = tiny_config(tp=layout["tp"], pp=layout["pp"])
+    # PP 2 split at 1: the encoder on stage 0, the decoder on stage 1, each stage embeds.
+    model = T5Model(config, config, get_t5_encoder_with_local_block_spec(2), get_t5_decoder_with_local_block_spec(2),
+                    vocab_size=VOCAB, max_sequence_length=16, share_embeddings_and_output_weights=True,
+                    add_encoder=first, add_decoder=last, pg_collection=pgs)
+    model.model_type = ModelType.encoder_and_decoder
+
+    def forward_step(data_iterator, model):
+        enc, dec, labels, loss_mask = t5_inputs(batch=MICRO_BATCH, se=MODEL_SEQ, sd=MODEL_DEC_SEQ,
+                                                vocab=VOCAB - 4, seed=next(data_iterator))
+        out = model(enc, dec, *[m.unsqueeze(1) for m in t5_masks(enc, dec)], lm_labels=labels)
+
+        def loss_func(output):
+            total = (output.float() * loss_mask).sum()
+            return total, loss_mask.sum().to(torch.int), {"loss": total.detach().clone()}
+
+        return out, loss_func
+
+    return model, forward_step, {"decoder_seq_length": MODEL_DEC_SEQ}
+
+
+def _gpt_step(pgs):
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    def forward_step(data_iterator, model):
+        seed = next(data_iterator)
+        loss_mask = torch.ones(MICRO_BATCH, MODEL_SEQ)
+        loss_mask[0, 2] = 0
+        batch = get_batch_on_this_cp_rank(
+            {"tokens": _tokens(seed, (MICRO_BATCH, MODEL_SEQ)), "labels": _tokens(seed + 1, (MICRO_BATCH, MODEL_SEQ)),
+             "position_ids": torch.arange(MODEL_SEQ).expand(MICRO_BATCH, MODEL_SEQ), "loss_mask": loss_mask},
+            None if pgs is None else pgs.cp)
+        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"])
+
+        def loss_func(output):
+            total = (output.float() * batch["loss_mask"]).sum()
+            return total, batch["loss_mask"].sum().to(torch.int), {"loss": total.detach().clone()}
+
+        return out, loss_func
+
+    return forward_step
+
+
+def _mamba(layout, pgs, first, last):
+    from megatron.core.models.mamba import MambaModel
+    from megatron.core.models.mamba.mamba_layer_specs import get_mamba_stack_spec
+
+    config = tiny_config(tp=layout["tp"], pp=layout["pp"], style="llama", mamba_head_dim=8, mamba_num_groups=2,
+                         mamba_state_dim=8)
+    model = MambaModel(config, get_mamba_stack_spec(), VOCAB, 16, pre_process=first, post_process=last,
+                       hybrid_layer_pattern="M*", share_embeddings_and_output_weights=True, pg_collection=pgs)
+    return model, _gpt_step(pgs), {}
+
+
+def _mla_mtp(layout, pgs, first, last):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
+        qk_pos_emb_head_dim=4, v_head_dim=6, rotary_scaling_factor=4.0, original_max_position_embeddings=8,
+        qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False, ffn_hidden_size=48, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cpu_initialization=True, tensor_model_parallel_size=layout["tp"],
+        context_parallel_size=layout["cp"], sequence_parallel=True, position_embedding_type="rope",
+        mtp_num_layers=1, padded_vocab_size=VOCAB, max_position_embeddings=16)
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, multi_latent_attention=True)
+    model = GPTModel(config, spec, VOCAB, 16, position_embedding_type="rope", pre_process=first, post_process=last,
+                     share_embeddings_and_output_weights=True, pg_collection=pgs)
+    return model, _gpt_step(pgs), {}
+
+
+MODEL_BUILDERS = {"bert": _bert, "t5": _t5, "mamba": _mamba, "mla+mtp": _mla_mtp}
+
+
+def _model_step(name, layout, pgs):
+    """One forward-backward step of ``name`` on ``layout`` (groups: ``pgs``, else parallel_state's): the losses this
+    rank reports and every parameter's reduced gradient."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from megatron.core.process_groups_config import pg_rank, pg_size
+
+    torch.manual_seed(5)
+    tensor_parallel.model_parallel_cuda_manual_seed(5, tp_rank=pg_rank(pgs, "tp"))
+    pp_rank, pp_size = pg_rank(pgs, "pp"), pg_size(pgs, "pp")
+    model, forward_step, extra = MODEL_BUILDERS[name.split()[0]](layout, pgs, pp_rank == 0, pp_rank == pp_size - 1)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model, pg_collection=pgs)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    reported = get_forward_backward_func(pp_size=pp_size)(
+        forward_step_func=forward_step, data_iterator=iter([101, 202]), model=[ddp], num_microbatches=2,
+        seq_length=MODEL_SEQ, micro_batch_size=MICRO_BATCH, **extra, **({} if pgs is None else {"pg_collection": pgs}))
+    return {"losses": [float(r["loss"]) for r in reported],
+            "grads": {k: p.main_grad.detach().clone() for k, p in model.named_parameters()}}
+
+
+def _models_body():
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for name, layout in MODEL_LAYOUTS.items():
+        ps.initialize_model_parallel(layout["tp"], layout["pp"], context_parallel_size=layout["cp"],
+                                     pipeline_model_parallel_split_rank=layout.get("split"))
+        a = _model_step(name, layout, None)
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(1, 1)
+        # The encoder-decoder split is a stage number (parallel_state's), applied to the collection's pipeline.
+        ps.set_pipeline_model_parallel_split_rank(layout.get("split"))
+        pgs = _collection(layout)
+        pgs.pos_embd = pgs.embd  # PP 2 split at 1: the position embedding lives on both stages
+        b = _model_step(name, layout, pgs)
+        ps.destroy_model_parallel()
+        out[name] = {"losses": (a["losses"], b["losses"]), "names": sorted(a["grads"]) == sorted(b["grads"]),
+                     "grad_diff": max(float((a["grads"][k] - b["grads"][k]).abs().max()) for k in a["grads"]),
+                     "grad_max": max(float(g.abs().max()) for g in a["grads"].values())}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +406,20 @@ def test_collection_groups_train_like_parallel_state(results, layout):
     # the last pipeline stage reports the losses; every rank takes part in the gradient norm
     assert any(per_rank[layout]["losses"][0][0] for per_rank in results)
     assert all(n > 0 for per_rank in results for n in per_rank[layout]["grad_norms"][0])
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_LAYOUTS))
+def test_models_train_with_the_collection_groups_like_parallel_state(results, name):
+    """BERT (tied embedding over the collection's embd group), T5 (the encoder-decoder pipeline split over the
+    collection's pp group, its position embedding over pos_embd), Mamba (the hybrid stack's stages) and a GPT with
+    multi-latent attention and multi-token prediction (the CP ring, rotary slice and MTP token roll over the
+    collection's cp group): the same losses and gradients as with parallel_state's groups of the same shape."""
+    for rank, per_rank in enumerate(results):
+        r = per_rank["models"][name]
+        (loss_a, loss_b) = r["losses"]
+        print(f"{name} rank {rank}: losses {loss_a} vs {loss_b}, max gradient difference {r['grad_diff']:.1e} "
+              f"(gradients up to {r['grad_max']:.1e})")
+        assert r["names"] and len(loss_a) == len(loss_b)
+        assert loss_a == pytest.approx(loss_b, rel=1e-6, abs=1e-6)
+        assert r["grad_max"] > 0 and r["grad_diff"] <= 1e-6
+    assert any(per_rank["models"][name]["losses"][0] for per_rank in results)

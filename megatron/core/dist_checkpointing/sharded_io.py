@@ -206,6 +206,42 @@ def shard_file_problem(checkpoint_dir: str, keys=None, metadata=None, sizes=None
     return None
 
 
+def remove_entries(checkpoint_dir: str, key_prefix: str) -> bool:
+    """Drop from a DCP checkpoint the data files whose names begin with ``key_prefix`` and the metadata entries
+    whose keys do: the new ``.metadata`` is written (fsync'ed) beside the old one, swapped in, then the files are
+    removed; on an error the old metadata is put back. False (nothing changed) when no file name begins with
+    ``key_prefix`` (files are named by prefix only when a save separated them, e.g. with a separation hint)."""
+    import pickle
+    import warnings
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    doomed = [f for f in os.listdir(checkpoint_dir) if f.endswith("distcp") and f.startswith(key_prefix)]
+    if not doomed:
+        warnings.warn(f'There are no files in {checkpoint_dir} that begin with "{key_prefix}". Skipping removal.')
+        return False
+    old = read_dcp_metadata(checkpoint_dir)
+    new = Metadata(
+        state_dict_metadata={k: v for k, v in old.state_dict_metadata.items() if not k.startswith(key_prefix)},
+        planner_data={k: v for k, v in (old.planner_data or {}).items() if not k.startswith(key_prefix)},
+        storage_data={k: v for k, v in (old.storage_data or {}).items() if not k.fqn.startswith(key_prefix)})
+    path = os.path.join(checkpoint_dir, ".metadata")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(new, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path, path + ".bck")
+    try:
+        os.replace(path + ".tmp", path)
+        for name in doomed:
+            os.remove(os.path.join(checkpoint_dir, name))
+    except Exception:
+        os.replace(path + ".bck", path)
+        raise
+    os.remove(path + ".bck")
+    return True
+
+
 def stored_shapes(checkpoint_dir: str) -> Dict[str, Optional[Tuple[int, ...]]]:
     """Global shape of every tensor entry (None for object entries), from the DCP metadata alone."""
     md = read_dcp_metadata(checkpoint_dir)

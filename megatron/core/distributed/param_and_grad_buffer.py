@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+from enum import Enum
 from typing import Dict, List, Optional, Set
 
 import torch
@@ -34,6 +35,13 @@ import torch
 from megatron.core import device as _device
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.utils import all_gather_into_tensor, reduce_scatter_tensor
+
+
+class BufferType(Enum):
+    """Which of a buffer's two flat tensors: the parameters (``param_data``) or the gradients (``grad_data``)."""
+
+    PARAM = 1
+    GRAD = 2
 
 
 def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> List[torch.Tensor]:
@@ -287,3 +295,78 @@ class ParamAndGradBuffer:
         for bucket in self.buckets:
             local = shard_buffer(bucket.param_data, self.data_parallel_world_size)[bucket.data_parallel_rank]
             all_gather_into_tensor(bucket.param_data, local, group=self.data_parallel_group)
+
+
+class _ParamAndGradBucketGroup:
+    """Buckets whose communication belongs together (see :func:`partition_buckets`). Its sync calls run the
+    buckets' own collectives one after another, in list order (no coalescing into one kernel)."""
+
+    def __init__(self, buckets: List[Bucket], ddp_config: DistributedDataParallelConfig, data_parallel_group,
+                 data_parallel_world_size: int):
+        self.buckets = buckets
+        self.ddp_config = ddp_config
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = data_parallel_world_size
+        self.params = set().union(*(bucket.params for bucket in buckets)) if buckets else set()
+
+    def start_grad_sync(self):
+        for bucket in self.buckets:
+            if not bucket.communication_issued:
+                bucket.start_grad_sync()
+
+    def finish_grad_sync(self):
+        for bucket in self.buckets:
+            bucket.finish_grad_sync()
+
+    def start_param_sync(self, force_sync: bool = False):
+        for bucket in self.buckets:
+            bucket.start_param_sync(force_sync=force_sync)
+
+    def finish_param_sync(self, skip_next: bool = False):
+        for bucket in self.buckets:
+            bucket.finish_param_sync(skip_next=skip_next)
+
+
+def partition_buckets(buffers: List[ParamAndGradBuffer],
+                      force_single_bucket_group: bool = False) -> List[_ParamAndGradBucketGroup]:
+    """Group the buckets of ``buffers`` (one buffer per parameter dtype) for communication.
+
+    * ``force_single_bucket_group``: one group of every bucket of every buffer (they must share the DDP config,
+      the DP group and its size);
+    * no fp8 buffer (param dtype ``torch.uint8``): one group per bucket, in buffer then bucket order;
+    * an fp8 buffer: one group per fp8 bucket, and every bucket of the other buffers (the small non-fp8
+      parameters, e.g. biases) joins the LAST fp8 group, i.e. the one of the first layers, whose gradients
+      are ready last anyway (joining an earlier group would delay its reduction until the whole backward).
+
+    Two buffers of one param dtype are refused (``ValueError``).
+    """
+    if not buffers:
+        return []
+    by_dtype: Dict[torch.dtype, ParamAndGradBuffer] = {}
+    for buffer in buffers:
+        if buffer.param_dtype in by_dtype:
+            raise ValueError(f"partition_buckets: two buffers hold {buffer.param_dtype} parameters")
+        by_dtype[buffer.param_dtype] = buffer
+
+    def group_of(buckets, buffer):
+        return _ParamAndGradBucketGroup(buckets, buffer.ddp_config, buffer.data_parallel_group,
+                                        buffer.data_parallel_world_size)
+
+    if force_single_bucket_group:
+        first = buffers[0]
+        for buffer in buffers[1:]:
+            if (buffer.ddp_config != first.ddp_config or buffer.data_parallel_group != first.data_parallel_group
+                    or buffer.data_parallel_world_size != first.data_parallel_world_size):
+                raise ValueError("partition_buckets(force_single_bucket_group=True): the buffers differ in DDP "
+                                 "config or data-parallel group")
+        return [group_of([bucket for buffer in buffers for bucket in buffer.buckets], first)]
+    fp8_buffer = by_dtype.get(torch.uint8)
+    if fp8_buffer is None:
+        return [group_of([bucket], buffer) for buffer in buffers for bucket in buffer.buckets]
+    others = [bucket for buffer in buffers if buffer is not fp8_buffer for bucket in buffer.buckets]
+    groups = [[bucket] for bucket in fp8_buffer.buckets]
+    if groups:
+        groups[-1].extend(others)
+    elif others:
+        groups.append(others)
+    return [group_of(buckets, fp8_buffer) for buckets in groups]

@@ -1,7 +1,7 @@
 """megatron.core.optimizer: get_megatron_optimizer and the optimizer classes it builds."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -21,12 +21,31 @@ from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     MixedPrecisionOptimizer,
 )
-from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.optimizer_config import (
+    AdamOptimizerConfig,
+    OptimizerConfig,
+    ParamKey,
+    ParamPredicate,
+    ParamWithNamePredicate,
+    SGDOptimizerConfig,
+)
+from megatron.core.optimizer_param_scheduler import (
+    ParamGroupOverride,
+    combine_param_group_overrides,
+    param_group_override_to_tuple,
+)
 
 __all__ = [
     "get_megatron_optimizer",
     "get_param_groups",
+    "get_standard_config_overrides",
+    "check_config_overrides_consistency",
     "OptimizerConfig",
+    "AdamOptimizerConfig",
+    "SGDOptimizerConfig",
+    "ParamKey",
+    "ParamPredicate",
+    "ParamWithNamePredicate",
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",
     "Float16OptimizerWithFloat16Params",
@@ -83,6 +102,91 @@ def get_param_groups(model_chunks: List[torch.nn.Module], no_weight_decay_cond: 
             if decoupled_min_lr is not None:
                 group["min_lr"] = decoupled_min_lr
         groups.append(group)
+    return groups
+
+
+def get_standard_config_overrides(config: OptimizerConfig) -> Dict[ParamKey, ParamGroupOverride]:
+    """Megatron's default per-parameter settings as ``config_overrides``.
+
+    * ``wd_mult=0.0`` (no weight decay) on every bias (``*.bias``) and every 1-D parameter; with
+      ``config.apply_wd_to_qk_layernorm`` the q / k layernorm parameters (names containing ``q_layernorm.`` or
+      ``k_layernorm.``) keep their weight decay.
+    * with ``config.decoupled_lr``: ``max_lr=decoupled_lr`` (and ``min_lr=decoupled_min_lr`` when set) on the
+      parameters flagged ``is_embedding_or_output_parameter``.
+    """
+    if config.apply_wd_to_qk_layernorm:
+        def no_wd_but_qk_layernorm(param, name):
+            is_qk_layernorm = "q_layernorm." in name or "k_layernorm." in name
+            return (len(param.shape) == 1 or name.endswith(".bias")) and not is_qk_layernorm
+
+        no_wd_key = ParamKey(with_name_predicate=ParamWithNamePredicate(name="s1_not_qkln", fn=no_wd_but_qk_layernorm))
+    else:
+        no_wd_key = ParamKey(name="*.bias",
+                             predicate=ParamPredicate(name="param_len_1", fn=lambda param: len(param.shape) == 1))
+    overrides: Dict[ParamKey, ParamGroupOverride] = {no_wd_key: ParamGroupOverride(wd_mult=0.0)}
+    if config.decoupled_lr is not None:
+        decoupled: ParamGroupOverride = ParamGroupOverride(max_lr=config.decoupled_lr)
+        if config.decoupled_min_lr is not None:
+            decoupled["min_lr"] = config.decoupled_min_lr
+        overrides[ParamKey(attr="is_embedding_or_output_parameter")] = decoupled
+    return overrides
+
+
+def check_config_overrides_consistency(config: OptimizerConfig,
+                                       config_overrides: Optional[Dict[ParamKey, ParamGroupOverride]]) -> bool:
+    """Refuse overrides of the settings that must hold for the whole optimizer: ``optimizer``,
+    ``overlap_param_gather_with_optimizer_step`` and ``optimizer_cpu_offload`` may appear in an override only with
+    the config's own value (``ValueError`` otherwise). Returns True."""
+    for field_name in ("overlap_param_gather_with_optimizer_step", "optimizer", "optimizer_cpu_offload"):
+        base_value = getattr(config, field_name, None)
+        for override in (config_overrides or {}).values():
+            if field_name in override and override[field_name] != base_value:
+                raise ValueError(f"Field {field_name} should not be overriden in a config override.")
+    return True
+
+
+def _get_param_groups(model_chunks: List[torch.nn.Module], config: OptimizerConfig,
+                      config_overrides: Optional[Dict[ParamKey, ParamGroupOverride]]) -> List[Dict]:
+    """Param groups from ``config_overrides`` (None: :func:`get_standard_config_overrides`; ``{}``: no override).
+
+    Each trainable parameter gets the merge (:func:`combine_param_group_overrides`) of the overrides of every
+    ParamKey it matches; parameters with equal merged overrides and equal ``is_expert_parallel`` (``allreduce``
+    attribute False) share a group. Groups are ordered by their override tuple, the override-free group first;
+    under torch.distributed every rank gets the union of all ranks' groups (empty where it holds none), as
+    distributed checkpoints need the same groups everywhere. A group holds ``params``, ``is_expert_parallel``,
+    ``default_config`` (True unless an override sets a key containing "lr"), the defaults ``wd_mult=1``,
+    ``lr_mult=1``, ``is_decoupled_lr=False``, ``max_lr=config.lr``, ``min_lr=config.min_lr``, then the override's
+    keys (which win).
+    """
+    if config_overrides is None:
+        config_overrides = get_standard_config_overrides(config)
+    params_by_key: Dict[Any, List[torch.nn.Parameter]] = {}
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            matched = [override for key, override in config_overrides.items() if key.matches(param, name)]
+            override = combine_param_group_overrides(matched) if matched else None
+            key = (param_group_override_to_tuple(override), not getattr(param, "allreduce", True))
+            params_by_key.setdefault(key, []).append(param)
+    keys = list(params_by_key)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, keys)
+        for rank_keys in everyone:
+            keys += [key for key in rank_keys if key not in keys]
+    groups = []
+    for override_tuple, is_expert_parallel in sorted(keys, key=lambda key: (key[0] is not None, key[0])):
+        override = dict(override_tuple or ())
+        if "params" in override:
+            raise ValueError("'params' should not be in param_override, this is a protected key")
+        groups.append({
+            "params": params_by_key.get((override_tuple, is_expert_parallel), []),
+            "is_expert_parallel": is_expert_parallel,
+            "default_config": not any("lr" in key for key in override),
+            "wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": config.lr, "min_lr": config.min_lr,
+            **override,
+        })
     return groups
 
 
@@ -145,7 +249,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
 
     fp32 -> FP32Optimizer; fp16/bf16 -> Float16OptimizerWithFloat16Params; --use-distributed-optimizer ->
     DistributedOptimizer (any precision); chunks sharded by FSDP2 (``uses_fully_shard``) -> FullyShardedOptimizer.
-    Megatron-FSDP's bucketed strategies decide for themselves: ``optim`` -> DistributedOptimizer, ``no_shard`` ->
+    ``config_overrides`` (``{ParamKey: ParamGroupOverride}``, see :func:`_get_param_groups`) replaces the legacy
+    ``no_weight_decay_cond`` / ``scale_lr_cond`` / ``lr_mult`` grouping; its groups without a parameter on this
+    rank are dropped. Megatron-FSDP's bucketed strategies decide for themselves: ``optim`` -> DistributedOptimizer, ``no_shard`` ->
     the plain optimizer (Megatron forces --use-distributed-optimizer on with Megatron-FSDP). Every group starts at
     ``lr * lr_mult`` and
     ``weight_decay * wd_mult``; the OptimizerParamScheduler updates them from then on.
@@ -155,13 +261,24 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     # megatron-core's keywords: the data-parallel groups are the DDP buffers' (DistributedDataParallel's
     # pg_collection); the collection's mp / tp_ep_pp (intra_dist_opt with the distributed optimizer) sum the
     # gradient norm (None: parallel_state's).
-    if config_overrides or dump_param_to_param_group_map is not None:
-        raise NotImplementedError("get_megatron_optimizer: config_overrides / dump_param_to_param_group_map are not "
-                                  "implemented (per-parameter settings: no_weight_decay_cond, scale_lr_cond, lr_mult)")
+    if dump_param_to_param_group_map is not None:
+        raise NotImplementedError("get_megatron_optimizer: dump_param_to_param_group_map is not implemented")
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is not set: pass --lr")
-    param_groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
-                                    config.decoupled_lr, config.decoupled_min_lr)
+    check_config_overrides_consistency(config, config_overrides)
+    if config_overrides is not None:
+        if no_weight_decay_cond is not None or scale_lr_cond is not None or lr_mult != 1.0:
+            raise ValueError("get_megatron_optimizer: pass either config_overrides or the legacy "
+                             "no_weight_decay_cond / scale_lr_cond / lr_mult, not both")
+        param_groups = [group for group in _get_param_groups(model_chunks, config, config_overrides)
+                        if group["params"]]
+        for group in param_groups:  # an unset max / min lr: the scheduler's own
+            for key in ("max_lr", "min_lr"):
+                if group.get(key) is None:
+                    group.pop(key, None)
+    else:
+        param_groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
+                                        config.decoupled_lr, config.decoupled_min_lr)
     if not param_groups:
         raise ValueError("the model has no trainable parameters (requires_grad=True) to optimize")
     if config.decoupled_lr is not None:

@@ -44,6 +44,28 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
 
 
+class Range:
+    """The half-open index interval ``[start, end)`` of a shard inside a flat tensor; ``size = end - start``
+    (also ``len()``). Printed as ``"start,end [size]"``."""
+
+    def __init__(self, start: int, end: int):
+        self.start = start
+        self.end = end
+        self.size = end - start
+
+    def normalize(self, start: int = 0) -> "Range":
+        """The same-sized interval moved to begin at ``start``."""
+        return Range(start, start + self.size)
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __str__(self) -> str:
+        return f"{self.start},{self.end} [{self.size}]"
+
+    __repr__ = __str__
+
+
 class ShardRange:
     """Where a parameter's piece owned by this rank lies: in the parameter, the buffer and the bucket shard."""
 

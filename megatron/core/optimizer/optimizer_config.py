@@ -1,10 +1,65 @@
-"""OptimizerConfig: the optimizer flags of Megatron-LM as a dataclass (no global args)."""
+"""OptimizerConfig: the optimizer flags of Megatron-LM as a dataclass (no global args); ParamKey: which
+parameters a per-group override (``ParamGroupOverride``) applies to."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple, Union
 
 import torch
+
+
+@dataclass(frozen=True)
+class ParamPredicate:
+    """A named test ``fn(param) -> bool`` that can sit in a :class:`ParamKey`: equality and hash use ``name``
+    only (two predicates of one name are the same key), calling it calls ``fn``."""
+
+    name: str
+    fn: Callable[[torch.nn.Parameter], bool] = field(compare=False, hash=False)
+
+    def __call__(self, param: torch.nn.Parameter) -> bool:
+        return self.fn(param)
+
+
+@dataclass(frozen=True)
+class ParamWithNamePredicate:
+    """Like :class:`ParamPredicate` for a test that also sees the parameter's name: ``fn(param, name) -> bool``
+    (e.g. "1-D, but not a q/k layernorm weight"). Equality and hash use ``name`` only."""
+
+    name: str
+    fn: Callable[[torch.nn.Parameter, str], bool] = field(compare=False, hash=False)
+
+    def __call__(self, param: torch.nn.Parameter, name: str) -> bool:
+        return self.fn(param, name)
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamKey:
+    """Selects parameters for a ``config_overrides`` entry; hashable, so it can key a dict.
+
+    A parameter named ``param_name`` matches when ANY of these holds: it matches one of the shell-style patterns
+    ``name`` (``fnmatch``, e.g. ``"*.bias"``); one of the attributes ``attr`` is truthy on it (e.g.
+    ``"is_embedding_or_output_parameter"``); one of the ``predicate`` s returns True on it; one of the
+    ``with_name_predicate`` s returns True on ``(param, param_name)``. Each field is one value or a tuple;
+    an empty key matches nothing.
+    """
+
+    name: Union[str, Tuple[str, ...]] = field(default_factory=tuple)
+    attr: Union[str, Tuple[str, ...]] = field(default_factory=tuple)
+    predicate: Union[ParamPredicate, Tuple[ParamPredicate, ...]] = field(default_factory=tuple)
+    with_name_predicate: Union[ParamWithNamePredicate, Tuple[ParamWithNamePredicate, ...]] = field(
+        default_factory=tuple)
+
+    def matches(self, param: torch.nn.Parameter, param_name: str) -> bool:
+        """True if ``param`` (called ``param_name`` in its module) is selected by this key."""
+        return (any(fnmatch.fnmatch(param_name, pattern) for pattern in _as_tuple(self.name))
+                or any(getattr(param, attr, False) for attr in _as_tuple(self.attr))
+                or any(predicate(param) for predicate in _as_tuple(self.predicate))
+                or any(predicate(param, param_name) for predicate in _as_tuple(self.with_name_predicate)))
 
 
 @dataclass
@@ -26,6 +81,9 @@ class OptimizerConfig:
     # (min falls back to min_lr).
     decoupled_lr: Optional[float] = None
     decoupled_min_lr: Optional[float] = None
+    # --apply-wd-to-qk-layernorm: the standard overrides (get_standard_config_overrides) keep weight decay on the
+    # q/k layernorm weights while skipping it on the other 1-D parameters and biases.
+    apply_wd_to_qk_layernorm: bool = False
     # With --overlap-param-gather: dispatch the first model chunk's first parameter all-gather right after
     # the step (--overlap-param-gather-with-optimizer-step).
     overlap_param_gather_with_optimizer_step: bool = False
@@ -45,6 +103,19 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-08
     sgd_momentum: float = 0.9
+
+    # Muon (megatron.core.optimizer.muon.get_megatron_muon_optimizer): momentum EMA coefficient, Nesterov, split
+    # the fused QKV weight into its q / k / v blocks, update scale mode (spectral | unit_rms_norm |
+    # shape_scaling), the fp32 matmul precision of the Newton-Schulz iteration (medium: bf16 products), its
+    # number of steps, the TP mode (blockwise | duplicated | distributed) and an extra scale of the update.
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True
+    muon_use_nesterov: bool = False
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"
+    muon_extra_scale_factor: float = 1.0
 
     use_distributed_optimizer: bool = False
     clip_grad: float = 1.0

@@ -42,7 +42,10 @@ from torch.autograd.variable import Variable
 from megatron.core import device, parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.process_groups_config import pg_group, pg_rank, pg_size
+from megatron.core.pipeline_parallel.schedule_helpers import (clear_embedding_activation_buffer,  # noqa: F401
+                                                              finish_embedding_wgrad_compute, get_pp_rank_microbatches,
+                                                              set_current_microbatch)
+from megatron.core.process_groups_config import is_pp_stage_after_split_of, pg_group, pg_rank, pg_size
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 
 
@@ -92,8 +95,8 @@ class _Pipeline:
         return self.pp_rank == self.pp_size - 1
 
     def after_split(self) -> bool:
-        """A decoder stage of an encoder-decoder pipeline (parallel_state's split rank)."""
-        return self.pp_size > 1 and parallel_state.is_pipeline_stage_after_split(self.pp_rank)
+        """A decoder stage of an encoder-decoder pipeline (parallel_state's split rank, on this pipeline)."""
+        return self.pp_size > 1 and is_pp_stage_after_split_of(None, self.pp_rank, self.pp_size)
 
 
 def deallocate_output_tensor(out, deallocate_pipeline_outputs: bool = False):
@@ -389,7 +392,11 @@ def get_tensor_shapes(*, seq_length: int, micro_batch_size: int, config, rank: O
         if decoder_seq_length is None:
             raise ValueError("an encoder-decoder pipeline needs decoder_seq_length (--decoder-seq-length)")
         encoder_shape = (seq_length // tp, micro_batch_size, config.hidden_size)
-        if parallel_state.is_pipeline_stage_before_split(rank):
+        # ``rank``: a stage of the schedule's pipeline (a collection's or parallel_state's), split at
+        # parallel_state's split rank.
+        split = parallel_state.get_pipeline_model_parallel_split_rank()
+        before = parallel_state.is_pipeline_stage_before_split() if rank is None else (split is None or rank < split)
+        if before:
             return [encoder_shape]
         return [(decoder_seq_length // tp, micro_batch_size, config.hidden_size), encoder_shape]
     seq_length = seq_length // pg_size(groups, "cp")

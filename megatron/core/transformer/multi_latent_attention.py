@@ -32,7 +32,7 @@ from typing import Union
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.process_groups_config import group_of, pg_rank, pg_size, require_mpu_groups
+from megatron.core.process_groups_config import group_of, pg_rank, pg_size
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -95,10 +95,8 @@ class MLASelfAttention(MegatronModule):
                  attn_mask_type=AttnMaskType.causal, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
         # megatron-core's pg_collection: its TP group splits the heads (and carries the linear layers' and the
-        # sequence-parallel collectives); None = parallel_state's.
-        # Tested with a collection's TP group; its context-parallel rotary slice and ring over another CP group are
-        # not: refused.
-        require_mpu_groups(pg_collection, ("cp",), "MLASelfAttention")
+        # sequence-parallel collectives), its CP group picks this rank's rotary angles and runs the attention ring;
+        # None = parallel_state's.
         self.pg_collection = pg_collection
         self.tp_group = group_of(pg_collection, "tp")
         if not getattr(config, "multi_latent_attention", False):

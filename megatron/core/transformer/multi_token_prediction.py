@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.process_groups_config import group_of, pg_group, pg_size, require_mpu_groups
+from megatron.core.process_groups_config import group_of, pg_group, pg_size
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import loss_auto_scaler
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -191,27 +191,34 @@ class MultiTokenPredictionLayer(MegatronModule):
         self.final_layernorm = build_module(submodules.layer_norm, config=config, hidden_size=h, eps=eps)
 
     def forward(self, embedding, hidden_states, attention_mask, rotary_pos_emb=None):
-        x = torch.cat([self.enorm(embedding), self.hnorm(hidden_states)], dim=-1)
+        x = self._concat_embeddings(hidden_states, embedding)
+        out = self.transformer_layer(x, attention_mask, rotary_pos_emb=rotary_pos_emb)
+        out = out[0] if isinstance(out, tuple) else out
+        return self._postprocess(out)
+
+    def _concat_embeddings(self, hidden_states, decoder_input):
+        """The transformer layer's input: ``eh_proj([enorm(decoder_input), hnorm(hidden_states)])`` (gathered over
+        TP, scattered back to sequence-parallel shards)."""
+        x = torch.cat([self.enorm(decoder_input), self.hnorm(hidden_states)], dim=-1)
         x, _ = self.eh_proj(x)
         x = tensor_parallel.gather_from_tensor_model_parallel_region(x, group=self.tp_group)
         if self.config.sequence_parallel and pg_size(self.pg_collection, "tp") > 1:
             x = tensor_parallel.scatter_to_sequence_parallel_region(x, group=self.tp_group)
-        out = self.transformer_layer(x, attention_mask, rotary_pos_emb=rotary_pos_emb)
-        out = out[0] if isinstance(out, tuple) else out
-        return self.final_layernorm(out)
+        return x
+
+    def _postprocess(self, hidden_states):
+        """The depth's final norm."""
+        return self.final_layernorm(hidden_states)
 
 
 class MultiTokenPredictionBlock(MegatronModule):
     """``MultiTokenPredictionBlock(config, spec, vp_stage=None, pg_collection=None)``: the D depths
     (``layers.{k-1}``); ``tracked_losses`` holds each depth's logged MTP loss summed over this step's micro-batches
     (cleared by :func:`reduce_mtp_losses`). The collection's ``tp`` / ``cp`` / ``dp_cp`` groups (else parallel_state's)
-    split the layers, roll the tokens across CP ranks and average the logged losses; another ``cp`` group than
-    parallel_state's is refused (not tested)."""
+    split the layers, roll the tokens across CP ranks and average the logged losses."""
 
     def __init__(self, config, spec: MultiTokenPredictionBlockSubmodules, vp_stage=None, pg_collection=None):
         super().__init__(config=config)
-        # Tested with a collection's TP group; its token roll over another context-parallel group is not: refused.
-        require_mpu_groups(pg_collection, ("cp",), "MultiTokenPredictionBlock")
         self.pg_collection = pg_collection
         groups = {} if pg_collection is None else {"pg_collection": pg_collection}
         self.layers = torch.nn.ModuleList([build_module(s, config=config, layer_number=k + 1, **groups)

@@ -182,3 +182,73 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, fused: bool = Fal
     if mscale == 1.0:
         return op(t, freqs.to(t.device), fused=fused, flag_hint="--no-rope-fusion")
     return op(t, freqs.to(t.device), mscale, fused=fused, flag_hint="--no-rope-fusion")
+
+
+def apply_rotary_pos_emb_with_cos_sin(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                      rotary_interleaved: bool = False) -> torch.Tensor:
+    """Rotate ``t [s, b, np, hn]`` with precomputed ``cos`` / ``sin`` of shape ``[s, r/2]`` (cast to ``t``'s dtype):
+    the first ``r`` channels are rotated, the rest pass through. Rotate-half pairs ``(x_j, x_{j+r/2})``, interleaved
+    pairs ``(x_{2j}, x_{2j+1})``; each pair ``(a, b)`` becomes ``(a cos_j - b sin_j, a sin_j + b cos_j)``
+    (flash-attn's ``apply_rotary_emb`` contract, which megatron-core calls here)."""
+    cos, sin = cos.to(t.dtype), sin.to(t.dtype)
+    while cos.dim() < t.dim():  # [s, r/2] -> [s, 1, 1, r/2]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = cos.shape[-1]
+    x, rest = t[..., :2 * half], t[..., 2 * half:]
+    if rotary_interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    else:
+        a, b = x[..., :half], x[..., half:]
+        rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return torch.cat((rotated, rest), dim=-1)
+
+
+class MultimodalRotaryEmbedding(torch.nn.Module):
+    """M-RoPE (Qwen2-VL): ``MultimodalRotaryEmbedding(kv_channels, rotary_percent, rotary_interleaved=False,
+    seq_len_interpolation_factor=None, rotary_base=10000, cp_group=None)``.
+
+    ``forward(position_ids [3, b, s], mrope_section, cp_group=None)`` returns angles ``[s, b, 1, d]``
+    (``d = kv_channels * rotary_percent``). Each frequency index ``j < d/2`` (``inv_freq`` as in
+    :class:`RotaryEmbedding`) takes its position from one of the three position rows (temporal, height, width):
+    the ``d/2`` frequencies are cut into consecutive sections of ``mrope_section`` (which sums to ``d/2``) and
+    section ``i`` uses row ``i % 3``. The angles are laid out as for :class:`RotaryEmbedding` (rotate-half:
+    ``cat(f, f)``; interleaved: each angle twice). Positions are divided by ``seq_len_interpolation_factor`` when
+    set; with a context-parallel group of size > 1, the rows of this rank's tokens are kept
+    (:func:`get_pos_emb_on_this_cp_rank`)."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float, rotary_interleaved: bool = False,
+                 seq_len_interpolation_factor: Optional[float] = None, rotary_base: int = 10000, cp_group=None):
+        super().__init__()
+        dim = kv_channels
+        if rotary_percent < 1.0:
+            dim = int(dim * rotary_percent)
+        self.rotary_interleaved = rotary_interleaved
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.register_buffer("inv_freq", 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)),
+                             persistent=False)
+        if cp_group is None:
+            from megatron.core import parallel_state
+
+            if parallel_state.model_parallel_is_initialized():
+                cp_group = parallel_state.get_context_parallel_group()
+        self.cp_group = cp_group
+
+    def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None) -> torch.Tensor:
+        if sum(mrope_section) != self.inv_freq.numel():
+            raise ValueError(f"mrope_section {list(mrope_section)} must sum to the rotary dimension / 2 "
+                             f"({self.inv_freq.numel()})")
+        pos = position_ids.to(device=self.inv_freq.device, dtype=torch.float32)
+        if self.seq_len_interpolation_factor is not None:
+            pos = pos / self.seq_len_interpolation_factor
+        freqs = pos[..., None] * self.inv_freq  # [3, b, s, d/2]
+        row = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(mrope_section)])
+        row = row.to(freqs.device).view(1, 1, 1, -1).expand(1, *freqs.shape[1:])
+        freqs = freqs.gather(0, row)[0]  # [b, s, d/2]: frequency j from row (section of j) % 3
+        emb = freqs.repeat_interleave(2, dim=-1) if self.rotary_interleaved else torch.cat((freqs, freqs), dim=-1)
+        emb = emb[..., None, :].transpose(0, 1).contiguous()  # [s, b, 1, d]
+        group = cp_group if cp_group is not None else self.cp_group
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            emb = get_pos_emb_on_this_cp_rank(emb, 0, torch.distributed.get_world_size(group),
+                                              torch.distributed.get_rank(group))
+        return emb

@@ -17,7 +17,7 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from megatron.core.dist_checkpointing.sharded_io import (LocalShard, ShardingError, load_sharded, read_dcp_metadata,
-                                                         save_sharded)
+                                                         remove_entries, save_sharded)
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (AsyncSaveShardedStrategy, LoadShardedStrategy,
                                                               StrategyAction, register_default_strategy)
@@ -219,6 +219,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 out[obj.unique_key] = obj
         out.update(self.load_tensors_metadata(checkpoint_dir, metadata))
         return out
+
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Remove the data files whose names begin with ``key_prefix`` and the entries whose keys do (a warning
+        and nothing else when no file name begins with it)."""
+        remove_entries(str(checkpoint_dir), key_prefix)
 
 
 def get_reformulation_metadata(sharded_state_dict, checkpoint_dir):

@@ -93,25 +93,33 @@ class FullyShardedModule(torch.nn.Module):
 
     ``units``: the submodules that become FSDP units (gathered one at a time), outermost first; the root is added.
     ``strategy``: ``optim_grads`` or ``optim_grads_params`` (module docstring).
+    Shards over ``fsdp_mesh`` (experts over ``expert_mesh``) when given, else over the DP x CP group
+    (``dp_cp_group``, default parallel_state's; experts over ``expert_dp_group``).
+    ``config`` supplies ``params_dtype`` (the compute dtype) and ``calculate_per_token_loss``.
     """
 
     uses_fully_shard = True
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
                  units: Iterable[torch.nn.Module], strategy: str = "optim_grads_params",
-                 reshard_after_forward: bool = True, dp_cp_group=None, tp_group=None, expert_dp_group=None):
+                 reshard_after_forward: bool = True, dp_cp_group=None, tp_group=None, expert_dp_group=None,
+                 fsdp_mesh: Optional[DeviceMesh] = None, expert_mesh: Optional[DeviceMesh] = None):
         super().__init__()
         if strategy not in FULLY_SHARDED_STRATEGIES:
             raise ValueError(f"FullyShardedModule shards with {FULLY_SHARDED_STRATEGIES}, got {strategy!r}")
         self.config = config
         self.ddp_config = ddp_config
         self.sharding_strategy = strategy
-        if dp_cp_group is None:
-            dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if tp_group is None:
-            tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.device_mesh = dp_tp_mesh(dp_cp_group, tp_group)
-        self.fsdp_mesh = self.device_mesh["dp_cp"]
+        if fsdp_mesh is not None:  # a 1-D DeviceMesh given by the caller (the standalone Megatron-FSDP API)
+            self.device_mesh = self.fsdp_mesh = fsdp_mesh
+            dp_cp_group = fsdp_mesh.get_group()
+        else:
+            if dp_cp_group is None:
+                dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            if tp_group is None:
+                tp_group = parallel_state.get_tensor_model_parallel_group()
+            self.device_mesh = dp_tp_mesh(dp_cp_group, tp_group)
+            self.fsdp_mesh = self.device_mesh["dp_cp"]
         self.data_parallel_group = dp_cp_group
         dp_size = torch.distributed.get_world_size(dp_cp_group)
         divide = 1.0 if config.calculate_per_token_loss else float(dp_size)
@@ -129,9 +137,11 @@ class FullyShardedModule(torch.nn.Module):
         mesh_sizes = []  # of each unit's mesh
         experts = [m for m in _outermost(module.modules(), _is_expert_container)]
         if experts:
-            if expert_dp_group is None:
-                expert_dp_group = parallel_state.get_expert_data_parallel_group()
-            self.expert_mesh = DeviceMesh.from_group(expert_dp_group, _device.current_device().type)
+            if expert_mesh is None:
+                if expert_dp_group is None:
+                    expert_dp_group = parallel_state.get_expert_data_parallel_group()
+                expert_mesh = DeviceMesh.from_group(expert_dp_group, _device.current_device().type)
+            self.expert_mesh = expert_mesh
             for m in experts:
                 fully_shard(m, mesh=self.expert_mesh, **kwargs)
                 self.units.append(m)

@@ -14,7 +14,6 @@ from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_model import Pooler, get_linear_layer
 from megatron.core.models.gpt.gpt_model import LanguageModule
-from megatron.core.process_groups_config import require_mpu_groups
 from megatron.core.models.legacy.bert_model import _mean_pooled_embeddings, bert_extended_attention_mask, bert_position_ids
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import LayerNorm, param_device
@@ -50,9 +49,8 @@ class BertModel(LanguageModule):
                  share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
                  rotary_percent=1.0, seq_len_interpolation_factor=None, add_binary_head=True, return_embeddings=False,
                  vp_stage=None, pg_collection=None):
-        # BERT's pipeline and context-parallel paths are not tested with a collection: a collection with other
-        # pipeline / context-parallel groups is refused.
-        require_mpu_groups(pg_collection, ("pp", "embd", "pos_embd", "cp"), "BertModel")
+        # The collection's groups (else parallel_state's): ``tp`` splits the vocabulary and every layer, ``pp`` places
+        # the stage's layers, ``embd`` ties the first and last stage's word embeddings.
         super().__init__(config, pg_collection, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         if vocab_size is None:
             raise ValueError("BertModel needs vocab_size")

@@ -14,7 +14,7 @@ from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.gpt.gpt_model import LanguageModule
-from megatron.core.process_groups_config import require_mpu_groups
+from megatron.core.process_groups_config import pg_size
 from megatron.core.ssm.mamba_block import MambaStack
 from megatron.core.transformer.rotary import RotaryEmbedding
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -40,15 +40,16 @@ class MambaModel(LanguageModule):
                  share_embeddings_and_output_weights: bool = False, position_embedding_type: str = "none",
                  rotary_percent: float = 1.0, rotary_base: int = 10000, seq_len_interpolation_factor=None,
                  vp_stage: Optional[int] = None, pg_collection=None, *, hybrid_layer_pattern: Optional[str] = None):
-        # The hybrid stack's pipeline split and context parallelism are not tested with a collection: a collection
-        # with other pipeline / context-parallel groups is refused.
-        require_mpu_groups(pg_collection, ("pp", "embd", "pos_embd", "cp"), "MambaModel")
         super().__init__(config=config, pg_collection=pg_collection,
                          share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError("position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
                              f"got {position_embedding_type!r}")
         hybrid_layer_pattern = hybrid_layer_pattern or hybrid_override_pattern or config.hybrid_layer_pattern
+        if pg_size(pg_collection, "cp") > 1 and "M" in (hybrid_layer_pattern or "M"):
+            raise NotImplementedError(f"MambaModel with a context-parallel group of {pg_size(pg_collection, 'cp')} "
+                                      "ranks: context parallelism of the Mamba layers is not implemented in this "
+                                      "library; use context parallel size 1")
         self.hybrid_layer_pattern = hybrid_layer_pattern
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length

@@ -77,14 +77,26 @@ def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_t
 def topk_routing_with_score_function(logits: torch.Tensor, topk: int, use_pre_softmax: bool = False,
                                      num_groups: Optional[int] = None, group_topk: Optional[int] = None,
                                      scaling_factor: Optional[float] = None, score_function: str = "softmax",
-                                     expert_bias: Optional[torch.Tensor] = None):
-    """``(routing_probs [T, E], routing_map [T, E] bool)`` from router logits ``[T, E]`` (module docstring)."""
+                                     expert_bias: Optional[torch.Tensor] = None, fused: bool = False,
+                                     router_replay=None):
+    """``(routing_probs [T, E], routing_map [T, E] bool)`` from router logits ``[T, E]`` (module docstring).
+
+    ``router_replay`` (a :class:`~megatron.core.transformer.moe.router_replay.RouterReplay`) records or replaces
+    the top-k selection. ``fused`` asks for Transformer Engine's fused kernel, which this library does not have."""
+    if fused:
+        raise ValueError("fused top-k routing (--moe-router-fusion) needs Transformer Engine's "
+                         "fused_topk_with_score_function, which this library does not provide: drop the flag")
     num_tokens, num_experts = logits.shape
 
-    def select(scores):
+    def compute_topk(scores, k, num_groups=None, group_topk=None):
         if num_groups:
-            return group_limited_topk(scores, topk, num_groups, group_topk)
-        return torch.topk(scores, k=topk, dim=1)
+            return group_limited_topk(scores, k, num_groups, group_topk)
+        return torch.topk(scores, k=k, dim=1)
+
+    def select(scores):
+        if router_replay is None:
+            return compute_topk(scores, topk, num_groups, group_topk)
+        return router_replay.get_replay_topk(scores, topk, num_groups, group_topk, compute_topk)
 
     if score_function == "softmax":
         if use_pre_softmax:
@@ -450,3 +462,139 @@ def get_default_pg_collection():
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ProcessGroupCollection.use_mpu_process_groups(list(MOE_GROUPS))
+
+
+# ------------------------------------------------------------------------------- aux-loss logging tracker
+# megatron-core's layer-wise logging tracker: ``{name: {"values": [num_layers] tensor, "reduce_group",
+# "avg_group", "reduce_group_has_dp"}}``, one per process (megatron-core's API is a module-level dict).
+# ``values[l - 1]`` accumulates ``loss / coeff`` of layer ``l`` over the step's micro-batches. Reduction
+# (``reduce_aux_losses_tracker_across_ranks``): SUM over the pipeline group (each layer lives on one stage),
+# then, where a ``reduce_group`` was saved, SUM over it followed (unless ``reduce_group_has_dp``) by a MEAN over
+# the data-parallel group; then a MEAN over ``avg_group`` where one was saved. ``track_moe_metrics`` logs
+# ``loss_scale * sum_l values[l] / num_moe_layers`` (and each layer's value) and zeroes the tracker.
+# Our routers keep their own per-layer sums (``TopKRouter.tracked_losses``); ``moe_layer.reduce_moe_losses``
+# feeds them into this tracker once per step, so the reduction runs here only.
+_MOE_LAYER_WISE_LOGGING_TRACKER: dict = {}
+
+
+def get_moe_layer_wise_logging_tracker() -> dict:
+    """The process's layer-wise MoE logging tracker (a dict, see above)."""
+    return _MOE_LAYER_WISE_LOGGING_TRACKER
+
+
+def _tracker_device():
+    from megatron.core.device import current_device
+
+    return current_device()
+
+
+def _new_tracker_entry(num_layers: int, device=None, reduce_group=None, avg_group=None,
+                       reduce_group_has_dp: bool = False) -> dict:
+    return {"values": torch.zeros(num_layers, device=device if device is not None else _tracker_device()),
+            "reduce_group": reduce_group, "avg_group": avg_group, "reduce_group_has_dp": reduce_group_has_dp}
+
+
+def save_to_aux_losses_tracker(name: str, loss: torch.Tensor, layer_number: int, num_layers: int,
+                               reduce_group=None, avg_group=None, reduce_group_has_dp: bool = False) -> None:
+    """Add ``loss`` (detached) to ``tracker[name]["values"][layer_number - 1]`` (a zero vector of ``num_layers``
+    on ``loss``'s device when ``name`` is new) and remember the groups its reduction uses. Nothing is saved when
+    ``layer_number`` is None."""
+    if layer_number is None:
+        return
+    tracker = get_moe_layer_wise_logging_tracker()
+    if name not in tracker:
+        tracker[name] = _new_tracker_entry(num_layers, device=loss.device)
+    tracker[name]["values"][layer_number - 1] += loss.detach().to(tracker[name]["values"].dtype)
+    tracker[name].update(reduce_group=reduce_group, avg_group=avg_group, reduce_group_has_dp=reduce_group_has_dp)
+
+
+def clear_aux_losses_tracker() -> None:
+    """Zero every tracked value (the entries and their groups stay)."""
+    for entry in get_moe_layer_wise_logging_tracker().values():
+        entry["values"].zero_()
+
+
+def _all_reduce(values: torch.Tensor, group, mean: bool = False) -> None:
+    """In-place SUM (``mean``: SUM / group size, which gloo's missing AVG needs) over ``group``; nothing without
+    an initialized process group or with no group."""
+    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    torch.distributed.all_reduce(values, group=group)
+    if mean:
+        values /= torch.distributed.get_world_size(group=group)
+
+
+def reduce_aux_losses_tracker_across_ranks(track_names: Optional[List[str]] = None, pg_collection=None) -> None:
+    """Reduce the tracked values of ``track_names`` (default: every name, in the tracker's order, which must be
+    the same on every rank) in place: SUM over ``pg_collection.pp`` (else parallel_state's pipeline group), then
+    SUM over the saved ``reduce_group`` and, unless ``reduce_group_has_dp``, MEAN over ``pg_collection.dp`` (else
+    parallel_state's data-parallel group without CP), then MEAN over the saved ``avg_group``."""
+    from megatron.core.process_groups_config import pg_group
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    names = list(tracker) if track_names is None else list(track_names)
+    pp_group, dp_group = pg_group(pg_collection, "pp"), pg_group(pg_collection, "dp")
+    for name in names:
+        entry = tracker[name]
+        values = entry["values"]
+        _all_reduce(values, pp_group)
+        if entry.get("reduce_group") is not None:
+            _all_reduce(values, entry["reduce_group"])
+            if not entry.get("reduce_group_has_dp", False):
+                _all_reduce(values, dp_group, mean=True)
+        if entry.get("avg_group") is not None:
+            _all_reduce(values, entry["avg_group"], mean=True)
+
+
+def _count_moe_layers(num_layers, moe_layer_freq, mtp_num_layers) -> int:
+    """megatron-core's count: ``num_layers`` (no frequency), every ``freq``-th layer from layer 0 (an int), or the
+    ones of a 0/1 pattern (a list); plus ``mtp_num_layers``."""
+    if moe_layer_freq is None:
+        count = num_layers
+    elif isinstance(moe_layer_freq, int):
+        if not isinstance(num_layers, int):
+            raise ValueError("track_moe_metrics: an integer moe_layer_freq needs num_layers")
+        count = sum(1 for i in range(num_layers) if i % moe_layer_freq == 0)
+    elif isinstance(moe_layer_freq, list):
+        count = sum(moe_layer_freq)
+    else:
+        raise ValueError(f"Invalid moe_layer_freq: {moe_layer_freq}")
+    return count + (mtp_num_layers or 0)
+
+
+def track_moe_metrics(loss_scale: float, iteration: int, writer=None, wandb_writer=None,
+                      total_loss_dict: Optional[dict] = None, per_layer_logging: bool = False,
+                      force_initialize: bool = False, track_names: Optional[List[str]] = None,
+                      num_layers: Optional[int] = None, moe_layer_freq=None, mtp_num_layers: Optional[int] = None,
+                      pg_collection=None) -> None:
+    """Reduce the tracker across ranks and log it, then zero it (megatron-core's contract).
+
+    ``force_initialize`` first creates a zero entry of ``num_layers`` (no groups) for every name of ``track_names``
+    the tracker lacks, so ranks without those losses take part in the same collectives. Per name, with
+    ``n = num_moe_layers`` (:func:`_count_moe_layers`) and ``v = values * loss_scale``: ``total_loss_dict[name] +=
+    v.sum() / n``; ``writer.add_scalar(name, v.sum() / n, iteration)`` and, with ``per_layer_logging``,
+    ``moe/{name}_layer_{i}`` for each layer ``i``; ``wandb_writer.log`` the same (only when a ``writer`` is given,
+    as in megatron-core)."""
+    tracker = get_moe_layer_wise_logging_tracker()
+    if force_initialize and track_names is not None:
+        for name in track_names:
+            if name not in tracker:
+                tracker[name] = _new_tracker_entry(num_layers)
+    reduce_aux_losses_tracker_across_ranks(track_names, pg_collection=pg_collection)
+    num_moe_layers = _count_moe_layers(num_layers, moe_layer_freq, mtp_num_layers)
+    for name, entry in tracker.items():
+        per_layer = entry["values"].float() * loss_scale
+        mean = per_layer.sum() / num_moe_layers
+        if total_loss_dict is not None:
+            total_loss_dict[name] = total_loss_dict[name] + mean if name in total_loss_dict else mean
+        if writer is not None:
+            writer.add_scalar(name, mean, iteration)
+            layer_values = {f"moe/{name}_layer_{i}": v for i, v in enumerate(per_layer.tolist())}
+            if per_layer_logging:
+                for key, value in layer_values.items():
+                    writer.add_scalar(key, value, iteration)
+            if wandb_writer:
+                wandb_writer.log({name: mean}, iteration)
+                if per_layer_logging:
+                    wandb_writer.log(layer_values, iteration)
+    clear_aux_losses_tracker()

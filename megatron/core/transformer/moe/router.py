@@ -27,6 +27,7 @@ import torch
 from megatron.core.process_groups_config import pg_group
 from megatron.core.transformer.norms import param_device, weights_on_meta
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     apply_random_logits,
@@ -114,6 +115,7 @@ class TopKRouter(Router):
         else:
             self.global_tokens_per_expert = self.ga_steps = None
         self.tracked_losses: Dict[str, torch.Tensor] = {}
+        self.router_replay = RouterReplay() if config.moe_enable_routing_replay else None
 
     def reset_parameters(self):
         """The weight created in fp32 from the global generator (identical on every rank), then cast like
@@ -221,7 +223,7 @@ class TopKRouter(Router):
             probs, routing_map = topk_routing_with_score_function(
                 logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
                 group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
-                score_function=self.score_function, expert_bias=self.expert_bias)
+                score_function=self.score_function, expert_bias=self.expert_bias, router_replay=self.router_replay)
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_router_token_dropping(
                 probs, routing_map, self.topk, cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy,

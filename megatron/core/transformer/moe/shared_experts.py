@@ -50,3 +50,18 @@ class SharedExpertMLP(MLP):
         if self.use_shared_expert_gate:
             output = output * torch.sigmoid(torch.nn.functional.linear(hidden_states, self.gate_weight))
         return output
+
+
+def set_tensor_grad_fn_sequence_sr(tensor, value):
+    """Give ``tensor.grad_fn`` the autograd sequence number ``value`` (nothing for None or a leaf): among nodes
+    ready at the same time the engine runs the higher number first, so this moves a node's backward earlier
+    (larger) or later (smaller). Needs PyTorch >= 2.2; older versions only warn."""
+    from megatron.core.utils import is_torch_min_version
+
+    if not is_torch_min_version("2.2.0"):
+        import warnings
+
+        warnings.warn("PyTorch < 2.2 cannot set an autograd node's sequence number; the backward order is unchanged")
+        return
+    if tensor is not None and tensor.grad_fn is not None:
+        tensor.grad_fn._set_sequence_nr(value)

@@ -2,7 +2,7 @@
 import torch
 
 from megatron.core.transformer import rotary
-from megatron.core.transformer.rotary import apply_rotary_pos_emb  # noqa: F401
+from megatron.core.transformer.rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_with_cos_sin  # noqa: F401
 
 
 def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
