@@ -32,6 +32,18 @@ import torch
 __all__ = ["ProcessGroupCollection"]
 
 
+class ProcessGroupHelperMeta(type):
+    """A metaclass (megatron-core's) for helper classes that keep parallel sizes as class attributes: assigning
+    ``virtual_pipeline_model_parallel_size`` on the class raises ``AttributeError`` (it must go through the class's
+    ``set_virtual_pipeline_model_parallel_size()``); every other class attribute is assigned as usual."""
+
+    def __setattr__(cls, name, value):
+        if name == "virtual_pipeline_model_parallel_size":
+            raise AttributeError(f"Cannot set '{name}' directly. Use set_virtual_pipeline_model_parallel_size() "
+                                 "method instead.")
+        super().__setattr__(name, value)
+
+
 @dataclasses.dataclass(init=False, repr=False)
 class ProcessGroupCollection:
     tp: Optional[torch.distributed.ProcessGroup] = dataclasses.field(init=False, default=None)

@@ -361,6 +361,15 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     forward_data_store = []
     input_tensor, output_tensor_grad = None, None
     total_num_tokens = _zero_tokens()
+    if getattr(config, "hybrid_context_parallel", False):
+        from megatron.core.pipeline_parallel.hybrid_cp_schedule import hybrid_context_parallel_forward_backward
+
+        forward_data_store, total_num_tokens = hybrid_context_parallel_forward_backward(
+            forward_step_func, data_iterator, model, num_microbatches, input_tensor, output_tensor_grad,
+            forward_data_store, config, collect_non_loss_data, first_val_step, forward_only, no_sync,
+            total_num_tokens, check_first_val_step, model_type)
+        _finalize(config, [model], forward_only, total_num_tokens, pg_collection, force_all_reduce)
+        return forward_data_store
     with no_sync():
         for _ in range(num_microbatches - 1):
             output_tensor, num_tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches,

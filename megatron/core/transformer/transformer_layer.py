@@ -19,7 +19,7 @@ from megatron.core.transformer.attention import ParallelAttention, SelfAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType, LayerType
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add, get_bias_dropout_add_func
 from megatron.core.transformer.mlp import MLP, ParallelMLP
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import GraphableMegatronModule, MegatronModule
 from megatron.core.transformer.norms import FusedLayerNorm, get_norm
 from megatron.core.transformer.spec_utils import IdentityFuncOp, IdentityOp, ModuleSpec, build_module
 from megatron.core.transformer.utils import apply_sharded_keys_map
@@ -97,8 +97,9 @@ class BaseTransformerLayer(ABC):
         pass
 
 
-class ParallelTransformerLayer(MegatronModule, BaseTransformerLayer):
-    """``ParallelTransformerLayer(config, layer_number, layer_type, self_attn_mask_type, drop_path_rate)``.
+class ParallelTransformerLayer(GraphableMegatronModule, BaseTransformerLayer):
+    """``ParallelTransformerLayer(config, layer_number, layer_type, self_attn_mask_type, drop_path_rate)``; a
+    :class:`GraphableMegatronModule` (megatron-core's base of TransformerLayer; no CUDA graphs here).
 
     ``forward(hidden_states [s, b, h], attention_mask, encoder_output=None, enc_dec_attn_mask=None,
     ..., inference_params=None, rotary_pos_emb=None) -> [s, b, h]``.
@@ -227,8 +228,10 @@ class ParallelTransformerLayer(MegatronModule, BaseTransformerLayer):
             layernorm_input = hidden_states
         else:
             layernorm_output = self._norm(self.input_layernorm, hidden_states)
+            # The mask by keyword, as megatron-core passes it (a linear replacement takes other positionals).
             attention_output, attention_bias = self.self_attention(
-                layernorm_output, attention_mask, inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
+                layernorm_output, attention_mask=attention_mask, inference_params=inference_params,
+                rotary_pos_emb=rotary_pos_emb)
             residual = layernorm_output if self.apply_residual_connection_post_layernorm else hidden_states
             layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "self_attention")
         if self.has_cross_attention:
