@@ -218,6 +218,7 @@ def _groups_body():
                           torch.distributed.group.WORLD._get_backend(cpu).options._timeout)
     out.update(_hybrid_data_and_schedule(ps))
     out.update(_bridge(rank))
+    out.update(_multimodule(rank))
     ps.destroy_model_parallel()
     out["rank"] = rank
     return out
@@ -243,6 +244,36 @@ def _bridge(rank):
         bridge.send_backward(a1.detach() * 3)
         got["a0"], got["a1"], got["grad"] = a0.tolist(), a1.tolist(), a1.requires_grad
     return {"plan": plan, "bridge": got, "leaders": (bridge.src_tp_leaders, bridge.dest_tp_leaders)}
+
+
+def _multimodule(rank):
+    """An encoder on 2 pipeline stages (ranks 0, 1) feeding a language model on DP 2 (ranks 2, 3)."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+
+    names = ["tp", "cp", "pp", "dp"]
+    grids = {"enc": HyperCommGrid([1, 1, 2, 1], names), "llm": HyperCommGrid([1, 1, 1, 2], names, rank_offset=2)}
+    for grid in grids.values():
+        grid.create_pg("pp")
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    comm = MultiModulePipelineCommunicator(grids, {"enc": ["llm"], "llm": []}, config)
+    x = torch.arange(24.0).view(4, 2, 3)
+    got = {"first": comm.is_pp_first_stage, "last": comm.is_pp_last_stage, "warmup": comm.num_warmup_microbatches,
+           "stages": {m: (i.pp_rank, i.pp_size) for m, i in comm.rank_module_map.items()}}
+    if rank == 0:
+        comm.send_forward({"enc": x})
+        got["grad"] = comm.recv_backward(tensor_shape=(4, 2, 3))["enc"].tolist()
+    elif rank == 1:
+        got["in"] = comm.recv_forward(tensor_shape=(4, 2, 3))["enc"].tolist()
+        comm.send_forward({"enc": x * 2})
+        grad = comm.recv_backward()["enc"]
+        got["grad"] = grad.tolist()
+        comm.send_backward({"enc": grad + 1})
+    else:
+        got["in"] = comm.recv_forward()["enc"].tolist()
+        comm.send_backward({"enc": torch.tensor(got["in"]) * 5})
+    return {"multimodule": got}
 
 
 # Packed samples of DP rank 0 and 1 (CP peers read the same): their cu_seqlens (one empty sub-sample).
@@ -315,6 +346,18 @@ def test_parallel_state_groups_world_4():
         else:
             half = slice(0, 2) if rank == 2 else slice(2, 4)
             assert out["bridge"] == {"a0": x0[half].tolist(), "a1": x1[half].tolist(), "grad": True}
+    # The multi-module pipeline: enc stage 0 -> enc stage 1 -> (bridge, halves) -> llm on ranks 2 and 3, and back.
+    stages = [{"enc": (0, 2)}, {"enc": (1, 2)}, {"llm": (0, 1)}, {"llm": (0, 1)}]
+    for rank, out in enumerate(results):
+        got = out["multimodule"]
+        assert (got["first"], got["last"], got["warmup"], got["stages"]) == (rank == 0, rank >= 2, max(2 - rank, 0),
+                                                                             stages[rank])
+        if rank == 0:
+            assert got["grad"] == (x0 * 10 + 1).tolist()
+        elif rank == 1:
+            assert got["in"] == x0.tolist() and got["grad"] == (x0 * 10).tolist()
+        else:
+            assert got["in"] == (x0 * 2)[slice(0, 2) if rank == 2 else slice(2, 4)].tolist()
     # The data schedule: every rank got the oracle's schedule, and exactly its sub-samples, whole.
     oracle_groups = _oracle_scheduler_class()(4, _Group(4, 0)).get_groups_and_subsamples(
         list(enumerate(_GLOBAL_SEQLENS)), None)[1]
@@ -404,3 +447,30 @@ def test_bridge_plan_matches_oracle(monkeypatch):
     assert [p.shape for p in parts] == [(2, 2, 2), (2, 1, 2)] and all(p.is_contiguous() for p in parts)
     with pytest.raises(ValueError, match="num_splits must be positive"):
         bridge._split_tensor_at_batch_dim(torch.zeros(2, 2, 2), 0)
+
+
+def test_multimodule_pipeline_depth_matches_oracle(monkeypatch):
+    """compute_total_pipeline_stages (longest path of the module DAG, weighted by stages) against the oracle's."""
+    from dataclasses import dataclass
+    from typing import Dict, List, Optional
+
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    oracle = _oracle_definition("pipeline_parallel/multimodule_communicator.py", "MultiModulePipelineCommunicator", {
+        "dataclass": dataclass, "Dict": Dict, "List": List, "Optional": Optional, "HyperCommGrid": HyperCommGrid,
+        "ModelParallelConfig": object, "Shape": object, "torch": torch, "dist": None, "logging": None})
+    names = ["tp", "cp", "pp", "dp"]
+    grids = {"img": HyperCommGrid([1, 1, 2, 1], names), "audio": HyperCommGrid([2, 1, 3, 1], names, rank_offset=2),
+             "llm": HyperCommGrid([1, 1, 4, 2], names, rank_offset=8),
+             "gen": HyperCommGrid([1, 1, 1, 1], names, rank_offset=16)}
+    topology = {"img": ["llm"], "audio": ["llm"], "llm": ["gen"], "gen": []}
+    ours, theirs = MultiModulePipelineCommunicator.compute_total_pipeline_stages, oracle.compute_total_pipeline_stages
+    assert ours(topology, grids) == theirs(topology, grids) == 3 + 4 + 1
+    for name, grid in grids.items():
+        for rank in range(grid.rank_offset, grid.rank_offset + grid.size):
+            assert ours(topology, grids, rank, name) == theirs(topology, grids, rank, name)
+    assert ours(topology, grids, 9) == ours(topology, grids, 9, "llm")
+    with pytest.raises(ValueError, match="cycles"):
+        ours({"img": ["llm"], "audio": [], "llm": ["img"], "gen": []}, grids, 0, "img")
