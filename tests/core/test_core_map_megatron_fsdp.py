@@ -123,13 +123,19 @@ def _fsdp_body():
     out["zero2_weights_err"] = max((w - ref_weights[n]).abs().max().item() for n, w in _full_weights(model2).items())
     out["zero2_index"] = model2.get_distributed_index().get_fsdp_group().size() == world
 
-    # 3. Meta-device build: each rank draws its blocks, equal to the ordinary build's weights.
+    # 3. no_shard (DDP over FSDP2's replicate dimension): whole weights everywhere, the same training.
+    model0 = fully_shard_model(_model(), fsdp_unit_modules=[Block], zero_dp_strategy="no_shard")
+    out["no_shard_whole"] = all(p.to_local().shape == p.shape for p in model0.parameters())
+    out["no_shard_losses"] = (_train(model0, fully_shard_optimizer(torch.optim.Adam(model0.parameters(), lr=lr)),
+                                     rank, world), ref_losses)
+
+    # 4. Meta-device build: each rank draws its blocks, equal to the ordinary build's weights.
     meta = fully_shard_model(_model(seed=5, device="meta"), fsdp_unit_modules=[Block], init_model_with_meta_device=True,
                              preproc_state_dict_for_dcp_ckpt=False)
     ordinary = dict(_model(seed=5).named_parameters())
     out["meta_init_err"] = max((w - ordinary[n]).abs().max().item() for n, w in _full_weights(meta).items())
 
-    # 4. Uneven DTensors: rank r holds rows [0, 1) / [1, 5) of a 5 x 3 tensor.
+    # 5. Uneven DTensors: rank r holds rows [0, 1) / [1, 5) of a 5 x 3 tensor.
     whole = torch.arange(15.0).view(5, 3)
     index = FSDPDistributedIndex(mesh, dp_shard_dim="dp", tp_dim="tp")
     rows = (0, 1) if rank == 0 else (1, 5)
@@ -153,7 +159,8 @@ def test_fully_shard_trains_like_an_unsharded_model_on_two_gloo_ranks():
     results = run_distributed(_fsdp_body, 2, timeout=120)
     for rank, out in enumerate(results):
         assert out["zero3_dtensor_shards"]
-        for key in ("zero3_losses", "zero2_losses"):
+        assert out["no_shard_whole"]
+        for key in ("zero3_losses", "zero2_losses", "no_shard_losses"):
             ours, ref = out[key]
             assert ours == pytest.approx(ref, rel=1e-5, abs=1e-6), key
         assert out["zero3_weights_err"] < 1e-5 and out["zero2_weights_err"] < 1e-5
