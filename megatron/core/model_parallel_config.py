@@ -74,6 +74,10 @@ class ModelParallelConfig:
                                          "(docs/context_parallel.md).")
     hierarchical_context_parallel_sizes: Optional[List[int]] = flag(
         None, "Sizes of the two context-parallel levels of a2a+p2p (their product is the CP size).")
+    # Hybrid CP (megatron.core.pipeline_parallel.hybrid_cp_schedule): packed sub-samples scheduled over DP x CP ranks,
+    # each on a power-of-two group sized so that no rank holds more than max_seqlen_per_dp_cp_rank tokens.
+    max_seqlen_per_dp_cp_rank: Optional[int] = None
+    hybrid_context_parallel: bool = False
 
     def __post_init__(self):
         if self.sequence_parallel:

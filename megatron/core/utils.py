@@ -9,6 +9,7 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer  # noqa: F401  (megatron-core's path)
+from megatron.core.wgrad_compute import accumulate_into_main_grad as _accumulate_into_main_grad
 from megatron.core.cp_batch import (context_parallel_chunk_indices, get_batch_on_this_cp_rank,  # noqa: F401
                                     get_batch_on_this_hybrid_cp_rank, get_thd_batch_on_this_cp_rank,
                                     thd_partitioned_indices)
@@ -43,6 +44,47 @@ def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group=Non
 def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``input_`` over ``group`` and keep this rank's equal slice along dim 0 in ``output``."""
     return getattr(torch.distributed, _REDUCE_SCATTER_TENSOR_NAME)(output, input_, group=group, async_op=async_op)
+
+
+def prepare_input_tensors_for_wgrad_compute(grad_output, all_gathered_input):
+    """``(grad_output, all_gathered_input)`` made contiguous and, when 3-D (``[s, b, h]``), viewed as 2-D
+    ``[s * b, h]`` for the wgrad GEMM (megatron-core's helper); 2-D inputs keep their shape."""
+    grad_output = grad_output.contiguous()
+    all_gathered_input = all_gathered_input.contiguous()
+    if grad_output.dim() == 3:
+        grad_output = grad_output.view(-1, grad_output.shape[2])
+        all_gathered_input = all_gathered_input.view(-1, all_gathered_input.shape[2])
+    return grad_output, all_gathered_input
+
+
+def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
+    """megatron-core keeps, on the last pipeline stage, each microbatch's input activation of the tied output /
+    embedding GEMM (``embedding_activation_buffer``) and its output gradient (``grad_output_buffer``) and computes
+    that weight's gradient in the pipeline flush: ``main_grad += sum_i g_i^T @ AllGather_TP(x_i)``.
+
+    Empty the two buffers (equal lengths, microbatch order; both are popped) and, with
+    ``config.gradient_accumulation_fusion``, add each microbatch's ``g_i^T @ x_i`` into ``weight.main_grad``
+    (``x_i`` all-gathered over ``tp_group`` along dim 0 under ``config.sequence_parallel``). Without gradient
+    accumulation fusion the buffers are emptied and nothing is accumulated, as in megatron-core (the weight
+    gradient then came through autograd). A Megatron-FSDP parameter (``__fsdp_param__``) gets its ``main_grad``
+    from ``get_main_grad()`` first. megatron-core overlaps the next all-gather with the current GEMM on GPUs; here
+    they run in turn (same result)."""
+    if len(embedding_activation_buffer) != len(grad_output_buffer):
+        raise ValueError(f"drain_embedding_wgrad_compute: {len(embedding_activation_buffer)} activations but "
+                         f"{len(grad_output_buffer)} output gradients; the two buffers must have equal lengths")
+    while embedding_activation_buffer:
+        activation = embedding_activation_buffer.pop(0)
+        grad_output = grad_output_buffer.pop(0)
+        if config.sequence_parallel:
+            gathered = torch.empty((activation.shape[0] * tp_group.size(),) + tuple(activation.shape[1:]),
+                                   dtype=activation.dtype, device=activation.device)
+            all_gather_into_tensor(gathered, activation.contiguous(), group=tp_group)
+            activation = gathered
+        grad_output, activation = prepare_input_tensors_for_wgrad_compute(grad_output, activation)
+        if hasattr(weight, "__fsdp_param__"):
+            weight.main_grad = weight.get_main_grad()
+        if config.gradient_accumulation_fusion:
+            _accumulate_into_main_grad(weight, activation, grad_output)
 
 
 _LOGGED = set()

@@ -92,6 +92,62 @@ def body(root):
                                            queue.get_num_unfinalized_calls())
         queue.close()
         out[f"async_{persistent}"] = _values(dc.load(_state(rank, zeros=True), ckpt))
+    out["dcp"] = _dcp_round_trip(root, rank)
+    return out
+
+
+def _dcp_blocks(rank, zeros=False):
+    """Per key this rank's blocks: ``tp.w`` (one block), ``stack`` (layer ``rank`` of 2, a prepended axis),
+    ``pair`` (blocks ``rank`` and ``rank + 2`` of 4) and one object."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    g = _globals()
+
+    def data(t):
+        return torch.zeros_like(t) if zeros else t.clone()
+
+    pair = g["dp.a"].chunk(4)
+    obj = ShardedObject("obj", None if zeros else {"rank": rank}, (2,), (rank,))
+    return {"tp.w": [ShardedTensor.from_rank_offsets("tp.w", data(g["tp.w"].chunk(2)[rank]), (0, rank, 2))],
+            "stack": [ShardedTensor.from_rank_offsets("stack", data(g["tp.w"][rank]), (0, rank, 2),
+                                                      prepend_axis_num=1)],
+            "pair": [ShardedTensor.from_rank_offsets("pair", data(pair[i]), (0, i, 4)) for i in (rank, rank + 2)],
+            obj.unique_key: [obj]}
+
+
+def _dcp_round_trip(root, rank):
+    """megatron-core's DCP-compatible values written by PyTorch DCP with MCoreSavePlanner, read whole by our
+    offline reader and back into blocks with MCoreLoadPlanner."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.sharded_io import load_full_state_dict
+    from megatron.core.dist_checkpointing.strategies.checkpointable import (CheckpointableShardedTensor,
+                                                                            LocalShardsContainer)
+    from megatron.core.dist_checkpointing.strategies.torch import (MCoreLoadPlanner, MCoreSavePlanner,
+                                                                   _unwrap_pyt_sharded_tensor, mcore_to_pyt_state_dict)
+
+    ckpt, out = os.path.join(root, "dcp"), {}
+    values = mcore_to_pyt_state_dict(_dcp_blocks(rank))
+    out["types"] = {k: type(v).__name__ for k, v in values.items() if not k.startswith("obj")}
+    assert isinstance(values["tp.w"], CheckpointableShardedTensor) and isinstance(values["pair"], LocalShardsContainer)
+    dcp.save(values, storage_writer=dcp.FileSystemWriter(ckpt), planner=MCoreSavePlanner(flatten_state_dict=False))
+    torch.distributed.barrier()
+    if rank == 0:
+        out["whole"] = load_full_state_dict(ckpt)
+    blocks = _dcp_blocks(rank, zeros=True)
+    request = mcore_to_pyt_state_dict({k: v for k, v in blocks.items() if not k.startswith("obj")}, is_loading=True)
+    checked = [b for k in ("tp.w", "stack", "pair") for b in blocks[k]]
+    dcp.load(request, storage_reader=dcp.FileSystemReader(ckpt),
+             planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=checked, flatten_state_dict=False))
+    out["loaded"] = {k: [t.clone() for t in _unwrap_pyt_sharded_tensor(v)] for k, v in request.items()}
+    wrong = ShardedTensor.from_rank_offsets("tp.w", torch.zeros(3, 3), (0, rank, 2))  # global (6, 3), stored (4, 3)
+    try:
+        dcp.load(mcore_to_pyt_state_dict({"tp.w": [wrong]}, is_loading=True), storage_reader=dcp.FileSystemReader(ckpt),
+                 planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=[wrong], flatten_state_dict=False))
+        out["mismatch"] = None
+    except dcp.api.CheckpointException as e:  # DCP wraps the planner's error of every rank
+        out["mismatch"] = str(e)
     return out
 
 
@@ -229,3 +285,19 @@ def test_debug_time_logs_in_nested_scopes(caplog):
     state = {"a": torch.ones(2)}
     force_all_tensors_to_non_fp8(state)  # no Transformer Engine FP8 tensor: nothing changes
     assert torch.equal(state["a"], torch.ones(2))
+
+
+def test_mcore_dcp_values_round_trip(results):
+    g = _globals()
+    whole = results[0]["dcp"]["whole"]
+    assert torch.equal(whole["tp.w"], g["tp.w"]) and torch.equal(whole["pair"], g["dp.a"])
+    assert torch.equal(whole["stack"], g["tp.w"][:2])  # layer r (prepended axis) is tp.w row r
+    assert whole["obj/shard_0_2"] == [{"rank": 0}] and whole["obj/shard_1_2"] == [{"rank": 1}]
+    for rank, r in enumerate(results):
+        d = r["dcp"]
+        assert d["types"] == {"tp.w": "CheckpointableShardedTensor", "stack": "ShardedTensor",
+                              "pair": "LocalShardsContainer"}
+        assert torch.equal(d["loaded"]["tp.w"][0], g["tp.w"].chunk(2)[rank])
+        assert torch.equal(d["loaded"]["stack"][0], g["tp.w"][rank])
+        assert [t.tolist() for t in d["loaded"]["pair"]] == [g["dp.a"].chunk(4)[i].tolist() for i in (rank, rank + 2)]
+        assert "Global shape mismatch" in d["mismatch"]

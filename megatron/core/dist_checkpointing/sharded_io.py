@@ -47,6 +47,18 @@ class LocalShard:
                              f"rank, got {self.global_shape} and {self.global_offset}")
 
 
+def shard_write_item(fqn: str, data: torch.Tensor, global_shape, global_offset, index: Optional[int] = None
+                     ) -> WriteItem:
+    """The DCP write item of the block ``data`` at ``global_offset`` of the tensor ``fqn`` of ``global_shape``
+    (a ``SHARD`` item: chunk offsets and sizes, the tensor's properties and global size). ``index``: a lookup
+    hint among several blocks of one key on this rank."""
+    offsets = torch.Size(global_offset)
+    return WriteItem(index=MetadataIndex(fqn, offsets, index), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=data.size()),
+                                                 properties=TensorProperties.create_from_tensor(data),
+                                                 size=torch.Size(global_shape)))
+
+
 def _is_shards(obj) -> bool:
     return isinstance(obj, LocalShard) or (isinstance(obj, list) and bool(obj)
                                            and all(isinstance(x, LocalShard) for x in obj))
@@ -78,14 +90,8 @@ class _ShardSavePlanner(DefaultSavePlanner):
         items = []
         for key, obj in self.state_dict.items():
             if _is_shards(obj):
-                for shard in _as_list(obj):
-                    offsets = torch.Size(shard.global_offset)
-                    items.append(WriteItem(
-                        index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(
-                            chunk=ChunkStorageMetadata(offsets=offsets, sizes=shard.data.size()),
-                            properties=TensorProperties.create_from_tensor(shard.data),
-                            size=torch.Size(shard.global_shape))))
+                items += [shard_write_item(key, shard.data, shard.global_shape, shard.global_offset)
+                          for shard in _as_list(obj)]
             else:
                 items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items)

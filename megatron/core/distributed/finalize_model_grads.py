@@ -85,14 +85,14 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, tp_group=No
 
 def _allreduce_embedding_grads(model: List[torch.nn.Module], config, pg_collection=None):
     """Sum the tied word-embedding grads of the first and last stage (and position embeddings at a split) over the
-    collection's ``embd`` group (else parallel_state's)."""
+    collection's ``embd`` / ``pos_embd`` groups (else parallel_state's)."""
+    from megatron.core.transformer.module import is_member
+
     pp_size = pg_size(pg_collection, "pp")
     if pp_size == 1:
         return
     embd_group = group_of(pg_collection, "embd")
     if embd_group is not None:
-        from megatron.core.transformer.module import is_member
-
         in_embedding_group = is_member(embd_group)
     else:
         in_embedding_group = parallel_state.is_rank_in_embedding_group(ignore_virtual=True)
@@ -116,14 +116,19 @@ def _allreduce_embedding_grads(model: List[torch.nn.Module], config, pg_collecti
                 grad = torch.zeros_like(weight)
             torch.distributed.all_reduce(grad, group=embd_group)
 
-    if (parallel_state.is_rank_in_position_embedding_group()
-            and parallel_state.get_pipeline_model_parallel_split_rank() is not None):
+    # The position embedding of an encoder-decoder split (the encoder's and the decoder's first stage): over the
+    # collection's ``pos_embd`` group, else parallel_state's.
+    if parallel_state.get_pipeline_model_parallel_split_rank() is None:
+        return
+    pos_group = group_of(pg_collection, "pos_embd")
+    if pos_group is None and parallel_state.is_rank_in_position_embedding_group():
+        pos_group = parallel_state.get_position_embedding_group()
+    if is_member(pos_group):
         inner = unwrap_model_chunk(model[0])
         weight = _position_embedding_weight(inner)
         if weight is not None:
             grad = _main_grad(weight)
-            torch.distributed.all_reduce(grad if grad is not None else torch.zeros_like(weight),
-                                         group=parallel_state.get_position_embedding_group())
+            torch.distributed.all_reduce(grad if grad is not None else torch.zeros_like(weight), group=pos_group)
 
 
 def _position_embedding_weight(inner):

@@ -16,6 +16,7 @@ from megatron.core.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.utils import log_once
 from megatron.core.optimizer.optimizer import (
+    ChainedOptimizer,
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     MegatronOptimizer,
@@ -47,6 +48,7 @@ __all__ = [
     "ParamPredicate",
     "ParamWithNamePredicate",
     "MegatronOptimizer",
+    "ChainedOptimizer",
     "MixedPrecisionOptimizer",
     "Float16OptimizerWithFloat16Params",
     "FP32Optimizer",

@@ -146,6 +146,12 @@ class TransformerConfig(ModelParallelConfig):
     fp8_amax_compute_algo: str = flag("most_recent", "How the FP8 amax is computed from its history.",
                                                      choices=("most_recent", "max"))
     fp8_wgrad: bool = flag(True, "Compute the weight gradients in higher precision under FP8.")
+    # megatron-core's per-layer FP8 exemption, read by fp8_utils.is_first_last_bf16_layer: the first / last
+    # num_layers_at_{start,end}_in_bf16 global layers stay in bf16 when first_last_layers_bf16 (no flag here: the FP8
+    # linear layers of this library do not yet skip those layers).
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
 
     normalization: str = flag("LayerNorm", "Normalization layer type.", choices=("LayerNorm", "RMSNorm"))
     # --qk-layernorm: normalise each head's queries and keys (the config's normalization) before RoPE/scores.
@@ -312,6 +318,9 @@ class TransformerConfig(ModelParallelConfig):
     qk_l2_norm_rope_layers_only: bool = False
     moe_apply_probs_on_input: bool = flag(False, "Multiply each token's expert input by its routing weight and take "
                                                  "the expert output as it is (Llama 4; needs --moe-router-topk 1).")
+    # megatron-core: whether each layer takes its own config (config.get_config_for_layer(layer_number)); True only
+    # on a HeterogeneousTransformerConfig (Nemotron-NAS / Llama-Nemotron per-block JSON).
+    heterogeneous_block_specs: bool = False
 
     def __post_init__(self):
         super().__post_init__()
