@@ -10,6 +10,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer  # noqa: F401  (megatron-core's path)
 from megatron.core.wgrad_compute import accumulate_into_main_grad as _accumulate_into_main_grad
+from megatron.core.straggler_detector import StragglerDetector  # noqa: F401  (megatron-core's path)
 from megatron.core.cp_batch import (context_parallel_chunk_indices, get_batch_on_this_cp_rank,  # noqa: F401
                                     get_batch_on_this_hybrid_cp_rank, get_thd_batch_on_this_cp_rank,
                                     thd_partitioned_indices)

@@ -375,3 +375,50 @@ def test_training_flags_build_the_heterogeneous_gpt_and_log_configs(tmp_path, si
     saved = torch.load(logs / files[4])
     assert torch.equal(saved["input_ids"], cases_ids) and torch.equal(saved["logits"].transpose(0, 1), logits)
     assert torch.load(logs / files[3]).keys() == model.state_dict().keys()
+
+
+def test_straggler_detector_times_regions_and_reports(single_rank, caplog):  # noqa: F811
+    import logging
+    import time
+
+    from megatron.core.straggler_detector import StragglerDetector as Home
+    from megatron.core.utils import StragglerDetector
+
+    assert StragglerDetector is Home
+    saved = StragglerDetector.__dict__.get("_configured")
+    try:
+        StragglerDetector._configured = False
+        det = StragglerDetector()
+        assert det is StragglerDetector() and not det.enabled
+        with det:  # off: nothing is timed
+            pass
+        assert det.elapsed() == (0, 0, 0, 0, 0, 0)
+        det.configure(world=1, rank=0, mmcnt=1, enabled=True)
+        det.configure(world=5, rank=3)  # a second configure does nothing
+        assert det.configured and det.enabled and det.world_size == 1 and det.my_rank == 0
+        for _ in range(2):
+            with det:
+                time.sleep(0.01)
+        with det(bdata=True):
+            time.sleep(0.02)
+        with det(bdata=True):
+            time.sleep(0.005)
+        delta, batch, *_ = det.elapsed()
+        assert 20 <= delta < 1000 and 20 <= batch < 1000  # two compute regions summed; the longest data region
+        assert det.elapsed()[:2] == (0.0, 0.0)  # elapsed() resets
+        with det:
+            time.sleep(0.01)
+        with caplog.at_level(logging.INFO, logger="megatron.core.straggler_detector"):
+            assert det.report(total_flops=4e12, log_interval=2)
+        line = next(r.getMessage() for r in caplog.records if "MnRtt/Rnk" in r.getMessage())
+        ptime = float(line.split("MnRtt/Rnk: ")[1].split("ms")[0])
+        assert 4.5 <= ptime < 500  # one 10 ms region over 2 iterations
+        etpt = float(line.split("MnEtpt/Rnk: ")[1].split("TF")[0])
+        assert etpt == pytest.approx(4e12 / 2 / (ptime * 1e9) / 3.0, rel=0.02)  # amp 3: forward only
+        det.toggle = True
+        det.report(total_flops=4e12, log_interval=2)
+        assert not det.enabled  # turned off at the report
+        assert not det.report(total_flops=4e12, log_interval=2)  # off: nothing reported
+    finally:
+        StragglerDetector._configured = bool(saved)
+        StragglerDetector().__init__()
