@@ -196,6 +196,21 @@ def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_mod
     return model if return_model_obj else getattr(model, attr)
 
 
+def get_mamba_inference_state_config_from_model(model):
+    """A :class:`MambaInferenceStateConfig` (layer symbols, per-request conv and SSM state shapes) when the model's
+    decoder (through its wrappers) is a hybrid stack with a Mamba layer (``"M"``, the hybrid pattern's symbol);
+    None otherwise."""
+    from megatron.core.inference.contexts.attention_context.mamba_metadata import MambaInferenceStateConfig
+
+    decoder = get_attr_wrapped_model(model, "decoder")
+    layer_type_list = getattr(decoder, "layer_type_list", None)
+    if layer_type_list is None or "M" not in layer_type_list:
+        return None
+    conv_shape, ssm_shape = decoder.mamba_state_shapes_per_request()
+    return MambaInferenceStateConfig(layer_type_list=layer_type_list, mamba_conv_states_shape=conv_shape,
+                                     mamba_ssm_states_shape=ssm_shape)
+
+
 def get_model_type(model):
     return get_attr_wrapped_model(model, "model_type")
 

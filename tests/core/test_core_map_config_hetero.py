@@ -422,3 +422,29 @@ def test_straggler_detector_times_regions_and_reports(single_rank, caplog):  # n
     finally:
         StragglerDetector._configured = bool(saved)
         StragglerDetector().__init__()
+
+
+def test_mamba_inference_state_config_from_model(single_rank, tmp_path):  # noqa: F811
+    from megatron.core.models.mamba.mamba_layer_specs import get_mamba_stack_spec
+    from megatron.core.models.mamba.mamba_model import MambaModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.utils import get_mamba_inference_state_config_from_model
+
+    h, head_dim, groups, state = 32, 8, 2, 4
+    cfg = TransformerConfig(num_layers=3, hidden_size=h, num_attention_heads=4, normalization="RMSNorm",
+                            add_bias_linear=False, mamba_state_dim=state, mamba_head_dim=head_dim,
+                            mamba_num_groups=groups, use_cpu_initialization=True,
+                            config_logger_dir=str(tmp_path / "logs"))
+    model = MambaModel(cfg, get_mamba_stack_spec(), 64, 16, hybrid_layer_pattern="*M-")
+    logged = json.loads((tmp_path / "logs" / "MambaModel.rank_0_0_0_0_0.iter0.json").read_text())
+    assert logged["vocab_size"] == 64 and logged["hybrid_layer_pattern"] == "*M-"  # --config-logger-dir
+    wrapped = SimpleNamespace(module=model)  # found through wrappers (.module)
+    out = get_mamba_inference_state_config_from_model(wrapped)
+    heads = 2 * h // head_dim  # Mamba-2: d_inner = 2 * hidden, heads = d_inner / head dim
+    # conv channels: x (d_inner) + B and C (groups * state each); d_conv 4
+    assert out.layer_type_list == ["*", "M", "-"]
+    assert tuple(out.mamba_conv_states_shape) == (2 * h + 2 * groups * state, 4)
+    assert tuple(out.mamba_ssm_states_shape) == (heads, head_dim, state)
+    no_mamba = MambaModel(cfg, get_mamba_stack_spec(), 64, 16, hybrid_layer_pattern="*--")
+    assert get_mamba_inference_state_config_from_model(no_mamba) is None
+    assert no_mamba.decoder.mamba_state_shapes_per_request() is None
