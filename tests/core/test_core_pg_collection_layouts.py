@@ -28,7 +28,8 @@ multi-latent attention and one multi-token-prediction depth (PP 2 x CP 2: the de
 on the last stage) each run one forward-backward step of
 2 micro-batches (schedule, DDP, finalize_model_grads) built (a) with parallel_state's groups of that shape and (b)
 with parallel_state at size 1 and the groups passed as ``pg_collection``: every rank's losses and every parameter's
-reduced gradient must be equal (<= 1e-6).
+reduced gradient must be equal (<= 1e-6). The hybrid model refuses a collection's CP group of 2 (its Mamba layers
+have no context parallelism) in one line.
 """
 import pytest
 import torch
@@ -363,6 +364,14 @@ def _models_body():
         out[name] = {"losses": (a["losses"], b["losses"]), "names": sorted(a["grads"]) == sorted(b["grads"]),
                      "grad_diff": max(float((a["grads"][k] - b["grads"][k]).abs().max()) for k in a["grads"]),
                      "grad_max": max(float(g.abs().max()) for g in a["grads"].values())}
+    # The hybrid model's Mamba layers have no context parallelism: a collection's CP group of 2 is refused in one line.
+    ps.initialize_model_parallel(1, 1)
+    try:
+        _mamba(dict(tp=1, pp=1), _collection(dict(tp=1, cp=2, pp=1, ep=1)), True, True)
+        out["mamba cp2"] = "built"
+    except NotImplementedError as e:
+        out["mamba cp2"] = str(e)
+    ps.destroy_model_parallel()
     return out
 
 
@@ -425,3 +434,10 @@ def test_models_train_with_the_collection_groups_like_parallel_state(results, na
         assert loss_a == pytest.approx(loss_b, rel=1e-6, abs=1e-6)
         assert r["grad_max"] > 0 and r["grad_diff"] <= 1e-6
     assert any(per_rank["models"][name]["losses"][0] for per_rank in results)
+
+
+def test_hybrid_model_refuses_context_parallelism(results):
+    for per_rank in results:
+        assert per_rank["models"]["mamba cp2"] == (
+            "MambaModel with a context-parallel group of 2 ranks: context parallelism of the Mamba layers is not "
+            "implemented in this library; use context parallel size 1")
