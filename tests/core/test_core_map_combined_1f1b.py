@@ -66,15 +66,18 @@ def model(single_rank):  # noqa: F811
     return _model()
 
 
-@pytest.mark.parametrize("mtp", [0, 1], ids=["decoder", "mtp"])
-def test_schedule_plan_nodes_equal_plain_forward_backward(model, mtp):
-    """With ``mtp``: one multi-token prediction depth (an MoE layer) whose loss rides on the main hidden states."""
+@pytest.mark.parametrize("case", ["decoder", "mtp", "dense_last"])
+def test_schedule_plan_nodes_equal_plain_forward_backward(model, case):
+    """``mtp``: one multi-token prediction depth (an MoE layer) whose loss rides on the main hidden states;
+    ``dense_last``: the decoder's final norm follows a dense layer's MLP node."""
     from megatron.core.models.common.model_chunk_schedule_plan import (
         TransformerLayerSchedulePlan, TransformerModelChunkSchedulePlan)
     from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
     from megatron.core.pipeline_parallel.utils import NoopScheduleNode
 
-    extra = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5} if mtp else {}
+    mtp = int(case == "mtp")
+    extra = {"mtp": {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5},
+             "dense_last": {"moe_layer_freq": [1, 0, 0]}}.get(case, {})
     ref, got = _model(**extra), _model(**extra)
     batch = dict(_batch(0), loss_mask=(_batch(0)["labels"] % 3 != 0).float())
     loss_ref = ref(**batch)
@@ -88,6 +91,7 @@ def test_schedule_plan_nodes_equal_plain_forward_backward(model, mtp):
     assert kinds[0] == (TransformerLayerNode, TransformerLayerNode)
     assert kinds[1] == (NoopScheduleNode, NoopScheduleNode)  # the dense layer
     assert isinstance(plan.get_layer(2), TransformerLayerSchedulePlan)
+    assert isinstance(plan.get_layer(2).moe_combine, NoopScheduleNode if case == "dense_last" else TransformerLayerNode)
     assert isinstance(plan.get_layer(2 + mtp).mtp_post_process, TransformerLayerNode if mtp else NoopScheduleNode)
     loss = TransformerModelChunkSchedulePlan.run(plan, None)
     assert loss.shape == (BATCH, SEQ)
@@ -115,13 +119,18 @@ def _forward_step(data_iterator, model, return_schedule_plan=False):
     return model(**batch, loss_mask=loss_mask), partial(_loss_func, loss_mask)
 
 
-def test_combined_1f1b_no_pipelining_equals_plain_schedule(model):
+@pytest.mark.parametrize("early_attn", [False, True], ids=["attn_bwd_last", "attn_bwd_early"])
+def test_combined_1f1b_no_pipelining_equals_plain_schedule(model, early_attn, monkeypatch):
+    """``early_attn``: megatron-core's ``ep_overlap_early_attn_memory_release`` order (a layer's attention backward
+    before the other micro-batch's expert forward; not a config field here, set on the config object)."""
     import contextlib
 
     from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     ref, got = _model(), _model()
+    if early_attn:
+        monkeypatch.setattr(got.config, "ep_overlap_early_attn_memory_release", True, raising=False)
     store_ref = forward_backward_no_pipelining(forward_step_func=_forward_step,
                                                data_iterator=iter([_batch(m) for m in range(M)]), model=ref,
                                                num_microbatches=M, seq_length=SEQ, micro_batch_size=BATCH)

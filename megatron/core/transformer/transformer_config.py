@@ -322,6 +322,24 @@ class TransformerConfig(ModelParallelConfig):
     # on a HeterogeneousTransformerConfig (Nemotron-NAS / Llama-Nemotron per-block JSON).
     heterogeneous_block_specs: bool = False
 
+    # megatron-core's experimental attention variants (its fields; through megatron.core only: the command line's
+    # --experimental-attention-variant is not available): "dsa", DeepSeek sparse attention (DeepSeek-V3.2;
+    # megatron/core/transformer/experimental_attention_variant/dsa.py), the core attention of multi-latent attention;
+    # "gated_delta_net", Gated DeltaNet linear attention (Qwen3-Next; megatron/core/ssm/gated_delta_net.py) on the
+    # layers linear_attention_freq selects (int N: every layer but each N-th; or a 0/1 list, 1 = GDN).
+    experimental_attention_variant: Optional[str] = None
+    linear_attention_freq: Optional[Union[int, List[int]]] = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    dsa_indexer_n_heads: Optional[int] = None
+    dsa_indexer_head_dim: Optional[int] = None
+    dsa_indexer_topk: Optional[int] = None
+    dsa_indexer_loss_coeff: Optional[float] = None
+    dsa_indexer_use_sparse_loss: bool = False
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_model_settings()
@@ -464,6 +482,7 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError("moe_grouped_gemm supports bf16 and fp32 parameters, not fp16")
 
     def _validate_attention_variants(self):
+        self._validate_dsa()
         if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise ValueError(f"softmax_type must be vanilla, off-by-one or learnable, got {self.softmax_type!r}")
         if self.window_size is not None:
@@ -481,6 +500,39 @@ class TransformerConfig(ModelParallelConfig):
         if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.gated_linear_unit:
             raise ValueError("glu_linear_offset / activation_func_clamp_value apply to a gated linear unit: set "
                              "gated_linear_unit (--swiglu or --quick-geglu)")
+
+    def _validate_dsa(self):
+        variant = self.experimental_attention_variant
+        if variant is None:
+            return
+        if variant not in ("dsa", "gated_delta_net"):
+            raise ValueError(f"experimental_attention_variant must be 'dsa' or 'gated_delta_net', got {variant!r}")
+        if variant == "gated_delta_net":
+            freq = self.linear_attention_freq
+            if freq is None:
+                raise ValueError("Gated DeltaNet (experimental_attention_variant='gated_delta_net') needs "
+                                 "linear_attention_freq (the GDN / attention layer pattern)")
+            if isinstance(freq, (list, tuple)) and len(freq) != self.num_layers:
+                raise ValueError(f"linear_attention_freq lists {len(freq)} layers; the model has {self.num_layers}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                                 f"linear_num_key_heads ({self.linear_num_key_heads})")
+            if self.context_parallel_size > 1:
+                raise ValueError("Gated DeltaNet does not support context parallelism (context_parallel_size)")
+            return
+        if not self.multi_latent_attention:
+            raise ValueError("DeepSeek sparse attention (experimental_attention_variant='dsa') needs multi-latent "
+                             "attention (MLATransformerConfig)")
+        for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
+            if not getattr(self, name) or getattr(self, name) <= 0:
+                raise ValueError(f"DeepSeek sparse attention needs {name} > 0, got {getattr(self, name)}")
+        if self.dsa_indexer_head_dim < getattr(self, "qk_pos_emb_head_dim", 0):
+            raise ValueError(f"dsa_indexer_head_dim ({self.dsa_indexer_head_dim}) must hold the rotary part "
+                             f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim})")
+        if self.context_parallel_size > 1:
+            raise ValueError("DeepSeek sparse attention does not support context parallelism (context_parallel_size)")
+        if self.apply_rope_fusion:
+            raise ValueError("DeepSeek sparse attention does not support RoPE fusion (apply_rope_fusion)")
 
     def _validate_llama4_settings(self):
         freq = self.no_rope_freq
