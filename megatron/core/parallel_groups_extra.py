@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from datetime import timedelta
 from math import log2, prod
 from typing import Dict, List, Optional, Sequence
@@ -32,6 +33,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron.core.rank_grid import expert_rank_generator
+
+logger = logging.getLogger(__name__)
 
 
 def new_group(ranks: Sequence[int], timeout: Optional[timedelta], backend: Optional[str] = None):
@@ -139,8 +142,9 @@ def update_pg_timeout(timeout: timedelta, pg: Optional[torch.distributed.Process
     for group in ([pg] if pg is not None else _my_groups()):
         try:
             c10d._set_pg_timeout(timeout, group)
-        except Exception as error:
-            raise RuntimeError(f"could not set the timeout {timeout} of process group {group}: {error}") from error
+        except Exception:
+            logger.error(f"Error updating pg timeout to {timeout} for process group {group} (pg argument: {pg})")
+            raise
 
 
 def hierarchical_rank_groups(ranks: Sequence[int], hierarchical_group_sizes: Sequence[int]) -> List[List[List[int]]]:

@@ -328,3 +328,50 @@ def test_wgrad_helpers_against_plain_torch():
     with pytest.raises(ValueError, match="equal lengths"):
         drain_embedding_wgrad_compute(SimpleNamespace(sequence_parallel=False, gradient_accumulation_fusion=True),
                                       [acts[0]], [], weight, tp_group)
+
+
+def test_training_flags_build_the_heterogeneous_gpt_and_log_configs(tmp_path, single_rank, monkeypatch):  # noqa: F811
+    """--heterogeneous-layers-config-path through validate_args, core_transformer_config_from_args and
+    pretrain_gpt.py's model_provider; --config-logger-dir through the model, DDP and the optimizer."""
+    from helpers.args_test_helpers import validated
+    from helpers.train_helpers import load_entry_point
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+    from megatron.core.transformer.heterogeneous.linear_replacements import ColumnParallelLinearGathered
+    from megatron.core.transformer.spec_utils import IdentityOp
+    from megatron.training import global_vars
+    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training.errors import ConfigurationError
+
+    path, logs = _json_path(tmp_path), tmp_path / "logs"
+    base = ("--swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
+            "--use-cpu-initialization --ffn-hidden-size 128 --hidden-dropout 0 --attention-dropout 0 "
+            f"--heterogeneous-layers-config-path {path}")
+    with pytest.raises(ConfigurationError, match="lists 4 blocks; --num-layers is 2"):
+        validated(base + " --num-layers 2")
+    with pytest.raises(ConfigurationError, match="cannot read"):
+        validated(base + "-missing")
+    args = validated(base + f" --config-logger-dir {logs}")
+    assert json.loads(args.heterogeneous_layers_config_encoded_json) == BLOCKS  # kept in the checkpoint's args
+    config = core_transformer_config_from_args(args)
+    assert type(config).__name__ == "HeterogeneousTransformerConfig" and config.config_logger_dir == str(logs)
+    args.padded_vocab_size = VOCAB
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    model = load_entry_point("pretrain_gpt").model_provider()
+    layers = model.decoder.layers
+    assert isinstance(layers[1].self_attention, IdentityOp) and isinstance(layers[1].mlp, ColumnParallelLinearGathered)
+    assert isinstance(layers[2].self_attention, ColumnParallelLinearGathered) and isinstance(layers[3].mlp, IdentityOp)
+    logits = model(cases_ids := torch.zeros(1, SEQ, dtype=torch.long), torch.arange(SEQ)[None], causal_mask(SEQ))
+    assert logits.shape == (1, SEQ, VOCAB)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    FP32Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), OptimizerConfig(config_logger_dir=str(logs)))
+    files = sorted(os.listdir(logs))
+    assert files == ["DistributedDataParallel.rank_0_0_0_0_0.iter0.json", "FP32Optimizer.rank_0_0_0_0_0.iter0.json",
+                     "GPTModel.rank_0_0_0_0_0.iter0.json", "GPTModel_init_ckpt.rank_0_0_0_0_0.iter0.pth",
+                     "input_and_logits.rank_0_0_0_0_0.iter0.pth"]
+    gpt = json.loads((logs / files[2]).read_text())
+    assert gpt["vocab_size"] == VOCAB and gpt["config"]["num_layers"] == 4 and "self" not in gpt
+    saved = torch.load(logs / files[4])
+    assert torch.equal(saved["input_ids"], cases_ids) and torch.equal(saved["logits"].transpose(0, 1), logits)
+    assert torch.load(logs / files[3]).keys() == model.state_dict().keys()

@@ -22,6 +22,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 
 from megatron.core import device as _device
+from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
 from megatron.core.process_groups_config import pg_group, pg_size
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -264,6 +265,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     def __init__(self, optimizer, config: OptimizerConfig, grad_scaler: Optional[MegatronGradScaler]):
         super().__init__(optimizer, config)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         self.grad_scaler = grad_scaler
         if self.grad_scaler is None and config.fp16:
             raise ValueError("fp16 training needs a loss scaler (constant --loss-scale or the dynamic one)")
@@ -449,6 +452,8 @@ class FP32Optimizer(MegatronOptimizer):
 
     def __init__(self, optimizer, config: OptimizerConfig):
         super().__init__(optimizer, config)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         self._scale = torch.ones(1, dtype=torch.float32, device=_device.current_device())
 
     def zero_grad(self, set_to_none: bool = True):

@@ -123,6 +123,7 @@ class OptimizerConfig:
     log_num_zeros_in_grad: bool = False
     barrier_with_L1_time: bool = False
     timers: Optional[Callable] = None
+    config_logger_dir: str = ""  # --config-logger-dir: the optimizer's constructor arguments are dumped there
 
     def __post_init__(self):
         if self.fp16 and self.bf16:

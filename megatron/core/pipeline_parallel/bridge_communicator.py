@@ -209,8 +209,7 @@ class BridgeCommunicator:
         if info.role == CommRole.SENDER and info.send_to_ranks:
             parts = self._split_tensor_at_batch_dim(tensor_to_send, len(info.send_to_ranks))
             self._communicate_shapes(tensor_to_send_next=parts[0])
-            for dest, part in zip(info.send_to_ranks, parts):
-                dist.send(part, dst=dest)
+            self._exchange(info.send_to_ranks, parts, None)
 
     def recv_forward(self) -> torch.Tensor:
         """Destination grid: a receiver takes its sources' parts, concatenates them along the batch dimension and
@@ -219,11 +218,7 @@ class BridgeCommunicator:
         if info.role == CommRole.RECEIVER:
             self._check_leader(self.dest_local_leader_rank)
             shapes, _ = self._communicate_shapes(recv_prev=True)
-            parts = []
-            for src, shape in zip(info.recv_from_ranks, shapes):
-                part = torch.empty(shape, dtype=self.comm_dtype, device=device.current_device(), requires_grad=True)
-                dist.recv(part, src=src)
-                parts.append(part)
+            parts = self._exchange(info.recv_from_ranks, None, shapes, requires_grad=True)
             joined = torch.cat(parts, dim=self.dim_mapping["b"])
             return self._broadcast(joined, self.current_rank, self.dest_grid_broadcast_pg)
         if info.role == CommRole.MEMBER and self._forward_member():
@@ -238,8 +233,7 @@ class BridgeCommunicator:
             self._check_leader(self.dest_local_leader_rank)
             parts = self._split_tensor_at_batch_dim(grad_tensor, len(info.recv_from_ranks))
             self._communicate_shapes(tensor_to_send_prev=parts[0])
-            for src, part in zip(info.recv_from_ranks, parts):
-                dist.send(part, dst=src)
+            self._exchange(info.recv_from_ranks, parts, None)
 
     def recv_backward(self) -> torch.Tensor:
         """Source grid: a sender takes the gradients of its destinations, concatenates them along dim 0 and
@@ -248,11 +242,7 @@ class BridgeCommunicator:
         if info.role == CommRole.SENDER:
             self._check_leader(self.src_local_leader_rank)
             _, shapes = self._communicate_shapes(recv_next=True)
-            parts = []
-            for dest, shape in zip(info.send_to_ranks, shapes):
-                part = torch.empty(shape, dtype=self.comm_dtype, device=device.current_device())
-                dist.recv(part, src=dest)
-                parts.append(part)
+            parts = self._exchange(info.send_to_ranks, None, shapes)
             return self._broadcast(torch.cat(parts, dim=0), self.current_rank, self.src_grid_broadcast_pg)
         if info.role == CommRole.MEMBER and self._backward_member():
             return self._broadcast(None, self.src_local_leader_rank, self.src_grid_broadcast_pg)

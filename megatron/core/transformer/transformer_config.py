@@ -321,6 +321,11 @@ class TransformerConfig(ModelParallelConfig):
     # megatron-core: whether each layer takes its own config (config.get_config_for_layer(layer_number)); True only
     # on a HeterogeneousTransformerConfig (Nemotron-NAS / Llama-Nemotron per-block JSON).
     heterogeneous_block_specs: bool = False
+    # megatron-core's config logger (megatron.core.config_logger): models, DDP and the optimizers dump their
+    # constructor arguments (and a model its initial state dict and each forward's inputs and logits) there.
+    config_logger_dir: str = flag("", "When non-empty, dump the configs of the entry points (models, DDP, optimizers), "
+                                      "the model's initial state dict and every forward's inputs and logits to this "
+                                      "directory, one file per rank and call.")
 
     # megatron-core's experimental attention variants (its fields; through megatron.core only: the command line's
     # --experimental-attention-variant is not available): "dsa", DeepSeek sparse attention (DeepSeek-V3.2;

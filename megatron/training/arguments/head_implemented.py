@@ -154,6 +154,27 @@ BLOCKS = (
     ),
     Block(
         IMPLEMENTED,
+        "heterogeneous (Nemotron-NAS / Llama-Nemotron) per-layer configurations "
+        "(megatron/core/transformer/heterogeneous/, megatron/core/models/gpt/heterogeneous/)",
+        (
+            value("--heterogeneous-layers-config-path",
+                  help="JSON file with a \"block_configs\" list (one entry per layer, Hugging Face's Nemotron-NAS "
+                       "format): each layer's attention (query groups, no-op, or one linear layer) and MLP (hidden "
+                       "size, no-op, or one linear layer); pretrain_gpt.py builds the GPT from it."),
+            value("--heterogeneous-layers-config-encoded-json",
+                  help="The text of that JSON file (read from --heterogeneous-layers-config-path when not given; "
+                       "kept in the checkpoint's args)."),
+        ),
+        group="heterogeneous architecture",
+    ),
+    Block(
+        IMPLEMENTED,
+        "megatron-core's config logger (megatron/core/config_logger.py)",
+        names("""--config-logger-dir"""),
+        group="transformer configuration",
+    ),
+    Block(
+        IMPLEMENTED,
         "multi-token prediction (megatron/core/transformer/multi_token_prediction.py)",
         names("""--mtp-num-layers --mtp-loss-scaling-factor"""),
         group="transformer configuration",

@@ -468,15 +468,6 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "heterogeneous per-layer configurations are not part of this library",
-        (
-            value("--heterogeneous-layers-config-path"),
-            value("--heterogeneous-layers-config-encoded-json"),
-        ),
-        group="heterogeneous architecture",
-    ),
-    Block(
-        NOT_AVAILABLE,
         "these MoE variants (upcycling, routing replay, forced or quantile balancing, latent or interleaved expert "
         "weights, per-rank capacity) are not part of this library",
         (
@@ -538,7 +529,6 @@ BLOCKS = (
             switch("--gtp-remat-reduce-scatter-with-fp32-accumulation"),
             switch("--gtp-remat-nccl-ub"),
             switch("--gtp-expert-remat-nccl-ub"),
-            value("--config-logger-dir", default=""),
             value("--embedding-init-method-std", type=float),
             value("--output-logit-dtype", choices=("bf16", "fp32"), dest="logit_dtype"),
         ),

@@ -52,6 +52,11 @@ def core_transformer_config_from_args(args, config_class=None):
     """
     if config_class is None:
         config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
+        if getattr(args, "heterogeneous_layers_config_encoded_json", None) or \
+                getattr(args, "heterogeneous_layers_config_path", None):
+            from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
+
+            config_class = HeterogeneousTransformerConfig
     kw_args = {}
     for field in dataclasses.fields(config_class):
         if hasattr(args, field.name):
