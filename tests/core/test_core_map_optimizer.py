@@ -444,11 +444,13 @@ class _Chunk(torch.nn.Module):
 
 
 def test_get_megatron_muon_optimizer_splits_matrices_from_the_rest(single_rank):
-    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig
+    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer.muon import TensorParallelMuon, get_megatron_muon_optimizer
 
     chunk = _Chunk()
-    cfg = OptimizerConfig(lr=1e-2, min_lr=0.0, clip_grad=1.0, muon_fp32_matmul_prec="highest")
+    cfg = OptimizerConfig(optimizer="muon", lr=1e-2, min_lr=0.0, clip_grad=1.0, muon_fp32_matmul_prec="highest")
+    with pytest.raises(ValueError, match="get_megatron_muon_optimizer"):
+        get_megatron_optimizer(cfg, [chunk])
     opt = get_megatron_muon_optimizer(cfg, [chunk])
     assert isinstance(opt, ChainedOptimizer) and cfg.optimizer == "adam"
     muon, adam = opt.chained_optimizers
