@@ -146,6 +146,7 @@ def test_combined_1f1b_no_pipelining_equals_plain_schedule(model, early_attn, mo
         _forward_step, iter([_batch(m) for m in range(M)]), got, M, None, None, [], got.config, False, None, False,
         no_sync, torch.zeros((), dtype=torch.int64), lambda cond: cond)
     assert syncs == ["enter", "exit"]
+    assert [layer.current_microbatch for layer in got.decoder.layers] == [M - 1] * 3
     assert len(store) == len(store_ref) == M
     for a, b in zip(store, store_ref):
         torch.testing.assert_close(a["lm loss"], b["lm loss"], rtol=1e-6, atol=1e-6)
