@@ -123,6 +123,13 @@ def build_expert_groups(dense_gen, tp: int, pp: int, order: str, ep: int, etp: O
     return out
 
 
+def overwrite_nccl_comm_cfgs(nccl_comm_cfgs, pg_name, key_value_pair):
+    """Set ``nccl_comm_cfgs[pg_name][key] = value`` for ``key_value_pair = (key, value)`` (the per-group NCCL
+    communicator settings of ``--nccl-communicator-config-path``), creating the group's entry when missing."""
+    key, value = key_value_pair
+    nccl_comm_cfgs.setdefault(pg_name, {})[key] = value
+
+
 def _my_groups():
     """Every process group this rank belongs to (the default group first)."""
     world = torch.distributed.distributed_c10d._world

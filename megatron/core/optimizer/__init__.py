@@ -267,6 +267,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         raise NotImplementedError("get_megatron_optimizer: dump_param_to_param_group_map is not implemented")
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is not set: pass --lr")
+    if config.optimizer not in ("adam", "sgd"):
+        raise ValueError(f"get_megatron_optimizer builds adam or sgd, not {config.optimizer!r}: use "
+                         "megatron.core.optimizer.muon.get_megatron_muon_optimizer for muon / dist_muon")
     check_config_overrides_consistency(config, config_overrides)
     if config_overrides is not None:
         if no_weight_decay_cond is not None or scale_lr_cond is not None or lr_mult != 1.0:
