@@ -208,6 +208,10 @@ def test_get_megatron_optimizer_with_config_overrides_and_scheduler():
     assert w0["lr"] == pytest.approx(1e-3 + 0.5 * (1e-2 - 1e-3)) and w0["weight_decay"] == pytest.approx(0.1)
     assert b0["weight_decay"] == 0.0 and w1["lr"] == pytest.approx(0.5 * 4e-2)
     assert w1["weight_decay"] == pytest.approx(0.1) and b1["weight_decay"] == 0.0  # start 0 -> end 0.2, halfway
+    # megatron-core's positional order (config, model_chunks, config_overrides, ...) builds the same groups.
+    positional = get_megatron_optimizer(cfg, [model], overrides, True, None)
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in positional.param_groups] == \
+        [(g["max_lr"], 0.1 * g["wd_mult"], len(g["params"])) for g in opt.param_groups]
     with pytest.raises(ValueError, match="optimizer should not be overriden"):
         get_megatron_optimizer(cfg, [model], config_overrides={ParamKey(name="*"): {"optimizer": "adam"}})
 
