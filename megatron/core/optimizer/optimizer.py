@@ -340,7 +340,8 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
     """fp16/bf16 model parameters with fp32 main parameters owned by the torch optimizer.
 
     The torch optimizer's param groups are rewritten in place: every fp16/bf16 parameter is replaced by an
-    fp32 clone (carrying the tensor-parallel and ``shared`` attributes); fp32 parameters of the model stay.
+    fp32 clone (carrying the tensor-parallel, ``shared``, ``is_qkv`` and ``expert_tp`` attributes); fp32 parameters
+    of the model stay.
     """
 
     def __init__(self, optimizer, config: OptimizerConfig, grad_scaler: Optional[MegatronGradScaler]):
@@ -358,8 +359,10 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                     float16_params.append(param)
                     main_param = param.detach().clone().float()
                     copy_tensor_model_parallel_attributes(main_param, param)
-                    if hasattr(param, "shared"):
-                        main_param.shared = param.shared
+                    # What optimizers read from a parameter: shared (norm counting), Muon's is_qkv / expert_tp.
+                    for flag in ("shared", "is_qkv", "expert_tp"):
+                        if hasattr(param, flag):
+                            setattr(main_param, flag, getattr(param, flag))
                     group["params"][i] = main_param
                     fp32_from_float16.append(main_param)
                     if param in self.optimizer.state:

@@ -327,23 +327,28 @@ class TransformerConfig(ModelParallelConfig):
                                       "the model's initial state dict and every forward's inputs and logits to this "
                                       "directory, one file per rank and call.")
 
-    # megatron-core's experimental attention variants (its fields; through megatron.core only: the command line's
-    # --experimental-attention-variant is not available): "dsa", DeepSeek sparse attention (DeepSeek-V3.2;
+    # megatron-core's experimental attention variants: "dsa", DeepSeek sparse attention (DeepSeek-V3.2;
     # megatron/core/transformer/experimental_attention_variant/dsa.py), the core attention of multi-latent attention;
     # "gated_delta_net", Gated DeltaNet linear attention (Qwen3-Next; megatron/core/ssm/gated_delta_net.py) on the
-    # layers linear_attention_freq selects (int N: every layer but each N-th; or a 0/1 list, 1 = GDN).
-    experimental_attention_variant: Optional[str] = None
+    # layers linear_attention_freq selects (int N: every layer but each N-th; or a 0/1 list, 1 = GDN; its flag is
+    # defined in megatron/training/arguments/model_args.py). HEAD's "gdn" / "gdn2" values are not available.
+    experimental_attention_variant: Optional[str] = flag(
+        None, "Experimental attention: dsa (DeepSeek sparse attention inside multi-latent attention) or "
+              "gated_delta_net (Gated DeltaNet linear attention on the layers --linear-attention-freq selects).",
+        choices=("gdn", "gdn2", "dsa", "gated_delta_net"))
     linear_attention_freq: Optional[Union[int, List[int]]] = None
-    linear_conv_kernel_dim: int = 4
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    dsa_indexer_n_heads: Optional[int] = None
-    dsa_indexer_head_dim: Optional[int] = None
-    dsa_indexer_topk: Optional[int] = None
-    dsa_indexer_loss_coeff: Optional[float] = None
-    dsa_indexer_use_sparse_loss: bool = False
+    linear_conv_kernel_dim: int = flag(4, "Gated DeltaNet: kernel width of the causal depthwise convolution.")
+    linear_key_head_dim: int = flag(128, "Gated DeltaNet: query / key head dimension.")
+    linear_value_head_dim: int = flag(128, "Gated DeltaNet: value head dimension.")
+    linear_num_key_heads: int = flag(16, "Gated DeltaNet: query / key heads.")
+    linear_num_value_heads: int = flag(32, "Gated DeltaNet: value heads (a multiple of the key heads).")
+    dsa_indexer_n_heads: Optional[int] = flag(None, "DeepSeek sparse attention: the indexer's heads.")
+    dsa_indexer_head_dim: Optional[int] = flag(None, "DeepSeek sparse attention: the indexer's head dimension.")
+    dsa_indexer_topk: Optional[int] = flag(None, "DeepSeek sparse attention: keys each query attends to.")
+    dsa_indexer_loss_coeff: Optional[float] = flag(None, "DeepSeek sparse attention: coefficient of the indexer's KL "
+                                                         "loss (0 or unset: the indexer does not train).")
+    dsa_indexer_use_sparse_loss: bool = flag(False, "DeepSeek sparse attention: the indexer's KL loss over the "
+                                                    "selected keys only.")
 
     def __post_init__(self):
         super().__post_init__()
