@@ -447,12 +447,34 @@ class TransformerConfig(ModelParallelConfig):
         self._validate_moe()
         self._validate_attention_variants()
         self._validate_llama4_settings()
+        self._validate_moe_overlap()
 
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, max(self.num_layers, 1),
                                                                       multiplier=1.0 if self.is_hybrid_model else 2.0)
+
+    def _validate_moe_overlap(self):
+        """megatron-core's conditions of ``overlap_moe_expert_parallel_comm`` (its combined 1F1B schedule) that are
+        not about speed: the alltoall (or flex) dispatcher, no layer recompute, no shared-expert overlap, at most
+        one MTP depth, virtual stages with PP > 1. (Its EP > 1 and bf16 / fp16 conditions are not required here.)"""
+        if not self.overlap_moe_expert_parallel_comm:
+            return
+        problems = []
+        if self.moe_token_dispatcher_type not in ("alltoall", "flex"):
+            problems.append("the alltoall or flex token dispatcher")
+        if self.recompute_granularity == "full" or self.recompute_method is not None \
+                or self.recompute_num_layers is not None:
+            problems.append("no full recompute (recompute_granularity / recompute_method / recompute_num_layers)")
+        if self.moe_shared_expert_overlap:
+            problems.append("moe_shared_expert_overlap off")
+        if (self.mtp_num_layers or 0) > 1:
+            problems.append("at most one multi-token prediction layer")
+        if self.pipeline_model_parallel_size > 1 and self.virtual_pipeline_model_parallel_size is None:
+            problems.append("virtual_pipeline_model_parallel_size when pipeline_model_parallel_size > 1")
+        if problems:
+            raise ValueError("overlap_moe_expert_parallel_comm needs " + "; ".join(problems))
 
     def _validate_moe(self):
         """megatron-core's MoE checks (the flags are also checked in validate_args, before any process group)."""
