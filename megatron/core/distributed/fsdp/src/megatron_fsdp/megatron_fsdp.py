@@ -118,7 +118,7 @@ class MegatronFSDP(FullyShardedModule):
         if dist_index.use_hybrid_fsdp:
             raise ValueError("MegatronFSDP: hybrid FSDP (dp_outer_dim) is not implemented in this library; shard "
                              "over one data-parallel mesh dimension (dp_shard_dim)")
-        self_device = device if device is not None else _device.current_device()
+        target_device = device if device is not None else _device.current_device()
         if device is not None and not init_model_with_meta_device:
             module = module.to(device)
         init_dtypes = {n: p.dtype for n, p in module.named_parameters(remove_duplicate=False)}
@@ -134,9 +134,9 @@ class MegatronFSDP(FullyShardedModule):
         super().__init__(settings, ddp_config, module, units, strategy=strategy, fsdp_mesh=mesh,
                          expert_mesh=expert_mesh)
         if init_model_with_meta_device:
-            allocate_sharded(self.module, self_device)
-            materialize(self.module, None, init_dtypes, self_device)
-        self.device = self_device
+            allocate_sharded(self.module, target_device)
+            materialize(self.module, None, init_dtypes, target_device)
+        self.device = target_device
         self.dist_index = dist_index
         self.fsdp_unit_modules = list(unit_classes)
         self.calculate_per_token_loss = calculate_per_token_loss
