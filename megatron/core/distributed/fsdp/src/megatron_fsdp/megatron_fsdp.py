@@ -91,12 +91,13 @@ class MegatronFSDP(FullyShardedModule):
     """Shards ``module`` over ``dist_index``'s ``dp_shard_dim`` mesh (module docstring); ``self.module`` is the
     module, its parameters (``self.parameters()``) the sharded DTensors for the optimizer.
 
-    ``ddp_config``: its ``data_parallel_sharding_strategy`` (``optim_grads`` / ``optim_grads_params``) and
-    ``preserve_fp32_weights`` are used; None gives megatron-core's default (``optim_grads_params``, gradients reduced
-    in fp32). ``fsdp_unit_modules``: classes or their import paths. ``device``: the module is moved there first
-    (not with ``init_model_with_meta_device``). ``keep_fp8_transpose_cache``, ``nccl_ub``, ``fsdp_double_buffer``,
-    ``disable_symmetric_registration``, ``enable_fine_grained_param_gather_hook``, ``disable_bucketing``: GPU
-    scheduling of the same collectives, accepted without effect.
+    ``ddp_config``: its ``data_parallel_sharding_strategy`` (``no_shard`` / ``optim_grads`` /
+    ``optim_grads_params``) and ``preserve_fp32_weights`` are used; None gives megatron-core's default
+    (``optim_grads_params``, gradients reduced in fp32). ``fsdp_unit_modules``: classes or their import paths.
+    ``device``: the module is moved there first (not with ``init_model_with_meta_device``).
+    ``keep_fp8_transpose_cache``, ``nccl_ub``, ``fsdp_double_buffer``, ``disable_symmetric_registration``,
+    ``enable_fine_grained_param_gather_hook``, ``disable_bucketing``: GPU scheduling of the same collectives,
+    accepted without effect.
     """
 
     def __init__(self, module: torch.nn.Module, dist_index: FSDPDistributedIndex,

@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BucketingPolicy", "Bucket", "BucketStatus", "PrefetchOrder", "build_data_parallel_buffer_index",
            "TemporaryBucketAllocator", "StorageResizeBasedBucketAllocator", "RotaryBucketAllocator",
-           "FixedPoolAllocator", "DataParallelBuffer", "ParameterGroup", "gradient_reduce_preprocessing", "check_gpu_memory", "ResetParametersContext",
+           "FixedPoolAllocator", "DataParallelBuffer", "ParameterGroup", "gradient_reduce_preprocessing",
+           "check_gpu_memory", "ResetParametersContext",
            "override_sharded_param_methods_with_safety_checks", "to_local_if_dtensor", "make_fsdp_dtensor"]
 
 TensorItemIndex = namedtuple("TensorItemIndex", ["global_data_index", "size", "item_id", "bucket_id", "shape"])
