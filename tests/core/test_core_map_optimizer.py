@@ -208,6 +208,10 @@ def test_get_megatron_optimizer_with_config_overrides_and_scheduler():
     assert w0["lr"] == pytest.approx(1e-3 + 0.5 * (1e-2 - 1e-3)) and w0["weight_decay"] == pytest.approx(0.1)
     assert b0["weight_decay"] == 0.0 and w1["lr"] == pytest.approx(0.5 * 4e-2)
     assert w1["weight_decay"] == pytest.approx(0.1) and b1["weight_decay"] == 0.0  # start 0 -> end 0.2, halfway
+    # megatron-core's positional order (config, model_chunks, config_overrides, ...) builds the same groups.
+    positional = get_megatron_optimizer(cfg, [model], overrides, True, None)
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in positional.param_groups] == \
+        [(g["max_lr"], 0.1 * g["wd_mult"], len(g["params"])) for g in opt.param_groups]
     with pytest.raises(ValueError, match="optimizer should not be overriden"):
         get_megatron_optimizer(cfg, [model], config_overrides={ParamKey(name="*"): {"optimizer": "adam"}})
 
@@ -444,11 +448,13 @@ class _Chunk(torch.nn.Module):
 
 
 def test_get_megatron_muon_optimizer_splits_matrices_from_the_rest(single_rank):
-    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig
+    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer.muon import TensorParallelMuon, get_megatron_muon_optimizer
 
     chunk = _Chunk()
-    cfg = OptimizerConfig(lr=1e-2, min_lr=0.0, clip_grad=1.0, muon_fp32_matmul_prec="highest")
+    cfg = OptimizerConfig(optimizer="muon", lr=1e-2, min_lr=0.0, clip_grad=1.0, muon_fp32_matmul_prec="highest")
+    with pytest.raises(ValueError, match="get_megatron_muon_optimizer"):
+        get_megatron_optimizer(cfg, [chunk])
     opt = get_megatron_muon_optimizer(cfg, [chunk])
     assert isinstance(opt, ChainedOptimizer) and cfg.optimizer == "adam"
     muon, adam = opt.chained_optimizers
@@ -466,6 +472,15 @@ def test_get_megatron_muon_optimizer_splits_matrices_from_the_rest(single_rank):
         p.grad = torch.ones_like(p)
     assert opt.step()[0]
     assert all(not torch.equal(before[n], p) for n, p in chunk.named_parameters())
+    # bf16: fp32 main weights that keep the QKV / expert flags Muon reads.
+    chunk16 = _Chunk().to(torch.bfloat16)
+    for p in chunk16.parameters():
+        p.grad = torch.ones_like(p)
+    muon16 = get_megatron_muon_optimizer(OptimizerConfig(lr=1e-2, bf16=True), [chunk16]).chained_optimizers[0]
+    mains = {ids[id(p)]: m for p, m in zip(muon16.float16_groups[0], muon16.fp32_from_float16_groups[0])
+             for ids in [{id(q): n for n, q in chunk16.named_parameters()}]}
+    assert mains["layer.linear_qkv.weight"].is_qkv and mains["layer.experts.weight1"].expert_tp
+    assert all(m.dtype == torch.float32 for m in mains.values())
     with pytest.raises(ValueError, match="distributed optimizer"):
         get_megatron_muon_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [chunk])
     with pytest.raises(ValueError, match="fp16"):

@@ -81,6 +81,13 @@ def test_hierarchical_and_hybrid_group_ranks():
         hierarchical_rank_groups(ranks, [3, 4])
     from math import log2
 
+    from megatron.core.parallel_state import overwrite_nccl_comm_cfgs
+
+    cfgs = {"dp": {"max_ctas": 4}}
+    overwrite_nccl_comm_cfgs(cfgs, "dp", ("min_ctas", 1))
+    overwrite_nccl_comm_cfgs(cfgs, "tp", ("net_name", "IB"))
+    overwrite_nccl_comm_cfgs(cfgs, "dp", ("max_ctas", 8))
+    assert cfgs == {"dp": {"max_ctas": 8, "min_ctas": 1}, "tp": {"net_name": "IB"}}
     for n in range(2, 40):  # the oracle's sizes: 2**i for i in range(int(log2(n))), without 1
         assert hybrid_dp_cp_group_sizes(n) == [2 ** i for i in range(int(log2(n)))][1:]
 

@@ -22,6 +22,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 
 from megatron.core import device as _device
+from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
 from megatron.core.process_groups_config import pg_group, pg_size
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -264,6 +265,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     def __init__(self, optimizer, config: OptimizerConfig, grad_scaler: Optional[MegatronGradScaler]):
         super().__init__(optimizer, config)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         self.grad_scaler = grad_scaler
         if self.grad_scaler is None and config.fp16:
             raise ValueError("fp16 training needs a loss scaler (constant --loss-scale or the dynamic one)")
@@ -337,7 +340,8 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
     """fp16/bf16 model parameters with fp32 main parameters owned by the torch optimizer.
 
     The torch optimizer's param groups are rewritten in place: every fp16/bf16 parameter is replaced by an
-    fp32 clone (carrying the tensor-parallel and ``shared`` attributes); fp32 parameters of the model stay.
+    fp32 clone (carrying the tensor-parallel, ``shared``, ``is_qkv`` and ``expert_tp`` attributes); fp32 parameters
+    of the model stay.
     """
 
     def __init__(self, optimizer, config: OptimizerConfig, grad_scaler: Optional[MegatronGradScaler]):
@@ -355,8 +359,10 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                     float16_params.append(param)
                     main_param = param.detach().clone().float()
                     copy_tensor_model_parallel_attributes(main_param, param)
-                    if hasattr(param, "shared"):
-                        main_param.shared = param.shared
+                    # What optimizers read from a parameter: shared (norm counting), Muon's is_qkv / expert_tp.
+                    for flag in ("shared", "is_qkv", "expert_tp"):
+                        if hasattr(param, flag):
+                            setattr(main_param, flag, getattr(param, flag))
                     group["params"][i] = main_param
                     fp32_from_float16.append(main_param)
                     if param in self.optimizer.state:
@@ -449,6 +455,8 @@ class FP32Optimizer(MegatronOptimizer):
 
     def __init__(self, optimizer, config: OptimizerConfig):
         super().__init__(optimizer, config)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         self._scale = torch.ones(1, dtype=torch.float32, device=_device.current_device())
 
     def zero_grad(self, set_to_none: bool = True):

@@ -321,24 +321,34 @@ class TransformerConfig(ModelParallelConfig):
     # megatron-core: whether each layer takes its own config (config.get_config_for_layer(layer_number)); True only
     # on a HeterogeneousTransformerConfig (Nemotron-NAS / Llama-Nemotron per-block JSON).
     heterogeneous_block_specs: bool = False
+    # megatron-core's config logger (megatron.core.config_logger): models, DDP and the optimizers dump their
+    # constructor arguments (and a model its initial state dict and each forward's inputs and logits) there.
+    config_logger_dir: str = flag("", "When non-empty, dump the configs of the entry points (models, DDP, optimizers), "
+                                      "the model's initial state dict and every forward's inputs and logits to this "
+                                      "directory, one file per rank and call.")
 
-    # megatron-core's experimental attention variants (its fields; through megatron.core only: the command line's
-    # --experimental-attention-variant is not available): "dsa", DeepSeek sparse attention (DeepSeek-V3.2;
+    # megatron-core's experimental attention variants: "dsa", DeepSeek sparse attention (DeepSeek-V3.2;
     # megatron/core/transformer/experimental_attention_variant/dsa.py), the core attention of multi-latent attention;
     # "gated_delta_net", Gated DeltaNet linear attention (Qwen3-Next; megatron/core/ssm/gated_delta_net.py) on the
-    # layers linear_attention_freq selects (int N: every layer but each N-th; or a 0/1 list, 1 = GDN).
-    experimental_attention_variant: Optional[str] = None
+    # layers linear_attention_freq selects (int N: every layer but each N-th; or a 0/1 list, 1 = GDN; its flag is
+    # defined in megatron/training/arguments/model_args.py). HEAD's "gdn" / "gdn2" values are not available.
+    experimental_attention_variant: Optional[str] = flag(
+        None, "Experimental attention: dsa (DeepSeek sparse attention inside multi-latent attention) or "
+              "gated_delta_net (Gated DeltaNet linear attention on the layers --linear-attention-freq selects).",
+        choices=("gdn", "gdn2", "dsa", "gated_delta_net"))
     linear_attention_freq: Optional[Union[int, List[int]]] = None
-    linear_conv_kernel_dim: int = 4
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    dsa_indexer_n_heads: Optional[int] = None
-    dsa_indexer_head_dim: Optional[int] = None
-    dsa_indexer_topk: Optional[int] = None
-    dsa_indexer_loss_coeff: Optional[float] = None
-    dsa_indexer_use_sparse_loss: bool = False
+    linear_conv_kernel_dim: int = flag(4, "Gated DeltaNet: kernel width of the causal depthwise convolution.")
+    linear_key_head_dim: int = flag(128, "Gated DeltaNet: query / key head dimension.")
+    linear_value_head_dim: int = flag(128, "Gated DeltaNet: value head dimension.")
+    linear_num_key_heads: int = flag(16, "Gated DeltaNet: query / key heads.")
+    linear_num_value_heads: int = flag(32, "Gated DeltaNet: value heads (a multiple of the key heads).")
+    dsa_indexer_n_heads: Optional[int] = flag(None, "DeepSeek sparse attention: the indexer's heads.")
+    dsa_indexer_head_dim: Optional[int] = flag(None, "DeepSeek sparse attention: the indexer's head dimension.")
+    dsa_indexer_topk: Optional[int] = flag(None, "DeepSeek sparse attention: keys each query attends to.")
+    dsa_indexer_loss_coeff: Optional[float] = flag(None, "DeepSeek sparse attention: coefficient of the indexer's KL "
+                                                         "loss (0 or unset: the indexer does not train).")
+    dsa_indexer_use_sparse_loss: bool = flag(False, "DeepSeek sparse attention: the indexer's KL loss over the "
+                                                    "selected keys only.")
 
     def __post_init__(self):
         super().__post_init__()
@@ -437,12 +447,34 @@ class TransformerConfig(ModelParallelConfig):
         self._validate_moe()
         self._validate_attention_variants()
         self._validate_llama4_settings()
+        self._validate_moe_overlap()
 
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, max(self.num_layers, 1),
                                                                       multiplier=1.0 if self.is_hybrid_model else 2.0)
+
+    def _validate_moe_overlap(self):
+        """megatron-core's conditions of ``overlap_moe_expert_parallel_comm`` (its combined 1F1B schedule) that are
+        not about speed: the alltoall (or flex) dispatcher, no layer recompute, no shared-expert overlap, at most
+        one MTP depth, virtual stages with PP > 1. (Its EP > 1 and bf16 / fp16 conditions are not required here.)"""
+        if not self.overlap_moe_expert_parallel_comm:
+            return
+        problems = []
+        if self.moe_token_dispatcher_type not in ("alltoall", "flex"):
+            problems.append("the alltoall or flex token dispatcher")
+        if self.recompute_granularity == "full" or self.recompute_method is not None \
+                or self.recompute_num_layers is not None:
+            problems.append("no full recompute (recompute_granularity / recompute_method / recompute_num_layers)")
+        if self.moe_shared_expert_overlap:
+            problems.append("moe_shared_expert_overlap off")
+        if (self.mtp_num_layers or 0) > 1:
+            problems.append("at most one multi-token prediction layer")
+        if self.pipeline_model_parallel_size > 1 and self.virtual_pipeline_model_parallel_size is None:
+            problems.append("virtual_pipeline_model_parallel_size when pipeline_model_parallel_size > 1")
+        if problems:
+            raise ValueError("overlap_moe_expert_parallel_comm needs " + "; ".join(problems))
 
     def _validate_moe(self):
         """megatron-core's MoE checks (the flags are also checked in validate_args, before any process group)."""
