@@ -47,7 +47,7 @@ class JSONEncoderWithMcoreTypes(json.JSONEncoder):
     """JSON for megatron-core objects that ``json`` cannot write: functions, process groups, dtypes, classes and
     ``AttnMaskType`` as ``str(o)``; dicts and lists (incl. ``ModuleList``) element by element; a ``Float16Module``
     as ``{"Float16Module": {"module": ...}}``; an ``nn.Module`` as ``{child name: child}`` (a leaf module as
-    ``str(module)``); dataclasses (configs, specs) as ``dataclasses.asdict``; anything else as ``str(o)``."""
+    ``str(module)``); dataclasses (configs, specs) field by field; anything else as ``str(o)``."""
 
     def default(self, o):
         kind = type(o).__name__
@@ -68,8 +68,10 @@ class JSONEncoderWithMcoreTypes(json.JSONEncoder):
             return {name: self.default(child) for name, child in children.items()} if children else str(o)
         if kind in ("ABCMeta", "type", "AttnMaskType"):
             return str(o)
-        if dataclasses.is_dataclass(o) or kind in ("ModuleSpec", "TransformerConfig"):
-            return dataclasses.asdict(o)
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            # Field by field (the encoder then writes each value): what dataclasses.asdict gives, without
+            # deep-copying values such as process groups.
+            return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
         try:
             return super().default(o)
         except Exception:  # noqa: BLE001 - whatever json cannot write is written as its str

@@ -31,7 +31,10 @@ def context_parallel_chunk_indices(seq_len: int, cp_size: int, cp_rank: int) -> 
 
 
 def _cp_size_rank(cp_group):
+    """(size, rank) of ``cp_group`` ((1, 0) without torch.distributed), else of parallel_state's CP group."""
     if cp_group is not None:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return 1, 0
         return torch.distributed.get_world_size(cp_group), torch.distributed.get_rank(cp_group)
     from megatron.core import parallel_state
 

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from datetime import timedelta
 from math import log2, prod
 from typing import Dict, List, Optional, Sequence
@@ -32,6 +33,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron.core.rank_grid import expert_rank_generator
+
+logger = logging.getLogger(__name__)
 
 
 def new_group(ranks: Sequence[int], timeout: Optional[timedelta], backend: Optional[str] = None):
@@ -120,6 +123,13 @@ def build_expert_groups(dense_gen, tp: int, pp: int, order: str, ep: int, etp: O
     return out
 
 
+def overwrite_nccl_comm_cfgs(nccl_comm_cfgs, pg_name, key_value_pair):
+    """Set ``nccl_comm_cfgs[pg_name][key] = value`` for ``key_value_pair = (key, value)`` (the per-group NCCL
+    communicator settings of ``--nccl-communicator-config-path``), creating the group's entry when missing."""
+    key, value = key_value_pair
+    nccl_comm_cfgs.setdefault(pg_name, {})[key] = value
+
+
 def _my_groups():
     """Every process group this rank belongs to (the default group first)."""
     world = torch.distributed.distributed_c10d._world
@@ -139,8 +149,9 @@ def update_pg_timeout(timeout: timedelta, pg: Optional[torch.distributed.Process
     for group in ([pg] if pg is not None else _my_groups()):
         try:
             c10d._set_pg_timeout(timeout, group)
-        except Exception as error:
-            raise RuntimeError(f"could not set the timeout {timeout} of process group {group}: {error}") from error
+        except Exception:
+            logger.error(f"Error updating pg timeout to {timeout} for process group {group} (pg argument: {pg})")
+            raise
 
 
 def hierarchical_rank_groups(ranks: Sequence[int], hierarchical_group_sizes: Sequence[int]) -> List[List[List[int]]]:

@@ -21,7 +21,8 @@ from megatron.core.global_memory_buffer import GlobalMemoryBuffer
 from megatron.core.parallel_groups_extra import (OptionalGroups, build_context_parallel_groups,  # noqa
                                                  build_expert_groups, build_optional_groups, create_group,
                                                  create_hierarchical_groups, create_hybrid_dp_cp_groups,
-                                                 new_group as _new_group, update_pg_timeout)
+                                                 new_group as _new_group, overwrite_nccl_comm_cfgs,
+                                                 update_pg_timeout)
 
 # Process groups of this rank.
 _TENSOR_MODEL_PARALLEL_GROUP = None

@@ -66,15 +66,18 @@ def model(single_rank):  # noqa: F811
     return _model()
 
 
-@pytest.mark.parametrize("mtp", [0, 1], ids=["decoder", "mtp"])
-def test_schedule_plan_nodes_equal_plain_forward_backward(model, mtp):
-    """With ``mtp``: one multi-token prediction depth (an MoE layer) whose loss rides on the main hidden states."""
+@pytest.mark.parametrize("case", ["decoder", "mtp", "dense_last"])
+def test_schedule_plan_nodes_equal_plain_forward_backward(model, case):
+    """``mtp``: one multi-token prediction depth (an MoE layer) whose loss rides on the main hidden states;
+    ``dense_last``: the decoder's final norm follows a dense layer's MLP node."""
     from megatron.core.models.common.model_chunk_schedule_plan import (
         TransformerLayerSchedulePlan, TransformerModelChunkSchedulePlan)
     from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
     from megatron.core.pipeline_parallel.utils import NoopScheduleNode
 
-    extra = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5} if mtp else {}
+    mtp = int(case == "mtp")
+    extra = {"mtp": {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5},
+             "dense_last": {"moe_layer_freq": [1, 0, 0]}}.get(case, {})
     ref, got = _model(**extra), _model(**extra)
     batch = dict(_batch(0), loss_mask=(_batch(0)["labels"] % 3 != 0).float())
     loss_ref = ref(**batch)
@@ -88,6 +91,7 @@ def test_schedule_plan_nodes_equal_plain_forward_backward(model, mtp):
     assert kinds[0] == (TransformerLayerNode, TransformerLayerNode)
     assert kinds[1] == (NoopScheduleNode, NoopScheduleNode)  # the dense layer
     assert isinstance(plan.get_layer(2), TransformerLayerSchedulePlan)
+    assert isinstance(plan.get_layer(2).moe_combine, NoopScheduleNode if case == "dense_last" else TransformerLayerNode)
     assert isinstance(plan.get_layer(2 + mtp).mtp_post_process, TransformerLayerNode if mtp else NoopScheduleNode)
     loss = TransformerModelChunkSchedulePlan.run(plan, None)
     assert loss.shape == (BATCH, SEQ)
@@ -115,13 +119,19 @@ def _forward_step(data_iterator, model, return_schedule_plan=False):
     return model(**batch, loss_mask=loss_mask), partial(_loss_func, loss_mask)
 
 
-def test_combined_1f1b_no_pipelining_equals_plain_schedule(model):
+@pytest.mark.parametrize("how", ["direct", "attn_bwd_early", "config_flag"])
+def test_combined_1f1b_no_pipelining_equals_plain_schedule(model, how, monkeypatch):
+    """``attn_bwd_early``: megatron-core's ``ep_overlap_early_attn_memory_release`` order (a layer's attention
+    backward before the other micro-batch's expert forward; not a config field here, set on the config object);
+    ``config_flag``: ``forward_backward_no_pipelining`` with ``config.overlap_moe_expert_parallel_comm``."""
     import contextlib
 
     from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     ref, got = _model(), _model()
+    if how == "attn_bwd_early":
+        monkeypatch.setattr(got.config, "ep_overlap_early_attn_memory_release", True, raising=False)
     store_ref = forward_backward_no_pipelining(forward_step_func=_forward_step,
                                                data_iterator=iter([_batch(m) for m in range(M)]), model=ref,
                                                num_microbatches=M, seq_length=SEQ, micro_batch_size=BATCH)
@@ -133,10 +143,23 @@ def test_combined_1f1b_no_pipelining_equals_plain_schedule(model):
         yield
         syncs.append("exit")
 
-    store, total = combined_1f1b_schedule_for_no_pipelining(
-        _forward_step, iter([_batch(m) for m in range(M)]), got, M, None, None, [], got.config, False, None, False,
-        no_sync, torch.zeros((), dtype=torch.int64), lambda cond: cond)
+    if how == "config_flag":
+        monkeypatch.setattr(got.config, "overlap_moe_expert_parallel_comm", True)
+        monkeypatch.setattr(got.config, "no_sync_func", no_sync)
+        plans = []
+        build = got.build_schedule_plan
+        monkeypatch.setattr(got, "build_schedule_plan", lambda *a, **k: plans.append(1) or build(*a, **k))
+        store = forward_backward_no_pipelining(forward_step_func=_forward_step,
+                                               data_iterator=iter([_batch(m) for m in range(M)]), model=got,
+                                               num_microbatches=M, seq_length=SEQ, micro_batch_size=BATCH)
+        assert len(plans) == M, "the flag must take the combined path"
+        total = sum(int(s["lm loss"][1]) for s in store_ref)
+    else:
+        store, total = combined_1f1b_schedule_for_no_pipelining(
+            _forward_step, iter([_batch(m) for m in range(M)]), got, M, None, None, [], got.config, False, None,
+            False, no_sync, torch.zeros((), dtype=torch.int64), lambda cond: cond)
     assert syncs == ["enter", "exit"]
+    assert [layer.current_microbatch for layer in got.decoder.layers] == [M - 1] * 3
     assert len(store) == len(store_ref) == M
     for a, b in zip(store, store_ref):
         torch.testing.assert_close(a["lm loss"], b["lm loss"], rtol=1e-6, atol=1e-6)
@@ -246,3 +269,10 @@ def test_weak_method_free_input_rules_and_refusals(model):
             TransformerModelChunkSchedulePlan(model, **_batch(0))
     finally:
         cfg.recompute_granularity = None
+    for extra, message in (({"moe_token_dispatcher_type": "allgather"}, "alltoall or flex"),
+                           ({"recompute_granularity": "full", "recompute_method": "uniform",
+                             "recompute_num_layers": 1}, "no full recompute"),
+                           ({"mtp_num_layers": 2}, "at most one multi-token")):
+        with pytest.raises(ValueError, match=message):
+            _config(overlap_moe_expert_parallel_comm=True, **extra)
+    assert _config(overlap_moe_expert_parallel_comm=True).overlap_moe_expert_parallel_comm

@@ -328,3 +328,123 @@ def test_wgrad_helpers_against_plain_torch():
     with pytest.raises(ValueError, match="equal lengths"):
         drain_embedding_wgrad_compute(SimpleNamespace(sequence_parallel=False, gradient_accumulation_fusion=True),
                                       [acts[0]], [], weight, tp_group)
+
+
+def test_training_flags_build_the_heterogeneous_gpt_and_log_configs(tmp_path, single_rank, monkeypatch):  # noqa: F811
+    """--heterogeneous-layers-config-path through validate_args, core_transformer_config_from_args and
+    pretrain_gpt.py's model_provider; --config-logger-dir through the model, DDP and the optimizer."""
+    from helpers.args_test_helpers import validated
+    from helpers.train_helpers import load_entry_point
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+    from megatron.core.transformer.heterogeneous.linear_replacements import ColumnParallelLinearGathered
+    from megatron.core.transformer.spec_utils import IdentityOp
+    from megatron.training import global_vars
+    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training.errors import ConfigurationError
+
+    path, logs = _json_path(tmp_path), tmp_path / "logs"
+    base = ("--swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
+            "--use-cpu-initialization --ffn-hidden-size 128 --hidden-dropout 0 --attention-dropout 0 "
+            f"--heterogeneous-layers-config-path {path}")
+    with pytest.raises(ConfigurationError, match="lists 4 blocks; --num-layers is 2"):
+        validated(base + " --num-layers 2")
+    with pytest.raises(ConfigurationError, match="cannot read"):
+        validated(base + "-missing")
+    args = validated(base + f" --config-logger-dir {logs}")
+    assert json.loads(args.heterogeneous_layers_config_encoded_json) == BLOCKS  # kept in the checkpoint's args
+    config = core_transformer_config_from_args(args)
+    assert type(config).__name__ == "HeterogeneousTransformerConfig" and config.config_logger_dir == str(logs)
+    args.padded_vocab_size = VOCAB
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    model = load_entry_point("pretrain_gpt").model_provider()
+    layers = model.decoder.layers
+    assert isinstance(layers[1].self_attention, IdentityOp) and isinstance(layers[1].mlp, ColumnParallelLinearGathered)
+    assert isinstance(layers[2].self_attention, ColumnParallelLinearGathered) and isinstance(layers[3].mlp, IdentityOp)
+    logits = model(cases_ids := torch.zeros(1, SEQ, dtype=torch.long), torch.arange(SEQ)[None], causal_mask(SEQ))
+    assert logits.shape == (1, SEQ, VOCAB)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    FP32Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), OptimizerConfig(config_logger_dir=str(logs)))
+    files = sorted(os.listdir(logs))
+    assert files == ["DistributedDataParallel.rank_0_0_0_0_0.iter0.json", "FP32Optimizer.rank_0_0_0_0_0.iter0.json",
+                     "GPTModel.rank_0_0_0_0_0.iter0.json", "GPTModel_init_ckpt.rank_0_0_0_0_0.iter0.pth",
+                     "input_and_logits.rank_0_0_0_0_0.iter0.pth"]
+    gpt = json.loads((logs / files[2]).read_text())
+    assert gpt["vocab_size"] == VOCAB and gpt["config"]["num_layers"] == 4 and "self" not in gpt
+    saved = torch.load(logs / files[4])
+    assert torch.equal(saved["input_ids"], cases_ids) and torch.equal(saved["logits"].transpose(0, 1), logits)
+    assert torch.load(logs / files[3]).keys() == model.state_dict().keys()
+
+
+def test_straggler_detector_times_regions_and_reports(single_rank, caplog):  # noqa: F811
+    import logging
+    import time
+
+    from megatron.core.straggler_detector import StragglerDetector as Home
+    from megatron.core.utils import StragglerDetector
+
+    assert StragglerDetector is Home
+    saved = StragglerDetector.__dict__.get("_configured")
+    try:
+        StragglerDetector._configured = False
+        det = StragglerDetector()
+        assert det is StragglerDetector() and not det.enabled
+        with det:  # off: nothing is timed
+            pass
+        assert det.elapsed() == (0, 0, 0, 0, 0, 0)
+        det.configure(world=1, rank=0, mmcnt=1, enabled=True)
+        det.configure(world=5, rank=3)  # a second configure does nothing
+        assert det.configured and det.enabled and det.world_size == 1 and det.my_rank == 0
+        for _ in range(2):
+            with det:
+                time.sleep(0.01)
+        with det(bdata=True):
+            time.sleep(0.02)
+        with det(bdata=True):
+            time.sleep(0.005)
+        delta, batch, *_ = det.elapsed()
+        assert 20 <= delta < 1000 and 20 <= batch < 1000  # two compute regions summed; the longest data region
+        assert det.elapsed()[:2] == (0.0, 0.0)  # elapsed() resets
+        with det:
+            time.sleep(0.01)
+        with caplog.at_level(logging.INFO, logger="megatron.core.straggler_detector"):
+            assert det.report(total_flops=4e12, log_interval=2)
+        line = next(r.getMessage() for r in caplog.records if "MnRtt/Rnk" in r.getMessage())
+        ptime = float(line.split("MnRtt/Rnk: ")[1].split("ms")[0])
+        assert 4.5 <= ptime < 500  # one 10 ms region over 2 iterations
+        etpt = float(line.split("MnEtpt/Rnk: ")[1].split("TF")[0])
+        assert etpt == pytest.approx(4e12 / 2 / (ptime * 1e9) / 3.0, rel=0.02)  # amp 3: forward only
+        det.toggle = True
+        det.report(total_flops=4e12, log_interval=2)
+        assert not det.enabled  # turned off at the report
+        assert not det.report(total_flops=4e12, log_interval=2)  # off: nothing reported
+    finally:
+        StragglerDetector._configured = bool(saved)
+        StragglerDetector().__init__()
+
+
+def test_mamba_inference_state_config_from_model(single_rank, tmp_path):  # noqa: F811
+    from megatron.core.models.mamba.mamba_layer_specs import get_mamba_stack_spec
+    from megatron.core.models.mamba.mamba_model import MambaModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.utils import get_mamba_inference_state_config_from_model
+
+    h, head_dim, groups, state = 32, 8, 2, 4
+    cfg = TransformerConfig(num_layers=3, hidden_size=h, num_attention_heads=4, normalization="RMSNorm",
+                            add_bias_linear=False, mamba_state_dim=state, mamba_head_dim=head_dim,
+                            mamba_num_groups=groups, use_cpu_initialization=True,
+                            config_logger_dir=str(tmp_path / "logs"))
+    model = MambaModel(cfg, get_mamba_stack_spec(), 64, 16, hybrid_layer_pattern="*M-")
+    logged = json.loads((tmp_path / "logs" / "MambaModel.rank_0_0_0_0_0.iter0.json").read_text())
+    assert logged["vocab_size"] == 64 and logged["hybrid_layer_pattern"] == "*M-"  # --config-logger-dir
+    wrapped = SimpleNamespace(module=model)  # found through wrappers (.module)
+    out = get_mamba_inference_state_config_from_model(wrapped)
+    heads = 2 * h // head_dim  # Mamba-2: d_inner = 2 * hidden, heads = d_inner / head dim
+    # conv channels: x (d_inner) + B and C (groups * state each); d_conv 4
+    assert out.layer_type_list == ["*", "M", "-"]
+    assert tuple(out.mamba_conv_states_shape) == (2 * h + 2 * groups * state, 4)
+    assert tuple(out.mamba_ssm_states_shape) == (heads, head_dim, state)
+    no_mamba = MambaModel(cfg, get_mamba_stack_spec(), 64, 16, hybrid_layer_pattern="*--")
+    assert get_mamba_inference_state_config_from_model(no_mamba) is None
+    assert no_mamba.decoder.mamba_state_shapes_per_request() is None

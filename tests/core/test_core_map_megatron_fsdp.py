@@ -123,13 +123,19 @@ def _fsdp_body():
     out["zero2_weights_err"] = max((w - ref_weights[n]).abs().max().item() for n, w in _full_weights(model2).items())
     out["zero2_index"] = model2.get_distributed_index().get_fsdp_group().size() == world
 
-    # 3. Meta-device build: each rank draws its blocks, equal to the ordinary build's weights.
+    # 3. no_shard (DDP over FSDP2's replicate dimension): whole weights everywhere, the same training.
+    model0 = fully_shard_model(_model(), fsdp_unit_modules=[Block], zero_dp_strategy="no_shard")
+    out["no_shard_whole"] = all(p.to_local().shape == p.shape for p in model0.parameters())
+    out["no_shard_losses"] = (_train(model0, fully_shard_optimizer(torch.optim.Adam(model0.parameters(), lr=lr)),
+                                     rank, world), ref_losses)
+
+    # 4. Meta-device build: each rank draws its blocks, equal to the ordinary build's weights.
     meta = fully_shard_model(_model(seed=5, device="meta"), fsdp_unit_modules=[Block], init_model_with_meta_device=True,
                              preproc_state_dict_for_dcp_ckpt=False)
     ordinary = dict(_model(seed=5).named_parameters())
     out["meta_init_err"] = max((w - ordinary[n]).abs().max().item() for n, w in _full_weights(meta).items())
 
-    # 4. Uneven DTensors: rank r holds rows [0, 1) / [1, 5) of a 5 x 3 tensor.
+    # 5. Uneven DTensors: rank r holds rows [0, 1) / [1, 5) of a 5 x 3 tensor.
     whole = torch.arange(15.0).view(5, 3)
     index = FSDPDistributedIndex(mesh, dp_shard_dim="dp", tp_dim="tp")
     rows = (0, 1) if rank == 0 else (1, 5)
@@ -140,6 +146,22 @@ def _fsdp_body():
     out["uneven_gather"] = torch.equal(gather_uneven_dtensor_to_full_tensor(dt).to_local(), whole)
     pieces = [gather_uneven_dtensor_to_full_tensor(p).to_local() for p in split_dtensor(dt, [2, 3], dim=0)]
     out["uneven_split"] = all(torch.equal(a, b) for a, b in zip(pieces, torch.split(whole, [2, 3])))
+    # 6. DataParallelBuffer: each rank stores its shard of a flat bucket of two parameters; gathering the shards
+    # gives back both parameters (6 + 5 elements, padded to 12: rank 0 holds [0, 6), rank 1 [6, 12)).
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import DataParallelBuffer
+
+    weights = [torch.arange(6.0).view(2, 3), torch.arange(10.0, 15.0)]
+    buf = DataParallelBuffer(DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params"),
+                             [torch.nn.Parameter(w.clone()) for w in weights], True, 0)
+    buf.init_data(torch.zeros(buf.data_size))
+    for i, w in enumerate(weights):
+        buf.set_item(i, w)
+    bucket = buf.fetch_bucket()
+    torch.distributed.all_gather(list(bucket.data.chunk(world)), buf.get_shard_from_local_buffer())
+    out["buffer_roundtrip"] = all(torch.equal(buf.get_item_from_bucket(bucket, i), w.flatten())
+                                  for i, w in enumerate(weights))
+    out["buffer_shard_part"] = (buf.data_size, buf.locate_item_in_global_item(1), buf.get_item(1).tolist())
     gap = make_fsdp_dtensor(torch.zeros(1, 3), torch.nn.Parameter(torch.empty(5, 3)), index)  # rows 0..2 only
     try:
         validate_uneven_dtensor(gap)
@@ -153,7 +175,8 @@ def test_fully_shard_trains_like_an_unsharded_model_on_two_gloo_ranks():
     results = run_distributed(_fsdp_body, 2, timeout=120)
     for rank, out in enumerate(results):
         assert out["zero3_dtensor_shards"]
-        for key in ("zero3_losses", "zero2_losses"):
+        assert out["no_shard_whole"]
+        for key in ("zero3_losses", "zero2_losses", "no_shard_losses"):
             ours, ref = out[key]
             assert ours == pytest.approx(ref, rel=1e-5, abs=1e-6), key
         assert out["zero3_weights_err"] < 1e-5 and out["zero2_weights_err"] < 1e-5
@@ -163,6 +186,8 @@ def test_fully_shard_trains_like_an_unsharded_model_on_two_gloo_ranks():
         assert out["meta_init_err"] == 0.0
         assert out["uneven_chunk"] == (((0, 0), (1, 3)) if rank == 0 else ((1, 0), (4, 3)))
         assert out["uneven_gather"] and out["uneven_split"] and out["uneven_gap_refused"]
+        assert out["buffer_roundtrip"]
+        assert out["buffer_shard_part"] == ((6, (0, 0), []) if rank == 0 else (6, (0, 5), [10.0, 11, 12, 13, 14]))
 
 
 def test_megatron_fsdp_names_without_a_process_group():

@@ -81,6 +81,13 @@ def test_hierarchical_and_hybrid_group_ranks():
         hierarchical_rank_groups(ranks, [3, 4])
     from math import log2
 
+    from megatron.core.parallel_state import overwrite_nccl_comm_cfgs
+
+    cfgs = {"dp": {"max_ctas": 4}}
+    overwrite_nccl_comm_cfgs(cfgs, "dp", ("min_ctas", 1))
+    overwrite_nccl_comm_cfgs(cfgs, "tp", ("net_name", "IB"))
+    overwrite_nccl_comm_cfgs(cfgs, "dp", ("max_ctas", 8))
+    assert cfgs == {"dp": {"max_ctas": 8, "min_ctas": 1}, "tp": {"net_name": "IB"}}
     for n in range(2, 40):  # the oracle's sizes: 2**i for i in range(int(log2(n))), without 1
         assert hybrid_dp_cp_group_sizes(n) == [2 ** i for i in range(int(log2(n)))][1:]
 
@@ -147,7 +154,7 @@ def test_thd_and_hybrid_cp_batches():
 
 
 def test_microbatch_and_embedding_wgrad_helpers(monkeypatch):
-    from megatron.core import utils
+    from megatron.core.pipeline_parallel import schedule_helpers
     from megatron.core.pipeline_parallel.schedules import (clear_embedding_activation_buffer,
                                                            finish_embedding_wgrad_compute, set_current_microbatch)
 
@@ -170,7 +177,7 @@ def test_microbatch_and_embedding_wgrad_helpers(monkeypatch):
     assert clear_embedding_activation_buffer(on, model, False) is None and post.embedding_activation_buffer == [1, 2]
     assert clear_embedding_activation_buffer(on, [None, model], True) is post and post.embedding_activation_buffer == []
     calls = []
-    monkeypatch.setattr(utils, "drain_embedding_wgrad_compute", lambda *a: calls.append(a), raising=False)
+    monkeypatch.setattr(schedule_helpers, "drain_embedding_wgrad_compute", lambda *a: calls.append(a))
     finish_embedding_wgrad_compute(off, post, True, "tp")
     finish_embedding_wgrad_compute(on, post, False, "tp")
     assert calls == []
@@ -217,9 +224,63 @@ def _groups_body():
     out["timeout_all"] = (ag._get_backend(cpu).options._timeout,
                           torch.distributed.group.WORLD._get_backend(cpu).options._timeout)
     out.update(_hybrid_data_and_schedule(ps))
+    out.update(_bridge(rank))
+    out.update(_multimodule(rank))
     ps.destroy_model_parallel()
     out["rank"] = rank
     return out
+
+
+def _bridge(rank):
+    """A TP 2 source grid (ranks 0, 1) bridged to a DP 2 destination grid (ranks 2, 3): fan-out from leader 1."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    names = ["tp", "cp", "pp", "dp"]
+    bridge = BridgeCommunicator(HyperCommGrid([2, 1, 1, 1], names), HyperCommGrid([1, 1, 1, 2], names, rank_offset=2))
+    plan = {r: (info.role.value, info.send_to_ranks, info.recv_from_ranks) for r, info in bridge.comm_map.items()}
+    x0, x1 = torch.arange(24.0).view(4, 2, 3), torch.arange(24.0).view(4, 2, 3) + 100
+    got = {}
+    if rank < 2:  # the source: micro-batch 0 forward, then 1 forward with 0's gradient, then 1's gradient
+        bridge.send_forward(x0)
+        got["g0"] = bridge.send_forward_recv_backward(x1).tolist()
+        got["g1"] = bridge.recv_backward().tolist()
+    else:
+        a0 = bridge.recv_forward()
+        a1 = bridge.send_backward_recv_forward(a0.detach() * 2)
+        bridge.send_backward(a1.detach() * 3)
+        got["a0"], got["a1"], got["grad"] = a0.tolist(), a1.tolist(), a1.requires_grad
+    return {"plan": plan, "bridge": got, "leaders": (bridge.src_tp_leaders, bridge.dest_tp_leaders)}
+
+
+def _multimodule(rank):
+    """An encoder on 2 pipeline stages (ranks 0, 1) feeding a language model on DP 2 (ranks 2, 3)."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+
+    names = ["tp", "cp", "pp", "dp"]
+    grids = {"enc": HyperCommGrid([1, 1, 2, 1], names), "llm": HyperCommGrid([1, 1, 1, 2], names, rank_offset=2)}
+    for grid in grids.values():
+        grid.create_pg("pp")
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    comm = MultiModulePipelineCommunicator(grids, {"enc": ["llm"], "llm": []}, config)
+    x = torch.arange(24.0).view(4, 2, 3)
+    got = {"first": comm.is_pp_first_stage, "last": comm.is_pp_last_stage, "warmup": comm.num_warmup_microbatches,
+           "stages": {m: (i.pp_rank, i.pp_size) for m, i in comm.rank_module_map.items()}}
+    if rank == 0:
+        comm.send_forward({"enc": x})
+        got["grad"] = comm.recv_backward(tensor_shape=(4, 2, 3))["enc"].tolist()
+    elif rank == 1:
+        got["in"] = comm.recv_forward(tensor_shape=(4, 2, 3))["enc"].tolist()
+        comm.send_forward({"enc": x * 2})
+        grad = comm.recv_backward()["enc"]
+        got["grad"] = grad.tolist()
+        comm.send_backward({"enc": grad + 1})
+    else:
+        got["in"] = comm.recv_forward()["enc"].tolist()
+        comm.send_backward({"enc": torch.tensor(got["in"]) * 5})
+    return {"multimodule": got}
 
 
 # Packed samples of DP rank 0 and 1 (CP peers read the same): their cu_seqlens (one empty sub-sample).
@@ -281,6 +342,29 @@ def test_parallel_state_groups_world_4():
         assert out["hybrid_batch"] == ([tokens], 2, 2)
         assert out["timeout_one"] == (timedelta(minutes=7), timedelta(minutes=30))
         assert out["timeout_all"] == (timedelta(minutes=9), timedelta(minutes=9))
+    # The bridge: leader 1 sends halves of the batch to 2 and 3; the gradients come back to both source ranks.
+    x0, x1 = torch.arange(24.0).view(4, 2, 3), torch.arange(24.0).view(4, 2, 3) + 100
+    for rank, out in enumerate(results):
+        assert out["leaders"] == ([1], [2, 3])
+        assert out["plan"] == {0: ("MEMBER", [], []), 1: ("SENDER", [2, 3], []), 2: ("RECEIVER", [], [1]),
+                               3: ("RECEIVER", [], [1])}
+        if rank < 2:
+            assert out["bridge"] == {"g0": (2 * x0).tolist(), "g1": (3 * x1).tolist()}
+        else:
+            half = slice(0, 2) if rank == 2 else slice(2, 4)
+            assert out["bridge"] == {"a0": x0[half].tolist(), "a1": x1[half].tolist(), "grad": True}
+    # The multi-module pipeline: enc stage 0 -> enc stage 1 -> (bridge, halves) -> llm on ranks 2 and 3, and back.
+    stages = [{"enc": (0, 2)}, {"enc": (1, 2)}, {"llm": (0, 1)}, {"llm": (0, 1)}]
+    for rank, out in enumerate(results):
+        got = out["multimodule"]
+        assert (got["first"], got["last"], got["warmup"], got["stages"]) == (rank == 0, rank >= 2, max(2 - rank, 0),
+                                                                             stages[rank])
+        if rank == 0:
+            assert got["grad"] == (x0 * 10 + 1).tolist()
+        elif rank == 1:
+            assert got["in"] == x0.tolist() and got["grad"] == (x0 * 10).tolist()
+        else:
+            assert got["in"] == (x0 * 2)[slice(0, 2) if rank == 2 else slice(2, 4)].tolist()
     # The data schedule: every rank got the oracle's schedule, and exactly its sub-samples, whole.
     oracle_groups = _oracle_scheduler_class()(4, _Group(4, 0)).get_groups_and_subsamples(
         list(enumerate(_GLOBAL_SEQLENS)), None)[1]
@@ -329,3 +413,71 @@ def test_parallel_state_one_instance(single_rank):
     ps.update_pg_timeout(timedelta(minutes=11))
     assert dp_cp._get_backend(torch.device("cpu")).options._timeout == timedelta(minutes=11)
     ps.update_pg_timeout(timedelta(minutes=30))
+
+
+def test_bridge_plan_matches_oracle(monkeypatch):
+    """Leaders, boundary broadcast groups and the fan-in / fan-out plan of several grid pairs, against the oracle's
+    own methods (run on instances that skip the collective constructor)."""
+    from dataclasses import dataclass, field
+    from enum import Enum
+    from typing import Dict, List, Optional, Tuple
+
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    namespace = {"dataclass": dataclass, "field": field, "Enum": Enum, "Dict": Dict, "List": List,
+                 "Optional": Optional, "Tuple": Tuple, "torch": torch, "HyperCommGrid": HyperCommGrid}
+    for name in ("CommRole", "RankCommInfo", "BridgeCommunicator"):
+        _oracle_definition("pipeline_parallel/bridge_communicator.py", name, namespace)
+    names = ["tp", "cp", "pp", "dp"]
+    pairs = [([2, 1, 1, 1], [1, 1, 1, 2]), ([1, 1, 2, 4], [2, 1, 1, 2]), ([2, 1, 2, 2], [1, 1, 3, 4]),
+             ([4, 1, 1, 2], [2, 1, 2, 1])]
+    for src_shape, dest_shape in pairs:
+        src = HyperCommGrid(src_shape, names)
+        dest = HyperCommGrid(dest_shape, names, rank_offset=src.size)
+        for rank in range(src.size + dest.size):
+            plans = []
+            for cls in (BridgeCommunicator, namespace["BridgeCommunicator"]):
+                bridge = object.__new__(cls)
+                bridge.current_rank, bridge.src_grid, bridge.dest_grid, bridge.comm_map = rank, src, dest, {}
+                src_leaders = bridge.get_leader_rank(src, is_src=True)
+                dest_leaders = bridge.get_leader_rank(dest, is_src=False)
+                bridge.build_comm_map(src_leaders[0], dest_leaders[0])
+                plans.append((src_leaders, dest_leaders, bridge.get_boundary_pp_stage_ranks(src, True),
+                              bridge.get_boundary_pp_stage_ranks(dest, False),
+                              {r: (i.role.value, i.send_to_ranks, i.recv_from_ranks) for r, i in bridge.comm_map.items()}))
+            assert plans[0] == plans[1], (src_shape, dest_shape, rank)
+    bridge = object.__new__(BridgeCommunicator)
+    bridge.dim_mapping = {"s": 0, "b": 1, "h": 2}
+    parts = bridge._split_tensor_at_batch_dim(torch.arange(12.0).view(2, 3, 2), 2)
+    assert [p.shape for p in parts] == [(2, 2, 2), (2, 1, 2)] and all(p.is_contiguous() for p in parts)
+    with pytest.raises(ValueError, match="num_splits must be positive"):
+        bridge._split_tensor_at_batch_dim(torch.zeros(2, 2, 2), 0)
+
+
+def test_multimodule_pipeline_depth_matches_oracle(monkeypatch):
+    """compute_total_pipeline_stages (longest path of the module DAG, weighted by stages) against the oracle's."""
+    from dataclasses import dataclass
+    from typing import Dict, List, Optional
+
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    oracle = _oracle_definition("pipeline_parallel/multimodule_communicator.py", "MultiModulePipelineCommunicator", {
+        "dataclass": dataclass, "Dict": Dict, "List": List, "Optional": Optional, "HyperCommGrid": HyperCommGrid,
+        "ModelParallelConfig": object, "Shape": object, "torch": torch, "dist": None, "logging": None})
+    names = ["tp", "cp", "pp", "dp"]
+    grids = {"img": HyperCommGrid([1, 1, 2, 1], names), "audio": HyperCommGrid([2, 1, 3, 1], names, rank_offset=2),
+             "llm": HyperCommGrid([1, 1, 4, 2], names, rank_offset=8),
+             "gen": HyperCommGrid([1, 1, 1, 1], names, rank_offset=16)}
+    topology = {"img": ["llm"], "audio": ["llm"], "llm": ["gen"], "gen": []}
+    ours, theirs = MultiModulePipelineCommunicator.compute_total_pipeline_stages, oracle.compute_total_pipeline_stages
+    assert ours(topology, grids) == theirs(topology, grids) == 3 + 4 + 1
+    for name, grid in grids.items():
+        for rank in range(grid.rank_offset, grid.rank_offset + grid.size):
+            assert ours(topology, grids, rank, name) == theirs(topology, grids, rank, name)
+    assert ours(topology, grids, 9) == ours(topology, grids, 9, "llm")
+    with pytest.raises(ValueError, match="cycles"):
+        ours({"img": ["llm"], "audio": [], "llm": ["img"], "gen": []}, grids, 0, "img")

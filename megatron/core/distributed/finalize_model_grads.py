@@ -5,8 +5,8 @@ with ``--overlap-grad-reduce`` it is already running when backward ends):
 
 1. finish the data-parallel reduction of every model chunk (``finish_grad_sync``);
 2. all-reduce over the tensor-parallel group the gradients of parameters replicated across TP ranks but
-   fed with different tokens under sequence parallelism (``param.sequence_parallel``: layer-norm weights
-   and biases, row-parallel biases);
+   fed with different tokens under sequence parallelism, or with different heads (``param.sequence_parallel``:
+   layer-norm weights and biases, row-parallel biases, the shared q/k norms, Gated DeltaNet's output norm);
 3. all-reduce over the embedding group the gradient of the word embedding tied between the first and the
    last pipeline stage, or copied to the last stage for multi-token prediction (and of the position embedding
    between the first and the split stage of an encoder-decoder pipeline);
@@ -67,11 +67,11 @@ def _allreduce_coalesced(grads: List[torch.Tensor], group):
 
 
 def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, tp_group=None):
-    """Sequence parallelism: sum over TP the grads of replicated parameters that saw only a sequence shard."""
+    """Sum over TP the grads of replicated parameters marked ``sequence_parallel``: they saw only this rank's share of
+    the work (a sequence shard under sequence parallelism, or a head shard: the shared q/k norms, Gated DeltaNet's
+    output norm). Modules mark only what needs it."""
     tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     if torch.distributed.get_world_size(tp_group) == 1:
-        return
-    if not (getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)):
         return
     grads = []
     for chunk in model:

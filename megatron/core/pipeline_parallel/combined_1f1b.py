@@ -22,6 +22,7 @@ from typing import List, Union
 
 import torch
 
+from megatron.core.pipeline_parallel.schedule_helpers import set_current_microbatch
 from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan, ScheduleNode
 from megatron.core.utils import get_attr_wrapped_model
 
@@ -114,7 +115,8 @@ def combined_forward_backward_step(forward_step_func, data_iterator, f_model, nu
     """``forward_step`` on ``f_model`` and ``backward_step`` on ``b_model`` merged (module docstring); either
     model may be None.
 
-    Forward: ``set_input_tensor(input_tensor)``, ``(plan, loss_func) = forward_step_func(data_iterator,
+    Forward: ``set_current_microbatch(f_model, current_microbatch)``, ``set_input_tensor(input_tensor)``,
+    ``(plan, loss_func) = forward_step_func(data_iterator,
     unwrapped_model, return_schedule_plan=True)`` (the unwrapped model must be a GPTModel). Backward: the plan and
     loss node of ``b_output_tensor``; with no ``b_output_tensor_grad`` (last stage) the loss is backpropagated to
     the loss node's input first (through ``config.grad_scale_func``). Then ``type(plan).run(f_plan, b_plan,
@@ -133,8 +135,8 @@ def combined_forward_backward_step(forward_step_func, data_iterator, f_model, nu
     if f_model is not None:
         if is_first_microbatch and hasattr(f_model, "set_is_first_microbatch"):
             f_model.set_is_first_microbatch()
-        # ``current_microbatch``: megatron-core records it on the layers for FP8 / CUDA graphs; as in this
-        # library's forward_step, nothing reads it here.
+        if current_microbatch is not None:
+            set_current_microbatch(f_model, current_microbatch)
         if not isinstance(input_tensor, list):
             input_tensor = [input_tensor]
             unwrap_output_tensor = True

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron.core import parallel_state
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.utils import drain_embedding_wgrad_compute, get_attr_wrapped_model
 
 
 def get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage,
@@ -82,8 +82,6 @@ def finish_embedding_wgrad_compute(config, embedding_module, is_last_stage, tp_g
     ``shared_embedding_or_output_weight()`` (megatron-core's choice, kept)."""
     if not (is_last_stage and getattr(config, "defer_embedding_wgrad_compute", False)):
         return
-    from megatron.core.utils import drain_embedding_wgrad_compute
-
     weight = (embedding_module.output_layer.weight if embedding_module.share_embeddings_and_output_weights
               else embedding_module.shared_embedding_or_output_weight())
     drain_embedding_wgrad_compute(config, embedding_module.embedding_activation_buffer,

@@ -34,6 +34,7 @@ exchanges. Without them: parallel_state's groups.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -46,7 +47,7 @@ from megatron.core.pipeline_parallel.schedule_helpers import (clear_embedding_ac
                                                               finish_embedding_wgrad_compute, get_pp_rank_microbatches,
                                                               set_current_microbatch)
 from megatron.core.process_groups_config import is_pp_stage_after_split_of, pg_group, pg_rank, pg_size
-from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type, log_once
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None):
@@ -361,6 +362,16 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     forward_data_store = []
     input_tensor, output_tensor_grad = None, None
     total_num_tokens = _zero_tokens()
+    if config.overlap_moe_expert_parallel_comm and not forward_only:
+        # megatron-core's combined 1F1B schedule: a micro-batch's forward merged with the previous one's backward.
+        from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
+
+        forward_data_store, total_num_tokens = combined_1f1b_schedule_for_no_pipelining(
+            forward_step_func, data_iterator, model, num_microbatches, input_tensor, output_tensor_grad,
+            forward_data_store, config, collect_non_loss_data, first_val_step, forward_only, no_sync,
+            total_num_tokens, functools.partial(check_first_val_step, first_val_step, forward_only))
+        _finalize(config, [model], forward_only, total_num_tokens, pg_collection, force_all_reduce)
+        return forward_data_store
     if getattr(config, "hybrid_context_parallel", False):
         from megatron.core.pipeline_parallel.hybrid_cp_schedule import hybrid_context_parallel_forward_backward
 
@@ -562,6 +573,10 @@ def forward_backward_pipelining_with_interleaving(
         raise RuntimeError(f"{len(model)} model chunks but {len(data_iterator)} data iterators")
     config = get_model_config(model[0])
     model_type = _check_model_type(model[0], interleaved=True)
+    if config.overlap_moe_expert_parallel_comm and not forward_only:
+        log_once("combined_1f1b_interleaved", "overlap_moe_expert_parallel_comm: the interleaved schedule runs its "
+                 "plain forward and backward steps (megatron-core's merged steps, combined_1f1b."
+                 "combined_1f1b_schedule_for_interleaved_pipelining, are not wired into it here; the same math)")
     # Gradient reduction stays off until each chunk's own last backward pass (one toggle per chunk), or
     # until the step's last backward pass when the caller gave a single no_sync_func.
     if config.no_sync_func is not None:

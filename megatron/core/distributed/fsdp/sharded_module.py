@@ -23,7 +23,9 @@ Strategies (Megatron-FSDP's names; ``--use-torch-fsdp2`` is ``optim_grads_params
   gradients and optimizer state /d.
 
 (``no_shard`` and ``optim`` are Megatron's DDP and distributed optimizer: they need one gradient buffer reduced
-once per step, which is what our DDP buckets do; see ``mcore_fsdp_adapter.py``.)
+once per step, which is what our DDP buckets do; see ``mcore_fsdp_adapter.py``. The standalone Megatron-FSDP API,
+which has no such buffers, gets ``no_shard`` here from FSDP2's replicate dimension: a ``(d, 1)`` mesh, every
+weight whole on every rank, gradients all-reduced and divided by ``d`` after each unit's backward.)
 
 Mixed precision is FSDP2's policy: main weights fp32, compute in ``config.params_dtype`` (bf16), gradients reduced
 in fp32 when ``grad_reduce_in_fp32``, the root's outputs cast back to fp32 (as ``Float16Module`` does).
@@ -105,14 +107,16 @@ class FullyShardedModule(torch.nn.Module):
                  reshard_after_forward: bool = True, dp_cp_group=None, tp_group=None, expert_dp_group=None,
                  fsdp_mesh: Optional[DeviceMesh] = None, expert_mesh: Optional[DeviceMesh] = None):
         super().__init__()
-        if strategy not in FULLY_SHARDED_STRATEGIES:
-            raise ValueError(f"FullyShardedModule shards with {FULLY_SHARDED_STRATEGIES}, got {strategy!r}")
+        replicated = fsdp_mesh is not None and fsdp_mesh.ndim == 2
+        if strategy not in FULLY_SHARDED_STRATEGIES and not (strategy == "no_shard" and replicated):
+            raise ValueError(f"FullyShardedModule shards with {FULLY_SHARDED_STRATEGIES} (no_shard: over a "
+                             f"(d, 1) replicate x shard mesh), got {strategy!r}")
         self.config = config
         self.ddp_config = ddp_config
         self.sharding_strategy = strategy
-        if fsdp_mesh is not None:  # a 1-D DeviceMesh given by the caller (the standalone Megatron-FSDP API)
+        if fsdp_mesh is not None:  # a DeviceMesh given by the caller (the standalone Megatron-FSDP API)
             self.device_mesh = self.fsdp_mesh = fsdp_mesh
-            dp_cp_group = fsdp_mesh.get_group()
+            dp_cp_group = fsdp_mesh.get_group(0)
         else:
             if dp_cp_group is None:
                 dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -161,8 +165,9 @@ class FullyShardedModule(torch.nn.Module):
             unit.set_gradient_divide_factor(divide)
             # gloo has no PREMUL_SUM / AVG: reduce with SUM and scale locally. Not on a mesh of one rank (experts
             # when the expert data-parallel size is 1): FSDP2 (torch 2.13) skips the reduce-scatter there and
-            # divides by the factor itself, and forced SUM would divide a second time (gradients / d^2).
-            if gloo and mesh_size > 1:
+            # divides by the factor itself, and forced SUM would divide a second time (gradients / d^2). Nor on the
+            # (d, 1) replicate mesh of no_shard, whose all-reduce FSDP2 already divides once on gloo.
+            if gloo and mesh_size > 1 and not replicated:
                 unit.set_force_sum_reduction_for_comms(True)
             if keep_whole:
                 unit.set_reshard_after_backward(False)

@@ -5,9 +5,12 @@ Submodule names are megatron-core's (``embedding``, ``decoder.layers.{i}.self_at
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_model import logits_or_loss
@@ -152,6 +155,8 @@ class GPTModel(LanguageModule):
                  scatter_embedding_sequence_parallel: bool = True, seq_len_interpolation_factor=None,
                  mtp_block_spec=None, pg_collection=None, vp_stage=None):
         super().__init__(config, pg_collection, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         # Position-embedding settings not passed come from the config's fields of the same meaning (whose defaults
         # are megatron-core's defaults of these arguments).
         position_embedding_type = _or(position_embedding_type, config.position_embedding_type)
@@ -216,6 +221,8 @@ class GPTModel(LanguageModule):
                 tp_group=self.tp_group, reuse_cpu_output_buffer=True)
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, self.state_dict(), prefix=f"{type(self).__name__}_init_ckpt")
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """:meth:`LanguageModule.sharded_state_dict` without the output layer's (empty) ``_extra_state``, which
@@ -244,7 +251,8 @@ class GPTModel(LanguageModule):
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                                      inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
         return self._postprocess(hidden_states, input_ids, position_ids, labels, rotary_pos_emb, None, None,
-                                 mtp_in_postprocess=True, loss_mask=loss_mask, attention_mask=attention_mask)
+                                 mtp_in_postprocess=True, loss_mask=loss_mask, decoder_input=decoder_input,
+                                 attention_mask=attention_mask)
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None):
@@ -298,6 +306,10 @@ class GPTModel(LanguageModule):
                                              lambda h: self.output_layer(h, weight=output_weight)[0],
                                              self.compute_language_model_loss)
         logits, _ = self.output_layer(hidden_states, weight=output_weight)
+        if has_config_logger_enabled(self.config):  # this call's inputs and logits [s, b, V/tp] (a .pth file)
+            log_config_to_disk(self.config, OrderedDict(input_ids=input_ids, position_ids=position_ids,
+                                                        attention_mask=attention_mask, decoder_input=decoder_input,
+                                                        logits=logits), prefix="input_and_logits")
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)

@@ -106,7 +106,9 @@ def fully_shard_model(module: torch.nn.Module, device_mesh: Optional[DeviceMesh]
     ddp_config = DistributedDataParallelConfig(
         data_parallel_sharding_strategy=zero_dp_strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
         grad_reduce_in_fp32=grad_reduce_in_fp32, preserve_fp32_weights=preserve_fp32_weights,
-        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+        overlap_grad_reduce=overlap_grad_reduce,
+        # no_shard gathers no parameters (whole on every rank): there is nothing to overlap.
+        overlap_param_gather=overlap_param_gather and zero_dp_strategy != "no_shard",
         average_in_collective=average_in_collective, keep_fp8_transpose_cache=keep_fp8_transpose_cache,
         nccl_ub=nccl_ub, fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
         disable_symmetric_registration=disable_symmetric_registration, check_for_nan_in_grad=check_for_nan_in_grad)

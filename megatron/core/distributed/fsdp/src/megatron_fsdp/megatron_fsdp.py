@@ -11,7 +11,9 @@ data-parallel mean gradient, so an element-wise optimizer over ``model.parameter
 
 * ``optim_grads_params`` (ZeRO-3): gathered weights are freed after each unit's forward and backward;
 * ``optim_grads`` (ZeRO-2): gathered weights stay until the optimizer step, after which
-  :meth:`MegatronFSDP.install_optimized_model_weights` gathers the updated blocks again.
+  :meth:`MegatronFSDP.install_optimized_model_weights` gathers the updated blocks again;
+* ``no_shard`` (DDP): a ``(d, 1)`` mesh whose first dimension FSDP2 replicates over: every rank keeps whole
+  weights and optimizer state, and each unit's gradients are all-reduced and divided by ``d``.
 
 Low-precision modules (bf16 / fp16 parameters) keep fp32 main weights and compute in their dtype
 (``preserve_fp32_weights``, the default); otherwise the parameters' own dtype is kept. With
@@ -19,9 +21,9 @@ Low-precision modules (bf16 / fp16 parameters) keep fp32 main weights and comput
 values of an ordinary build from the present generator state (every parameter must belong to a module with
 ``reset_parameters()``).
 
-Not here: ``no_shard`` / ``optim`` (one whole gradient reduced per step: Megatron models get them from
-``megatron.core.distributed.fsdp.FullyShardedDataParallel``'s DDP buckets), hybrid FSDP (``dp_outer_dim``): both are
-refused with a message.
+Not here: ``optim`` (ZeRO-1: whole gradients with sharded optimizer state, which FSDP2 has no mode for; Megatron
+models get it from ``megatron.core.distributed.fsdp.FullyShardedDataParallel``'s DDP buckets with the distributed
+optimizer), hybrid FSDP (``dp_outer_dim``): both are refused with a message.
 """
 from __future__ import annotations
 
@@ -108,10 +110,10 @@ class MegatronFSDP(FullyShardedModule):
                 fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
                 disable_symmetric_registration=disable_symmetric_registration)
         strategy = ddp_config.data_parallel_sharding_strategy
-        if strategy not in FULLY_SHARDED_STRATEGIES:
+        if strategy not in FULLY_SHARDED_STRATEGIES + ("no_shard",):
             raise ValueError(f"MegatronFSDP: data_parallel_sharding_strategy={strategy!r} is not available in the "
-                             f"standalone Megatron-FSDP here, which shards with {FULLY_SHARDED_STRATEGIES}; for "
-                             "'no_shard' / 'optim' wrap a Megatron model in "
+                             f"standalone Megatron-FSDP here ({FULLY_SHARDED_STRATEGIES + ('no_shard',)}); for "
+                             "'optim' (ZeRO-1) wrap a Megatron model in "
                              "megatron.core.distributed.fsdp.FullyShardedDataParallel")
         if dist_index.use_hybrid_fsdp:
             raise ValueError("MegatronFSDP: hybrid FSDP (dp_outer_dim) is not implemented in this library; shard "
@@ -126,8 +128,11 @@ class MegatronFSDP(FullyShardedModule):
         shard_dim = dist_index.dp_shard_dim
         expert_mesh = dist_index.expt_device_mesh[shard_dim] if any(
             not getattr(p, "allreduce", True) for p in module.parameters()) else None
-        super().__init__(settings, ddp_config, module, units, strategy=strategy,
-                         fsdp_mesh=dist_index.device_mesh[shard_dim], expert_mesh=expert_mesh)
+        mesh = dist_index.device_mesh[shard_dim]
+        if strategy == "no_shard":  # FSDP2's replicate dimension over the same ranks (module docstring)
+            mesh = mesh._unflatten(0, (mesh.size(), 1), ("dp_replicate", "dp_unsharded"))
+        super().__init__(settings, ddp_config, module, units, strategy=strategy, fsdp_mesh=mesh,
+                         expert_mesh=expert_mesh)
         if init_model_with_meta_device:
             allocate_sharded(self.module, self_device)
             materialize(self.module, None, init_dtypes, self_device)

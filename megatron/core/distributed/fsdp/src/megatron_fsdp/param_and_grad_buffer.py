@@ -11,9 +11,11 @@ elements, in their order) that still fit. Small items left over go at the end. T
 of ``world_size * c`` unless nothing is sharded (``no_shard``), and rank ``r``'s shard is elements
 ``[r * size / world, (r + 1) * size / world)`` (a sharded buffer stores only those, from local index 0).
 
-Megatron-FSDP's flat buffers themselves (``DataParallelBuffer``, ``ParameterGroup``, ``ParamAndGradBuffer``, the
-gather / reduce pipelines and bucket allocators) are not here: this library's Megatron-FSDP keeps each parameter's
-shard as an FSDP2 DTensor (``megatron.core.distributed.fsdp.sharded_module``), which plays their role.
+:class:`DataParallelBuffer` is one such flat bucket with this rank's (possibly virtual) shard stored, and the maps
+between an item, the bucket and the shard; :class:`ParameterGroup` the record of a group of parameters and their
+buffers. The engine built from them in megatron-core (``ParamAndGradBuffer``, the all-gather / gradient-reduce
+pipelines) is not here: this library's Megatron-FSDP keeps each parameter's shard as an FSDP2 DTensor
+(``megatron.core.distributed.fsdp.sharded_module``), which plays its role.
 
 ``make_fsdp_dtensor``'s placement: a block of a parameter sharded over the ``dp_shard_dim`` mesh is ``Shard(0)``
 (rows of the parameter, uneven sizes allowed); an unsharded one ``Replicate()``; a Megatron tensor-parallel slice
@@ -29,11 +31,12 @@ import warnings
 from collections import defaultdict, namedtuple
 from contextlib import ExitStack, nullcontext
 from enum import Enum
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (update_uneven_dtensor_chunk_metadata,
                                                                              validate_uneven_dtensor)
 from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import (
@@ -45,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BucketingPolicy", "Bucket", "BucketStatus", "PrefetchOrder", "build_data_parallel_buffer_index",
            "TemporaryBucketAllocator", "StorageResizeBasedBucketAllocator", "RotaryBucketAllocator",
-           "FixedPoolAllocator", "gradient_reduce_preprocessing", "check_gpu_memory", "ResetParametersContext",
+           "FixedPoolAllocator", "DataParallelBuffer", "ParameterGroup", "gradient_reduce_preprocessing", "check_gpu_memory", "ResetParametersContext",
            "override_sharded_param_methods_with_safety_checks", "to_local_if_dtensor", "make_fsdp_dtensor"]
 
 TensorItemIndex = namedtuple("TensorItemIndex", ["global_data_index", "size", "item_id", "bucket_id", "shape"])
@@ -257,6 +260,172 @@ class FixedPoolAllocator(TemporaryBucketAllocator):
             self.backup_allocator.free(bucket_id)
         elif bucket_id in self.using_buffer:
             self.idle_buffer.append(self.using_buffer.pop(bucket_id))
+
+
+class DataParallelBuffer:
+    """One flat bucket of ``params`` (one dtype) laid out by :func:`build_data_parallel_buffer_index`, of which
+    this rank stores its shard (``is_data_distributed``) or the whole bucket (then the shard is *virtual*: the
+    same coordinates, read from the whole). ``data`` (given to :meth:`init_data`) holds ``data_size`` elements.
+
+    Coordinates: item ``i`` occupies ``[g_i, g_i + n_i)`` of the bucket; the shard ``[s, s + m)``; the part of
+    the item in the shard is the intersection, which sits at ``local_data_index + (g_i - s)`` of ``data`` (0-based
+    for a stored shard, the bucket position for a whole bucket). Communication is the caller's: a whole bucket comes
+    from :meth:`fetch_bucket` (this buffer itself when it stores the whole bucket in its own dtype, else a temporary
+    bucket of ``temporary_bucket_allocator``)."""
+
+    def __init__(self, ddp_config: DistributedDataParallelConfig, params: List[torch.nn.Parameter],
+                 is_data_distributed: bool, bucket_id: int, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None,
+                 data_parallel_group: Optional[torch.distributed.ProcessGroup] = None, dp_rank: Optional[int] = None,
+                 temporary_bucket_allocator: Optional[TemporaryBucketAllocator] = None,
+                 is_transpose_buffer: bool = False, gradient_scaling_factor: Optional[float] = None,
+                 chunk_size_factor: int = 1, mem_alloc_context: Optional[Callable] = None,
+                 item_index_map: Optional[Dict[int, TensorItemIndex]] = None,
+                 bucket_index: Optional[BucketIndex] = None,
+                 shard_bucket_index: Optional[ShardBucketIndex] = None) -> None:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise AssertionError(f"params have different dtypes: {dtypes}")
+        self.ddp_config = ddp_config
+        self.params = params
+        self.is_data_distributed = is_data_distributed
+        self.bucket_id = bucket_id
+        self.dtype = dtype or next(iter(dtypes))
+        self.device = device
+        self.data_parallel_group = data_parallel_group
+        self.dp_rank = dp_rank if dp_rank is not None else torch.distributed.get_rank(data_parallel_group)
+        self.dp_world_size = torch.distributed.get_world_size(data_parallel_group)
+        self.temporary_bucket_allocator = temporary_bucket_allocator or TemporaryBucketAllocator()
+        self.is_transpose_buffer = is_transpose_buffer
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.mem_alloc_context = mem_alloc_context or nullcontext
+        given = (item_index_map, bucket_index, shard_bucket_index)
+        if any(x is not None for x in given):
+            if any(x is None for x in given):
+                raise AssertionError("item_index_map, bucket_index and shard_bucket_index are given together")
+            self.item_index_map, self.bucket_index, self.shard_bucket_index = given
+        else:
+            self.item_index_map, self.bucket_index, self.shard_bucket_index = build_data_parallel_buffer_index(
+                [to_local_if_dtensor(p).shape for p in params], self.dp_rank, self.dp_world_size,
+                is_data_distributed, ddp_config, bucket_id=bucket_id, chunk_size_factor=chunk_size_factor)
+        self.data_size = self.shard_bucket_index.size if is_data_distributed else self.bucket_index.size
+        self.param_idx = {p: i for i, p in enumerate(params)}
+
+    def init_data(self, data: torch.Tensor):
+        """Use ``data`` (``data_size`` elements of ``dtype``) as this buffer's storage."""
+        if data.dtype != self.dtype or data.numel() != self.data_size:
+            raise AssertionError(f"DataParallelBuffer {self.bucket_id}: data of {data.numel()} x {data.dtype}, "
+                                 f"expected {self.data_size} x {self.dtype}")
+        self.data = data
+
+    def fetch_bucket(self, dtype: Optional[torch.dtype] = None, set_param_data: bool = False) -> Bucket:
+        """The whole bucket to communicate into (see the class docstring); with ``set_param_data`` every
+        parameter's ``.data`` becomes its view of the bucket."""
+        dtype = dtype or self.dtype
+        index = self.bucket_index
+        if not self.is_data_distributed and dtype == self.dtype:
+            bucket = Bucket(data=self.data[index.global_data_index:index.global_data_index + index.size])
+        else:
+            bucket = self.temporary_bucket_allocator.allocate(bucket_id=index.bucket_id, size=index.size,
+                                                              dtype=dtype, device=self.device,
+                                                              mem_alloc_context=self.mem_alloc_context)
+        if set_param_data:
+            for param in self.params:
+                local = to_local_if_dtensor(param)
+                local.data = self.get_item_from_bucket(bucket, self.param_idx[param]).view(local.shape)
+        return bucket
+
+    def free_bucket_storage(self):
+        """Release the temporary bucket of a sharded buffer (and the parameters' ``main_grad`` views of it)."""
+        if not self.is_data_distributed:
+            return
+        self.temporary_bucket_allocator.free(self.bucket_index.bucket_id)
+        for param in self.params:
+            if hasattr(param, "main_grad"):
+                param.main_grad = None
+
+    def _get_item_slice_in_shard(self, item_id: int) -> Tuple[int, int]:
+        """The part of item ``item_id`` inside this (possibly virtual) shard, in the item's coordinates
+        (``(0, 0)`` when none)."""
+        item, shard = self.item_index_map[item_id], self.shard_bucket_index
+        lo = max(item.global_data_index, shard.global_data_index)
+        hi = min(item.global_data_index + item.size, shard.global_data_index + shard.size)
+        return (lo - item.global_data_index, hi - item.global_data_index) if lo < hi else (0, 0)
+
+    def locate_item_in_global_item(self, item_id: int) -> Tuple[int, int]:
+        """The part of the item this buffer stores, in the item's coordinates (all of it when not sharded)."""
+        if not self.is_data_distributed:
+            return (0, self.item_index_map[item_id].size)
+        return self._get_item_slice_in_shard(item_id)
+
+    def _get_item_local_shard_index(self, item_id: int) -> Tuple[int, int]:
+        """Where the item's part in the shard lies in ``data`` (``(0, 0)`` when none)."""
+        start, end = self._get_item_slice_in_shard(item_id)
+        if start == end:
+            return (0, 0)
+        item, shard = self.item_index_map[item_id], self.shard_bucket_index
+        offset = item.global_data_index - shard.global_data_index + shard.local_data_index
+        return (offset + start, offset + end)
+
+    def _get_item_local_index(self, item_id: int) -> Tuple[int, int]:
+        """Where the item's stored part lies in ``data`` (the whole item when not sharded)."""
+        if not self.is_data_distributed:
+            item = self.item_index_map[item_id]
+            return (item.global_data_index, item.global_data_index + item.size)
+        return self._get_item_local_shard_index(item_id)
+
+    def set_item(self, item_id: int, item_data: torch.Tensor) -> None:
+        """Store ``item_data`` (the whole item) into this buffer: its part in the shard, or all of it."""
+        flat = item_data.flatten()
+        if self.is_data_distributed:
+            start, end = self._get_item_slice_in_shard(item_id)
+            flat = flat[start:end]
+        lo, hi = self._get_item_local_index(item_id)
+        if hi > lo:
+            with torch.no_grad():
+                self.data[lo:hi].copy_(flat)
+
+    def get_item(self, item_id: int, only_shard: bool = False) -> torch.Tensor:
+        """The stored part of the item (a view of ``data``); ``only_shard``: its part in the (virtual) shard."""
+        lo, hi = self._get_item_local_shard_index(item_id) if only_shard else self._get_item_local_index(item_id)
+        return self.data[lo:hi]
+
+    def get_item_from_bucket(self, bucket: Bucket, item_id: int):
+        """The item's elements in a whole ``bucket``."""
+        item = self.item_index_map[item_id]
+        start = item.global_data_index - self.bucket_index.global_data_index
+        return bucket.data[start:start + item.size]
+
+    def get_shard_from_bucket(self, bucket: Bucket):
+        """This rank's shard of a whole ``bucket``."""
+        shard = self.shard_bucket_index
+        return bucket.data[shard.bucket_data_index:shard.bucket_data_index + shard.size]
+
+    def get_shard_from_local_buffer(self) -> torch.Tensor:
+        """This rank's (virtual) shard in ``data``."""
+        shard = self.shard_bucket_index
+        return self.data[shard.local_data_index:shard.local_data_index + shard.size]
+
+
+@dataclasses.dataclass
+class ParameterGroup:
+    """Parameters grouped for communication and their buffers: ``dtype``, whether they are experts'
+    (``is_expert_param``), ``requires_grad``, their FSDP unit (``fsdp_unit_id``), the layout cell
+    (``chunk_size_factor``), and the :class:`DataParallelBuffer` of the model weights (and their transposes), the
+    main weights, the main gradients, and hybrid FSDP's weight / gradient buffers."""
+
+    params: List[torch.nn.Parameter]
+    dtype: Optional[torch.dtype] = None
+    is_expert_param: bool = False
+    requires_grad: Optional[bool] = None
+    fsdp_unit_id: Optional[int] = None
+    chunk_size_factor: int = 1
+    model_weight_buffer: Optional[DataParallelBuffer] = None
+    transpose_weight_buffer: Optional[DataParallelBuffer] = None
+    main_weight_buffer: Optional[DataParallelBuffer] = None
+    main_grad_buffer: Optional[DataParallelBuffer] = None
+    hsdp_wbuf: Optional[DataParallelBuffer] = None
+    hsdp_gbuf: Optional[DataParallelBuffer] = None
 
 
 class BucketStatus(Enum):
