@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.mcore_oracle import run_oracle
+from helpers.mcore_oracle import require_oracle, start_oracle
 from helpers.models_helpers import causal_mask, single_rank  # noqa: F401  (fixture)
 from helpers.numerics import rel_err
 
@@ -138,8 +138,10 @@ def _json_path(tmp):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def oracle(tmp_path_factory):
+@pytest.fixture(scope="module", autouse=True)
+def _oracle_started(tmp_path_factory):
+    """The oracle's subprocess, started when the module starts: the in-process tests (first in this file) run on
+    one core while it runs on the other. None without the oracle (its tests then skip)."""
     tmp = tmp_path_factory.mktemp("hetero_oracle")
     g = torch.Generator().manual_seed(11)
     cases = {"config": CONFIG, "json_path": _json_path(tmp), "vocab": VOCAB, "seq": SEQ,
@@ -149,7 +151,22 @@ def oracle(tmp_path_factory):
              "bad_json": json.dumps({"layers": []}), "objects": OBJECTS, "log_dir": str(tmp / "oracle_logs"),
              "ordered": OrderedDict(a=torch.ones(2)), "bf16_cases": BF16_CASES}
     torch.save(cases, tmp / "cases.pt")
-    run_oracle(["-c", ORACLE, tmp / "cases.pt", tmp / "out.pt"], cwd=tmp, timeout=300)
+    try:
+        run = start_oracle(["-c", ORACLE, tmp / "cases.pt", tmp / "out.pt"], cwd=tmp)
+    except pytest.skip.Exception:
+        run = None
+    yield cases, tmp, run
+    if run is not None and run.proc.poll() is None:
+        run.proc.kill()
+        run.proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def oracle(_oracle_started):
+    cases, tmp, run = _oracle_started
+    if run is None:
+        require_oracle()  # skips (fails under CI) with the reason
+    run.result(timeout=300)
     return cases, torch.load(tmp / "out.pt", weights_only=False)
 
 
@@ -157,114 +174,6 @@ def _our_config(cases, **extra):
     from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
 
     return HeterogeneousTransformerConfig(**CONFIG, activation_func=torch.nn.functional.silu, **extra)
-
-
-def test_heterogeneous_config_parses_like_megatron_core(oracle, tmp_path):
-    from megatron.core.transformer.heterogeneous.heterogeneous_config import MLPConfig
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    cases, ref = oracle
-    cfg = _our_config(cases, heterogeneous_layers_config_path=_json_path(tmp_path))
-    blocks = [(b.attention.no_op, b.attention.replace_with_linear, b.attention.num_query_groups, b.mlp.no_op,
-               b.mlp.replace_with_linear, b.mlp.ffn_hidden_size) for b in cfg.per_block_parameters]
-    assert blocks == ref["blocks"]
-    assert blocks[0][2] == 2 and blocks[0][5] == 256  # 4 heads / 2 per group; round_up(int(2*1.5*64/3), 256)
-    per_layer = [(type(c).__name__, c.num_query_groups, c.ffn_hidden_size, c.heterogeneous_block_specs)
-                 for c in (cfg.get_config_for_layer(n) for n in range(1, 5))]
-    assert per_layer == ref["per_layer"]
-    assert all(type(cfg.get_config_for_layer(n)) is TransformerConfig for n in (1, 4))
-    assert cfg.heterogeneous_block_specs and cfg.heterogeneous_layers_config_encoded_json == ref["encoded"]
-    assert [MLPConfig.ffn_mult_to_intermediate_size(m, h) for m, h in cases["ffn_mults"]] == ref["ffn_mult"]
-    assert ref["ffn_mult"][0] == 14336  # Llama-3.3-Nemotron-Super-49B's first block
-    # From the encoded JSON alone (as a checkpoint restores it), and the errors.
-    again = _our_config(cases, heterogeneous_layers_config_encoded_json=ref["encoded"])
-    assert [b.mlp.ffn_hidden_size for b in again.per_block_parameters] == [r[5] for r in ref["blocks"]]
-    for bad in (0, 5):
-        with pytest.raises(ValueError, match="Invalid layer number"):
-            cfg.get_config_for_layer(bad)
-    with pytest.raises(ValueError, match="block_configs"):
-        _our_config(cases, heterogeneous_layers_config_encoded_json=cases["bad_json"])
-    assert "bad" in ref  # the oracle refuses it too (an assertion there)
-    odd = json.dumps({"block_configs": [{"attention": {"n_heads_in_group": 3}, "ffn": {"ffn_mult": 1.0}}]})
-    with pytest.raises(ValueError, match="n_heads_in_group"):
-        _our_config(cases, heterogeneous_layers_config_encoded_json=odd)
-
-
-def test_heterogeneous_gpt_matches_megatron_core(oracle, single_rank):  # noqa: F811
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
-
-    cases, ref = oracle
-    cfg = _our_config(cases, heterogeneous_layers_config_encoded_json=ref["encoded"])
-    spec = get_gpt_heterogeneous_layer_spec(cfg)
-    ours_spec = [(s.submodules.input_layernorm.__name__, getattr(s.submodules.self_attention.module, "__name__", ""),
-                  s.submodules.self_attn_bda.__name__, getattr(s.submodules.mlp.module, "__name__", ""),
-                  s.submodules.mlp_bda.__name__, s.submodules.sharded_state_dict_keys_map) for s in spec.layer_specs]
-    norm_free = [(a, b, c, d, e, f) for a, b, c, d, e, f in ref["spec"]]
-    # Same modules and bias-dropout-adds; the norms are our FusedLayerNorm (RMSNorm here) where megatron-core
-    # without apex uses torch's (same math), and IdentityOp where it does.
-    assert [r[1:] for r in ours_spec] == [r[1:] for r in norm_free]
-    assert [r[0] == "IdentityOp" for r in ours_spec] == [r[0] == "IdentityOp" for r in norm_free]
-    model = GPTModel(cfg, spec, VOCAB, SEQ, position_embedding_type="rope")
-    ours_keys = {k for k, v in model.state_dict().items() if torch.is_tensor(v) and "_extra_state" not in k}
-    assert ours_keys == {k for k in ref["state"] if "_extra_state" not in k}
-    model.load_state_dict(ref["state"], strict=False)
-    layer0 = model.decoder.layers[0].self_attention.linear_qkv.weight
-    assert tuple(layer0.shape) == (HIDDEN + 2 * 2 * HIDDEN // HEADS, HIDDEN)  # 2 query groups
-    assert tuple(model.decoder.layers[2].mlp.linear_fc1.weight.shape) == (2 * 192, HIDDEN)  # gated, per block
-    logits = model(cases["ids"], cases["pos"], cases["mask"])
-    assert rel_err(logits.detach(), ref["logits"]) <= 1e-5
-    (logits * cases["weights"]).sum().backward()
-    assert rel_err(model.embedding.word_embeddings.weight.grad, ref["emb_grad"]) <= 1e-5
-    # Layer-per-key checkpoints (non-homogeneous layers) with the spec's norm renames.
-    sharded = {k: (type(v).__name__, v.key, tuple(v.global_shape), tuple(v.global_offset))
-               for k, v in model.sharded_state_dict().items() if type(v).__name__ == "ShardedTensor"}
-    assert sharded == ref["sharded"]
-    assert sharded["decoder.layers.2.input_layernorm.weight"][1] == "decoder.layers.2.self_attention.layer_norm_weight"
-
-
-def test_config_logger_matches_megatron_core(oracle, tmp_path, single_rank):  # noqa: F811
-    from megatron.core import config_logger as cl
-    from megatron.core.transformer.transformer_block import TransformerBlock
-
-    cases, ref = oracle
-    assert json.dumps(_objects(), cls=cl.JSONEncoderWithMcoreTypes, sort_keys=True) == ref["encoded_objects"]
-    cl._path_counts.clear()
-    assert [cl.get_path_count("a"), cl.get_path_count("a"), cl.get_path_count("b"), cl.get_path_with_count("a")] \
-        == ref["counts"]
-    assert not cl.has_config_logger_enabled(SimpleNamespace()) and cl.get_config_logger_path(SimpleNamespace()) == ""
-    config = SimpleNamespace(config_logger_dir=str(tmp_path / "logs"))
-    assert cl.has_config_logger_enabled(config)
-    block = TransformerBlock.__new__(TransformerBlock)  # the file is named after the class of dict_data["self"]
-    data = {"self": block, "x": 1}
-    cl.log_config_to_disk(config, data)
-    assert "self" not in data
-    cl.log_config_to_disk(config, {"self": block, "x": 1})
-    cl.log_config_to_disk(config, cases["ordered"], prefix="io", rank_str="7")
-    assert sorted(os.listdir(tmp_path / "logs")) == ref["files"]
-    assert json.loads((tmp_path / "logs" / "TransformerBlock.rank_0_0_0_0_0.iter1.json").read_text()) == {"x": 1}
-    assert torch.equal(torch.load(tmp_path / "logs" / "io.rank_7.iter0.pth")["a"], torch.ones(2))
-
-
-def test_small_names_match_megatron_core(oracle):
-    from megatron.core.enums import Fp4Recipe
-    from megatron.core.fp8_utils import is_first_last_bf16_layer
-    from megatron.core.process_groups_config import ProcessGroupHelperMeta
-
-    _, ref = oracle
-    ours = [[is_first_last_bf16_layer(SimpleNamespace(num_layers=4, first_last_layers_bf16=on,
-                                                      num_layers_at_start_in_bf16=s, num_layers_at_end_in_bf16=e), n)
-             for n in range(-1, 5)] for on, s, e in BF16_CASES]
-    assert ours == ref["bf16"]
-    assert [(m.name, m.value) for m in Fp4Recipe] == ref["fp4"] and Fp4Recipe("nvfp4") == "nvfp4"
-
-    class Helper(metaclass=ProcessGroupHelperMeta):
-        pass
-
-    Helper.tp = 2
-    with pytest.raises(AttributeError) as err:
-        Helper.virtual_pipeline_model_parallel_size = 2
-    assert (Helper.tp, str(err.value)) == ref["meta"]
 
 
 def test_parallel_linear_predicates_and_graphable_module(single_rank):  # noqa: F811
@@ -448,3 +357,112 @@ def test_mamba_inference_state_config_from_model(single_rank, tmp_path):  # noqa
     no_mamba = MambaModel(cfg, get_mamba_stack_spec(), 64, 16, hybrid_layer_pattern="*--")
     assert get_mamba_inference_state_config_from_model(no_mamba) is None
     assert no_mamba.decoder.mamba_state_shapes_per_request() is None
+
+
+# The tests that compare with the oracle run last (its subprocess started with the module).
+def test_heterogeneous_config_parses_like_megatron_core(oracle, tmp_path):
+    from megatron.core.transformer.heterogeneous.heterogeneous_config import MLPConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cases, ref = oracle
+    cfg = _our_config(cases, heterogeneous_layers_config_path=_json_path(tmp_path))
+    blocks = [(b.attention.no_op, b.attention.replace_with_linear, b.attention.num_query_groups, b.mlp.no_op,
+               b.mlp.replace_with_linear, b.mlp.ffn_hidden_size) for b in cfg.per_block_parameters]
+    assert blocks == ref["blocks"]
+    assert blocks[0][2] == 2 and blocks[0][5] == 256  # 4 heads / 2 per group; round_up(int(2*1.5*64/3), 256)
+    per_layer = [(type(c).__name__, c.num_query_groups, c.ffn_hidden_size, c.heterogeneous_block_specs)
+                 for c in (cfg.get_config_for_layer(n) for n in range(1, 5))]
+    assert per_layer == ref["per_layer"]
+    assert all(type(cfg.get_config_for_layer(n)) is TransformerConfig for n in (1, 4))
+    assert cfg.heterogeneous_block_specs and cfg.heterogeneous_layers_config_encoded_json == ref["encoded"]
+    assert [MLPConfig.ffn_mult_to_intermediate_size(m, h) for m, h in cases["ffn_mults"]] == ref["ffn_mult"]
+    assert ref["ffn_mult"][0] == 14336  # Llama-3.3-Nemotron-Super-49B's first block
+    # From the encoded JSON alone (as a checkpoint restores it), and the errors.
+    again = _our_config(cases, heterogeneous_layers_config_encoded_json=ref["encoded"])
+    assert [b.mlp.ffn_hidden_size for b in again.per_block_parameters] == [r[5] for r in ref["blocks"]]
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="Invalid layer number"):
+            cfg.get_config_for_layer(bad)
+    with pytest.raises(ValueError, match="block_configs"):
+        _our_config(cases, heterogeneous_layers_config_encoded_json=cases["bad_json"])
+    assert "bad" in ref  # the oracle refuses it too (an assertion there)
+    odd = json.dumps({"block_configs": [{"attention": {"n_heads_in_group": 3}, "ffn": {"ffn_mult": 1.0}}]})
+    with pytest.raises(ValueError, match="n_heads_in_group"):
+        _our_config(cases, heterogeneous_layers_config_encoded_json=odd)
+
+
+def test_heterogeneous_gpt_matches_megatron_core(oracle, single_rank):  # noqa: F811
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
+
+    cases, ref = oracle
+    cfg = _our_config(cases, heterogeneous_layers_config_encoded_json=ref["encoded"])
+    spec = get_gpt_heterogeneous_layer_spec(cfg)
+    ours_spec = [(s.submodules.input_layernorm.__name__, getattr(s.submodules.self_attention.module, "__name__", ""),
+                  s.submodules.self_attn_bda.__name__, getattr(s.submodules.mlp.module, "__name__", ""),
+                  s.submodules.mlp_bda.__name__, s.submodules.sharded_state_dict_keys_map) for s in spec.layer_specs]
+    norm_free = [(a, b, c, d, e, f) for a, b, c, d, e, f in ref["spec"]]
+    # Same modules and bias-dropout-adds; the norms are our FusedLayerNorm (RMSNorm here) where megatron-core
+    # without apex uses torch's (same math), and IdentityOp where it does.
+    assert [r[1:] for r in ours_spec] == [r[1:] for r in norm_free]
+    assert [r[0] == "IdentityOp" for r in ours_spec] == [r[0] == "IdentityOp" for r in norm_free]
+    model = GPTModel(cfg, spec, VOCAB, SEQ, position_embedding_type="rope")
+    ours_keys = {k for k, v in model.state_dict().items() if torch.is_tensor(v) and "_extra_state" not in k}
+    assert ours_keys == {k for k in ref["state"] if "_extra_state" not in k}
+    model.load_state_dict(ref["state"], strict=False)
+    layer0 = model.decoder.layers[0].self_attention.linear_qkv.weight
+    assert tuple(layer0.shape) == (HIDDEN + 2 * 2 * HIDDEN // HEADS, HIDDEN)  # 2 query groups
+    assert tuple(model.decoder.layers[2].mlp.linear_fc1.weight.shape) == (2 * 192, HIDDEN)  # gated, per block
+    logits = model(cases["ids"], cases["pos"], cases["mask"])
+    assert rel_err(logits.detach(), ref["logits"]) <= 1e-5
+    (logits * cases["weights"]).sum().backward()
+    assert rel_err(model.embedding.word_embeddings.weight.grad, ref["emb_grad"]) <= 1e-5
+    # Layer-per-key checkpoints (non-homogeneous layers) with the spec's norm renames.
+    sharded = {k: (type(v).__name__, v.key, tuple(v.global_shape), tuple(v.global_offset))
+               for k, v in model.sharded_state_dict().items() if type(v).__name__ == "ShardedTensor"}
+    assert sharded == ref["sharded"]
+    assert sharded["decoder.layers.2.input_layernorm.weight"][1] == "decoder.layers.2.self_attention.layer_norm_weight"
+
+
+def test_config_logger_matches_megatron_core(oracle, tmp_path, single_rank):  # noqa: F811
+    from megatron.core import config_logger as cl
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    cases, ref = oracle
+    assert json.dumps(_objects(), cls=cl.JSONEncoderWithMcoreTypes, sort_keys=True) == ref["encoded_objects"]
+    cl._path_counts.clear()
+    assert [cl.get_path_count("a"), cl.get_path_count("a"), cl.get_path_count("b"), cl.get_path_with_count("a")] \
+        == ref["counts"]
+    assert not cl.has_config_logger_enabled(SimpleNamespace()) and cl.get_config_logger_path(SimpleNamespace()) == ""
+    config = SimpleNamespace(config_logger_dir=str(tmp_path / "logs"))
+    assert cl.has_config_logger_enabled(config)
+    block = TransformerBlock.__new__(TransformerBlock)  # the file is named after the class of dict_data["self"]
+    data = {"self": block, "x": 1}
+    cl.log_config_to_disk(config, data)
+    assert "self" not in data
+    cl.log_config_to_disk(config, {"self": block, "x": 1})
+    cl.log_config_to_disk(config, cases["ordered"], prefix="io", rank_str="7")
+    assert sorted(os.listdir(tmp_path / "logs")) == ref["files"]
+    assert json.loads((tmp_path / "logs" / "TransformerBlock.rank_0_0_0_0_0.iter1.json").read_text()) == {"x": 1}
+    assert torch.equal(torch.load(tmp_path / "logs" / "io.rank_7.iter0.pth")["a"], torch.ones(2))
+
+
+def test_small_names_match_megatron_core(oracle):
+    from megatron.core.enums import Fp4Recipe
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+    from megatron.core.process_groups_config import ProcessGroupHelperMeta
+
+    _, ref = oracle
+    ours = [[is_first_last_bf16_layer(SimpleNamespace(num_layers=4, first_last_layers_bf16=on,
+                                                      num_layers_at_start_in_bf16=s, num_layers_at_end_in_bf16=e), n)
+             for n in range(-1, 5)] for on, s, e in BF16_CASES]
+    assert ours == ref["bf16"]
+    assert [(m.name, m.value) for m in Fp4Recipe] == ref["fp4"] and Fp4Recipe("nvfp4") == "nvfp4"
+
+    class Helper(metaclass=ProcessGroupHelperMeta):
+        pass
+
+    Helper.tp = 2
+    with pytest.raises(AttributeError) as err:
+        Helper.virtual_pipeline_model_parallel_size = 2
+    assert (Helper.tp, str(err.value)) == ref["meta"]
