@@ -12,8 +12,9 @@ backward.
 
 Without pipelining, for ``M`` micro-batches: step 0 = forward(0); step k = forward(k) + backward(k-1) for k < M
 (under ``no_sync_func``); step M = backward(M-1). Each micro-batch's forward and backward are those of the plain
-schedule and the micro-batches are independent, so the losses and the accumulated gradients equal
-``forward_backward_no_pipelining``'s; the overlap itself (CUDA streams) is a GPU-only performance matter, and on CPU
+schedule and the micro-batches are independent, so the losses equal ``forward_backward_no_pipelining``'s and the
+accumulated gradients equal its gradients to rounding (the nodes sum a tensor's gradient contributions in another
+order); the overlap itself (CUDA streams) is a GPU-only performance matter, and on CPU
 the nodes run in order on one stream.
 """
 from __future__ import annotations

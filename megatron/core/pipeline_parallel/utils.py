@@ -68,12 +68,12 @@ def make_viewless(e):
 # requires_grad) and keeps its outputs y_k = f_k(x_k'); its backward is one autograd pass
 #     d x_k' = (d y_k / d x_k')^T . g_k          (plus the parameters' gradients, accumulated as usual)
 # from the given output gradients g_k, and returns the inputs' gradients d x_k' for node k-1. Chaining the nodes in
-# reverse order is the chain rule through f_n o ... o f_1: exactly the gradients of one autograd pass through the
-# whole chunk. What the cut buys on a GPU is freedom of order: the combined 1F1B schedule runs the forward nodes of
+# reverse order is the chain rule through f_n o ... o f_1: the gradients of one autograd pass through the whole
+# chunk (up to the order in which a tensor's gradient contributions are summed: rounding, ~1e-8 in fp32). What the cut buys on a GPU is freedom of order: the combined 1F1B schedule runs the forward nodes of
 # one micro-batch between the backward nodes of another, each on its CUDA stream (computation vs. the MoE
 # all-to-all), so communication hides behind computation. That overlap is a GPU-only performance matter: with
 # ``stream=None`` (CPU, or the current stream) the nodes run in program order on one stream and compute the
-# same numbers as the plain schedule.
+# plain schedule's losses and (to rounding) its gradients.
 # ---------------------------------------------------------------------------------------------------------------
 
 

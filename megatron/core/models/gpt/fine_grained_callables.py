@@ -17,8 +17,8 @@ A dense layer has ``attn`` (-> ``a``) and ``mlp`` (-> ``L(x)``). A tensor produc
 one other than through the outputs (the residual, the shared experts' output, the dispatched probabilities) is
 :meth:`TransformerLayerNode.detach` ed: the later node differentiates into the detached leaf, and the producing node's
 backward runs from its outputs *and* those tensors with their accumulated gradients, so chaining the nodes'
-backwards is the chain rule of the whole layer. On one stream (CPU) the nodes compute exactly what
-``GPTModel.forward`` computes; on a GPU the schedule overlaps a micro-batch's all-to-all with another's computation.
+backwards is the chain rule of the whole layer. On one stream (CPU) the nodes compute what ``GPTModel.forward``
+computes and its gradients (to rounding: contributions to one tensor's gradient are summed in another order); on a GPU the schedule overlaps a micro-batch's all-to-all with another's computation.
 
 A multi-token prediction depth is a layer of the plan too (:func:`build_mtp_layer_callables`): its ``attn`` node
 embeds the rolled tokens and projects ``[enorm(e), hnorm(h)]`` before the transformer layer's attention, and its
