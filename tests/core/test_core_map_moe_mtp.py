@@ -248,3 +248,91 @@ def test_apply_rotary_pos_emb_with_cos_sin():
     assert torch.allclose(ours, hf_q, atol=1e-6)
     half = apply_rotary_pos_emb_with_cos_sin(t.bfloat16(), cos, sin)
     assert half.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------ multi-token prediction
+def test_mtp_loss_logging_helper_and_reduce_mtp_losses(single_rank):
+    from megatron.core.transformer.multi_token_prediction import (
+        MTPLossLoggingHelper,
+        MultiTokenPredictionBlock,
+        reduce_mtp_losses,
+    )
+
+    helper = MTPLossLoggingHelper
+    helper.tracker.clear()
+    world = torch.distributed.group.WORLD
+    helper.save_loss_to_tracker(torch.tensor(3.0), 0, 2, avg_group=world)
+    helper.save_loss_to_tracker(torch.tensor(1.0), 0, 2, avg_group=world)
+    helper.save_loss_to_tracker(torch.tensor(5.0), 1, 2, avg_group=world)
+    helper.save_loss_to_tracker(torch.tensor(7.0), None, 2)  # no layer number: not saved
+    assert helper.tracker["values"].tolist() == [4.0, 5.0] and helper.tracker["avg_group"] is world
+    writer, wandb, totals = _Writer(), _Writer(), {"mtp_1 loss": torch.tensor(1.0)}
+    helper.track_mtp_metrics(0.5, 3, writer, wandb_writer=wandb, total_loss_dict=totals)
+    assert float(totals["mtp_1 loss"]) == 3.0 and float(totals["mtp_2 loss"]) == 2.5
+    assert writer.scalars == [("mtp_1 loss", 2.0, 3), ("mtp_2 loss", 2.5, 3)]
+    assert wandb.logs == [({"mtp_1 loss": 2.0}, 3), ({"mtp_2 loss": 2.5}, 3)]
+    assert helper.tracker["values"].tolist() == [0.0, 0.0] and helper.tracker["avg_group"] is None
+    # The training loop's reduce_mtp_losses runs through the helper: per depth, sum / micro-batches (one rank).
+    block = MultiTokenPredictionBlock.__new__(MultiTokenPredictionBlock)
+    torch.nn.Module.__init__(block)
+    block.layers = torch.nn.ModuleList([torch.nn.Identity() for _ in range(3)])
+    block.pg_collection, block.tracked_losses = None, {0: torch.tensor(2.0), 2: torch.tensor(6.0)}
+    assert reduce_mtp_losses(block, 2) == {"mtp_1 loss": 1.0, "mtp_2 loss": 0.0, "mtp_3 loss": 3.0}
+    assert block.tracked_losses == {} and reduce_mtp_losses(block, 2) == {}
+    helper.tracker.clear()
+
+
+def test_tie_mtp_state_dict_entries(single_rank):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.multi_token_prediction import (
+        tie_output_layer_state_dict,
+        tie_word_embeddings_state_dict,
+    )
+
+    world = torch.distributed.group.WORLD
+    for tie, key in ((tie_word_embeddings_state_dict, "embedding.word_embeddings.weight"),
+                     (tie_output_layer_state_dict, "output_layer.weight")):
+        weight = torch.randn(12, 4)
+        sd = {key: "the stage's own entry", "other": 1}
+        tie(sd, weight, key, tp_group=world, dp_cp_group=world)
+        leaf = sd[key]
+        assert isinstance(leaf, ShardedTensor) and leaf.key == key and leaf.data is weight
+        assert leaf.replica_id == (1, 0, 0) and leaf.allow_shape_mismatch and sd["other"] == 1
+        assert leaf.global_shape == (12, 4)
+        with pytest.raises(KeyError, match="not in the sharded state dict"):
+            tie({}, weight, key, tp_group=world, dp_cp_group=world)
+
+
+# ------------------------------------------------------------------------------------------ cross entropy
+def test_vocab_parallel_cross_entropy_steps_match_torch():
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as V
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 3, 16, generator=g, dtype=torch.float64).float() * 3
+    target = torch.randint(0, 16, (5, 3), generator=g)
+    grad_out = torch.rand(5, 3, generator=g)
+    full = logits.clone().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(full.view(-1, 16), target.view(-1), reduction="none").view(5, 3)
+    (ref * grad_out).sum().backward()
+    # Two vocabulary shards of 8, the all-reduces done by hand (MAX of the maxima, SUM of the rest).
+    shards, maxima = [], []
+    for r in range(2):
+        local, local_max = V.calculate_logits_max(logits[..., 8 * r:8 * (r + 1)].clone())
+        shards.append(local)
+        maxima.append(local_max)
+    m = torch.maximum(*maxima)
+    parts = [V.calculate_predicted_logits(shards[r], target, m, 8 * r, 8 * (r + 1)) for r in range(2)]
+    predicted = parts[0][2] + parts[1][2]
+    sum_exp = parts[0][3] + parts[1][3]
+    grads = []
+    for r in range(2):
+        mask, masked_1d, _, _, exp_logits = parts[r]
+        softmax, loss = V.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
+        assert torch.allclose(loss, ref.detach(), atol=1e-5)
+        grad_2d, rows, update, grad_input = V.prepare_gradient_calculation_operands(softmax, mask)
+        assert update.tolist() == (~mask).float().view(-1).tolist()
+        grads.append(V.calculate_gradients(grad_2d, rows, masked_1d, update, grad_input, grad_out))
+    assert torch.allclose(torch.cat(grads, dim=-1), full.grad, atol=1e-6)
+    # fp32 input: the steps work in place on the caller's tensor (megatron-core's contract); bf16 is upcast.
+    x = torch.randn(2, 4)
+    assert V.calculate_logits_max(x)[0] is x and V.calculate_logits_max(x.bfloat16())[0].dtype == torch.float32
