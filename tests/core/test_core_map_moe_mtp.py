@@ -336,3 +336,51 @@ def test_vocab_parallel_cross_entropy_steps_match_torch():
     # fp32 input: the steps work in place on the caller's tensor (megatron-core's contract); bf16 is upcast.
     x = torch.randn(2, 4)
     assert V.calculate_logits_max(x)[0] is x and V.calculate_logits_max(x.bfloat16())[0].dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------ upcycling
+def _gpt(config):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return GPTModel(config, get_gpt_decoder_block_spec(config), config.padded_vocab_size,
+                    config.max_position_embeddings)
+
+
+def test_upcycling_a_dense_gpt(single_rank):
+    from helpers.models_helpers import gpt_inputs
+    from megatron.core.transformer.moe.upcycling_utils import load_and_upcycle_model, upcycle_state_dict
+
+    torch.manual_seed(5)
+    dense = _gpt(tiny_config(ffn_hidden_size=32))
+    # Granularity 1, softmax after top-k: every expert is the dense MLP, so the MoE model computes the dense one.
+    moe = _gpt(_moe_config(ffn_hidden_size=32, moe_ffn_hidden_size=32, add_bias_linear=True,
+                           moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None))
+    router_before = moe.decoder.layers[0].mlp.router.weight.detach().clone()
+    loaded = []
+    out = load_and_upcycle_model(lambda *a, **k: loaded.append((a, k)) or (7, 1.5e9), [moe], [dense],
+                                 load_args=("ckpt",), load_kwargs={"strict": True})
+    assert out == (7, 1.5e9) and loaded == [(("ckpt",), {"strict": True})]
+    assert torch.equal(moe.decoder.layers[0].mlp.router.weight, router_before)  # g = 1: rows kept
+    ids, pos, mask, _ = gpt_inputs(vocab=64)
+    dense.eval(), moe.eval()
+    with torch.no_grad():
+        assert torch.allclose(moe(ids, pos, mask), dense(ids, pos, mask), atol=1e-5)
+    # Granularity 2 (dense width 32, experts 16), 4 experts: expert e holds block e mod 2 scaled by sqrt(2) (gelu);
+    # fc2's bias is repeated unscaled; the router's first 2 rows each appear twice.
+    fine = _gpt(_moe_config(ffn_hidden_size=32, moe_ffn_hidden_size=16, add_bias_linear=True))
+    sd = upcycle_state_dict([fine], [dense])["model"]
+    d1 = dense.state_dict()["decoder.layers.1.mlp.linear_fc1.weight"]
+    d2 = dense.state_dict()["decoder.layers.1.mlp.linear_fc2.weight"]
+    b2 = dense.state_dict()["decoder.layers.1.mlp.linear_fc2.bias"]
+    for e in range(4):
+        prefix = f"decoder.layers.1.mlp.experts.local_experts.{e}."
+        block = e % 2
+        assert torch.allclose(sd[prefix + "linear_fc1.weight"], d1[16 * block:16 * (block + 1)] * 2 ** 0.5)
+        assert torch.allclose(sd[prefix + "linear_fc2.weight"], d2[:, 16 * block:16 * (block + 1)] * 2 ** 0.5)
+        assert torch.equal(sd[prefix + "linear_fc2.bias"], b2)
+    router = fine.state_dict()["decoder.layers.1.mlp.router.weight"]
+    assert torch.equal(sd["decoder.layers.1.mlp.router.weight"], router[[0, 0, 1, 1]])
+    assert torch.equal(sd["embedding.word_embeddings.weight"], dense.state_dict()["embedding.word_embeddings.weight"])
+    with pytest.raises(ValueError, match="divisible"):
+        upcycle_state_dict([_gpt(_moe_config(ffn_hidden_size=32, moe_ffn_hidden_size=12))], [dense])
