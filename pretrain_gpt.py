@@ -30,7 +30,17 @@ def model_provider(pre_process=True, post_process=True):
             get_gpt_mtp_block_spec,
         )
 
-        if args.num_experts:
+        if getattr(config, "heterogeneous_block_specs", False):  # --heterogeneous-layers-config-path
+            from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import (
+                get_gpt_heterogeneous_layer_spec)
+
+            layer_spec = get_gpt_heterogeneous_layer_spec(config, use_te=False)
+        elif config.experimental_attention_variant is not None:  # Gated DeltaNet / DeepSeek sparse attention
+            from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+                get_transformer_block_with_experimental_attention_variant_spec)
+
+            layer_spec = get_transformer_block_with_experimental_attention_variant_spec(config)
+        elif args.num_experts:
             layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
         else:
             layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm,

@@ -20,6 +20,14 @@ class Fp8Recipe(str, enum.Enum):
     custom = "custom"
 
 
+class Fp4Recipe(str, enum.Enum):
+    """``--fp4-recipe`` values (megatron-core's enum): ``nvfp4`` (NVIDIA's 4-bit block format, Transformer Engine
+    only) or ``custom`` (a user quantizer factory). FP4 training itself needs Transformer Engine on a Blackwell GPU
+    and is not available here; the enum is the names' one home."""
+    nvfp4 = "nvfp4"
+    custom = "custom"
+
+
 class LayerType(enum.Enum):
     """Legacy values 1-5; ``embedding`` / ``loss`` / ``mtp`` (megatron-core's) name the entries of a pipeline layer
     layout (:mod:`megatron.core.transformer.pipeline_parallel_layer_layout`)."""

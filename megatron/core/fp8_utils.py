@@ -98,6 +98,34 @@ def fp8_recipe_from_config(config) -> Optional[Fp8Recipe]:
                      amax_compute_algo=config.fp8_amax_compute_algo, fp8_wgrad=config.fp8_wgrad)
 
 
+def _derives_from(module, class_name: str) -> bool:
+    """Whether ``module``'s class is (or derives from) ``megatron.core.tensor_parallel``'s ``class_name``, checked on
+    the class's MRO by name so that this module does not import the layers that import it."""
+    return any(cls.__name__ == class_name and cls.__module__.startswith("megatron.core.tensor_parallel")
+               for cls in type(module).__mro__)
+
+
+def is_column_parallel_linear(module) -> bool:
+    """Whether ``module`` is a column-parallel linear layer (:class:`ColumnParallelLinear` or a subclass; Transformer
+    Engine's column-parallel classes are not present here)."""
+    return _derives_from(module, "ColumnParallelLinear")
+
+
+def is_row_parallel_linear(module) -> bool:
+    """Whether ``module`` is a row-parallel linear layer (:class:`RowParallelLinear` or a subclass)."""
+    return _derives_from(module, "RowParallelLinear")
+
+
+def is_first_last_bf16_layer(config, layer_no: int) -> bool:
+    """Whether global layer ``layer_no`` (0-based) is kept in bf16 under FP8 (megatron-core's rule): only with
+    ``config.first_last_layers_bf16``, and then when ``0 <= layer_no < num_layers_at_start_in_bf16`` or
+    ``layer_no >= num_layers - num_layers_at_end_in_bf16``. A negative ``layer_no`` is never such a layer."""
+    if not config.first_last_layers_bf16 or layer_no < 0:
+        return False
+    return (layer_no < config.num_layers_at_start_in_bf16
+            or layer_no >= config.num_layers - config.num_layers_at_end_in_bf16)
+
+
 def compute_scale(amax: torch.Tensor, old_scale: torch.Tensor, fmax: float, margin: int) -> torch.Tensor:
     """``(fmax / amax) / 2**margin``, keeping ``old_scale`` where amax is 0 or not finite (elementwise)."""
     amax = amax.float()

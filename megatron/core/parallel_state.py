@@ -18,6 +18,11 @@ import torch
 from megatron.core.rank_grid import (RankGenerator, default_embedding_ranks, default_position_embedding_ranks,  # noqa
                                      embedding_ranks_of, expert_rank_generator, generate_masked_orthogonal_rank_groups)
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer
+from megatron.core.parallel_groups_extra import (OptionalGroups, build_context_parallel_groups,  # noqa
+                                                 build_expert_groups, build_optional_groups, create_group,
+                                                 create_hierarchical_groups, create_hybrid_dp_cp_groups,
+                                                 new_group as _new_group, overwrite_nccl_comm_cfgs,
+                                                 update_pg_timeout)
 
 # Process groups of this rank.
 _TENSOR_MODEL_PARALLEL_GROUP = None
@@ -71,6 +76,8 @@ _MPU_PIPELINE_MODEL_PARALLEL_RANK = None
 _MPU_DATA_PARALLEL_RANK = None
 
 _GLOBAL_MEMORY_BUFFER = None
+# Groups of several distributed-optimizer instances, the DP x CP all-gather group, hybrid CP (parallel_groups_extra).
+_OPTIONAL_GROUPS = None
 
 # The state above that starts as None (groups, rank lists, overrides, memory buffer): destroy_model_parallel resets it.
 _STATE = tuple(name for name, value in list(globals().items())
@@ -79,26 +86,6 @@ _STATE = tuple(name for name, value in list(globals().items())
 # Backends whose groups already run CPU collectives: their groups double as the "gloo" twins (the fake backend of
 # --fake-process-group has no peers to rendezvous with, so it cannot create real gloo groups).
 _CPU_BACKENDS = ("gloo", "fake")
-
-
-def _new_group(ranks: Sequence[int], timeout: Optional[timedelta], backend: Optional[str] = None):
-    kwargs = {}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    if backend is not None:
-        kwargs["backend"] = backend
-    return torch.distributed.new_group(list(ranks), **kwargs)
-
-
-def create_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
-                 group_desc=None):
-    """``torch.distributed.new_group`` with megatron-core's keywords (``group_desc`` names the group in torch's
-    logs); collective over the world like ``new_group``."""
-    kwargs = {"ranks": ranks, "backend": backend, "pg_options": pg_options,
-              "use_local_synchronization": use_local_synchronization, "group_desc": group_desc}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    return torch.distributed.new_group(**kwargs)
 
 
 def initialize_model_parallel(
@@ -115,6 +102,9 @@ def initialize_model_parallel(
     *,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
+    num_distributed_optimizer_instances: int = 1,
+    hybrid_context_parallel: bool = False,
+    create_all_gather_group: Optional[bool] = False,
 ) -> None:
     """Create the tensor, pipeline, data, context, model, embedding and position-embedding groups, and the
     combined groups of context parallelism (DP x CP with its gloo twin, TP x CP, TP x DP, TP x DP x CP).
@@ -123,7 +113,8 @@ def initialize_model_parallel(
     and ``order`` shape the rank grid as in megatron-core. ``hierarchical_context_parallel_sizes`` (the
     a2a+p2p communication of Transformer Engine) is not implemented and raises ``NotImplementedError``.
     ``expert_model_parallel_size`` (EP) and ``expert_tensor_parallel_size`` (ETP, default TP) shape the expert grid
-    (module docstring).
+    (module docstring). ``num_distributed_optimizer_instances``, ``create_all_gather_group`` and
+    ``hybrid_context_parallel`` add the groups of :mod:`megatron.core.parallel_groups_extra`.
     """
     global _TENSOR_MODEL_PARALLEL_GROUP, _PIPELINE_MODEL_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP
     global _EMBEDDING_GROUP, _POSITION_EMBEDDING_GROUP, _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GROUP_GLOO
@@ -131,7 +122,9 @@ def initialize_model_parallel(
     global _EMBEDDING_GLOBAL_RANKS, _POSITION_EMBEDDING_GLOBAL_RANKS, _PIPELINE_GLOBAL_RANKS
     global _DATA_PARALLEL_GLOBAL_RANKS, _TENSOR_MODEL_PARALLEL_GLOBAL_RANKS, _CONTEXT_PARALLEL_GLOBAL_RANKS
     global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
-    global _PIPELINE_MODEL_PARALLEL_SPLIT_RANK, _GLOBAL_MEMORY_BUFFER, _ALL_GROUP_RANKS
+    global _PIPELINE_MODEL_PARALLEL_SPLIT_RANK, _GLOBAL_MEMORY_BUFFER, _ALL_GROUP_RANKS, _OPTIONAL_GROUPS
+    global _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GROUP_WITH_CP_GLOO, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP
+    global _TENSOR_AND_CONTEXT_PARALLEL_GROUP, _TENSOR_AND_DATA_PARALLEL_GROUP, _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP
 
     if hierarchical_context_parallel_sizes:
         raise NotImplementedError("hierarchical context parallelism (hierarchical_context_parallel_sizes, "
@@ -216,8 +209,10 @@ def initialize_model_parallel(
         _AMAX_REDUCTION_GROUP, _ = build("amax", "tp-dp")
 
     # Mixture-of-experts groups: a second grid over the same world (kept in its own function).
-    _initialize_expert_groups(gen, tp, pp, order, expert_model_parallel_size, expert_tensor_parallel_size,
-                              timeout)
+    gloo_is_default = torch.distributed.get_backend() in _CPU_BACKENDS
+    _initialize_expert_groups(build_expert_groups(gen, tp, pp, order, expert_model_parallel_size,
+                                                  expert_tensor_parallel_size, timeout, _ALL_GROUP_RANKS,
+                                                  gloo_is_default))
 
     if use_sharp:
         # SHARP is an NCCL/InfiniBand feature; only meaningful with NCCL.
@@ -226,76 +221,33 @@ def initialize_model_parallel(
         torch.distributed.barrier(group=_DATA_PARALLEL_GROUP)
         os.environ["NCCL_SHARP_DISABLE"] = "1"
 
-    _build_context_parallel_groups(build, cp)
+    groups = build_context_parallel_groups(build, cp, _ALL_GROUP_RANKS, gloo_is_default, {
+        "data": (_DATA_PARALLEL_GROUP, _DATA_PARALLEL_GLOBAL_RANKS), "data_gloo": _DATA_PARALLEL_GROUP_GLOO,
+        "tensor": _TENSOR_MODEL_PARALLEL_GROUP, "amax": _AMAX_REDUCTION_GROUP})
+    _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = groups["data_with_cp"]
+    _DATA_PARALLEL_GROUP_WITH_CP_GLOO = groups["data_with_cp_gloo"]
+    _TENSOR_AND_CONTEXT_PARALLEL_GROUP = groups["tensor_and_context"]
+    _TENSOR_AND_DATA_PARALLEL_GROUP = groups["tensor_and_data"]
+    _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = groups["tensor_and_data_with_cp"]
+    mine = {"data_with_cp": _DATA_PARALLEL_GROUP_WITH_CP, "data_with_cp_gloo": _DATA_PARALLEL_GROUP_WITH_CP_GLOO,
+            "expert_data": _EXPERT_DATA_PARALLEL_GROUP, "expert_data_gloo": _EXPERT_DATA_PARALLEL_GROUP_GLOO}
+    _OPTIONAL_GROUPS = build_optional_groups(
+        _ALL_GROUP_RANKS, mine, timeout, num_distributed_optimizer_instances, create_all_gather_group,
+        hybrid_context_parallel, gloo_is_default)
     _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
 
 
-def _initialize_expert_groups(dense_gen: RankGenerator, tp: int, pp: int, order: str, ep: int,
-                              etp: Optional[int], timeout) -> None:
+def _initialize_expert_groups(groups) -> None:
+    """Keep this rank's expert groups (``{kind: (group, ranks)}`` of ``build_expert_groups``)."""
     global _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS, _EXPERT_TENSOR_PARALLEL_GROUP
     global _EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP, _EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP
     global _EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP_GLOO
-    world_size = torch.distributed.get_world_size()
-    rank = torch.distributed.get_rank()
-    gen = expert_rank_generator(world_size, tp, pp, ep, etp, order)
-    if not order.endswith("pp") and pp > 1 and gen.sizes["dp"] != dense_gen.sizes["dp"]:
-        raise RuntimeError("when the order does not end with 'pp', the data parallel sizes of the dense and the "
-                           "expert layers must be equal")
-    if gen.get_ranks("pp") != dense_gen.get_ranks("pp"):
-        raise RuntimeError(f"pipeline groups differ between the dense ({dense_gen.get_ranks('pp')}) and the expert "
-                           f"({gen.get_ranks('pp')}) layouts")
-
-    def build(kind: str, token: str, backend: Optional[str] = None):
-        mine = (None, None)
-        groups = gen.get_ranks(token)
-        for ranks in groups:
-            group = _new_group(ranks, timeout, backend)
-            if rank in ranks:
-                mine = (group, ranks)
-        _ALL_GROUP_RANKS[kind] = groups
-        return mine
-
-    _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS = build("expert_model", "ep")
-    _EXPERT_TENSOR_PARALLEL_GROUP, _ = build("expert_tensor", "tp")
-    _EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP, _ = build("expert_tensor_and_model", "tp-ep")
-    _EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP, _ = build("expert_tensor_model_pipeline", "tp-ep-pp")
-    _EXPERT_DATA_PARALLEL_GROUP, _ = build("expert_data", "dp")
-    if torch.distributed.get_backend() in _CPU_BACKENDS:
-        _EXPERT_DATA_PARALLEL_GROUP_GLOO = _EXPERT_DATA_PARALLEL_GROUP
-        _ALL_GROUP_RANKS["expert_data_gloo"] = _ALL_GROUP_RANKS["expert_data"]
-    else:
-        _EXPERT_DATA_PARALLEL_GROUP_GLOO, _ = build("expert_data_gloo", "dp", backend="gloo")
-
-
-def _build_context_parallel_groups(build, cp: int) -> None:
-    """The combined groups of context parallelism (module docstring); ``build(kind, token, backend)`` creates
-    every group of one kind and returns this rank's (group, ranks). With CP = 1 the groups "with CP" have the
-    ranks of the groups without it and are the same objects (no extra communicators)."""
-    global _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GROUP_WITH_CP_GLOO, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP
-    global _TENSOR_AND_CONTEXT_PARALLEL_GROUP, _TENSOR_AND_DATA_PARALLEL_GROUP
-    global _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP
-    if _AMAX_REDUCTION_GROUP is not None:  # use_fp8 built TP x DP already
-        _TENSOR_AND_DATA_PARALLEL_GROUP = _AMAX_REDUCTION_GROUP
-        _ALL_GROUP_RANKS["tensor_and_data"] = _ALL_GROUP_RANKS["amax"]
-    else:
-        _TENSOR_AND_DATA_PARALLEL_GROUP, _ = build("tensor_and_data", "tp-dp")
-    if cp == 1:
-        _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GLOBAL_RANKS
-        _DATA_PARALLEL_GROUP_WITH_CP_GLOO = _DATA_PARALLEL_GROUP_GLOO
-        _TENSOR_AND_CONTEXT_PARALLEL_GROUP = _TENSOR_MODEL_PARALLEL_GROUP
-        _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = _TENSOR_AND_DATA_PARALLEL_GROUP
-        for kind, same in (("data_with_cp", "data"), ("data_with_cp_gloo", "data_gloo"),
-                           ("tensor_and_context", "tensor"), ("tensor_and_data_with_cp", "tensor_and_data")):
-            _ALL_GROUP_RANKS[kind] = [list(g) for g in _ALL_GROUP_RANKS[same]]
-        return
-    _DATA_PARALLEL_GROUP_WITH_CP, _DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = build("data_with_cp", "dp-cp")
-    if torch.distributed.get_backend() in _CPU_BACKENDS:
-        _DATA_PARALLEL_GROUP_WITH_CP_GLOO = _DATA_PARALLEL_GROUP_WITH_CP
-        _ALL_GROUP_RANKS["data_with_cp_gloo"] = _ALL_GROUP_RANKS["data_with_cp"]
-    else:
-        _DATA_PARALLEL_GROUP_WITH_CP_GLOO, _ = build("data_with_cp_gloo", "dp-cp", backend="gloo")
-    _TENSOR_AND_CONTEXT_PARALLEL_GROUP, _ = build("tensor_and_context", "tp-cp")
-    _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP, _ = build("tensor_and_data_with_cp", "tp-dp-cp")
+    _EXPERT_MODEL_PARALLEL_GROUP, _EXPERT_MODEL_PARALLEL_RANKS = groups["expert_model"]
+    _EXPERT_TENSOR_PARALLEL_GROUP = groups["expert_tensor"][0]
+    _EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP = groups["expert_tensor_and_model"][0]
+    _EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP = groups["expert_tensor_model_pipeline"][0]
+    _EXPERT_DATA_PARALLEL_GROUP = groups["expert_data"][0]
+    _EXPERT_DATA_PARALLEL_GROUP_GLOO = groups["expert_data_gloo"][0]
 
 
 # ----------------------------------------------------------------------------------------- status
@@ -342,27 +294,52 @@ def get_pipeline_model_parallel_group():
     return _checked(_PIPELINE_MODEL_PARALLEL_GROUP, "pipeline_model parallel")
 
 
-def _no_partial_data_parallel(partial_data_parallel: bool) -> None:
-    if partial_data_parallel:
-        raise NotImplementedError("partial data parallelism (--num-distributed-optimizer-instances > 1) is not "
-                                  "implemented in this library")
+def _optional(field: str, name: str, check_initialized: bool = True):
+    return _checked(getattr(_OPTIONAL_GROUPS, field, None), name, check_initialized)
 
 
 def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False,
                             independent_all_gather: bool = False):
-    """The DP group; ``with_context_parallel``: DP x CP (gradient reduction, distributed optimizer, loss)."""
-    _no_partial_data_parallel(partial_data_parallel)
-    if with_context_parallel:
-        return _checked(_DATA_PARALLEL_GROUP_WITH_CP, "data parallel with context parallel")
-    return _checked(_DATA_PARALLEL_GROUP, "data parallel")
+    """The DP group; ``with_context_parallel``: DP x CP (gradient reduction, distributed optimizer, loss), or its
+    block of one distributed-optimizer instance (``partial_data_parallel``), or its separate all-gather twin
+    (``independent_all_gather``, built with ``create_all_gather_group``)."""
+    if not with_context_parallel:
+        if partial_data_parallel:
+            raise AssertionError("Partial DP for Optimizer needs to include CP")
+        return _checked(_DATA_PARALLEL_GROUP, "data parallel")
+    if partial_data_parallel:
+        return _optional("intra_partial_data_parallel_with_cp", "intra partial data parallel")
+    if independent_all_gather:
+        return _optional("data_parallel_with_cp_ag", "data parallel with context parallel all-gather")
+    return _checked(_DATA_PARALLEL_GROUP_WITH_CP, "data parallel with context parallel")
+
+
+def has_separate_all_gather_group() -> bool:
+    """True when ``initialize_model_parallel(create_all_gather_group=True)`` built a DP x CP all-gather group."""
+    return getattr(_OPTIONAL_GROUPS, "data_parallel_with_cp_ag", None) is not None
 
 
 def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False):
     """A gloo group with the ranks of :func:`get_data_parallel_group` (the same group on a gloo world)."""
-    _no_partial_data_parallel(partial_data_parallel)
-    if with_context_parallel:
-        return _checked(_DATA_PARALLEL_GROUP_WITH_CP_GLOO, "data parallel gloo with context parallel")
-    return _checked(_DATA_PARALLEL_GROUP_GLOO, "data parallel gloo")
+    if not with_context_parallel:
+        if partial_data_parallel:
+            raise AssertionError("Partial DP for Optimizer needs to include CP")
+        return _checked(_DATA_PARALLEL_GROUP_GLOO, "data parallel gloo")
+    if partial_data_parallel:
+        return _optional("intra_partial_data_parallel_with_cp_gloo", "intra partial data parallel gloo")
+    return _checked(_DATA_PARALLEL_GROUP_WITH_CP_GLOO, "data parallel gloo with context parallel")
+
+
+def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size=None):
+    """This rank's hybrid-CP block of ``group_size`` DP x CP ranks (``hybrid_context_parallel``); the whole DP x CP
+    group when ``group_size`` is its size."""
+    if get_data_parallel_world_size(with_context_parallel=True) == group_size:
+        return _checked(_DATA_PARALLEL_GROUP_WITH_CP, "data parallel with context parallel", check_initialized)
+    groups = getattr(_OPTIONAL_GROUPS, "hybrid_dp_cp", {})
+    if group_size not in groups:
+        raise KeyError(f"no hybrid data x context parallel group of size {group_size} (built: {sorted(groups)}; "
+                       "initialize_model_parallel(hybrid_context_parallel=True) builds them)")
+    return groups[group_size]
 
 
 def get_context_parallel_group(check_initialized: bool = True):
@@ -738,8 +715,10 @@ def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = Tr
 
 
 def get_expert_data_parallel_group(check_initialized: bool = True, partial_expert_data_parallel: bool = False):
-    """The expert-data-parallel group (``partial_expert_data_parallel`` needs several distributed-optimizer
-    instances, which are not implemented: then the full group is the only instance)."""
+    """The expert-data-parallel group, or its block of one distributed-optimizer instance."""
+    if partial_expert_data_parallel:
+        return _optional("intra_partial_expert_data_parallel", "intra partial expert data parallel",
+                         check_initialized)
     return _checked(_EXPERT_DATA_PARALLEL_GROUP, "expert data parallel", check_initialized)
 
 
@@ -753,19 +732,36 @@ def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = F
 
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False):
+    if partial_expert_data_parallel:
+        return _optional("intra_partial_expert_data_parallel_gloo", "intra partial expert data parallel gloo")
     return _checked(_EXPERT_DATA_PARALLEL_GROUP_GLOO, "expert data parallel gloo")
 
 
 def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
     if _dist_ready():
-        return torch.distributed.get_rank(group=get_expert_data_parallel_group())
+        return torch.distributed.get_rank(group=get_expert_data_parallel_group(
+            partial_expert_data_parallel=partial_expert_data_parallel))
     return 0
 
 
 def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
     if _dist_ready():
-        return torch.distributed.get_world_size(group=get_expert_data_parallel_group())
+        return torch.distributed.get_world_size(group=get_expert_data_parallel_group(
+            partial_expert_data_parallel=partial_expert_data_parallel))
     return 0
+
+
+def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True):
+    """All ranks of this rank's distributed-optimizer instance (the whole world with one instance)."""
+    return _optional("intra_distributed_optimizer_instance", "intra distributed optimizer instance",
+                     check_initialized)
+
+
+def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True):
+    """The ranks holding the same shard in the different distributed-optimizer instances (built only with
+    ``num_distributed_optimizer_instances > 1``; attention and experts share it)."""
+    return _optional("inter_partial_expert_data_parallel", "inter distributed optimizer instance",
+                     check_initialized)
 
 
 # ----------------------------------------------------------------------------------- memory buffer

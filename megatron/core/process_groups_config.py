@@ -12,7 +12,8 @@ optimizer instances). The constructor takes them as keywords and refuses unknown
 Every module megatron-core gives a ``pg_collection`` (GPT / Mamba / BERT / T5 models, TransformerBlock / Layer,
 attention incl. MLA, MLP, the MoE layer with its router, experts and dispatchers, the Mamba stack / layer / mixer, the
 MTP block, DistributedDataParallel, get_megatron_optimizer, finalize_model_grads, the pipeline schedules) communicates
-over the collection's groups. A field left None, and no collection at all, means parallel_state's group
+over the collection's groups (an encoder-decoder pipeline's split rank is a stage number and stays parallel_state's,
+applied to the collection's ``pp`` group). A field left None, and no collection at all, means parallel_state's group
 (:func:`pg_group`, :func:`pg_size`, :func:`pg_rank`), so a collection may carry only the groups that differ.
 
 Example::
@@ -29,6 +30,18 @@ from typing import List, Optional
 import torch
 
 __all__ = ["ProcessGroupCollection"]
+
+
+class ProcessGroupHelperMeta(type):
+    """A metaclass (megatron-core's) for helper classes that keep parallel sizes as class attributes: assigning
+    ``virtual_pipeline_model_parallel_size`` on the class raises ``AttributeError`` (it must go through the class's
+    ``set_virtual_pipeline_model_parallel_size()``); every other class attribute is assigned as usual."""
+
+    def __setattr__(cls, name, value):
+        if name == "virtual_pipeline_model_parallel_size":
+            raise AttributeError(f"Cannot set '{name}' directly. Use set_virtual_pipeline_model_parallel_size() "
+                                 "method instead.")
+        super().__setattr__(name, value)
 
 
 @dataclasses.dataclass(init=False, repr=False)
@@ -196,6 +209,32 @@ def is_pp_last_stage_of(pg_collection: Optional[ProcessGroupCollection], ignore_
     return pg_rank(pg_collection, "pp") == pg_size(pg_collection, "pp") - 1
 
 
+def is_pp_stage_before_split_of(pg_collection: Optional[ProcessGroupCollection], rank: Optional[int] = None,
+                                pp_size: Optional[int] = None) -> bool:
+    """An encoder stage of an encoder-decoder pipeline: stage ``rank`` (default this rank's) of the collection's
+    ``pp`` group of ``pp_size`` stages (default its size; else parallel_state's) lies before the split rank. The split
+    rank is a stage number and stays parallel_state's (``initialize_model_parallel(pipeline_model_parallel_split_rank=)``
+    or ``set_pipeline_model_parallel_split_rank``); without it, or without a pipeline, a stage holds both stacks."""
+    from megatron.core import parallel_state as ps
+
+    split = ps.get_pipeline_model_parallel_split_rank()
+    if split is None or (pp_size if pp_size is not None else pg_size(pg_collection, "pp")) == 1:
+        return True
+    return (rank if rank is not None else pg_rank(pg_collection, "pp")) < split
+
+
+def is_pp_stage_after_split_of(pg_collection: Optional[ProcessGroupCollection], rank: Optional[int] = None,
+                               pp_size: Optional[int] = None) -> bool:
+    """A decoder stage of an encoder-decoder pipeline: stage ``rank`` lies at or after the split rank (see
+    :func:`is_pp_stage_before_split_of`); without a split rank or a pipeline every stage."""
+    from megatron.core import parallel_state as ps
+
+    split = ps.get_pipeline_model_parallel_split_rank()
+    if split is None or (pp_size if pp_size is not None else pg_size(pg_collection, "pp")) == 1:
+        return True
+    return (rank if rank is not None else pg_rank(pg_collection, "pp")) >= split
+
+
 def group_ranks(group) -> List[int]:
     """Global ranks of ``group``'s members in group-rank order."""
     return torch.distributed.get_process_group_ranks(group)
@@ -204,15 +243,3 @@ def group_ranks(group) -> List[int]:
 def group_of(pg_collection: Optional[ProcessGroupCollection], name: str):
     """``pg_collection.<name>``, or None (meaning: parallel_state's group) without a collection."""
     return None if pg_collection is None else getattr(pg_collection, name)
-
-
-def require_mpu_groups(pg_collection: Optional[ProcessGroupCollection], names, owner: str) -> None:
-    """Refuse a collection whose groups ``names`` differ from parallel_state's, for a module that still communicates
-    over those groups through parallel_state (one line naming the module and the groups)."""
-    if pg_collection is None:
-        return
-    different = [name for name in names
-                 if getattr(pg_collection, name) is not None and getattr(pg_collection, name) is not mpu_group(name)]
-    if different:
-        raise NotImplementedError(f"{owner} communicates over parallel_state's {', '.join(different)} group(s): a "
-                                  f"pg_collection with other {', '.join(different)} groups is not supported there yet")

@@ -9,6 +9,11 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer  # noqa: F401  (megatron-core's path)
+from megatron.core.wgrad_compute import accumulate_into_main_grad as _accumulate_into_main_grad
+from megatron.core.straggler_detector import StragglerDetector  # noqa: F401  (megatron-core's path)
+from megatron.core.cp_batch import (context_parallel_chunk_indices, get_batch_on_this_cp_rank,  # noqa: F401
+                                    get_batch_on_this_hybrid_cp_rank, get_thd_batch_on_this_cp_rank,
+                                    thd_partitioned_indices)
 
 
 def ensure_divisibility(numerator: int, denominator: int) -> None:
@@ -42,47 +47,45 @@ def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group=None
     return getattr(torch.distributed, _REDUCE_SCATTER_TENSOR_NAME)(output, input_, group=group, async_op=async_op)
 
 
-def context_parallel_chunk_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Positions (along the sequence) that context-parallel rank ``cp_rank`` of ``cp_size`` holds.
-
-    The sequence is cut into ``2 * cp_size`` equal chunks; rank ``r`` holds chunk ``r`` followed by chunk
-    ``2 * cp_size - 1 - r`` (Megatron's load-balanced "zigzag" split: under a causal mask an early chunk has
-    little work and a late one much, so every rank gets one of each). Example, 8 positions, CP = 2: rank 0 holds
-    ``[0, 1, 6, 7]``, rank 1 holds ``[2, 3, 4, 5]``.
-    """
-    if seq_len % (2 * cp_size) != 0:
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context-parallel size ({2 * cp_size})")
-    chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
-    return torch.cat([first, second])
+def prepare_input_tensors_for_wgrad_compute(grad_output, all_gathered_input):
+    """``(grad_output, all_gathered_input)`` made contiguous and, when 3-D (``[s, b, h]``), viewed as 2-D
+    ``[s * b, h]`` for the wgrad GEMM (megatron-core's helper); 2-D inputs keep their shape."""
+    grad_output = grad_output.contiguous()
+    all_gathered_input = all_gathered_input.contiguous()
+    if grad_output.dim() == 3:
+        grad_output = grad_output.view(-1, grad_output.shape[2])
+        all_gathered_input = all_gathered_input.view(-1, all_gathered_input.shape[2])
+    return grad_output, all_gathered_input
 
 
-def get_batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
-    """This context-parallel rank's part of every tensor of ``batch`` (megatron-core's function; ``cp_group``
-    defaults to parallel_state's CP group).
+def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
+    """megatron-core keeps, on the last pipeline stage, each microbatch's input activation of the tied output /
+    embedding GEMM (``embedding_activation_buffer``) and its output gradient (``grad_output_buffer``) and computes
+    that weight's gradient in the pipeline flush: ``main_grad += sum_i g_i^T @ AllGather_TP(x_i)``.
 
-    Each tensor's sequence dimension (dim 1; dim 2 for ``attention_mask``, whose key dimension stays whole) keeps
-    the positions of :func:`context_parallel_chunk_indices`: ``S / CP`` of them, chunk ``r`` first, then chunk
-    ``2 CP - 1 - r``. ``None`` values pass through; with CP = 1 the batch is returned unchanged.
-    """
-    from megatron.core import parallel_state
-
-    if cp_group is not None:
-        cp_size, cp_rank = get_pg_size(cp_group), get_pg_rank(cp_group)
-    else:
-        cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
-    if cp_size <= 1:
-        return batch
-    out = {}
-    for key, value in batch.items():
-        if value is None:
-            out[key] = value
-            continue
-        dim = 2 if key == "attention_mask" else 1
-        index = context_parallel_chunk_indices(value.size(dim), cp_size, cp_rank).to(value.device)
-        out[key] = value.index_select(dim, index)
-    return out
+    Empty the two buffers (equal lengths, microbatch order; both are popped) and, with
+    ``config.gradient_accumulation_fusion``, add each microbatch's ``g_i^T @ x_i`` into ``weight.main_grad``
+    (``x_i`` all-gathered over ``tp_group`` along dim 0 under ``config.sequence_parallel``). Without gradient
+    accumulation fusion the buffers are emptied and nothing is accumulated, as in megatron-core (the weight
+    gradient then came through autograd). A Megatron-FSDP parameter (``__fsdp_param__``) gets its ``main_grad``
+    from ``get_main_grad()`` first. megatron-core overlaps the next all-gather with the current GEMM on GPUs; here
+    they run in turn (same result)."""
+    if len(embedding_activation_buffer) != len(grad_output_buffer):
+        raise ValueError(f"drain_embedding_wgrad_compute: {len(embedding_activation_buffer)} activations but "
+                         f"{len(grad_output_buffer)} output gradients; the two buffers must have equal lengths")
+    while embedding_activation_buffer:
+        activation = embedding_activation_buffer.pop(0)
+        grad_output = grad_output_buffer.pop(0)
+        if config.sequence_parallel:
+            gathered = torch.empty((activation.shape[0] * tp_group.size(),) + tuple(activation.shape[1:]),
+                                   dtype=activation.dtype, device=activation.device)
+            all_gather_into_tensor(gathered, activation.contiguous(), group=tp_group)
+            activation = gathered
+        grad_output, activation = prepare_input_tensors_for_wgrad_compute(grad_output, activation)
+        if hasattr(weight, "__fsdp_param__"):
+            weight.main_grad = weight.get_main_grad()
+        if config.gradient_accumulation_fusion:
+            _accumulate_into_main_grad(weight, activation, grad_output)
 
 
 _LOGGED = set()
@@ -180,18 +183,32 @@ def safely_set_viewless_tensor_data(tensor: torch.Tensor, new_data_tensor: torch
     tensor.data = new_data_tensor
 
 
-def get_attr_wrapped_model(model, attr: str, allow_none: bool = True):
-    """Find ``attr`` on ``model`` or on the first ``.module`` in its wrapper chain that has it."""
+def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
+    """Find ``attr`` on ``model`` or on the first ``.module`` in its wrapper chain that has it (with
+    ``allow_none=False``: that has it set to something other than None); return its value, or with
+    ``return_model_obj`` the object that holds it."""
     if isinstance(model, list):
         raise RuntimeError("get_attr_wrapped_model does not support lists of model chunks")
-    while not hasattr(model, attr):
+    while (not hasattr(model, attr)) if allow_none else getattr(model, attr, None) is None:
         if not hasattr(model, "module"):
             raise RuntimeError(f"couldn't find attribute {attr} on the model or its wrappers")
         model = model.module
-    value = getattr(model, attr)
-    if not allow_none and value is None:
-        raise RuntimeError(f"attribute {attr} of the model is None")
-    return value
+    return model if return_model_obj else getattr(model, attr)
+
+
+def get_mamba_inference_state_config_from_model(model):
+    """A :class:`MambaInferenceStateConfig` (layer symbols, per-request conv and SSM state shapes) when the model's
+    decoder (through its wrappers) is a hybrid stack with a Mamba layer (``"M"``, the hybrid pattern's symbol);
+    None otherwise."""
+    from megatron.core.inference.contexts.attention_context.mamba_metadata import MambaInferenceStateConfig
+
+    decoder = get_attr_wrapped_model(model, "decoder")
+    layer_type_list = getattr(decoder, "layer_type_list", None)
+    if layer_type_list is None or "M" not in layer_type_list:
+        return None
+    conv_shape, ssm_shape = decoder.mamba_state_shapes_per_request()
+    return MambaInferenceStateConfig(layer_type_list=layer_type_list, mamba_conv_states_shape=conv_shape,
+                                     mamba_ssm_states_shape=ssm_shape)
 
 
 def get_model_type(model):

@@ -34,7 +34,7 @@ def test_cp_getters_and_errors_without_processes():
         ps.get_hierarchical_context_parallel_groups()
     with pytest.raises(NotImplementedError, match="hierarchical"):
         ps.initialize_model_parallel(1, 1, context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
-    with pytest.raises(NotImplementedError, match="partial data parallelism"):
+    with pytest.raises(AssertionError, match="intra partial data parallel group is not initialized"):
         ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
 
 

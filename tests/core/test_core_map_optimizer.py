@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers.mcore_oracle import run_oracle
+from helpers.models_helpers import single_rank  # noqa: F401  (fixture)
 
 # (name, shape, attributes): a decoder layer with q/k layernorms, an embedding (decoupled lr) and an expert weight.
 PARAMS = [
@@ -207,6 +208,10 @@ def test_get_megatron_optimizer_with_config_overrides_and_scheduler():
     assert w0["lr"] == pytest.approx(1e-3 + 0.5 * (1e-2 - 1e-3)) and w0["weight_decay"] == pytest.approx(0.1)
     assert b0["weight_decay"] == 0.0 and w1["lr"] == pytest.approx(0.5 * 4e-2)
     assert w1["weight_decay"] == pytest.approx(0.1) and b1["weight_decay"] == 0.0  # start 0 -> end 0.2, halfway
+    # megatron-core's positional order (config, model_chunks, config_overrides, ...) builds the same groups.
+    positional = get_megatron_optimizer(cfg, [model], overrides, True, None)
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in positional.param_groups] == \
+        [(g["max_lr"], 0.1 * g["wd_mult"], len(g["params"])) for g in opt.param_groups]
     with pytest.raises(ValueError, match="optimizer should not be overriden"):
         get_megatron_optimizer(cfg, [model], config_overrides={ParamKey(name="*"): {"optimizer": "adam"}})
 
@@ -218,3 +223,319 @@ def test_range():
     assert (r.start, r.end, r.size, len(r), str(r), repr(r)) == (3, 10, 7, 7, "3,10 [7]", "3,10 [7]")
     moved = r.normalize(5)
     assert (moved.start, moved.end, moved.size) == (5, 12, 7) and r.normalize().start == 0
+
+
+def test_buffer_type_and_partition_buckets():
+    """Grouping only: fake buffers with the attributes partition_buckets reads."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed.param_and_grad_buffer import BufferType, partition_buckets
+
+    assert [t.name for t in BufferType] == ["PARAM", "GRAD"] and BufferType.GRAD.value == 2
+    assert partition_buckets([]) == []
+
+    def buffer(dtype, n):
+        buckets = [SimpleNamespace(params={object()}, name=f"{dtype}-{i}") for i in range(n)]
+        return SimpleNamespace(param_dtype=dtype, buckets=buckets, ddp_config="cfg", data_parallel_group="dp",
+                               data_parallel_world_size=2)
+
+    def names(groups):
+        return [[b.name for b in g.buckets] for g in groups]
+
+    bf16, fp32, fp8 = buffer(torch.bfloat16, 2), buffer(torch.float32, 1), buffer(torch.uint8, 3)
+    assert names(partition_buckets([bf16, fp32])) == [["torch.bfloat16-0"], ["torch.bfloat16-1"], ["torch.float32-0"]]
+    single = partition_buckets([bf16, fp32], force_single_bucket_group=True)
+    assert names(single) == [["torch.bfloat16-0", "torch.bfloat16-1", "torch.float32-0"]]
+    assert single[0].data_parallel_world_size == 2 and len(single[0].params) == 3
+    # fp8: the other buffers' buckets join the last fp8 group (the first layers').
+    assert names(partition_buckets([bf16, fp8])) == [["torch.uint8-0"], ["torch.uint8-1"],
+                                                     ["torch.uint8-2", "torch.bfloat16-0", "torch.bfloat16-1"]]
+    with pytest.raises(ValueError, match="two buffers"):
+        partition_buckets([bf16, buffer(torch.bfloat16, 1)])
+
+
+def test_clip_qk_reduces_and_clips_supporting_layers(single_rank):
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.qk_clip import clip_qk
+
+    clipped = []
+    supporting = SimpleNamespace(core_attention=SimpleNamespace(current_max_attn_logits=torch.tensor([3.0, 7.5])),
+                                 clip_qk=lambda: clipped.append(1))
+    plain = SimpleNamespace()  # no clip_qk: skipped
+    model = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(self_attention=supporting),
+                                                            SimpleNamespace(self_attention=plain)]))
+    wrapped = SimpleNamespace(module=model)  # a DDP-style wrapper
+    assert clip_qk([wrapped], log_max_only=True) == 7.5 and clipped == []
+    assert clip_qk([wrapped]) == 7.5 and clipped == [1]
+    assert clip_qk([SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(self_attention=plain)]))]) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- ChainedOptimizer
+def _chain_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _backward(model, step):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+    ((model(x) - y) ** 2).sum().backward()
+
+
+def test_chained_optimizer_matches_one_clipped_sgd(single_rank):
+    """Two FP32Optimizers over the two layers, chained, against torch SGD over all parameters with the global
+    norm clipped by torch.nn.utils.clip_grad_norm_."""
+    import copy
+
+    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig
+    from megatron.core.optimizer.optimizer import ProxyDict
+
+    model = _chain_model()
+    reference = copy.deepcopy(model)
+    cfg = OptimizerConfig(optimizer="sgd", lr=0.1, clip_grad=0.5, log_num_zeros_in_grad=True)
+    parts = [FP32Optimizer(torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9), cfg)
+             for layer in (model[0], model[2])]
+    chained = ChainedOptimizer(parts)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        chained.zero_grad()
+        ref_opt.zero_grad()
+        _backward(model, step)
+        _backward(reference, step)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5).item()
+        ok, norm, zeros = chained.step()
+        ref_opt.step()
+        assert ok and norm == pytest.approx(ref_norm, rel=1e-5) and zeros == 0
+    for ours, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    assert len(chained.param_groups) == 2 and chained.param_groups[1] is parts[1].param_groups[0]
+    state = chained.state
+    assert isinstance(state, ProxyDict) and len(state) == 4
+    first = model[2].weight
+    assert torch.equal(state[(1, first)]["momentum_buffer"], parts[1].optimizer.state[first]["momentum_buffer"])
+    assert state[(0, first)] is None and set(state) == {(i, p) for i, o in enumerate(parts) for p in o.state}
+    # Checkpoint round trip: one state dict per chained optimizer.
+    saved = chained.state_dict()
+    assert isinstance(saved, list) and len(saved) == 2
+    fresh = ChainedOptimizer([FP32Optimizer(torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9), cfg)
+                              for layer in (model[0], model[2])])
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.state[(1, first)]["momentum_buffer"], state[(1, first)]["momentum_buffer"])
+    with pytest.raises(RuntimeError, match="Expected 2 entries"):
+        fresh.load_state_dict(saved[:1])
+    single = ChainedOptimizer(parts[:1])
+    assert single.optimizer is parts[0].optimizer and single.state_dict()["state"].keys() == saved[0]["state"].keys()
+    with pytest.raises(AttributeError):
+        chained.optimizer
+    assert ChainedOptimizer([]).is_stub_optimizer
+
+
+def test_chained_optimizer_skips_every_part_on_overflow(single_rank):
+    from megatron.core.optimizer import ChainedOptimizer, ConstantGradScaler, OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    model = _chain_model().to(torch.float16)
+    cfg = OptimizerConfig(optimizer="sgd", lr=0.1, fp16=True, loss_scale=8.0, clip_grad=0.0)
+    parts = [Float16OptimizerWithFloat16Params(torch.optim.SGD(layer.parameters(), lr=0.1), cfg,
+                                               ConstantGradScaler(8.0)) for layer in (model[0], model[2])]
+    chained = ChainedOptimizer(parts)
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model[2].bias.grad[0] = float("inf")
+    assert chained.step() == (False, None, None)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 8.0)
+    assert chained.step()[0]
+    assert torch.allclose(model[0].weight.float(), before[0].float() - 0.1, atol=1e-3)  # unscaled by 1/8
+
+
+# ---------------------------------------------------------------------------------------------------------- Muon
+def _polar(x):
+    """The orthogonal polar factor U V^T of x = U S V^T, from an SVD in float64."""
+    u, _, vh = torch.linalg.svd(x.double(), full_matrices=False)
+    return (u @ vh).float()
+
+
+@pytest.fixture
+def highest_precision():
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
+def test_newton_schulz_against_svd(highest_precision):
+    from megatron.core.optimizer.muon import get_muon_scale_factor, newton_schulz
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((12, 20), (20, 12)):  # wide, and tall (run transposed)
+        x = torch.randn(*shape, generator=g)
+        # Polar Express ends on (15/8, -10/8, 3/8), which converges to U V^T.
+        torch.testing.assert_close(newton_schulz(x, 30, "polar_express"), _polar(x), rtol=0, atol=1e-5)
+        # Five quintic steps: same singular vectors, singular values near 1.
+        u, _, vh = torch.linalg.svd(x.double(), full_matrices=False)
+        core = u.T @ newton_schulz(x, 5, "quintic").double() @ vh.T
+        assert (core - torch.diag(torch.diag(core))).abs().max() < 1e-5
+        assert 0.7 < torch.diag(core).min() and torch.diag(core).max() < 1.25
+    torch.set_float32_matmul_precision("medium")  # bf16 products: the same map, to bf16 accuracy
+    x = torch.randn(12, 20, generator=g)
+    torch.testing.assert_close(newton_schulz(x, 30, "polar_express"), _polar(x), rtol=0, atol=3e-2)
+    assert get_muon_scale_factor(4, 9) == 3.0 and get_muon_scale_factor(9, 4, "unit_rms_norm") == 1.5
+    assert get_muon_scale_factor(4, 9, "shape_scaling") == 1.0 and get_muon_scale_factor(9, 4, "shape_scaling") == 1.5
+
+
+def test_tensor_parallel_muon_step_against_plain_restatement(highest_precision):
+    """Two steps (decoupled weight decay, EMA momentum, Nesterov, per-block QKV, two scale modes) against the
+    update written out with an SVD polar factor."""
+    from megatron.core.optimizer.muon import TensorParallelMuon
+
+    g = torch.Generator().manual_seed(1)
+    dense = torch.nn.Parameter(torch.randn(6, 10, generator=g))
+    qkv = torch.nn.Parameter(torch.randn(2 * (4 + 2 + 2), 10, generator=g))  # 2 query groups, q 4 / k 2 / v 2 rows
+    qkv.is_qkv = True
+    lr, beta, wd, extra = 0.05, 0.9, 0.1, 0.2
+    for scale_mode, scale in (("spectral", lambda m, n: max(m, n) ** 0.5), ("unit_rms_norm", lambda m, n: (m / n) ** 0.5)):
+        params = [dense.detach().clone().requires_grad_(), qkv.detach().clone().requires_grad_()]
+        params[1].is_qkv = True
+        opt = TensorParallelMuon(params, lr=lr, momentum_beta=beta, use_nesterov=True, weight_decay=wd,
+                                 split_qkv=True, is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
+                                 qkv_split_shapes=(4, 2, 2), fp32_matmul_prec="highest",
+                                 coefficient_type="polar_express", num_ns_steps=40, scale_mode=scale_mode,
+                                 extra_scale_factor=extra, mode="blockwise")
+        expected = [p.detach().clone() for p in params]
+        momenta = [torch.zeros_like(p) for p in params]
+        for step in range(2):
+            grads = [torch.randn(p.shape, generator=g) for p in params]
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+            opt.step()
+            for i, grad in enumerate(grads):
+                expected[i] = expected[i] * (1 - lr * wd)
+                momenta[i] = beta * momenta[i] + (1 - beta) * grad
+                direction = (1 - beta) * grad + beta * momenta[i]
+                if i == 0:
+                    update = _polar(direction) * scale(6, 10)
+                else:
+                    blocks = direction.view(2, 8, 10).split([4, 2, 2], dim=1)
+                    update = torch.cat([(_polar(b.reshape(-1, 10)) * scale(b.shape[0] * b.shape[1], 10))
+                                        .view(2, -1, 10) for b in blocks], dim=1).view(16, 10)
+                expected[i] = expected[i] - lr * extra * update
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(p.detach(), e, rtol=0, atol=2e-5)
+        torch.testing.assert_close(opt.state[params[0]]["momentum_buffer"], momenta[0])
+
+
+class _Chunk(torch.nn.Module):
+    """A model chunk as get_megatron_muon_optimizer sees one: named parameters and a transformer config."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        super().__init__()
+        self.config = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=2, hidden_size=8)
+        torch.manual_seed(3)
+        self.embedding = torch.nn.Parameter(torch.randn(16, 8))
+        self.embedding.is_embedding_or_output_parameter = True
+        self.layer = torch.nn.Module()
+        self.layer.linear_qkv = torch.nn.Linear(8, 2 * (4 + 2 + 2))  # weight [16, 8]: q 4 / k 2 / v 2 rows per group
+        self.layer.norm = torch.nn.LayerNorm(8)
+        self.layer.linear_fc1 = torch.nn.Linear(8, 12, bias=False)
+        self.layer.experts = torch.nn.Module()
+        self.layer.experts.weight1 = torch.nn.Parameter(torch.randn(8, 6))
+
+
+def test_get_megatron_muon_optimizer_splits_matrices_from_the_rest(single_rank):
+    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.muon import TensorParallelMuon, get_megatron_muon_optimizer
+
+    chunk = _Chunk()
+    cfg = OptimizerConfig(optimizer="muon", lr=1e-2, min_lr=0.0, clip_grad=1.0, muon_fp32_matmul_prec="highest")
+    with pytest.raises(ValueError, match="get_megatron_muon_optimizer"):
+        get_megatron_optimizer(cfg, [chunk])
+    opt = get_megatron_muon_optimizer(cfg, [chunk])
+    assert isinstance(opt, ChainedOptimizer) and cfg.optimizer == "adam"
+    muon, adam = opt.chained_optimizers
+    assert isinstance(muon, FP32Optimizer) and isinstance(muon.optimizer, TensorParallelMuon)
+    assert isinstance(adam.optimizer, torch.optim.AdamW)
+    ids = {id(p): n for n, p in chunk.named_parameters()}
+    assert sorted(ids[id(p)] for p in muon.get_parameters()) == [
+        "layer.experts.weight1", "layer.linear_fc1.weight", "layer.linear_qkv.weight"]
+    assert sorted(ids[id(p)] for p in adam.get_parameters()) == [
+        "embedding", "layer.linear_qkv.bias", "layer.norm.bias", "layer.norm.weight"]
+    assert muon.optimizer.qkv_split_shapes == [4, 2, 2] and chunk.layer.linear_qkv.weight.is_qkv
+    assert chunk.layer.experts.weight1.expert_tp and all(p.requires_grad for p in chunk.parameters())
+    before = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+    for p in chunk.parameters():
+        p.grad = torch.ones_like(p)
+    assert opt.step()[0]
+    assert all(not torch.equal(before[n], p) for n, p in chunk.named_parameters())
+    # bf16: fp32 main weights that keep the QKV / expert flags Muon reads.
+    chunk16 = _Chunk().to(torch.bfloat16)
+    for p in chunk16.parameters():
+        p.grad = torch.ones_like(p)
+    muon16 = get_megatron_muon_optimizer(OptimizerConfig(lr=1e-2, bf16=True), [chunk16]).chained_optimizers[0]
+    mains = {ids[id(p)]: m for p, m in zip(muon16.float16_groups[0], muon16.fp32_from_float16_groups[0])
+             for ids in [{id(q): n for n, q in chunk16.named_parameters()}]}
+    assert mains["layer.linear_qkv.weight"].is_qkv and mains["layer.experts.weight1"].expert_tp
+    assert all(m.dtype == torch.float32 for m in mains.values())
+    with pytest.raises(ValueError, match="distributed optimizer"):
+        get_megatron_muon_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [chunk])
+    with pytest.raises(ValueError, match="fp16"):
+        get_megatron_muon_optimizer(OptimizerConfig(lr=1e-2, fp16=True), [chunk])
+
+
+def _two_rank_body():
+    """On 2 gloo ranks: Newton-Schulz of a matrix sharded over a TP group of 2 (both modes, both partition dims)
+    against the unsharded iteration; LayerWiseDistributedOptimizer (DP = 2) against the unsharded chain."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    from megatron.core.optimizer.muon import get_megatron_muon_optimizer, newton_schulz, newton_schulz_tp
+
+    torch.set_float32_matmul_precision("highest")
+    rank, world = torch.distributed.get_rank(), torch.distributed.group.WORLD
+    full = torch.randn(8, 12, generator=torch.Generator().manual_seed(5))
+    reference = newton_schulz(full, 5, "quintic")
+    ns_errors = {}
+    for dim in (0, 1):
+        shard = full.chunk(2, dim=dim)[rank]
+        for mode in ("duplicated", "distributed"):
+            ours = newton_schulz_tp(shard, 5, "quintic", world, partition_dim=dim, mode=mode)
+            ns_errors[(dim, mode)] = (ours - reference.chunk(2, dim=dim)[rank]).abs().max().item()
+
+    parallel_state.initialize_model_parallel(1, 1)  # DP = 2
+    chunk, twin = _Chunk(), _Chunk()  # seeded: equal (a deepcopy would drop the parameters' attributes)
+    cfg = OptimizerConfig(lr=1e-2, min_lr=0.0, clip_grad=0.05, muon_fp32_matmul_prec="highest")
+    sharded = get_megatron_muon_optimizer(cfg, [chunk], layer_wise_distributed_optimizer=True)
+    plain = get_megatron_muon_optimizer(OptimizerConfig(**{**cfg.__dict__}), [twin])
+    assert isinstance(sharded, LayerWiseDistributedOptimizer)
+    mine = sorted(n for n, p in chunk.named_parameters() if any(p is q for q in sharded.get_parameters()))
+    norms = []
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 + step)  # the same (DP-reduced) gradients on both ranks
+        for p, q in zip(chunk.parameters(), twin.parameters()):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        norms.append((sharded.step()[1], plain.step()[1]))
+    errors = [(p - q).abs().max().item() for p, q in zip(chunk.parameters(), twin.parameters())]
+    parallel_state.destroy_model_parallel()
+    return ns_errors, mine, norms, errors, [p.detach().clone() for p in chunk.parameters()]
+
+
+def test_tensor_parallel_newton_schulz_and_layer_wise_optimizer_on_two_ranks():
+    from helpers.dist_harness import run_distributed
+
+    results = run_distributed(_two_rank_body, 2, timeout=120)
+    for ns_errors, _, norms, errors, _ in results:
+        assert max(ns_errors.values()) < 2e-5, ns_errors
+        for sharded_norm, plain_norm in norms:
+            assert sharded_norm == pytest.approx(plain_norm, rel=1e-5)
+        assert max(errors) < 1e-6, errors
+    # Whole parameters dealt by size in ping-pong order: each rank owns some, together all, none twice.
+    owned = [set(r[1]) for r in results]
+    assert owned[0] and owned[1] and not owned[0] & owned[1] and len(owned[0] | owned[1]) == 7
+    for a, b in zip(results[0][4], results[1][4]):
+        assert torch.equal(a, b)  # all-gathered: identical models

@@ -241,10 +241,9 @@ def _gpt_with(config, **kw):
 
 
 def test_models_take_the_collections_pipeline_and_cp_groups(single_rank):
-    """BERT, the hybrid model, multi-latent attention and multi-token prediction take a collection whose pipeline /
-    context-parallel groups are not parallel_state's (no refusal) and hold those groups; their training with such
-    groups is compared with parallel_state's in tests/core/test_core_pg_collection_layouts.py. T5 still refuses
-    another pipeline / context-parallel group in one line naming the model and the groups."""
+    """BERT, T5, the hybrid model, multi-latent attention and multi-token prediction take a collection whose
+    pipeline / context-parallel groups are not parallel_state's (no refusal) and hold those groups; their training
+    with such groups is compared with parallel_state's in tests/core/test_core_pg_collection_layouts.py."""
     from megatron.core.models.bert.bert_model import BertModel
     from megatron.core.models.mamba import MambaModel
     from megatron.core.models.mamba.mamba_layer_specs import get_mamba_stack_spec
@@ -264,11 +263,10 @@ def test_models_take_the_collections_pipeline_and_cp_groups(single_rank):
         "MTP GPTModel": _gpt_with(tiny_config(style="llama", mtp_num_layers=1), pg_collection=pgs,
                                   position_embedding_type="rope"),
     }
+    models["T5Model"] = T5Model(config, config, get_t5_encoder_with_local_block_spec(1),
+                                get_t5_decoder_with_local_block_spec(1), 64, 16, pg_collection=pgs)
     for name, model in models.items():
         assert (model.pp_group, model.cp_group) == (pgs.pp, pgs.cp), name
-    with pytest.raises(NotImplementedError, match="T5Model communicates over parallel_state's pp, cp group"):
-        T5Model(config, config, get_t5_encoder_with_local_block_spec(1), get_t5_decoder_with_local_block_spec(1), 64,
-                16, pg_collection=pgs)
 
 
 def test_schedule_hands_its_groups_to_finalize_and_refuses_shape_hooks(single_rank):

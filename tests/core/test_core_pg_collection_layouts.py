@@ -21,6 +21,15 @@ groups); loaded into the whole model it gives the whole run's trained weights (<
 If any module still reached parallel_state's (size-1) groups, run (b) would train another model: unsplit heads or
 vocabulary, no pipeline exchange, no expert all-to-all, no CP ring. Every tensor starts from one global value drawn
 from its checkpoint key (``set_global_weights``), so that all layouts start from the same model.
+
+In the same launch, BERT (TP 2 x PP 2, tied embedding), T5 (TP 2 x PP 2 split at 1: encoder on stage 0, decoder on
+stage 1, word and position embeddings on both), a hybrid Mamba model (TP 2 x PP 2, pattern ``M*``) and a GPT with
+multi-latent attention and one multi-token-prediction depth (PP 2 x CP 2: the depth and its copy of the embedding
+on the last stage) each run one forward-backward step of
+2 micro-batches (schedule, DDP, finalize_model_grads) built (a) with parallel_state's groups of that shape and (b)
+with parallel_state at size 1 and the groups passed as ``pg_collection``: every rank's losses and every parameter's
+reduced gradient must be equal (<= 1e-6). The hybrid model refuses a collection's CP group of 2 (its Mamba layers
+have no context parallelism) in one line.
 """
 import pytest
 import torch
@@ -195,8 +204,9 @@ def body(ckpt_root):
 # as pg_collection: the reported losses and every gradient must be equal. Each layout splits the model (TP 2 with PP 2
 # or CP 2): a module still reaching parallel_state's (size-1) groups would compute another model, or hang.
 MODEL_LAYOUTS = {"bert tp2-pp2": dict(tp=2, cp=1, pp=2, ep=1),
+                 "t5 tp2-pp2 split 1": dict(tp=2, cp=1, pp=2, ep=1, split=1),
                  "mamba tp2-pp2": dict(tp=2, cp=1, pp=2, ep=1),
-                 "mla+mtp tp2-cp2": dict(tp=2, cp=2, pp=1, ep=1)}
+                 "mla+mtp pp2-cp2": dict(tp=1, cp=2, pp=2, ep=1)}
 MODEL_SEQ, MODEL_DEC_SEQ = 8, 6
 
 
@@ -301,7 +311,8 @@ def _mla_mtp(layout, pgs, first, last):
         qk_pos_emb_head_dim=4, v_head_dim=6, rotary_scaling_factor=4.0, original_max_position_embeddings=8,
         qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False, ffn_hidden_size=48, hidden_dropout=0.0,
         attention_dropout=0.0, use_cpu_initialization=True, tensor_model_parallel_size=layout["tp"],
-        context_parallel_size=layout["cp"], sequence_parallel=True, position_embedding_type="rope",
+        context_parallel_size=layout["cp"], pipeline_model_parallel_size=layout["pp"],
+        pipeline_dtype=torch.float32, sequence_parallel=layout["tp"] > 1, position_embedding_type="rope",
         mtp_num_layers=1, padded_vocab_size=VOCAB, max_position_embeddings=16)
     spec = get_gpt_layer_local_spec(qk_layernorm=True, multi_latent_attention=True)
     model = GPTModel(config, spec, VOCAB, 16, position_embedding_type="rope", pre_process=first, post_process=last,
@@ -309,7 +320,7 @@ def _mla_mtp(layout, pgs, first, last):
     return model, _gpt_step(pgs), {}
 
 
-MODEL_BUILDERS = {"bert": _bert, "mamba": _mamba, "mla+mtp": _mla_mtp}
+MODEL_BUILDERS = {"bert": _bert, "t5": _t5, "mamba": _mamba, "mla+mtp": _mla_mtp}
 
 
 def _model_step(name, layout, pgs):
@@ -353,6 +364,14 @@ def _models_body():
         out[name] = {"losses": (a["losses"], b["losses"]), "names": sorted(a["grads"]) == sorted(b["grads"]),
                      "grad_diff": max(float((a["grads"][k] - b["grads"][k]).abs().max()) for k in a["grads"]),
                      "grad_max": max(float(g.abs().max()) for g in a["grads"].values())}
+    # The hybrid model's Mamba layers have no context parallelism: a collection's CP group of 2 is refused in one line.
+    ps.initialize_model_parallel(1, 1)
+    try:
+        _mamba(dict(tp=1, pp=1), _collection(dict(tp=1, cp=2, pp=1, ep=1)), True, True)
+        out["mamba cp2"] = "built"
+    except NotImplementedError as e:
+        out["mamba cp2"] = str(e)
+    ps.destroy_model_parallel()
     return out
 
 
@@ -405,7 +424,7 @@ def test_models_train_with_the_collection_groups_like_parallel_state(results, na
     """BERT (tied embedding over the collection's embd group), T5 (the encoder-decoder pipeline split over the
     collection's pp group, its position embedding over pos_embd), Mamba (the hybrid stack's stages) and a GPT with
     multi-latent attention and multi-token prediction (the CP ring, rotary slice and MTP token roll over the
-    collection's cp group): the same losses and gradients as with parallel_state's groups of the same shape."""
+    collection's cp group, the MTP embedding copy over its embd group): the same losses and gradients as with parallel_state's groups of the same shape."""
     for rank, per_rank in enumerate(results):
         r = per_rank["models"][name]
         (loss_a, loss_b) = r["losses"]
@@ -415,3 +434,10 @@ def test_models_train_with_the_collection_groups_like_parallel_state(results, na
         assert loss_a == pytest.approx(loss_b, rel=1e-6, abs=1e-6)
         assert r["grad_max"] > 0 and r["grad_diff"] <= 1e-6
     assert any(per_rank["models"][name]["losses"][0] for per_rank in results)
+
+
+def test_hybrid_model_refuses_context_parallelism(results):
+    for per_rank in results:
+        assert per_rank["models"]["mamba cp2"] == (
+            "MambaModel with a context-parallel group of 2 ranks: context parallelism of the Mamba layers is not "
+            "implemented in this library; use context parallel size 1")

@@ -38,7 +38,8 @@ _CONTENT_METADATA_KEY = "content_metadata"
 
 __all__ = ["check_is_distributed_checkpoint", "get_default_load_sharded_strategy",
            "get_default_save_common_strategy", "get_default_save_sharded_strategy", "load", "load_common_state_dict",
-           "load_content_metadata", "load_plain_tensors", "load_sharded_metadata", "load_tensors_metadata", "save"]
+           "load_content_metadata", "load_plain_tensors", "load_sharded_metadata", "load_tensors_metadata",
+           "remove_sharded_tensors", "save"]
 
 
 def _rank() -> int:
@@ -153,6 +154,14 @@ def load_content_metadata(checkpoint_dir: Optional[str] = None, *,
             raise ValueError("load_content_metadata needs checkpoint_dir or preloaded_state_dict")
         preloaded_state_dict = load_common_state_dict(checkpoint_dir)
     return preloaded_state_dict.get(_CONTENT_METADATA_KEY)
+
+
+def remove_sharded_tensors(checkpoint_dir: str, key_prefix: str) -> None:
+    """Remove from the checkpoint the sharded data stored under ``key_prefix`` (delegated to the checkpoint's
+    sharded load strategy; torch_dist removes the data files named with that prefix and their metadata
+    entries)."""
+    sharded_strategy, _ = verify_checkpoint_and_load_strategy(str(checkpoint_dir))
+    sharded_strategy.remove_sharded_tensors(str(checkpoint_dir), key_prefix)
 
 
 def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:

@@ -47,6 +47,18 @@ class LocalShard:
                              f"rank, got {self.global_shape} and {self.global_offset}")
 
 
+def shard_write_item(fqn: str, data: torch.Tensor, global_shape, global_offset, index: Optional[int] = None
+                     ) -> WriteItem:
+    """The DCP write item of the block ``data`` at ``global_offset`` of the tensor ``fqn`` of ``global_shape``
+    (a ``SHARD`` item: chunk offsets and sizes, the tensor's properties and global size). ``index``: a lookup
+    hint among several blocks of one key on this rank."""
+    offsets = torch.Size(global_offset)
+    return WriteItem(index=MetadataIndex(fqn, offsets, index), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=data.size()),
+                                                 properties=TensorProperties.create_from_tensor(data),
+                                                 size=torch.Size(global_shape)))
+
+
 def _is_shards(obj) -> bool:
     return isinstance(obj, LocalShard) or (isinstance(obj, list) and bool(obj)
                                            and all(isinstance(x, LocalShard) for x in obj))
@@ -78,14 +90,8 @@ class _ShardSavePlanner(DefaultSavePlanner):
         items = []
         for key, obj in self.state_dict.items():
             if _is_shards(obj):
-                for shard in _as_list(obj):
-                    offsets = torch.Size(shard.global_offset)
-                    items.append(WriteItem(
-                        index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(
-                            chunk=ChunkStorageMetadata(offsets=offsets, sizes=shard.data.size()),
-                            properties=TensorProperties.create_from_tensor(shard.data),
-                            size=torch.Size(shard.global_shape))))
+                items += [shard_write_item(key, shard.data, shard.global_shape, shard.global_offset)
+                          for shard in _as_list(obj)]
             else:
                 items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items)
@@ -204,6 +210,42 @@ def shard_file_problem(checkpoint_dir: str, keys=None, metadata=None, sizes=None
             return (f"shard file {name} of key {index.fqn!r} is truncated ({sizes[name]} bytes, "
                     f"{info.offset + info.length} needed)")
     return None
+
+
+def remove_entries(checkpoint_dir: str, key_prefix: str) -> bool:
+    """Drop from a DCP checkpoint the data files whose names begin with ``key_prefix`` and the metadata entries
+    whose keys do: the new ``.metadata`` is written (fsync'ed) beside the old one, swapped in, then the files are
+    removed; on an error the old metadata is put back. False (nothing changed) when no file name begins with
+    ``key_prefix`` (files are named by prefix only when a save separated them, e.g. with a separation hint)."""
+    import pickle
+    import warnings
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    doomed = [f for f in os.listdir(checkpoint_dir) if f.endswith("distcp") and f.startswith(key_prefix)]
+    if not doomed:
+        warnings.warn(f'There are no files in {checkpoint_dir} that begin with "{key_prefix}". Skipping removal.')
+        return False
+    old = read_dcp_metadata(checkpoint_dir)
+    new = Metadata(
+        state_dict_metadata={k: v for k, v in old.state_dict_metadata.items() if not k.startswith(key_prefix)},
+        planner_data={k: v for k, v in (old.planner_data or {}).items() if not k.startswith(key_prefix)},
+        storage_data={k: v for k, v in (old.storage_data or {}).items() if not k.fqn.startswith(key_prefix)})
+    path = os.path.join(checkpoint_dir, ".metadata")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(new, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path, path + ".bck")
+    try:
+        os.replace(path + ".tmp", path)
+        for name in doomed:
+            os.remove(os.path.join(checkpoint_dir, name))
+    except Exception:
+        os.replace(path + ".bck", path)
+        raise
+    os.remove(path + ".bck")
+    return True
 
 
 def stored_shapes(checkpoint_dir: str) -> Dict[str, Optional[Tuple[int, ...]]]:

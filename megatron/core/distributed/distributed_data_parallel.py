@@ -13,6 +13,7 @@ from typing import Dict, List
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
 from megatron.core.process_groups_config import group_of
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
@@ -60,6 +61,8 @@ class DistributedDataParallel(_BaseDataParallel):
     def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
                  module: torch.nn.Module, disable_bucketing: bool = False, pg_collection=None):
         super().__init__(config, module)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         self.ddp_config = ddp_config
         self.bucket_size = ddp_config.effective_bucket_size(disable_bucketing)
         # megatron-core's pg_collection: ``dp_cp`` reduces the gradients, ``expt_dp`` the expert gradients

@@ -35,6 +35,19 @@ class DistributedDataParallelConfig:
         ``optim_grads_params`` (ZeRO-3: also the weights). The dataclass default is ``no_shard``, the command line's
         ``optim_grads_params``, as in Megatron.
     num_distributed_optimizer_instances: more than 1 (hybrid sharding over an outer DP dimension) is refused.
+
+    megatron-core's other fields, accepted for the standalone Megatron-FSDP API
+    (``megatron.core.distributed.fsdp.src.megatron_fsdp``), which builds this config:
+
+    outer_dp_sharding_strategy: sharding over the outer DP dimension of hybrid FSDP (HSDP); only ``no_shard``
+        (no HSDP) exists here, ``optim`` is refused.
+    preserve_fp32_weights: Megatron-FSDP keeps fp32 main weights of low-precision parameters (True); False keeps the
+        parameters' own dtype as the optimizer's weights (honoured by the standalone ``MegatronFSDP``).
+    check_for_large_grads, fp8_param_gather, reuse_grad_buf_for_mxfp8_param_ag: not implemented; True is refused.
+    average_in_collective, pad_buckets_for_high_nccl_busbw, gradient_reduce_div_fusion,
+    suggested_communication_unit_size, keep_fp8_transpose_cache, nccl_ub, fsdp_double_buffer,
+    disable_symmetric_registration, fsdp_manual_registration, use_custom_fsdp: how NCCL / the GPU schedules the same
+    collectives (the reduced values are the same: a mean over the DP x CP ranks); accepted, no effect here.
     """
 
     grad_reduce_in_fp32: bool = False
@@ -47,11 +60,34 @@ class DistributedDataParallelConfig:
     use_megatron_fsdp: bool = False
     data_parallel_sharding_strategy: str = "no_shard"
     num_distributed_optimizer_instances: int = 1
+    check_for_large_grads: bool = False
+    pad_buckets_for_high_nccl_busbw: bool = False
+    average_in_collective: bool = False
+    fp8_param_gather: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    use_custom_fsdp: bool = False
+    gradient_reduce_div_fusion: bool = True
+    suggested_communication_unit_size: Optional[int] = None
+    preserve_fp32_weights: bool = True
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    outer_dp_sharding_strategy: str = "no_shard"
+    disable_symmetric_registration: bool = False
+    fsdp_manual_registration: bool = False
 
     def __post_init__(self):
+        for name in ("check_for_large_grads", "fp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag"):
+            if getattr(self, name):
+                raise ValueError(f"DistributedDataParallelConfig.{name}=True is not implemented in this library")
+        if self.outer_dp_sharding_strategy != "no_shard":
+            raise ValueError("DistributedDataParallelConfig.outer_dp_sharding_strategy: only 'no_shard' exists here "
+                             f"(hybrid FSDP is not implemented), got {self.outer_dp_sharding_strategy!r}")
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"DistributedDataParallelConfig.bucket_size must be positive, got {self.bucket_size}")
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
+        # Megatron-FSDP's sharded strategies gather parameters themselves (FSDP2 prefetches the next unit).
+        if self.overlap_param_gather and not self.use_distributed_optimizer \
+                and self.data_parallel_sharding_strategy not in ("optim_grads", "optim_grads_params"):
             raise ValueError("DistributedDataParallelConfig.overlap_param_gather needs use_distributed_optimizer")
         if self.data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"DistributedDataParallelConfig.data_parallel_sharding_strategy must be one of "

@@ -5,8 +5,8 @@ with ``--overlap-grad-reduce`` it is already running when backward ends):
 
 1. finish the data-parallel reduction of every model chunk (``finish_grad_sync``);
 2. all-reduce over the tensor-parallel group the gradients of parameters replicated across TP ranks but
-   fed with different tokens under sequence parallelism (``param.sequence_parallel``: layer-norm weights
-   and biases, row-parallel biases);
+   fed with different tokens under sequence parallelism, or with different heads (``param.sequence_parallel``:
+   layer-norm weights and biases, row-parallel biases, the shared q/k norms, Gated DeltaNet's output norm);
 3. all-reduce over the embedding group the gradient of the word embedding tied between the first and the
    last pipeline stage, or copied to the last stage for multi-token prediction (and of the position embedding
    between the first and the split stage of an encoder-decoder pipeline);
@@ -67,11 +67,11 @@ def _allreduce_coalesced(grads: List[torch.Tensor], group):
 
 
 def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, tp_group=None):
-    """Sequence parallelism: sum over TP the grads of replicated parameters that saw only a sequence shard."""
+    """Sum over TP the grads of replicated parameters marked ``sequence_parallel``: they saw only this rank's share of
+    the work (a sequence shard under sequence parallelism, or a head shard: the shared q/k norms, Gated DeltaNet's
+    output norm). Modules mark only what needs it."""
     tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     if torch.distributed.get_world_size(tp_group) == 1:
-        return
-    if not (getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)):
         return
     grads = []
     for chunk in model:
@@ -85,14 +85,14 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, tp_group=No
 
 def _allreduce_embedding_grads(model: List[torch.nn.Module], config, pg_collection=None):
     """Sum the tied word-embedding grads of the first and last stage (and position embeddings at a split) over the
-    collection's ``embd`` group (else parallel_state's)."""
+    collection's ``embd`` / ``pos_embd`` groups (else parallel_state's)."""
+    from megatron.core.transformer.module import is_member
+
     pp_size = pg_size(pg_collection, "pp")
     if pp_size == 1:
         return
     embd_group = group_of(pg_collection, "embd")
     if embd_group is not None:
-        from megatron.core.transformer.module import is_member
-
         in_embedding_group = is_member(embd_group)
     else:
         in_embedding_group = parallel_state.is_rank_in_embedding_group(ignore_virtual=True)
@@ -116,14 +116,19 @@ def _allreduce_embedding_grads(model: List[torch.nn.Module], config, pg_collecti
                 grad = torch.zeros_like(weight)
             torch.distributed.all_reduce(grad, group=embd_group)
 
-    if (parallel_state.is_rank_in_position_embedding_group()
-            and parallel_state.get_pipeline_model_parallel_split_rank() is not None):
+    # The position embedding of an encoder-decoder split (the encoder's and the decoder's first stage): over the
+    # collection's ``pos_embd`` group, else parallel_state's.
+    if parallel_state.get_pipeline_model_parallel_split_rank() is None:
+        return
+    pos_group = group_of(pg_collection, "pos_embd")
+    if pos_group is None and parallel_state.is_rank_in_position_embedding_group():
+        pos_group = parallel_state.get_position_embedding_group()
+    if is_member(pos_group):
         inner = unwrap_model_chunk(model[0])
         weight = _position_embedding_weight(inner)
         if weight is not None:
             grad = _main_grad(weight)
-            torch.distributed.all_reduce(grad if grad is not None else torch.zeros_like(weight),
-                                         group=parallel_state.get_position_embedding_group())
+            torch.distributed.all_reduce(grad if grad is not None else torch.zeros_like(weight), group=pos_group)
 
 
 def _position_embedding_weight(inner):

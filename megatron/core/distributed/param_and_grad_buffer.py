@@ -169,7 +169,22 @@ class Bucket:
             self.start_grad_sync()
 
 
-class ParamAndGradBuffer:
+class _BucketListSync:
+    """Gradient reduction of ``self.buckets`` in list order (a bucket already dispatched is not dispatched again)."""
+
+    buckets: List[Bucket]
+
+    def start_grad_sync(self):
+        for bucket in self.buckets:
+            if not bucket.communication_issued:
+                bucket.start_grad_sync()
+
+    def finish_grad_sync(self):
+        for bucket in self.buckets:
+            bucket.finish_grad_sync()
+
+
+class ParamAndGradBuffer(_BucketListSync):
     """Gradient (and, with the distributed optimizer, parameter) storage of parameters of one dtype."""
 
     def __init__(self, ddp_config: DistributedDataParallelConfig, param_dtype: torch.dtype, grad_dtype: torch.dtype,
@@ -266,15 +281,6 @@ class ParamAndGradBuffer:
             bucket.reset()
         self.is_last_microbatch = True
 
-    def start_grad_sync(self):
-        for bucket in self.buckets:
-            if not bucket.communication_issued:
-                bucket.start_grad_sync()
-
-    def finish_grad_sync(self):
-        for bucket in self.buckets:
-            bucket.finish_grad_sync()
-
     def register_grad_ready(self, param: torch.nn.Parameter):
         if self.is_last_microbatch and self.ddp_config.overlap_grad_reduce:
             self.param_to_bucket[param].register_grad_ready(param)
@@ -297,7 +303,7 @@ class ParamAndGradBuffer:
             all_gather_into_tensor(bucket.param_data, local, group=self.data_parallel_group)
 
 
-class _ParamAndGradBucketGroup:
+class _ParamAndGradBucketGroup(_BucketListSync):
     """Buckets whose communication belongs together (see :func:`partition_buckets`). Its sync calls run the
     buckets' own collectives one after another, in list order (no coalescing into one kernel)."""
 
@@ -308,15 +314,6 @@ class _ParamAndGradBucketGroup:
         self.data_parallel_group = data_parallel_group
         self.data_parallel_world_size = data_parallel_world_size
         self.params = set().union(*(bucket.params for bucket in buckets)) if buckets else set()
-
-    def start_grad_sync(self):
-        for bucket in self.buckets:
-            if not bucket.communication_issued:
-                bucket.start_grad_sync()
-
-    def finish_grad_sync(self):
-        for bucket in self.buckets:
-            bucket.finish_grad_sync()
 
     def start_param_sync(self, force_sync: bool = False):
         for bucket in self.buckets:

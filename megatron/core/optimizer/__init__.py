@@ -16,6 +16,7 @@ from megatron.core.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.utils import log_once
 from megatron.core.optimizer.optimizer import (
+    ChainedOptimizer,
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     MegatronOptimizer,
@@ -47,6 +48,7 @@ __all__ = [
     "ParamPredicate",
     "ParamWithNamePredicate",
     "MegatronOptimizer",
+    "ChainedOptimizer",
     "MixedPrecisionOptimizer",
     "Float16OptimizerWithFloat16Params",
     "FP32Optimizer",
@@ -251,7 +253,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     DistributedOptimizer (any precision); chunks sharded by FSDP2 (``uses_fully_shard``) -> FullyShardedOptimizer.
     ``config_overrides`` (``{ParamKey: ParamGroupOverride}``, see :func:`_get_param_groups`) replaces the legacy
     ``no_weight_decay_cond`` / ``scale_lr_cond`` / ``lr_mult`` grouping; its groups without a parameter on this
-    rank are dropped. Megatron-FSDP's bucketed strategies decide for themselves: ``optim`` -> DistributedOptimizer, ``no_shard`` ->
+    rank are dropped. Both positional orders work: the legacy ``(config, model_chunks, no_weight_decay_cond,
+    scale_lr_cond, lr_mult)`` and megatron-core 0.16's ``(config, model_chunks, config_overrides,
+    use_gloo_process_groups, pg_collection)``, recognised by a dict in third place. Megatron-FSDP's bucketed strategies decide for themselves: ``optim`` -> DistributedOptimizer, ``no_shard`` ->
     the plain optimizer (Megatron forces --use-distributed-optimizer on with Megatron-FSDP). Every group starts at
     ``lr * lr_mult`` and
     ``weight_decay * wd_mult``; the OptimizerParamScheduler updates them from then on.
@@ -261,10 +265,25 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     # megatron-core's keywords: the data-parallel groups are the DDP buffers' (DistributedDataParallel's
     # pg_collection); the collection's mp / tp_ep_pp (intra_dist_opt with the distributed optimizer) sum the
     # gradient norm (None: parallel_state's).
+    if isinstance(no_weight_decay_cond, dict):
+        # megatron-core 0.16's positional order: (config, model_chunks, config_overrides, use_gloo_process_groups,
+        # pg_collection).
+        if config_overrides is not None:
+            raise TypeError("get_megatron_optimizer: config_overrides given twice (positionally and by keyword)")
+        config_overrides, no_weight_decay_cond = no_weight_decay_cond, None
+        if scale_lr_cond is not None:
+            use_gloo_process_groups, scale_lr_cond = bool(scale_lr_cond), None
+        if not isinstance(lr_mult, (int, float)):
+            if pg_collection is not None:
+                raise TypeError("get_megatron_optimizer: pg_collection given twice (positionally and by keyword)")
+            pg_collection, lr_mult = lr_mult, 1.0
     if dump_param_to_param_group_map is not None:
         raise NotImplementedError("get_megatron_optimizer: dump_param_to_param_group_map is not implemented")
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is not set: pass --lr")
+    if config.optimizer not in ("adam", "sgd"):
+        raise ValueError(f"get_megatron_optimizer builds adam or sgd, not {config.optimizer!r}: use "
+                         "megatron.core.optimizer.muon.get_megatron_muon_optimizer for muon / dist_muon")
     check_config_overrides_consistency(config, config_overrides)
     if config_overrides is not None:
         if no_weight_decay_cond is not None or scale_lr_cond is not None or lr_mult != 1.0:

@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer, shard_buffer
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
@@ -107,6 +108,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
                  grad_scaler: Optional[MegatronGradScaler], model_chunks: List[torch.nn.Module]):
         super().__init__(optimizer, config, grad_scaler)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         self.model_chunks = model_chunks
         self.buffers: List[ParamAndGradBuffer] = []
         for chunk in model_chunks:

@@ -76,13 +76,14 @@ class FullyShardedOptimizer(FP32Optimizer):
     def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
         return self._local_grads(counted_only=True)
 
-    def clip_grad_norm(self, clip_grad: float) -> float:
-        total = get_grad_norm_fp32(self.get_main_grads_for_grad_norm(), 2, None)
-        coefficient = clip_grad / (total + 1.0e-6)
+    def get_grad_norm(self) -> float:
+        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(), 2, None)
+
+    def clip_grad_by_total_norm(self, clip_grad: float, total_norm: float):
+        coefficient = clip_grad / (total_norm + 1.0e-6)
         grads = self._local_grads(counted_only=False)
         if coefficient < 1.0 and grads:
             torch._foreach_mul_(grads, coefficient)
-        return total
 
     def count_zeros(self) -> int:
         grads = self.get_main_grads_for_grad_norm()
@@ -92,12 +93,14 @@ class FullyShardedOptimizer(FP32Optimizer):
         torch.distributed.all_reduce(total)
         return int(total.item())
 
+    def prepare_grads(self) -> bool:
+        return False  # the sharded gradients are the parameters' own .grad blocks already
+
     @torch.no_grad()
-    def step(self):
-        grad_norm, num_zeros = self._clip_and_count()
+    def step_with_ready_grads(self) -> bool:
         with self._timed("optimizer-inner-step"):
             self._inner_step()
         with self._timed("params-all-gather"):
             for chunk in self.model_chunks:
                 chunk.start_param_sync(force_sync=True)  # optim_grads: the updated blocks, gathered whole
-        return True, grad_norm, num_zeros
+        return True

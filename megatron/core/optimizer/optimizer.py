@@ -6,24 +6,27 @@
   unscaled and checked for inf/NaN, and the updated main parameters are copied back into the model.
 * ``DistributedOptimizer`` (``distrib_optimizer.py``) shards the main parameters and optimizer state over
   the data-parallel group.
+* :class:`ChainedOptimizer`: several of the above over disjoint parameter sets, stepped as one.
 
-``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``. A step whose gradients overflowed
-(fp16) is skipped: the parameters and the optimizer state are left untouched and the loss scaler backs off.
+``step()`` = ``prepare_grads()`` (gradients into place, unscaled; True on inf/NaN), then clipping to the global
+norm and counting zeros, then ``step_with_ready_grads()``; it returns ``(update_successful, grad_norm,
+num_zeros_in_grad)``. A step whose gradients overflowed (fp16) is skipped: the parameters and the optimizer state
+are left untouched and the loss scaler backs off.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from typing import List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
 from megatron.core import device as _device
+from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
 from megatron.core.process_groups_config import pg_group, pg_size
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     get_grad_norm_fp32,
-    clip_grad_norm_fp32,
     count_zeros_fp32,
     param_is_not_shared,
 )
@@ -97,13 +100,13 @@ class MegatronOptimizer(ABC):
         """The group over which norms, zero counts and overflow flags are summed (None = world)."""
         return pg_group(self.pg_collection, "mp")
 
-    def clip_grad_norm(self, clip_grad: float) -> float:
+    def get_grad_norm(self) -> float:
+        """The global L2 norm of the gradients (each model piece once), before clipping."""
         group = self.get_model_parallel_group()
         if group is None or not _expert_groups_separate(self.pg_collection):
-            return clip_grad_norm_fp32(self.get_parameters(), self.get_main_grads_for_grad_norm(), clip_grad,
-                                       model_parallel_group=group)
+            return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(), 2, group)
         # Expert parallelism: dense pieces are unique over TP x PP, expert pieces over expert TP x EP x PP. Each
-        # part's squares are summed over its own group and the single total norm clips every parameter.
+        # part's squares are summed over its own group into one total norm.
         dense, expert = [], []
         for param in self.get_parameters():
             if param.grad is None:
@@ -112,11 +115,18 @@ class MegatronOptimizer(ABC):
                 expert.append(param.grad.detach())
             elif param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, self._tp_group()):
                 dense.append(param.grad.detach())
-        expert_group = pg_group(self.pg_collection, "tp_ep_pp")
         norm_dense = get_grad_norm_fp32(dense, 2, group)
-        norm_expert = get_grad_norm_fp32(expert, 2, expert_group)
-        total = (norm_dense ** 2 + norm_expert ** 2) ** 0.5
-        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, total)
+        norm_expert = get_grad_norm_fp32(expert, 2, pg_group(self.pg_collection, "tp_ep_pp"))
+        return (norm_dense ** 2 + norm_expert ** 2) ** 0.5
+
+    def clip_grad_by_total_norm(self, clip_grad: float, total_norm: float):
+        """Scale every gradient by ``clip_grad / (total_norm + 1e-6)`` when that is below 1."""
+        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, total_norm)
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip the gradients to a global norm of ``clip_grad``; return the norm before clipping."""
+        total = self.get_grad_norm()
+        self.clip_grad_by_total_norm(clip_grad, total)
         return total
 
     def count_zeros(self) -> int:
@@ -149,9 +159,26 @@ class MegatronOptimizer(ABC):
     def load_state_dict(self, state_dict: dict):
         ...
 
-    @abstractmethod
+    def prepare_grads(self) -> bool:
+        """Bring the gradients to where the torch optimizer reads them (and unscale them); True if some rank found
+        inf / NaN, in which case the step must be skipped."""
+        return False
+
+    def step_with_ready_grads(self) -> bool:
+        """The torch optimizer's step on prepared (and clipped) gradients, then the model parameters refreshed
+        from the updated ones; True when the update happened."""
+        with self._timed("optimizer-inner-step"):
+            self._inner_step()
+        return True
+
+    @torch.no_grad()
     def step(self):
-        ...
+        """``prepare_grads``; skip on inf / NaN; clip and count zeros; ``step_with_ready_grads``. Returns
+        ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+        if self.prepare_grads():
+            return False, None, None
+        grad_norm, num_zeros = self._clip_and_count()
+        return self.step_with_ready_grads(), grad_norm, num_zeros
 
     def _get_state(self):
         return self.optimizer.state
@@ -238,6 +265,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     def __init__(self, optimizer, config: OptimizerConfig, grad_scaler: Optional[MegatronGradScaler]):
         super().__init__(optimizer, config)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         self.grad_scaler = grad_scaler
         if self.grad_scaler is None and config.fp16:
             raise ValueError("fp16 training needs a loss scaler (constant --loss-scale or the dynamic one)")
@@ -286,30 +315,33 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         return self.found_inf.item() > 0
 
     @torch.no_grad()
-    def step(self):
+    def prepare_grads(self) -> bool:
+        """Copy the model grads into the main grads; with a loss scaler, unscale them, check for inf / NaN over
+        the group and update the scaler."""
         with self._timed("optimizer-copy-to-main-grad"):
             self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is None:
+            return False
+        with self._timed("optimizer-unscale-and-check-inf"):
+            found_inf = self._unscale_main_grads_and_check_for_nan()
+        self.grad_scaler.update(found_inf)
+        return found_inf
 
-        if self.grad_scaler is not None:
-            with self._timed("optimizer-unscale-and-check-inf"):
-                found_inf = self._unscale_main_grads_and_check_for_nan()
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                return False, None, None
-
-        grad_norm, num_zeros = self._clip_and_count()
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
         with self._timed("optimizer-inner-step"):
             self._inner_step()
         with self._timed("optimizer-copy-main-to-model-params"):
             self._copy_main_params_to_model_params()
-        return True, grad_norm, num_zeros
+        return True
 
 
 class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
     """fp16/bf16 model parameters with fp32 main parameters owned by the torch optimizer.
 
     The torch optimizer's param groups are rewritten in place: every fp16/bf16 parameter is replaced by an
-    fp32 clone (carrying the tensor-parallel and ``shared`` attributes); fp32 parameters of the model stay.
+    fp32 clone (carrying the tensor-parallel, ``shared``, ``is_qkv`` and ``expert_tp`` attributes); fp32 parameters
+    of the model stay.
     """
 
     def __init__(self, optimizer, config: OptimizerConfig, grad_scaler: Optional[MegatronGradScaler]):
@@ -327,8 +359,10 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                     float16_params.append(param)
                     main_param = param.detach().clone().float()
                     copy_tensor_model_parallel_attributes(main_param, param)
-                    if hasattr(param, "shared"):
-                        main_param.shared = param.shared
+                    # What optimizers read from a parameter: shared (norm counting), Muon's is_qkv / expert_tp.
+                    for flag in ("shared", "is_qkv", "expert_tp"):
+                        if hasattr(param, flag):
+                            setattr(main_param, flag, getattr(param, flag))
                     group["params"][i] = main_param
                     fp32_from_float16.append(main_param)
                     if param in self.optimizer.state:
@@ -421,6 +455,8 @@ class FP32Optimizer(MegatronOptimizer):
 
     def __init__(self, optimizer, config: OptimizerConfig):
         super().__init__(optimizer, config)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         self._scale = torch.ones(1, dtype=torch.float32, device=_device.current_device())
 
     def zero_grad(self, set_to_none: bool = True):
@@ -431,16 +467,14 @@ class FP32Optimizer(MegatronOptimizer):
         return self._scale
 
     @torch.no_grad()
-    def step(self):
+    def prepare_grads(self) -> bool:
+        """Point every parameter's ``.grad`` at its DDP ``main_grad``; fp32 never skips a step."""
         with self._timed("optimizer-copy-to-main-grad"):
             for param in self.get_parameters():
                 main_grad = getattr(param, "main_grad", None)
                 if main_grad is not None:
                     param.grad = main_grad
-        grad_norm, num_zeros = self._clip_and_count()
-        with self._timed("optimizer-inner-step"):
-            self._inner_step()
-        return True, grad_norm, num_zeros
+        return False
 
     def reload_model_params(self):
         pass
@@ -451,3 +485,195 @@ class FP32Optimizer(MegatronOptimizer):
     def load_state_dict(self, state_dict: dict):
         self._load_inner_state_dict(state_dict)
 
+
+
+class ProxyDict:
+    """A read-write view of a list of dicts as one dict keyed ``(index of the dict, key inside it)``:
+    ``ProxyDict([{"a": 1}, {"b": 2}])`` holds ``{(0, "a"): 1, (1, "b"): 2}``. A missing key reads as None."""
+
+    def __init__(self, inner_dicts: List[dict]):
+        self._inner_dicts = inner_dicts
+
+    def __getitem__(self, key: Tuple[int, Any]):
+        index, inner_key = key
+        return self._inner_dicts[index].get(inner_key)
+
+    def __setitem__(self, key: Tuple[int, Any], value: Any):
+        index, inner_key = key
+        self._inner_dicts[index][inner_key] = value
+
+    def __len__(self) -> int:
+        return sum(len(inner) for inner in self._inner_dicts)
+
+    def __iter__(self) -> Iterator[Tuple[int, Any]]:
+        for index, inner in enumerate(self._inner_dicts):
+            for inner_key in inner:
+                yield index, inner_key
+
+    def items(self):
+        """``((index, key), value)`` over every inner dict in order."""
+        for index, inner in enumerate(self._inner_dicts):
+            for inner_key, value in inner.items():
+                yield (index, inner_key), value
+
+
+class ChainedOptimizer(MegatronOptimizer):
+    """Several Megatron optimizers over disjoint parameter sets (dense and expert parameters, Muon and Adam ...)
+    stepped as one.
+
+    ``step()``: every optimizer prepares its gradients; if any found inf / NaN all skip. Otherwise the global
+    gradient norm is ``sqrt(sum_i norm_i^2)`` over the optimizers' own norms (each over its own groups), every
+    optimizer with ``clip_grad > 0`` scales its gradients by ``clip_grad / (norm + 1e-6)`` when below 1, zeros are
+    counted (``log_num_zeros_in_grad``) and every optimizer steps. ``param_groups`` is the concatenation of the
+    optimizers' groups, ``state`` a :class:`ProxyDict` keyed ``(optimizer index, param)``; ``state_dict()`` is the
+    single optimizer's own, or the list of all of them. All optimizers must share one config.
+    """
+
+    def __init__(self, chained_optimizers: List[MegatronOptimizer]):
+        self.chained_optimizers = chained_optimizers
+        self.model_chunks = []
+        self.config = getattr(chained_optimizers[0], "config", None) if chained_optimizers else None
+        for optimizer in chained_optimizers:
+            if getattr(optimizer, "config", None) != self.config:
+                raise ValueError("ChainedOptimizer: the chained optimizers must share one OptimizerConfig")
+            for chunk in getattr(optimizer, "model_chunks", []):
+                if not any(chunk is known for known in self.model_chunks):
+                    self.model_chunks.append(chunk)
+        # No optimizer (a rank without trainable parameters), or only stubs: this one is a stub too.
+        self.is_stub_optimizer = all(getattr(opt, "is_stub_optimizer", False) for opt in chained_optimizers)
+        self._inner_steps = 0
+
+    @property
+    def optimizer(self):
+        """The torch optimizer of the only chained optimizer (an error with several)."""
+        if len(self.chained_optimizers) != 1:
+            raise AttributeError(f"ChainedOptimizer.optimizer: {len(self.chained_optimizers)} optimizers are "
+                                 "chained; use chained_optimizers[i].optimizer")
+        return self.chained_optimizers[0].optimizer
+
+    @property
+    def param_groups(self) -> List[dict]:
+        return [group for optimizer in self.chained_optimizers for group in optimizer.param_groups]
+
+    @property
+    def state(self) -> ProxyDict:
+        return ProxyDict([optimizer.state for optimizer in self.chained_optimizers])
+
+    def get_parameters(self) -> List[torch.Tensor]:
+        return [p for optimizer in self.chained_optimizers for p in optimizer.get_parameters()]
+
+    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        return [g for optimizer in self.chained_optimizers for g in optimizer.get_main_grads_for_grad_norm()]
+
+    def zero_grad(self, set_to_none: bool = True):
+        for optimizer in self.chained_optimizers:
+            optimizer.zero_grad(set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        if self.chained_optimizers:
+            return self.chained_optimizers[0].get_loss_scale()
+        return torch.ones(1, dtype=torch.float32, device=_device.current_device())
+
+    def reload_model_params(self, state_dict=None):
+        """Every optimizer refreshes its copies from the model parameters (``state_dict`` is not needed: the
+        main parameters are rebuilt from the model's own)."""
+        for optimizer in self.chained_optimizers:
+            optimizer.reload_model_params()
+
+    def state_dict(self):
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].state_dict()
+        return [optimizer.state_dict() for optimizer in self.chained_optimizers]
+
+    def load_state_dict(self, state_dict):
+        """The single optimizer's state dict, or one per optimizer (a list, or a dict read in key order)."""
+        if len(self.chained_optimizers) == 1:
+            self.chained_optimizers[0].load_state_dict(state_dict)
+            return
+        if len(state_dict) != len(self.chained_optimizers):
+            raise RuntimeError(f"Expected {len(self.chained_optimizers)} entries in state dict, but got "
+                               f"{len(state_dict)}.")
+        if isinstance(state_dict, dict):
+            state_dict = [value for _, value in sorted(state_dict.items())]
+        for optimizer, state in zip(self.chained_optimizers, state_dict):
+            optimizer.load_state_dict(state)
+        self._synchronize_steps()
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        found_inf = False
+        for optimizer in self.chained_optimizers:
+            found_inf |= bool(optimizer.prepare_grads())
+        return found_inf
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        success = True
+        for optimizer in self.chained_optimizers:
+            success &= bool(optimizer.step_with_ready_grads())
+        return success
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].get_grad_norm()
+        return sum(float(optimizer.get_grad_norm() or 0.0) ** 2 for optimizer in self.chained_optimizers) ** 0.5
+
+    def clip_grad_by_total_norm(self, clip_grad: float, total_norm: float):
+        for optimizer in self.chained_optimizers:
+            optimizer.clip_grad_by_total_norm(clip_grad, total_norm)
+
+    @torch.no_grad()
+    def count_zeros(self) -> int:
+        return sum(optimizer.count_zeros() for optimizer in self.chained_optimizers)
+
+    @torch.no_grad()
+    def step(self):
+        if self.prepare_grads():
+            return False, None, None
+        grad_norm = self.get_grad_norm()
+        for optimizer in self.chained_optimizers:
+            if optimizer.config.clip_grad > 0.0 and not getattr(optimizer, "is_stub_optimizer", False):
+                optimizer.clip_grad_by_total_norm(optimizer.config.clip_grad, grad_norm)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        return self.step_with_ready_grads(), grad_norm, num_zeros
+
+    def save_parameter_state(self, filename: str):
+        """Distributed optimizers' gathered states: the single one's file, or a list with one entry per chained
+        optimizer (None for those that are not distributed or not gathered on this rank)."""
+        if len(self.chained_optimizers) == 1:
+            self.chained_optimizers[0].save_parameter_state(filename)
+            return
+        states = [opt.get_parameter_state() if hasattr(opt, "get_parameter_state") else None
+                  for opt in self.chained_optimizers]
+        if any(state is not None for state in states):
+            torch.save(states, filename)
+
+    def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False):
+        """Inverse of :meth:`save_parameter_state` (collective); the file is read on the gathering ranks."""
+        if update_legacy_format:
+            raise NotImplementedError("load_parameter_state(update_legacy_format=True): the legacy distributed "
+                                      "optimizer formats are not converted")
+        if len(self.chained_optimizers) == 1:
+            self.chained_optimizers[0].load_parameter_state(filename)
+            return
+        distributed = [opt for opt in self.chained_optimizers if hasattr(opt, "load_parameter_state")]
+        root = any(opt.is_parameter_state_root() for opt in distributed)
+        states = torch.load(filename, map_location="cpu", weights_only=False) if root else None
+        for index, optimizer in enumerate(self.chained_optimizers):
+            if hasattr(optimizer, "load_parameter_state"):
+                optimizer.load_parameter_state(states[index] if states else None)
+
+    def _synchronize_steps(self):
+        """One step count for every non-empty param group that keeps one (apex / TE FusedAdam count per group and
+        skip empty groups); returns it (None when no group keeps a count)."""
+        steps = {group["step"] for opt in self.chained_optimizers for group in opt.optimizer.param_groups
+                 if group["params"] and "step" in group}
+        if len(steps) > 1:
+            raise RuntimeError(f"ChainedOptimizer: the chained optimizers disagree on the step count: {steps}")
+        step = next(iter(steps), None)
+        for opt in self.chained_optimizers:
+            for group in opt.optimizer.param_groups:
+                if group["params"] and "step" in group:
+                    group["step"] = step
+        return step

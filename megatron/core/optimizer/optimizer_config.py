@@ -66,7 +66,8 @@ class ParamKey:
 class OptimizerConfig:
     """Settings of :func:`megatron.core.optimizer.get_megatron_optimizer`.
 
-    Flag names in brackets: optimizer (--optimizer adam|sgd), lr / min_lr (--lr, --min-lr), weight_decay
+    Flag names in brackets: optimizer (--optimizer adam|sgd; muon|dist_muon are built by
+    ``megatron.core.optimizer.muon.get_megatron_muon_optimizer``), lr / min_lr (--lr, --min-lr), weight_decay
     (--weight-decay), fp16 / bf16 (--fp16, --bf16), loss_scale (--loss-scale; None means dynamic for fp16),
     initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis (the dynamic scaler), adam_beta1/2,
     adam_eps, sgd_momentum, use_distributed_optimizer (--use-distributed-optimizer), clip_grad
@@ -122,12 +123,14 @@ class OptimizerConfig:
     log_num_zeros_in_grad: bool = False
     barrier_with_L1_time: bool = False
     timers: Optional[Callable] = None
+    config_logger_dir: str = ""  # --config-logger-dir: the optimizer's constructor arguments are dumped there
 
     def __post_init__(self):
         if self.fp16 and self.bf16:
             raise ValueError("OptimizerConfig: --fp16 and --bf16 cannot both be set")
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"OptimizerConfig: --optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.optimizer not in ("adam", "sgd", "muon", "dist_muon"):
+            raise ValueError(f"OptimizerConfig: --optimizer must be 'adam', 'sgd', 'muon' or 'dist_muon', "
+                             f"got {self.optimizer!r}")
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"OptimizerConfig: --loss-scale must be positive, got {self.loss_scale}")
         if self.clip_grad < 0:

@@ -34,6 +34,7 @@ exchanges. Without them: parallel_state's groups.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -42,8 +43,11 @@ from torch.autograd.variable import Variable
 from megatron.core import device, parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.process_groups_config import pg_group, pg_rank, pg_size
-from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
+from megatron.core.pipeline_parallel.schedule_helpers import (clear_embedding_activation_buffer,  # noqa: F401
+                                                              finish_embedding_wgrad_compute, get_pp_rank_microbatches,
+                                                              set_current_microbatch)
+from megatron.core.process_groups_config import is_pp_stage_after_split_of, pg_group, pg_rank, pg_size
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type, log_once
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None):
@@ -92,8 +96,8 @@ class _Pipeline:
         return self.pp_rank == self.pp_size - 1
 
     def after_split(self) -> bool:
-        """A decoder stage of an encoder-decoder pipeline (parallel_state's split rank)."""
-        return self.pp_size > 1 and parallel_state.is_pipeline_stage_after_split(self.pp_rank)
+        """A decoder stage of an encoder-decoder pipeline (parallel_state's split rank, on this pipeline)."""
+        return self.pp_size > 1 and is_pp_stage_after_split_of(None, self.pp_rank, self.pp_size)
 
 
 def deallocate_output_tensor(out, deallocate_pipeline_outputs: bool = False):
@@ -358,6 +362,25 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     forward_data_store = []
     input_tensor, output_tensor_grad = None, None
     total_num_tokens = _zero_tokens()
+    if config.overlap_moe_expert_parallel_comm and not forward_only:
+        # megatron-core's combined 1F1B schedule: a micro-batch's forward merged with the previous one's backward.
+        from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
+
+        forward_data_store, total_num_tokens = combined_1f1b_schedule_for_no_pipelining(
+            forward_step_func, data_iterator, model, num_microbatches, input_tensor, output_tensor_grad,
+            forward_data_store, config, collect_non_loss_data, first_val_step, forward_only, no_sync,
+            total_num_tokens, functools.partial(check_first_val_step, first_val_step, forward_only))
+        _finalize(config, [model], forward_only, total_num_tokens, pg_collection, force_all_reduce)
+        return forward_data_store
+    if getattr(config, "hybrid_context_parallel", False):
+        from megatron.core.pipeline_parallel.hybrid_cp_schedule import hybrid_context_parallel_forward_backward
+
+        forward_data_store, total_num_tokens = hybrid_context_parallel_forward_backward(
+            forward_step_func, data_iterator, model, num_microbatches, input_tensor, output_tensor_grad,
+            forward_data_store, config, collect_non_loss_data, first_val_step, forward_only, no_sync,
+            total_num_tokens, check_first_val_step, model_type)
+        _finalize(config, [model], forward_only, total_num_tokens, pg_collection, force_all_reduce)
+        return forward_data_store
     with no_sync():
         for _ in range(num_microbatches - 1):
             output_tensor, num_tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches,
@@ -389,7 +412,11 @@ def get_tensor_shapes(*, seq_length: int, micro_batch_size: int, config, rank: O
         if decoder_seq_length is None:
             raise ValueError("an encoder-decoder pipeline needs decoder_seq_length (--decoder-seq-length)")
         encoder_shape = (seq_length // tp, micro_batch_size, config.hidden_size)
-        if parallel_state.is_pipeline_stage_before_split(rank):
+        # ``rank``: a stage of the schedule's pipeline (a collection's or parallel_state's), split at
+        # parallel_state's split rank.
+        split = parallel_state.get_pipeline_model_parallel_split_rank()
+        before = parallel_state.is_pipeline_stage_before_split() if rank is None else (split is None or rank < split)
+        if before:
             return [encoder_shape]
         return [(decoder_seq_length // tp, micro_batch_size, config.hidden_size), encoder_shape]
     seq_length = seq_length // pg_size(groups, "cp")
@@ -546,6 +573,10 @@ def forward_backward_pipelining_with_interleaving(
         raise RuntimeError(f"{len(model)} model chunks but {len(data_iterator)} data iterators")
     config = get_model_config(model[0])
     model_type = _check_model_type(model[0], interleaved=True)
+    if config.overlap_moe_expert_parallel_comm and not forward_only:
+        log_once("combined_1f1b_interleaved", "overlap_moe_expert_parallel_comm: the interleaved schedule runs its "
+                 "plain forward and backward steps (megatron-core's merged steps, combined_1f1b."
+                 "combined_1f1b_schedule_for_interleaved_pipelining, are not wired into it here; the same math)")
     # Gradient reduction stays off until each chunk's own last backward pass (one toggle per chunk), or
     # until the step's last backward pass when the caller gave a single no_sync_func.
     if config.no_sync_func is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Union
 
 
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import GraphableMegatronModule
 from megatron.core.transformer.spec_utils import IdentityFuncOp, IdentityOp, ModuleSpec, build_module
 from megatron.core.transformer.utils import apply_sharded_keys_map
 from megatron.core.utils import make_viewless_tensor
@@ -26,7 +26,7 @@ class MambaLayerSubmodules:
     sharded_state_dict_keys_map: Dict[str, str] = field(default_factory=dict)
 
 
-class MambaLayer(MegatronModule):
+class MambaLayer(GraphableMegatronModule):
     """``MambaLayer(config, submodules, layer_number=1, residual_in_fp32=False, pg_collection=None)`` (the collection
     goes to the mixer);
     ``forward(hidden_states [s, b, h], attention_mask=None, inference_params=None, rotary_pos_emb=None)``."""
@@ -51,6 +51,10 @@ class MambaLayer(MegatronModule):
         """The default (every submodule's) with the spec's ``sharded_state_dict_keys_map`` applied to the keys."""
         return apply_sharded_keys_map(super().sharded_state_dict(prefix, sharded_offsets, metadata), prefix,
                                       self.sharded_state_dict_keys_map)
+
+    def mamba_state_shapes_per_request(self):
+        """The mixer's ``(conv state shape, SSM state shape)`` per sequence."""
+        return self.mixer.mamba_state_shapes_per_request()
 
     def forward(self, hidden_states, attention_mask=None, inference_params=None, rotary_pos_emb=None, **unused):
         out_with_bias = self.mixer(self.norm(hidden_states), inference_params=inference_params)

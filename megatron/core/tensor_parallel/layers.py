@@ -30,6 +30,8 @@ from megatron.core import device, parallel_state
 from megatron.core.device import param_device, weights_on_meta
 from megatron.core.fp8_utils import Fp8Meta, fp8_dgrad, fp8_forward, fp8_recipe_from_config, fp8_wgrad
 from megatron.core.utils import log_once
+from megatron.core.wgrad_compute import accumulate_into_main_grad as _accumulate_into_main_grad
+from megatron.core.wgrad_compute import add_into_main_grad as _add_into_main_grad
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.parallel_state import (
     get_global_memory_buffer,
@@ -378,55 +380,6 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.sequence_parallel:
             return sub_grad_input, grad_weight, grad_bias, None, None, None, None, None, None
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
-
-
-_FUSED_WGRAD_MODULE = None
-_FUSED_WGRAD_CHECKED = False
-
-
-def _fused_wgrad_module():
-    """apex's fused weight-gradient accumulation kernel if installed (CUDA only), else None. Logged once."""
-    global _FUSED_WGRAD_MODULE, _FUSED_WGRAD_CHECKED
-    if not _FUSED_WGRAD_CHECKED:
-        _FUSED_WGRAD_CHECKED = True
-        if device.cuda_available():
-            try:
-                import fused_weight_gradient_mlp_cuda  # type: ignore
-
-                _FUSED_WGRAD_MODULE = fused_weight_gradient_mlp_cuda
-            except ImportError:
-                _FUSED_WGRAD_MODULE = None
-        impl = "apex fused_weight_gradient_mlp_cuda" if _FUSED_WGRAD_MODULE else "torch addmm_"
-        print(f"> gradient accumulation fusion: using {impl}", flush=True)
-    return _FUSED_WGRAD_MODULE
-
-
-def _checked_main_grad(weight):
-    if not hasattr(weight, "main_grad") or weight.main_grad is None:
-        raise RuntimeError(
-            "gradient_accumulation_fusion adds weight gradients into param.main_grad, but this parameter has "
-            "none: wrap the model in megatron's DistributedDataParallel (which allocates grad buffers) or pass "
-            "--no-gradient-accumulation-fusion"
-        )
-    return weight.main_grad
-
-
-def _add_into_main_grad(weight, grad_weight):
-    main_grad = _checked_main_grad(weight)
-    main_grad.add_(grad_weight.to(main_grad.dtype))
-
-
-def _accumulate_into_main_grad(weight, total_input_2d, grad_output_2d):
-    main_grad = _checked_main_grad(weight)
-    fused = _fused_wgrad_module()
-    if fused is not None and total_input_2d.is_cuda:
-        if main_grad.dtype == torch.float32:
-            fused.wgrad_gemm_accum_fp32(total_input_2d, grad_output_2d, main_grad)
-            return
-        if main_grad.dtype in (torch.float16, torch.bfloat16):
-            fused.wgrad_gemm_accum_fp16(total_input_2d, grad_output_2d, main_grad)
-            return
-    main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), total_input_2d.to(main_grad.dtype))
 
 
 _WARNED_DEVICE_MAX_CONNECTIONS = False

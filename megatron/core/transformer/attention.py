@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Protocol, Tuple, Union
 
 import torch
 
@@ -30,6 +30,54 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary import apply_rotary_pos_emb
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import divide
+
+
+class LinearQkv(Protocol):
+    """What a ``linear_qkv`` submodule is (megatron-core's protocol): ``forward(input) -> (output, bias)`` and
+    ``backward_dw()``, the deferred weight-gradient step (a no-op for layers that compute it in backward)."""
+
+    def forward(self, input: torch.Tensor, /) -> tuple[torch.Tensor, object]:
+        """``input [s, b, hidden] -> ([s, b, qkv partition], bias or None)``."""
+        ...
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient computation deferred from backward."""
+        ...
+
+
+class LinearQkvBuilder(Protocol):
+    """What builds a :class:`LinearQkv` (a class such as ``ColumnParallelLinear``): called as
+    ``builder(input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add, is_expert,
+    tp_comm_buffer_name, tp_group=None)``."""
+
+    def __call__(self, input_size: int, output_size: int, /, *, config, init_method: Callable[[torch.Tensor], None],
+                 gather_output: bool, bias: bool, skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name: str,
+                 tp_group: Optional[torch.distributed.ProcessGroup] = None) -> LinearQkv: ...
+
+
+class LinearLayer(Protocol):
+    """What a cross-attention ``linear_q`` / ``linear_kv`` submodule is: ``forward(input) -> (output, bias)``."""
+
+    def forward(self, input: torch.Tensor, /) -> Tuple[torch.Tensor, object]:
+        """``input -> (output, bias or None)``."""
+        ...
+
+
+class LinearLayerBuilder(Protocol):
+    """What builds a :class:`LinearLayer`: ``builder(input_size, output_size, *, config, init_method,
+    gather_output, bias, skip_bias_add, is_expert)``."""
+
+    def __call__(self, input_size: int, output_size: int, /, *, config, init_method: Callable[[torch.Tensor], None],
+                 gather_output: bool, bias: bool, skip_bias_add: bool, is_expert: bool) -> LinearLayer: ...
+
+
+class CoreAttentionBuilder(Protocol):
+    """What builds the ``core_attention`` submodule (a class such as ``DotProductAttention``):
+    ``builder(*, config, layer_number, attn_mask_type, attention_type, cp_comm_type, softmax_scale,
+    pg_collection)``; the result maps ``(query, key, value, attention_mask)`` to the attention output."""
+
+    def __call__(self, *, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 cp_comm_type: Optional[str], softmax_scale: Optional[float], pg_collection) -> torch.nn.Module: ...
 
 
 @dataclass

@@ -161,6 +161,48 @@ class MegatronModule(torch.nn.Module):
                                          group=parallel_state.get_position_embedding_group())
 
 
+class GraphableMegatronModule(MegatronModule):
+    """megatron-core's base of the layers that CUDA graphs can capture (TransformerLayer, MambaLayer):
+    ``GraphableMegatronModule(config, vp_stage=None)``.
+
+    CUDA graphs (``--cuda-graph-impl local / transformer_engine``) are not part of this library, so the module is a
+    :class:`MegatronModule` whose call is the plain forward, plus megatron-core's graph-independent helpers:
+    :meth:`get_layer_static_inputs` (the ``hidden_states`` a capture would use) and :meth:`setup_manual_hooks`
+    (one hook per submodule that holds parameters directly, as a replayed graph would need them called)."""
+
+    def __init__(self, config, vp_stage=None):
+        super().__init__(config=config)
+        self.cuda_graphs = []
+        self.cuda_graph_manual_hooks = []
+
+    def get_layer_static_inputs(self, seq_length, micro_batch_size):
+        """``{"hidden_states": ones[s, micro_batch_size, hidden]}`` in bf16 with ``requires_grad``, where ``s`` is
+        ``seq_length / context_parallel_size``, further divided by the TP size under sequence parallelism."""
+        config = self.config
+        seq = seq_length // config.context_parallel_size
+        if config.sequence_parallel:
+            seq //= config.tensor_model_parallel_size
+        from megatron.core import device
+
+        hidden = torch.ones((seq, micro_batch_size, config.hidden_size), dtype=torch.bfloat16, requires_grad=True,
+                            device=device.current_device())
+        return {"hidden_states": hidden}
+
+    def setup_manual_hooks(self, make_hook_func):
+        """``cuda_graph_manual_hooks = [(make_hook_func(), (module,))]`` for every module (once each) under
+        :meth:`_get_submodules_under_cudagraphs` that holds a parameter of its own."""
+        owners = {}
+        for submodule in self._get_submodules_under_cudagraphs():
+            for module in submodule.modules():
+                if next(module.parameters(recurse=False), None) is not None:
+                    owners[id(module)] = module
+        self.cuda_graph_manual_hooks = [(make_hook_func(), (module,)) for module in owners.values()]
+
+    def _get_submodules_under_cudagraphs(self):
+        """The submodules a graph would cover: the whole layer."""
+        return [self]
+
+
 def conversion_helper(val, conversion):
     """Apply ``conversion`` to every leaf of nested tuples/lists."""
     if not isinstance(val, (tuple, list)):

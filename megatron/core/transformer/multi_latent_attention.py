@@ -40,6 +40,7 @@ from megatron.core.transformer.rotary import (
     RotaryEmbedding,
     YarnRotaryEmbedding,
     apply_rotary_pos_emb,
+    deinterleave_rotary_pairs,
     get_pos_emb_on_this_cp_rank,
     yarn_get_mscale,
 )
@@ -77,11 +78,6 @@ def mla_rotary_embedding(config) -> RotaryEmbedding:
                                original_max_position_embeddings=config.original_max_position_embeddings,
                                beta_fast=config.beta_fast, beta_slow=config.beta_slow, mscale=config.mscale,
                                mscale_all_dim=config.mscale_all_dim, correction_range_round_to_int=True)
-
-
-def _pairs_first(x: torch.Tensor) -> torch.Tensor:
-    """``[x0, x1, x2, x3, ...] -> [x0, x2, ..., x1, x3, ...]`` along the last dim (MLA's pair layout for RoPE)."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
 def _build(spec, default, *args, **kwargs):
@@ -136,7 +132,7 @@ class MLASelfAttention(MegatronModule):
         self.softmax_scale = mla_softmax_scale(config)
         self.core_attention = _build(sub.core_attention, DotProductAttention, config=config,
                                      layer_number=self.layer_number, attn_mask_type=attn_mask_type,
-                                     softmax_scale=self.softmax_scale, k_channels=self.d_q, v_channels=self.d_v,
+                                     attention_type="self", softmax_scale=self.softmax_scale, k_channels=self.d_q, v_channels=self.d_v,
                                      cp_comm_type=cp_comm_type,
                                      **({} if pg_collection is None else {"pg_collection": pg_collection}))
         self.linear_proj = _build(sub.linear_proj, tensor_parallel.RowParallelLinear, n * self.d_v, h, config=config,
@@ -186,8 +182,8 @@ class MLASelfAttention(MegatronModule):
         kv = kv.view(s, b, self.num_heads_per_partition, self.d_n + self.d_v)
         k_n, v = torch.split(kv, [self.d_n, self.d_v], dim=-1)
         fused = self.config.apply_rope_fusion
-        q_r = apply_rotary_pos_emb(_pairs_first(q_r), freqs, fused=fused, mscale=mscale)
-        k_r = apply_rotary_pos_emb(_pairs_first(k_r.view(s, b, 1, self.d_r)), freqs, fused=fused, mscale=mscale)
+        q_r = apply_rotary_pos_emb(deinterleave_rotary_pairs(q_r), freqs, fused=fused, mscale=mscale)
+        k_r = apply_rotary_pos_emb(deinterleave_rotary_pairs(k_r.view(s, b, 1, self.d_r)), freqs, fused=fused, mscale=mscale)
         query = torch.cat([q_n, q_r], dim=-1)
         key = torch.cat([k_n, k_r.expand(-1, -1, self.num_heads_per_partition, -1)], dim=-1)
         return query, key, v.contiguous()
@@ -233,7 +229,12 @@ class MLASelfAttention(MegatronModule):
             query, key, value = self._up_projections(q_latent, kv_latent, k_r, freqs, mscale)
         if inference_params is not None:
             key, value = self._cache(inference_params, key, value)
-        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
+        if self.config.experimental_attention_variant == "dsa":
+            # DeepSeek sparse attention's indexer reads the hidden states and the query latent (before its norm).
+            qr = hidden_states if self.q_lora_rank is None else q_latent
+            context = self.core_attention(query, key, value, attention_mask, x=hidden_states, qr=qr,
+                                          attn_mask_type=self.attn_mask_type)
+        elif self.recompute_core_attention and self.training and torch.is_grad_enabled():
             context = tensor_parallel.checkpoint(self.core_attention, False, query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)

@@ -192,14 +192,24 @@ class MultiTokenPredictionLayer(MegatronModule):
         self.final_layernorm = build_module(submodules.layer_norm, config=config, hidden_size=h, eps=eps)
 
     def forward(self, embedding, hidden_states, attention_mask, rotary_pos_emb=None):
-        x = torch.cat([self.enorm(embedding), self.hnorm(hidden_states)], dim=-1)
+        x = self._concat_embeddings(hidden_states, embedding)
+        out = self.transformer_layer(x, attention_mask, rotary_pos_emb=rotary_pos_emb)
+        out = out[0] if isinstance(out, tuple) else out
+        return self._postprocess(out)
+
+    def _concat_embeddings(self, hidden_states, decoder_input):
+        """The transformer layer's input: ``eh_proj([enorm(decoder_input), hnorm(hidden_states)])`` (gathered over
+        TP, scattered back to sequence-parallel shards)."""
+        x = torch.cat([self.enorm(decoder_input), self.hnorm(hidden_states)], dim=-1)
         x, _ = self.eh_proj(x)
         x = tensor_parallel.gather_from_tensor_model_parallel_region(x, group=self.tp_group)
         if self.config.sequence_parallel and pg_size(self.pg_collection, "tp") > 1:
             x = tensor_parallel.scatter_to_sequence_parallel_region(x, group=self.tp_group)
-        out = self.transformer_layer(x, attention_mask, rotary_pos_emb=rotary_pos_emb)
-        out = out[0] if isinstance(out, tuple) else out
-        return self.final_layernorm(out)
+        return x
+
+    def _postprocess(self, hidden_states):
+        """The depth's final norm."""
+        return self.final_layernorm(hidden_states)
 
 
 class MultiTokenPredictionBlock(MegatronModule):

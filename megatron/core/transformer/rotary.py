@@ -163,6 +163,12 @@ def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int = 0, cp_size
     return pos_emb.index_select(seq_dim, index)
 
 
+def deinterleave_rotary_pairs(x: torch.Tensor) -> torch.Tensor:
+    """``[x0, x1, x2, x3, ...] -> [x0, x2, ..., x1, x3, ...]`` along the last dim: multi-latent attention's pair
+    layout, which then rotates in the rotate-half layout (DeepSeek's interleaved RoPE; the output stays reordered)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, fused: bool = False,
                          interleaved: bool = False, mscale: float = 1.0) -> torch.Tensor:
     """Rotate the first ``freqs.shape[-1]`` channels of ``t`` (``[s, b, np, hn]``); pass the rest through.

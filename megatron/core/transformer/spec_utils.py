@@ -35,6 +35,7 @@ class ModuleSpec:
     module: Union[Tuple, type, types.FunctionType]
     params: dict = field(default_factory=lambda: {})
     submodules: object = None
+    metainfo: dict = field(default_factory=lambda: {})   # hints for spec builders (e.g. fuse_input_layernorm)
 
 
 def import_module(module_path: Tuple[str, str]):

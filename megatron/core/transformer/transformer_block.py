@@ -120,6 +120,18 @@ def get_layer_offset(config, num_layers_here: int, standalone_embedding_stage: b
     return pp_rank * num_layers_here
 
 
+def _spec_of_layer(layer_specs, layer_number: int, offset: int, total_layers: int, local_layers: int):
+    """The spec of global layer ``layer_number`` (1-based) in a block spec's ``layer_specs``, which lists either
+    every layer of the model (our GPT specs) or only this stage's layers, from global index ``offset`` on (as
+    megatron-core's sliced specs, e.g. the heterogeneous one, do)."""
+    if len(layer_specs) == total_layers:
+        return layer_specs[layer_number - 1]
+    if len(layer_specs) == local_layers:
+        return layer_specs[layer_number - 1 - offset]
+    raise ValueError(f"the block spec lists {len(layer_specs)} layer specs; expected one per layer of the model "
+                     f"({total_layers}) or of this pipeline stage ({local_layers})")
+
+
 class ParallelTransformer(MegatronModule):
     """``ParallelTransformer(config, model_type, layer_type, self_attn_mask_type, post_layer_norm, pre_process,
     post_process, drop_path_rate)``; ``forward(hidden_states, attention_mask, encoder_output=None,
@@ -165,11 +177,15 @@ class ParallelTransformer(MegatronModule):
         groups = {} if pg_collection is None else {"pg_collection": pg_collection}
 
         def build_layer(layer_number):
+            # A heterogeneous config (Nemotron-NAS) gives each global layer its own config.
+            layer_config = (config.get_config_for_layer(layer_number)
+                            if getattr(config, "heterogeneous_block_specs", False) else config)
             if isinstance(layer_spec, TransformerBlockSubmodules):
-                return build_module(layer_spec.layer_specs[layer_number - 1], config=config,
+                return build_module(_spec_of_layer(layer_spec.layer_specs, layer_number, offset, config.num_layers,
+                                                   self.num_layers), config=layer_config,
                                     layer_number=layer_number, **groups)
             if layer_spec is not None:
-                return build_module(layer_spec, config=config, layer_number=layer_number, **groups)
+                return build_module(layer_spec, config=layer_config, layer_number=layer_number, **groups)
             return ParallelTransformerLayer(config, layer_number, layer_type=layer_type,
                                             self_attn_mask_type=self_attn_mask_type,
                                             drop_path_rate=self.drop_path_rates[layer_number - 1])

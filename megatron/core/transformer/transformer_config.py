@@ -146,6 +146,12 @@ class TransformerConfig(ModelParallelConfig):
     fp8_amax_compute_algo: str = flag("most_recent", "How the FP8 amax is computed from its history.",
                                                      choices=("most_recent", "max"))
     fp8_wgrad: bool = flag(True, "Compute the weight gradients in higher precision under FP8.")
+    # megatron-core's per-layer FP8 exemption, read by fp8_utils.is_first_last_bf16_layer: the first / last
+    # num_layers_at_{start,end}_in_bf16 global layers stay in bf16 when first_last_layers_bf16 (no flag here: the FP8
+    # linear layers of this library do not yet skip those layers).
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
 
     normalization: str = flag("LayerNorm", "Normalization layer type.", choices=("LayerNorm", "RMSNorm"))
     # --qk-layernorm: normalise each head's queries and keys (the config's normalization) before RoPE/scores.
@@ -312,6 +318,37 @@ class TransformerConfig(ModelParallelConfig):
     qk_l2_norm_rope_layers_only: bool = False
     moe_apply_probs_on_input: bool = flag(False, "Multiply each token's expert input by its routing weight and take "
                                                  "the expert output as it is (Llama 4; needs --moe-router-topk 1).")
+    # megatron-core: whether each layer takes its own config (config.get_config_for_layer(layer_number)); True only
+    # on a HeterogeneousTransformerConfig (Nemotron-NAS / Llama-Nemotron per-block JSON).
+    heterogeneous_block_specs: bool = False
+    # megatron-core's config logger (megatron.core.config_logger): models, DDP and the optimizers dump their
+    # constructor arguments (and a model its initial state dict and each forward's inputs and logits) there.
+    config_logger_dir: str = flag("", "When non-empty, dump the configs of the entry points (models, DDP, optimizers), "
+                                      "the model's initial state dict and every forward's inputs and logits to this "
+                                      "directory, one file per rank and call.")
+
+    # megatron-core's experimental attention variants: "dsa", DeepSeek sparse attention (DeepSeek-V3.2;
+    # megatron/core/transformer/experimental_attention_variant/dsa.py), the core attention of multi-latent attention;
+    # "gated_delta_net", Gated DeltaNet linear attention (Qwen3-Next; megatron/core/ssm/gated_delta_net.py) on the
+    # layers linear_attention_freq selects (int N: every layer but each N-th; or a 0/1 list, 1 = GDN; its flag is
+    # defined in megatron/training/arguments/model_args.py). HEAD's "gdn" / "gdn2" values are not available.
+    experimental_attention_variant: Optional[str] = flag(
+        None, "Experimental attention: dsa (DeepSeek sparse attention inside multi-latent attention) or "
+              "gated_delta_net (Gated DeltaNet linear attention on the layers --linear-attention-freq selects).",
+        choices=("gdn", "gdn2", "dsa", "gated_delta_net"))
+    linear_attention_freq: Optional[Union[int, List[int]]] = None
+    linear_conv_kernel_dim: int = flag(4, "Gated DeltaNet: kernel width of the causal depthwise convolution.")
+    linear_key_head_dim: int = flag(128, "Gated DeltaNet: query / key head dimension.")
+    linear_value_head_dim: int = flag(128, "Gated DeltaNet: value head dimension.")
+    linear_num_key_heads: int = flag(16, "Gated DeltaNet: query / key heads.")
+    linear_num_value_heads: int = flag(32, "Gated DeltaNet: value heads (a multiple of the key heads).")
+    dsa_indexer_n_heads: Optional[int] = flag(None, "DeepSeek sparse attention: the indexer's heads.")
+    dsa_indexer_head_dim: Optional[int] = flag(None, "DeepSeek sparse attention: the indexer's head dimension.")
+    dsa_indexer_topk: Optional[int] = flag(None, "DeepSeek sparse attention: keys each query attends to.")
+    dsa_indexer_loss_coeff: Optional[float] = flag(None, "DeepSeek sparse attention: coefficient of the indexer's KL "
+                                                         "loss (0 or unset: the indexer does not train).")
+    dsa_indexer_use_sparse_loss: bool = flag(False, "DeepSeek sparse attention: the indexer's KL loss over the "
+                                                    "selected keys only.")
 
     def __post_init__(self):
         super().__post_init__()
@@ -410,12 +447,34 @@ class TransformerConfig(ModelParallelConfig):
         self._validate_moe()
         self._validate_attention_variants()
         self._validate_llama4_settings()
+        self._validate_moe_overlap()
 
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, max(self.num_layers, 1),
                                                                       multiplier=1.0 if self.is_hybrid_model else 2.0)
+
+    def _validate_moe_overlap(self):
+        """megatron-core's conditions of ``overlap_moe_expert_parallel_comm`` (its combined 1F1B schedule) that are
+        not about speed: the alltoall (or flex) dispatcher, no layer recompute, no shared-expert overlap, at most
+        one MTP depth, virtual stages with PP > 1. (Its EP > 1 and bf16 / fp16 conditions are not required here.)"""
+        if not self.overlap_moe_expert_parallel_comm:
+            return
+        problems = []
+        if self.moe_token_dispatcher_type not in ("alltoall", "flex"):
+            problems.append("the alltoall or flex token dispatcher")
+        if self.recompute_granularity == "full" or self.recompute_method is not None \
+                or self.recompute_num_layers is not None:
+            problems.append("no full recompute (recompute_granularity / recompute_method / recompute_num_layers)")
+        if self.moe_shared_expert_overlap:
+            problems.append("moe_shared_expert_overlap off")
+        if (self.mtp_num_layers or 0) > 1:
+            problems.append("at most one multi-token prediction layer")
+        if self.pipeline_model_parallel_size > 1 and self.virtual_pipeline_model_parallel_size is None:
+            problems.append("virtual_pipeline_model_parallel_size when pipeline_model_parallel_size > 1")
+        if problems:
+            raise ValueError("overlap_moe_expert_parallel_comm needs " + "; ".join(problems))
 
     def _validate_moe(self):
         """megatron-core's MoE checks (the flags are also checked in validate_args, before any process group)."""
@@ -455,6 +514,7 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError("moe_grouped_gemm supports bf16 and fp32 parameters, not fp16")
 
     def _validate_attention_variants(self):
+        self._validate_dsa()
         if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise ValueError(f"softmax_type must be vanilla, off-by-one or learnable, got {self.softmax_type!r}")
         if self.window_size is not None:
@@ -472,6 +532,39 @@ class TransformerConfig(ModelParallelConfig):
         if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.gated_linear_unit:
             raise ValueError("glu_linear_offset / activation_func_clamp_value apply to a gated linear unit: set "
                              "gated_linear_unit (--swiglu or --quick-geglu)")
+
+    def _validate_dsa(self):
+        variant = self.experimental_attention_variant
+        if variant is None:
+            return
+        if variant not in ("dsa", "gated_delta_net"):
+            raise ValueError(f"experimental_attention_variant must be 'dsa' or 'gated_delta_net', got {variant!r}")
+        if variant == "gated_delta_net":
+            freq = self.linear_attention_freq
+            if freq is None:
+                raise ValueError("Gated DeltaNet (experimental_attention_variant='gated_delta_net') needs "
+                                 "linear_attention_freq (the GDN / attention layer pattern)")
+            if isinstance(freq, (list, tuple)) and len(freq) != self.num_layers:
+                raise ValueError(f"linear_attention_freq lists {len(freq)} layers; the model has {self.num_layers}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                                 f"linear_num_key_heads ({self.linear_num_key_heads})")
+            if self.context_parallel_size > 1:
+                raise ValueError("Gated DeltaNet does not support context parallelism (context_parallel_size)")
+            return
+        if not self.multi_latent_attention:
+            raise ValueError("DeepSeek sparse attention (experimental_attention_variant='dsa') needs multi-latent "
+                             "attention (MLATransformerConfig)")
+        for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
+            if not getattr(self, name) or getattr(self, name) <= 0:
+                raise ValueError(f"DeepSeek sparse attention needs {name} > 0, got {getattr(self, name)}")
+        if self.dsa_indexer_head_dim < getattr(self, "qk_pos_emb_head_dim", 0):
+            raise ValueError(f"dsa_indexer_head_dim ({self.dsa_indexer_head_dim}) must hold the rotary part "
+                             f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim})")
+        if self.context_parallel_size > 1:
+            raise ValueError("DeepSeek sparse attention does not support context parallelism (context_parallel_size)")
+        if self.apply_rope_fusion:
+            raise ValueError("DeepSeek sparse attention does not support RoPE fusion (apply_rope_fusion)")
 
     def _validate_llama4_settings(self):
         freq = self.no_rope_freq

@@ -19,7 +19,7 @@ from megatron.core.transformer.attention import ParallelAttention, SelfAttention
 from megatron.core.transformer.enums import AttnMaskType, AttnType, LayerType
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add, get_bias_dropout_add_func
 from megatron.core.transformer.mlp import MLP, ParallelMLP
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import GraphableMegatronModule, MegatronModule
 from megatron.core.transformer.norms import FusedLayerNorm, get_norm
 from megatron.core.transformer.spec_utils import IdentityFuncOp, IdentityOp, ModuleSpec, build_module
 from megatron.core.transformer.utils import apply_sharded_keys_map
@@ -97,8 +97,9 @@ class BaseTransformerLayer(ABC):
         pass
 
 
-class ParallelTransformerLayer(MegatronModule, BaseTransformerLayer):
-    """``ParallelTransformerLayer(config, layer_number, layer_type, self_attn_mask_type, drop_path_rate)``.
+class ParallelTransformerLayer(GraphableMegatronModule, BaseTransformerLayer):
+    """``ParallelTransformerLayer(config, layer_number, layer_type, self_attn_mask_type, drop_path_rate)``; a
+    :class:`GraphableMegatronModule` (megatron-core's base of TransformerLayer; no CUDA graphs here).
 
     ``forward(hidden_states [s, b, h], attention_mask, encoder_output=None, enc_dec_attn_mask=None,
     ..., inference_params=None, rotary_pos_emb=None) -> [s, b, h]``.
@@ -204,31 +205,53 @@ class ParallelTransformerLayer(MegatronModule, BaseTransformerLayer):
                 rotary_pos_emb=None):
         if retriever_input is not None or retriever_output is not None:
             raise NotImplementedError("retro layers are not implemented")
+        hidden_states, _ = self._forward_attention(hidden_states, attention_mask, context=encoder_output,
+                                                   context_mask=enc_dec_attn_mask, rotary_pos_emb=rotary_pos_emb,
+                                                   inference_params=inference_params)
+        return self._forward_mlp(hidden_states)
+
+    def _forward_attention(self, hidden_states, attention_mask=None, context=None, context_mask=None,
+                           rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
+                           inference_context=None, packed_seq_params=None, sequence_len_offset=None, *,
+                           inference_params=None):
+        """The attention half of the layer (megatron-core's split): ``x + attn(norm(x))`` (then the cross
+        attention of a decoder layer); returns ``(hidden_states, context)``. The other arguments of megatron-core's
+        signature (precomputed cos / sin, attention bias, packed sequences, a sequence offset) are refused."""
+        for name, value in (("rotary_pos_cos", rotary_pos_cos), ("rotary_pos_sin", rotary_pos_sin),
+                            ("attention_bias", attention_bias), ("packed_seq_params", packed_seq_params),
+                            ("sequence_len_offset", sequence_len_offset)):
+            if value is not None:
+                raise NotImplementedError(f"transformer layer: {name} is not supported")
+        inference_params = inference_params if inference_params is not None else inference_context
         # Self attention (absent, IdentityOp, in the MLP-only layers of hybrid models).
         if isinstance(self.self_attention, IdentityOp):
             layernorm_input = hidden_states
         else:
             layernorm_output = self._norm(self.input_layernorm, hidden_states)
+            # The mask by keyword, as megatron-core passes it (a linear replacement takes other positionals).
             attention_output, attention_bias = self.self_attention(
-                layernorm_output, attention_mask, inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
+                layernorm_output, attention_mask=attention_mask, inference_params=inference_params,
+                rotary_pos_emb=rotary_pos_emb)
             residual = layernorm_output if self.apply_residual_connection_post_layernorm else hidden_states
             layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "self_attention")
-        if isinstance(self.mlp, IdentityOp):  # the attention-only layers of hybrid models
-            return make_viewless_tensor(inp=layernorm_input, requires_grad=layernorm_input.requires_grad,
-                                        keep_graph=True)
-
-        layernorm_output = self._norm(self.pre_cross_attn_layernorm if self.has_cross_attention
-                                      else self.pre_mlp_layernorm, layernorm_input)
-
         if self.has_cross_attention:
-            attention_output, attention_bias = self.cross_attention(
-                layernorm_output, enc_dec_attn_mask, encoder_output)
+            layernorm_output = self._norm(self.pre_cross_attn_layernorm, layernorm_input)
+            attention_output, attention_bias = self.cross_attention(layernorm_output, context_mask, context)
             residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input
             layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "cross_attention")
-            layernorm_output = self._norm(self.pre_mlp_layernorm, layernorm_input)
+        return layernorm_input, context
 
+    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None):
+        """The MLP half: ``x + mlp(pre_mlp_norm(x))`` (the residual is the norm's output with
+        ``apply_residual_connection_post_layernorm``), as a tensor that is not a view."""
+        if padding_mask is not None:
+            raise NotImplementedError("transformer layer: padding_mask is not supported")
+        if isinstance(self.mlp, IdentityOp):  # the attention-only layers of hybrid models
+            return make_viewless_tensor(inp=hidden_states, requires_grad=hidden_states.requires_grad,
+                                        keep_graph=True)
+        layernorm_output = self._norm(self.pre_mlp_layernorm, hidden_states)
         mlp_output, mlp_bias = self._mlp_forward(layernorm_output)
-        residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input
+        residual = layernorm_output if self.apply_residual_connection_post_layernorm else hidden_states
         output = self._bias_dropout_add(mlp_output, mlp_bias, residual, "mlp")
         # Pipeline schedules free stage outputs by swapping .data, which needs a tensor that is not a view.
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)

@@ -154,6 +154,41 @@ BLOCKS = (
     ),
     Block(
         IMPLEMENTED,
+        "heterogeneous (Nemotron-NAS / Llama-Nemotron) per-layer configurations "
+        "(megatron/core/transformer/heterogeneous/, megatron/core/models/gpt/heterogeneous/)",
+        (
+            value("--heterogeneous-layers-config-path",
+                  help="JSON file with a \"block_configs\" list (one entry per layer, Hugging Face's Nemotron-NAS "
+                       "format): each layer's attention (query groups, no-op, or one linear layer) and MLP (hidden "
+                       "size, no-op, or one linear layer); pretrain_gpt.py builds the GPT from it."),
+            value("--heterogeneous-layers-config-encoded-json",
+                  help="The text of that JSON file (read from --heterogeneous-layers-config-path when not given; "
+                       "kept in the checkpoint's args)."),
+        ),
+        group="heterogeneous architecture",
+    ),
+    Block(
+        IMPLEMENTED,
+        "the experimental attention variants: DeepSeek sparse attention "
+        "(megatron/core/transformer/experimental_attention_variant/dsa.py) and Gated DeltaNet "
+        "(megatron/core/ssm/gated_delta_net.py), built by megatron-core's experimental-attention-variant block spec",
+        names("""--experimental-attention-variant --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk
+              --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss --linear-conv-kernel-dim --linear-key-head-dim
+              --linear-value-head-dim --linear-num-key-heads --linear-num-value-heads""") + (
+            value("--linear-attention-freq", type=layer_pattern,
+                  help="Gated DeltaNet layers: every layer but each N-th (int N, counted from 1), or a 0/1 list "
+                       "expression per layer (1 = Gated DeltaNet, 0 = standard attention)."),
+        ),
+        group="transformer configuration",
+    ),
+    Block(
+        IMPLEMENTED,
+        "megatron-core's config logger (megatron/core/config_logger.py)",
+        names("""--config-logger-dir"""),
+        group="transformer configuration",
+    ),
+    Block(
+        IMPLEMENTED,
         "multi-token prediction (megatron/core/transformer/multi_token_prediction.py)",
         names("""--mtp-num-layers --mtp-loss-scaling-factor"""),
         group="transformer configuration",

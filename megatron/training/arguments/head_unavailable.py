@@ -375,29 +375,18 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "the experimental attention variants (gated DeltaNet, DeepSeek sparse attention, gated attention output) are "
-        "not part of this library",
+        "these options of the experimental attention variants (DeepSeek sparse attention's top-k frequency and "
+        "offset, kernel backends, interleaved indexer RoPE, indexer rotation / ReLU switches and key-norm settings; "
+        "gated attention output; gated delta product) are not part of this library",
         (
-            value("--experimental-attention-variant", choices=("gdn", "gdn2", "dsa", "gated_delta_net")),
-            value("--dsa-indexer-n-heads", type=int),
-            value("--dsa-indexer-head-dim", type=int),
-            value("--dsa-indexer-topk", type=int),
             value("--dsa-indexer-topk-freq", type=int, default=1),
             value("--dsa-indexer-skip-topk-offset", type=int, default=0),
-            value("--dsa-indexer-loss-coeff", type=float),
-            switch("--dsa-indexer-use-sparse-loss"),
             value("--dsa-kernel-backend", default="none", choices=("none", "tilelang", "cudnn")),
             switch("--dsa-indexer-rope-interleaved"),
             no_or_disable("dsa-indexer-rotate-activation"),
             no_or_disable("dsa-indexer-scoring-relu"),
             value("--dsa-indexer-k-norm-epsilon", type=float),
             switch("--dsa-indexer-k-norm-fp32"),
-            value("--linear-conv-kernel-dim", type=int, default=4),
-            value("--linear-key-head-dim", type=int, default=128),
-            value("--linear-value-head-dim", type=int, default=128),
-            value("--linear-num-key-heads", type=int, default=16),
-            value("--linear-num-value-heads", type=int, default=32),
-            value("--linear-attention-freq", type=layer_pattern),
             switch("--attention-output-gate"),
             value("--gdp-num-householder", type=int, default=3),
             switch("--gdp-cutedsl-kernel"),
@@ -468,15 +457,6 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "heterogeneous per-layer configurations are not part of this library",
-        (
-            value("--heterogeneous-layers-config-path"),
-            value("--heterogeneous-layers-config-encoded-json"),
-        ),
-        group="heterogeneous architecture",
-    ),
-    Block(
-        NOT_AVAILABLE,
         "these MoE variants (upcycling, routing replay, forced or quantile balancing, latent or interleaved expert "
         "weights, per-rank capacity) are not part of this library",
         (
@@ -538,7 +518,6 @@ BLOCKS = (
             switch("--gtp-remat-reduce-scatter-with-fp32-accumulation"),
             switch("--gtp-remat-nccl-ub"),
             switch("--gtp-expert-remat-nccl-ub"),
-            value("--config-logger-dir", default=""),
             value("--embedding-init-method-std", type=float),
             value("--output-logit-dtype", choices=("bf16", "fp32"), dest="logit_dtype"),
         ),
@@ -666,6 +645,8 @@ VALUE_RULES = (
               "the Muon, Lion and SOAP optimizers are not part of this library (--optimizer adam or sgd)"),
     ValueRule("--lr-decay-style", ("WSD",), NOT_AVAILABLE, 
               "the warmup-stable-decay schedule is not part of this library"),
+    ValueRule("--experimental-attention-variant", ("gdn", "gdn2"), NOT_AVAILABLE,
+              "HEAD's gdn / gdn2 attention variants are not part of this library (gated_delta_net and dsa are)"),
     ValueRule("--position-embedding-type", ("mrope", "relative"), NOT_AVAILABLE,
               "multimodal and relative position embeddings are not part of this library"),
     ValueRule("--cp-comm-type", ("a2a+p2p",), NOT_AVAILABLE,

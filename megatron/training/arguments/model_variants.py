@@ -14,6 +14,36 @@ def validate_model_variants(args, log=print) -> None:
     _validate_gated_unit(args)
     _validate_attention_variants(args)
     _validate_llama4(args, log)
+    _validate_heterogeneous_layers(args)
+
+
+def _validate_heterogeneous_layers(args) -> None:
+    """Nemotron-NAS per-layer configs: the JSON is read once here into --heterogeneous-layers-config-encoded-json
+    (so the checkpoint's args carry it, as megatron-core keeps it in the config) and must list one block per
+    layer of --num-layers."""
+    import json
+
+    path = getattr(args, "heterogeneous_layers_config_path", None)
+    text = getattr(args, "heterogeneous_layers_config_encoded_json", None)
+    if path is None and text is None:
+        return
+    if text is None:
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigurationError(f"--heterogeneous-layers-config-path {path}: cannot read it ({e})") from e
+        args.heterogeneous_layers_config_encoded_json = text
+    where = f"--heterogeneous-layers-config-path {path}" if path else "--heterogeneous-layers-config-encoded-json"
+    try:
+        blocks = json.loads(text)["block_configs"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigurationError(f"{where}: not a JSON object with a \"block_configs\" list ({e!r})") from e
+    _require(len(blocks) == args.num_layers, f"{where} lists {len(blocks)} blocks; --num-layers is {args.num_layers}: "
+                                             "give one block per layer")
+    _require(not args.multi_latent_attention and not args.num_experts and not getattr(args, "is_hybrid_model", False),
+             f"{where}: heterogeneous layers are GPT layers (no --multi-latent-attention, --num-experts or hybrid "
+             "layer pattern)")
 
 
 def _validate_gated_unit(args) -> None:

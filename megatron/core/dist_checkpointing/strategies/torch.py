@@ -8,16 +8,23 @@ layout megatron-core's own torch_dist strategy reads and writes, so the checkpoi
 """
 from __future__ import annotations
 
+import io
+import itertools
 import threading
-from typing import Dict, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.strategies.checkpointable import (CheckpointableShardedTensor,
+                                                                        LocalShardsContainer)
 from megatron.core.dist_checkpointing.sharded_io import (LocalShard, ShardingError, load_sharded, read_dcp_metadata,
-                                                         save_sharded)
+                                                         remove_entries, save_sharded)
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (AsyncSaveShardedStrategy, LoadShardedStrategy,
                                                               StrategyAction, register_default_strategy)
@@ -132,6 +139,177 @@ class StorageRequest:
         return dict_list_map_inplace(value, sharded_state_dict)
 
 
+# ------------------------------------------------------------------- megatron-core's DCP-compatible state dicts
+def sharded_tensor_to_torch_sharded_tensor(sh_tens: List[ShardedTensor], rank: Optional[int] = None,
+                                           load_legacy_1d_flatten_tensors: bool = False):
+    """PyTorch's (``torch.distributed._shard``) ShardedTensor holding this rank's blocks ``sh_tens`` of one key
+    on a regular grid: each block's data viewed with its prepended axes (``[1, ..., 1] + local_shape``) at its
+    ``global_offset``; every other grid cell is declared as a block of the same size on another rank (DCP only
+    uses this rank's). No communication. The result carries ``mcore_sh_ten`` (the last block without data)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard
+    from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as ShardedTensorProperties
+
+    if load_legacy_1d_flatten_tensors:
+        raise CheckpointingException("flattened (1-D) legacy tensors do not exist in this library's checkpoints")
+    rank = torch.distributed.get_rank() if rank is None else rank
+    world = torch.distributed.get_world_size()
+    first = sh_tens[0]
+    by_offset: Dict[tuple, List[ShardedTensor]] = {}
+    for sh_ten in sh_tens:
+        sh_ten.data = sh_ten.data.contiguous().view((1,) * first.prepend_axis_num + tuple(sh_ten.local_shape))
+        by_offset.setdefault(tuple(sh_ten.global_offset), []).append(sh_ten)
+    block = tuple(first.data.shape)
+    device = first.data.device.type
+    local = [Shard.from_tensor_and_offsets(t.data, list(t.global_offset), rank) for t in sh_tens]
+    shards_md = []
+    for cell in itertools.product(*(range(f) for f in first.axis_fragmentations)):
+        offset = tuple(c * b for c, b in zip(cell, block))
+        if offset in by_offset:
+            shards_md += [ShardMetadata(list(offset), list(t.data.shape), f"rank:{rank}/{device}")
+                          for t in by_offset[offset]]
+        else:  # someone else's block: only its place matters
+            shards_md.append(ShardMetadata(list(offset), list(block), f"rank:{(rank + 1) % world}/{device}"))
+    data = first.data
+    md = ShardedTensorMetadata(shards_metadata=shards_md, size=torch.Size(first.global_shape),
+                               tensor_properties=ShardedTensorProperties(
+                                   dtype=data.dtype, layout=data.layout, requires_grad=data.requires_grad,
+                                   memory_format=torch.contiguous_format, pin_memory=data.is_pinned()))
+    out = TorchShardedTensor._init_from_local_shards_and_global_metadata(local, sharded_tensor_metadata=md,
+                                                                         process_group=None)
+    out.mcore_sh_ten = sh_tens[-1].without_data()
+    return out
+
+
+def mcore_to_pyt_state_dict(state_dict: Dict[str, List[ShardedBase]], is_loading: bool = False,
+                            init_device: torch.device = torch.device("cpu"),
+                            load_legacy_1d_flatten_tensors: bool = False) -> Dict[str, Union[torch.Tensor, io.BytesIO]]:
+    """``{key: [ShardedTensor, ...] | [ShardedObject, ...]}`` (one key's blocks on this rank) as values PyTorch DCP
+    saves and loads: tensors without prepended axes (or off a regular grid) as
+    :class:`CheckpointableShardedTensor` (:class:`LocalShardsContainer` for several blocks), others as PyTorch
+    ShardedTensors (:func:`sharded_tensor_to_torch_sharded_tensor`); objects as ``io.BytesIO`` of
+    ``torch.save([data, ...])``. ``is_loading``: blocks without data get a buffer on ``init_device`` (zeros when
+    ``allow_shape_mismatch``, whose existing data is zeroed too); saving a block without data is an error."""
+    rank = torch.distributed.get_rank()
+
+    def tensors(blocks: List[ShardedTensor]):
+        for sh_ten in blocks:
+            if sh_ten.data is None:
+                if not is_loading:
+                    raise CheckpointingException(f"`data` attr is None for {sh_ten}")
+                sh_ten.init_data(init_device, init_fn=torch.zeros if sh_ten.allow_shape_mismatch else torch.empty)
+            else:
+                sh_ten.data = sh_ten.data.detach()
+                if sh_ten.allow_shape_mismatch and is_loading:
+                    sh_ten.data.zero_()
+        first = blocks[0]
+        if not first.prepend_axis_num or not first.has_regular_grid:
+            wrapped = [CheckpointableShardedTensor.from_sh_ten(b) for b in blocks]
+            return wrapped[0] if len(wrapped) == 1 else LocalShardsContainer(wrapped)
+        torch_sh_ten = sharded_tensor_to_torch_sharded_tensor(blocks, rank, load_legacy_1d_flatten_tensors)
+        torch_sh_ten.key = first.key
+        return torch_sh_ten
+
+    def objects(blocks: List[ShardedObject]) -> io.BytesIO:
+        buffer = io.BytesIO()
+        torch.save([b.data for b in blocks], buffer)
+        return buffer
+
+    return {key: tensors(v) if isinstance(v[0], ShardedTensor) else objects(v) for key, v in state_dict.items()}
+
+
+def _unwrap_pyt_sharded_tensor(value) -> Union[List[torch.Tensor], object]:
+    """The local tensors of a value made by :func:`mcore_to_pyt_state_dict` (prepended axes squeezed); other
+    values as they are."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
+
+    if isinstance(value, CheckpointableShardedTensor):
+        return [value._sh_ten.data]
+    if isinstance(value, LocalShardsContainer):
+        return [shard._sh_ten.data for shard in value._local_shards]
+    if not isinstance(value, TorchShardedTensor):
+        return value
+    prepended = value.mcore_sh_ten.prepend_axis_num
+    return [shard.tensor.reshape(shard.tensor.shape[prepended:]) for shard in value.local_shards()]
+
+
+class MCoreSavePlanner(DefaultSavePlanner):
+    """DCP's save planner for :func:`mcore_to_pyt_state_dict` values: every rank writes its own items (objects
+    are per-rank pieces, not common values), objects are already serialized (written as they are).
+    ``can_run_decentralized_global_plan``: the global plan is the local one (needs ``flatten_state_dict=False``
+    and no replica de-duplication)."""
+
+    def __init__(self, *args, dedup_replicated_tensors: Optional[bool] = None,
+                 can_run_decentralized_global_plan: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.can_run_decentralized_global_plan = can_run_decentralized_global_plan
+        if can_run_decentralized_global_plan and (dedup_replicated_tensors or self.flatten_state_dict):
+            raise ValueError("Cannot run decentralized plan with dedup_replicated_tensors=True or "
+                             "flatten_state_dict=True")
+
+    def create_local_plan(self) -> SavePlan:
+        """A write item for every value on every rank (tensor blocks through their DCP hooks, bytes as bytes)."""
+        from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+        items = [item for fqn, obj in self.state_dict.items() for item in _create_write_items(fqn, obj)]
+        self.plan = SavePlan(items=items, planner_data=self.mappings)
+        return self.plan
+
+    def create_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
+        """The local plan unchanged (no coordinator round)."""
+        if self.flatten_state_dict or local_plan.planner_data:
+            raise CheckpointingException("a decentralized plan needs flatten_state_dict=False and no planner data")
+        return local_plan
+
+    def transform_object(self, write_item, object):
+        """Objects arrive serialized (``io.BytesIO``): nothing to do."""
+        return object
+
+
+class MCoreLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with a check of global shapes: every tensor of ``shapes_validation_sharded_tensors``
+    must exist in the checkpoint with its ``global_shape`` (KeyError / CheckpointingException). Tensors of
+    ``allow_shape_mismatch_sharded_tensors`` (``{key: ShardedTensor}``) are planned as if stored at the expected
+    shape (what overlaps is read)."""
+
+    def __init__(self, *args, shapes_validation_sharded_tensors: Iterable[ShardedTensor] = (),
+                 allow_shape_mismatch_sharded_tensors: Optional[Dict[str, ShardedTensor]] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shapes_validation_sharded_tensors = shapes_validation_sharded_tensors
+        self.allow_shape_mismatch_sharded_tensors = allow_shape_mismatch_sharded_tensors
+        self._intermediate_read_item_and_target = None
+
+    def _validate_global_shapes(self, metadata, sharded_tensors) -> None:
+        stored = metadata.state_dict_metadata
+        for sh_ten in sharded_tensors:
+            if sh_ten.key not in stored:
+                raise KeyError(f"{sh_ten.key} from model not in state dict: {sorted(stored)}")
+            if tuple(stored[sh_ten.key].size) != tuple(sh_ten.global_shape):
+                raise CheckpointingException(f"Global shape mismatch for loaded ({stored[sh_ten.key].size}) and "
+                                             f"expected ({sh_ten.global_shape}) tensor for key {sh_ten.key}")
+
+    @contextmanager
+    def _temporarily_bypass_shape_validation(self):
+        """While planning, the tensors allowed to differ look stored at their expected shapes."""
+        saved = []
+        for key, sh_ten in (self.allow_shape_mismatch_sharded_tensors or {}).items():
+            md = self.metadata.state_dict_metadata[key]
+            saved.append((md, md.size))
+            md.size = torch.Size(sh_ten.global_shape)
+        try:
+            yield
+        finally:
+            for md, size in saved:
+                md.size = size
+
+    def create_local_plan(self) -> LoadPlan:
+        self._validate_global_shapes(self.metadata, self.shapes_validation_sharded_tensors)
+        with self._temporarily_bypass_shape_validation():
+            return super().create_local_plan()
+
+
 _async_group = None
 _async_group_lock = threading.Lock()
 
@@ -219,6 +397,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 out[obj.unique_key] = obj
         out.update(self.load_tensors_metadata(checkpoint_dir, metadata))
         return out
+
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Remove the data files whose names begin with ``key_prefix`` and the entries whose keys do (a warning
+        and nothing else when no file name begins with it)."""
+        remove_entries(str(checkpoint_dir), key_prefix)
 
 
 def get_reformulation_metadata(sharded_state_dict, checkpoint_dir):

@@ -23,7 +23,9 @@ Strategies (Megatron-FSDP's names; ``--use-torch-fsdp2`` is ``optim_grads_params
   gradients and optimizer state /d.
 
 (``no_shard`` and ``optim`` are Megatron's DDP and distributed optimizer: they need one gradient buffer reduced
-once per step, which is what our DDP buckets do; see ``mcore_fsdp_adapter.py``.)
+once per step, which is what our DDP buckets do; see ``mcore_fsdp_adapter.py``. The standalone Megatron-FSDP API,
+which has no such buffers, gets ``no_shard`` here from FSDP2's replicate dimension: a ``(d, 1)`` mesh, every
+weight whole on every rank, gradients all-reduced and divided by ``d`` after each unit's backward.)
 
 Mixed precision is FSDP2's policy: main weights fp32, compute in ``config.params_dtype`` (bf16), gradients reduced
 in fp32 when ``grad_reduce_in_fp32``, the root's outputs cast back to fp32 (as ``Float16Module`` does).
@@ -93,25 +95,35 @@ class FullyShardedModule(torch.nn.Module):
 
     ``units``: the submodules that become FSDP units (gathered one at a time), outermost first; the root is added.
     ``strategy``: ``optim_grads`` or ``optim_grads_params`` (module docstring).
+    Shards over ``fsdp_mesh`` (experts over ``expert_mesh``) when given, else over the DP x CP group
+    (``dp_cp_group``, default parallel_state's; experts over ``expert_dp_group``).
+    ``config`` supplies ``params_dtype`` (the compute dtype) and ``calculate_per_token_loss``.
     """
 
     uses_fully_shard = True
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
                  units: Iterable[torch.nn.Module], strategy: str = "optim_grads_params",
-                 reshard_after_forward: bool = True, dp_cp_group=None, tp_group=None, expert_dp_group=None):
+                 reshard_after_forward: bool = True, dp_cp_group=None, tp_group=None, expert_dp_group=None,
+                 fsdp_mesh: Optional[DeviceMesh] = None, expert_mesh: Optional[DeviceMesh] = None):
         super().__init__()
-        if strategy not in FULLY_SHARDED_STRATEGIES:
-            raise ValueError(f"FullyShardedModule shards with {FULLY_SHARDED_STRATEGIES}, got {strategy!r}")
+        replicated = fsdp_mesh is not None and fsdp_mesh.ndim == 2
+        if strategy not in FULLY_SHARDED_STRATEGIES and not (strategy == "no_shard" and replicated):
+            raise ValueError(f"FullyShardedModule shards with {FULLY_SHARDED_STRATEGIES} (no_shard: over a "
+                             f"(d, 1) replicate x shard mesh), got {strategy!r}")
         self.config = config
         self.ddp_config = ddp_config
         self.sharding_strategy = strategy
-        if dp_cp_group is None:
-            dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if tp_group is None:
-            tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.device_mesh = dp_tp_mesh(dp_cp_group, tp_group)
-        self.fsdp_mesh = self.device_mesh["dp_cp"]
+        if fsdp_mesh is not None:  # a DeviceMesh given by the caller (the standalone Megatron-FSDP API)
+            self.device_mesh = self.fsdp_mesh = fsdp_mesh
+            dp_cp_group = fsdp_mesh.get_group(0)
+        else:
+            if dp_cp_group is None:
+                dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            if tp_group is None:
+                tp_group = parallel_state.get_tensor_model_parallel_group()
+            self.device_mesh = dp_tp_mesh(dp_cp_group, tp_group)
+            self.fsdp_mesh = self.device_mesh["dp_cp"]
         self.data_parallel_group = dp_cp_group
         dp_size = torch.distributed.get_world_size(dp_cp_group)
         divide = 1.0 if config.calculate_per_token_loss else float(dp_size)
@@ -129,9 +141,11 @@ class FullyShardedModule(torch.nn.Module):
         mesh_sizes = []  # of each unit's mesh
         experts = [m for m in _outermost(module.modules(), _is_expert_container)]
         if experts:
-            if expert_dp_group is None:
-                expert_dp_group = parallel_state.get_expert_data_parallel_group()
-            self.expert_mesh = DeviceMesh.from_group(expert_dp_group, _device.current_device().type)
+            if expert_mesh is None:
+                if expert_dp_group is None:
+                    expert_dp_group = parallel_state.get_expert_data_parallel_group()
+                expert_mesh = DeviceMesh.from_group(expert_dp_group, _device.current_device().type)
+            self.expert_mesh = expert_mesh
             for m in experts:
                 fully_shard(m, mesh=self.expert_mesh, **kwargs)
                 self.units.append(m)
@@ -151,8 +165,9 @@ class FullyShardedModule(torch.nn.Module):
             unit.set_gradient_divide_factor(divide)
             # gloo has no PREMUL_SUM / AVG: reduce with SUM and scale locally. Not on a mesh of one rank (experts
             # when the expert data-parallel size is 1): FSDP2 (torch 2.13) skips the reduce-scatter there and
-            # divides by the factor itself, and forced SUM would divide a second time (gradients / d^2).
-            if gloo and mesh_size > 1:
+            # divides by the factor itself, and forced SUM would divide a second time (gradients / d^2). Nor on the
+            # (d, 1) replicate mesh of no_shard, whose all-reduce FSDP2 already divides once on gloo.
+            if gloo and mesh_size > 1 and not replicated:
                 unit.set_force_sum_reduction_for_comms(True)
             if keep_whole:
                 unit.set_reshard_after_backward(False)

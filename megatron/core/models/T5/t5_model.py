@@ -19,11 +19,12 @@ import dataclasses
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.gpt.gpt_model import LanguageModule
-from megatron.core.process_groups_config import require_mpu_groups
-from megatron.core.transformer.module import MegatronModule, sync_tied_weight_across_pipeline
+from megatron.core.process_groups_config import group_of, is_pp_first_stage_of, pg_size
+from megatron.core.transformer.module import MegatronModule, is_member, sync_tied_weight_across_pipeline
 from megatron.core.transformer.rotary import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -78,10 +79,13 @@ class T5Model(LanguageModule):
                  position_embedding_type="learned_absolute", rotary_percent=1.0, seq_len_interpolation_factor=None,
                  relative_attention_num_buckets=32, relative_attention_max_distance=128, add_encoder=True,
                  add_decoder=True, pg_collection=None):
-        # The encoder-decoder split and its position-embedding group are parallel_state's: a collection with
-        # other pipeline / context-parallel groups is refused.
-        require_mpu_groups(pg_collection, ("pp", "embd", "pos_embd", "cp"), "T5Model")
+        # The collection's groups (else parallel_state's): ``tp`` splits the vocabulary and every layer, ``pp`` places
+        # the stage (the encoder-decoder split is parallel_state's split rank, a stage number of this pipeline),
+        # ``embd`` ties the word embeddings of the first, split and last stages, ``pos_embd`` the position
+        # embeddings of the first and split stages.
         super().__init__(config, pg_collection, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         if position_embedding_type not in ("learned_absolute", "rope"):
             raise NotImplementedError(f"T5 position_embedding_type {position_embedding_type!r}: only "
                                       "'learned_absolute' and 'rope' are implemented ('relative' needs Transformer "
@@ -155,7 +159,8 @@ class T5Model(LanguageModule):
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if self.has_lm_head and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        pgs = self.pg_collection
+        if pg_size(pgs, "pp") == 1:
             if self.share_embeddings_and_output_weights:
                 self.shared_embedding_or_output_weight().zero_out_wgrad = True
             return
@@ -165,24 +170,31 @@ class T5Model(LanguageModule):
                              "(drop --untie-embeddings-and-output-weights)")
         if not self.share_embeddings_and_output_weights:
             return
-        first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        first = is_pp_first_stage_of(pgs, ignore_virtual=True)
         if first and self.pre_process and not self.has_lm_head:
             self.shared_embedding_or_output_weight().shared_embedding = True
         if self.pre_process and not first:
             self.embedding.zero_parameters()  # the split stage: stage 0's values arrive by the all-reduce
         is_copy = self.has_lm_head and not self.pre_process
         if self.pre_process or is_copy:
-            sync_tied_weight_across_pipeline(self.shared_embedding_or_output_weight(), is_copy)
-        if (split is not None and self.pre_process and parallel_state.is_rank_in_position_embedding_group()
-                and torch.distributed.is_initialized() and self.embedding.add_position_embedding):
-            torch.distributed.all_reduce(self.embedding.position_embeddings.weight.data,
-                                         group=parallel_state.get_position_embedding_group())
+            sync_tied_weight_across_pipeline(self.shared_embedding_or_output_weight(), is_copy, self.embd_group)
+        if not (split is not None and self.pre_process and torch.distributed.is_initialized()
+                and self.embedding.add_position_embedding):
+            return
+        pos_group = group_of(pgs, "pos_embd")
+        if pos_group is None and pgs is not None and pgs.pp is not None:
+            raise ValueError("a pg_collection with pipeline parallelism (pp) and a split rank must carry its pos_embd "
+                             "group (the first stage of the encoder and of the decoder) for T5's position embedding")
+        if pos_group is None and parallel_state.is_rank_in_position_embedding_group():
+            pos_group = parallel_state.get_position_embedding_group()
+        if is_member(pos_group):
+            torch.distributed.all_reduce(self.embedding.position_embeddings.weight.data, group=pos_group)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """The language model's sharded state; on the split stage (``--pipeline-model-parallel-split-rank``) the
         embedding is a synchronised copy of stage 0's, saved as replica ``(1, ...)`` (never written, stage 0's is)."""
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if self.pre_process and not parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+        if self.pre_process and not is_pp_first_stage_of(self.pg_collection, ignore_virtual=True):
             for key, leaf in out.items():
                 if key.startswith((f"{prefix}embedding.", f"{prefix}position_embeddings.")) and \
                         hasattr(leaf, "replica_id"):
@@ -221,7 +233,7 @@ class T5Model(LanguageModule):
         if ids is not None:
             return self.rotary_pos_emb(ids.size(1))
         hidden = block.input_tensor
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp = pg_size(self.pg_collection, "tp")
         return self.rotary_pos_emb(hidden.size(0) * (tp if self.config.sequence_parallel else 1))
 
     def forward(self, encoder_input_ids, decoder_input_ids, encoder_attn_mask, decoder_attn_mask,

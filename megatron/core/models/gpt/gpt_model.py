@@ -5,7 +5,12 @@ Submodule names are megatron-core's (``embedding``, ``decoder.layers.{i}.self_at
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
+import torch
+
 from megatron.core import tensor_parallel
+from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_model import logits_or_loss
@@ -150,6 +155,8 @@ class GPTModel(LanguageModule):
                  scatter_embedding_sequence_parallel: bool = True, seq_len_interpolation_factor=None,
                  mtp_block_spec=None, pg_collection=None, vp_stage=None):
         super().__init__(config, pg_collection, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         # Position-embedding settings not passed come from the config's fields of the same meaning (whose defaults
         # are megatron-core's defaults of these arguments).
         position_embedding_type = _or(position_embedding_type, config.position_embedding_type)
@@ -214,6 +221,8 @@ class GPTModel(LanguageModule):
                 tp_group=self.tp_group, reuse_cpu_output_buffer=True)
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, self.state_dict(), prefix=f"{type(self).__name__}_init_ckpt")
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None):
         """:meth:`LanguageModule.sharded_state_dict` without the output layer's (empty) ``_extra_state``, which
@@ -237,11 +246,29 @@ class GPTModel(LanguageModule):
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, inference_params=None,
                 packed_seq_params=None, extra_block_kwargs=None, loss_mask=None):
+        decoder_input, rotary_pos_emb, *_ = self._preprocess(input_ids, position_ids, decoder_input,
+                                                             inference_context=inference_params)
+        hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                                     inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
+        return self._postprocess(hidden_states, input_ids, position_ids, labels, rotary_pos_emb, None, None,
+                                 mtp_in_postprocess=True, loss_mask=loss_mask, decoder_input=decoder_input,
+                                 attention_mask=attention_mask)
+
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, padding_mask=None):
+        """Before the decoder: the embedding (first stage, unless ``decoder_input`` is given) and the rotary
+        angles of this context-parallel rank's positions. Returns megatron-core's 6-tuple ``(decoder_input,
+        rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset, padding_mask)`` (cos / sin /
+        offset are None here: attention applies the angles itself)."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences (packed_seq_params) are not supported")
+        if padding_mask is not None:
+            raise NotImplementedError("GPTModel: padding_mask is not supported")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
         if hasattr(self, "rotary_pos_emb"):
-            rotary_pos_emb = self.rotary_pos_emb(self._rotary_seq_len(input_ids, decoder_input, inference_params))
+            rotary_pos_emb = self.rotary_pos_emb(self._rotary_seq_len(input_ids, decoder_input, inference_context))
             if isinstance(rotary_pos_emb, tuple):  # YaRN: (angles, concentration); attention applies the latter
                 rotary_pos_emb = rotary_pos_emb[0]
             cp = pg_size(self.pg_collection, "cp")
@@ -249,21 +276,55 @@ class GPTModel(LanguageModule):
                 # Angles of this CP rank's positions (chunks r and 2CP-1-r), as the batch was split.
                 rotary_pos_emb = get_pos_emb_on_this_cp_rank(rotary_pos_emb, seq_dim=0, cp_size=cp,
                                                              cp_rank=pg_rank(self.pg_collection, "cp"))
-        hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                                     inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
+        return decoder_input, rotary_pos_emb, None, None, None, None
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
+                     rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, decoder_input=None,
+                     attention_mask=None, inference_params=None, packed_seq_params=None, sequence_len_offset=None,
+                     runtime_gather_output=None, extra_block_kwargs=None, inference_context=None):
+        """After the decoder (last stage): the multi-token prediction depths' losses (training with labels; the
+        MTP block runs here when ``mtp_in_postprocess``, else ``hidden_states`` is ``[main, h_1, ..., h_D]``
+        concatenated along the sequence by a schedule plan's MTP layers), the output layer; returns the logits
+        ``[b, s, V/tp]``, or the per-token loss ``[b, s]`` with labels. Other stages return ``hidden_states``."""
         if not self.post_process:
             return hidden_states
+        if runtime_gather_output:
+            raise NotImplementedError("GPTModel: runtime_gather_output is not supported")
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        mtp_hidden = None
+        if self.mtp_process and not mtp_in_postprocess:
+            # The depths ran as layers of a schedule plan: [main, h_1, ..., h_D] concatenated along the sequence.
+            hidden_states, *mtp_hidden = torch.chunk(hidden_states, 1 + self.config.mtp_num_layers, dim=0)
         if self.mtp_process and labels is not None and self.training:
             # The MTP depths' losses ride on the main hidden states (MTPLossAutoScaler): not in the returned loss.
             from megatron.core.transformer.multi_token_prediction import process_mtp_loss
 
-            mtp_hidden = self.mtp(input_ids, position_ids, hidden_states, attention_mask, self.embedding,
-                                  rotary_pos_emb)
+            if mtp_hidden is None:
+                mtp_hidden = self.mtp(input_ids, position_ids, hidden_states, attention_mask, self.embedding,
+                                      rotary_pos_emb)
             hidden_states = process_mtp_loss(self.mtp, hidden_states, mtp_hidden, labels, loss_mask,
                                              lambda h: self.output_layer(h, weight=output_weight)[0],
                                              self.compute_language_model_loss)
         logits, _ = self.output_layer(hidden_states, weight=output_weight)
+        if has_config_logger_enabled(self.config):  # this call's inputs and logits [s, b, V/tp] (a .pth file)
+            log_config_to_disk(self.config, OrderedDict(input_ids=input_ids, position_ids=position_ids,
+                                                        attention_mask=attention_mask, decoder_input=decoder_input,
+                                                        logits=logits), prefix="input_and_logits")
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def build_schedule_plan(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                            inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+                            runtime_gather_output=None, inference_params=None, loss_mask=None, padding_mask=None):
+        """The arguments of :meth:`forward`, returned as a
+        :class:`~megatron.core.models.common.model_chunk_schedule_plan.TransformerModelChunkSchedulePlan` (the
+        chunk cut into pre-process, per-layer and post-process nodes) for the combined 1F1B schedule; running it
+        computes what :meth:`forward` computes."""
+        from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
+
+        if inference_context is not None or inference_params is not None:
+            raise ValueError("build_schedule_plan is for training: inference_context must be None")
+        return TransformerModelChunkSchedulePlan(self, input_ids, position_ids, attention_mask, decoder_input,
+                                                 labels, packed_seq_params, extra_block_kwargs,
+                                                 runtime_gather_output, loss_mask, padding_mask)

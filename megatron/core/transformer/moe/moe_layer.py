@@ -148,30 +148,71 @@ class MoELayer(BaseMoELayer):
                     tp_group=metadata.get("tp_group"), dp_cp_group=metadata["dp_cp_group"]))
         return out
 
+    def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """The router: ``(probs, routing_map)`` over all experts for each token."""
+        if padding_mask is not None:
+            raise NotImplementedError("MoELayer.route: padding_mask (padding tokens left out of the router's "
+                                      "losses) is not supported")
+        return self.router(hidden_states)
+
+    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        """Before the dispatch: the latent down-projection (``moe_latent_size``), Llama 4's routing weight on the
+        input (``moe_apply_probs_on_input``), the dispatcher's local permutation. Returns ``(tokens, probs)``."""
+        if self.config.moe_latent_size:
+            hidden_states = self.fc1_latent_proj(hidden_states)
+        if self.config.moe_apply_probs_on_input:
+            # Llama 4: the (top-1) routing weight scales the expert's input; its output is taken as it is.
+            weight = probs.sum(dim=-1).view(*hidden_states.shape[:-1], 1)
+            hidden_states = hidden_states * weight.to(hidden_states.dtype)
+            probs = routing_map.to(probs.dtype)
+        return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+
+    def dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """The dispatcher's communication (all-to-all / all-gather): ``(tokens, probs)`` on the experts' ranks."""
+        return self.token_dispatcher.token_dispatch(hidden_states, probs)
+
+    def shared_experts_compute(self, hidden_states: torch.Tensor):
+        """The shared experts' output on the (un-dispatched) tokens, or None without shared experts."""
+        if not self.use_shared_expert:
+            return None
+        if self.recompute_shared_experts and self.training and torch.is_grad_enabled():
+            return tensor_parallel.checkpoint(self.shared_experts, False, hidden_states)
+        return self.shared_experts(hidden_states)
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Sort the received tokens by local expert, run the experts, unsort: ``(output, None)``."""
+        tokens, tokens_per_expert, permuted_probs = self.token_dispatcher.dispatch_postprocess(hidden_states, probs)
+        expert_output, mlp_bias = self.experts(tokens, tokens_per_expert, permuted_probs)
+        if mlp_bias is not None:
+            raise ValueError("expert biases are added inside the experts")
+        return self.token_dispatcher.combine_preprocess(expert_output), None
+
+    def combine(self, output: torch.Tensor):
+        """The dispatcher's communication back to the tokens' ranks."""
+        return self.token_dispatcher.token_combine(output)
+
+    def postprocess(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]):
+        """Un-permute into the tokens, the latent up-projection, plus the shared experts' output."""
+        output = self.token_dispatcher.combine_postprocess(output)
+        if self.config.moe_latent_size:
+            output = self.fc2_latent_proj(output)
+        if shared_expert_output is not None:
+            output = output + shared_expert_output
+        return output
+
     def forward(self, hidden_states: torch.Tensor):
+        """route -> preprocess -> dispatch -> routed experts -> combine -> postprocess (+ shared experts): the
+        stages that megatron-core's combined 1F1B schedule also runs one by one."""
         if (self.training and pg_size(self.pg_collection, "tp") > 1
                 and not self.config.sequence_parallel):
             raise ValueError("During training, performance may degrade if MoE and tensor parallelism are enabled "
                              "without also enabling sequence parallelism.")
-        probs, routing_map = self.router(hidden_states)
-        routed_input = self.fc1_latent_proj(hidden_states) if self.config.moe_latent_size else hidden_states
-        if self.config.moe_apply_probs_on_input:
-            # Llama 4: the (top-1) routing weight scales the expert's input; its output is taken as it is.
-            weight = probs.sum(dim=-1).view(*hidden_states.shape[:-1], 1)
-            routed_input = routed_input * weight.to(routed_input.dtype)
-            probs = routing_map.to(probs.dtype)
-        tokens, tokens_per_expert, permuted_probs = self.token_dispatcher.token_permutation(
-            routed_input, probs, routing_map)
-        expert_output, mlp_bias = self.experts(tokens, tokens_per_expert, permuted_probs)
-        output = self.token_dispatcher.token_unpermutation(expert_output, mlp_bias)
-        if self.config.moe_latent_size:
-            output = self.fc2_latent_proj(output)
-        if self.use_shared_expert:
-            if self.recompute_shared_experts and self.training and torch.is_grad_enabled():
-                output = output + tensor_parallel.checkpoint(self.shared_experts, False, hidden_states)
-            else:
-                output = output + self.shared_experts(hidden_states)
-        return output, None
+        probs, routing_map = self.route(hidden_states)
+        tokens, probs = self.preprocess(hidden_states, probs, routing_map)
+        tokens, probs = self.dispatch(tokens, probs)
+        output, _ = self.routed_experts_compute(tokens, probs)
+        output = self.combine(output)
+        return self.postprocess(output, self.shared_experts_compute(hidden_states)), None
 
 
 def _latent_projection(config, in_features: int, out_features: int, init_method) -> torch.nn.Linear:

@@ -14,6 +14,10 @@ plain scatter-add of the expert outputs into their tokens.
   group; with ETP > 1 an all-gather over the expert-TP group (uneven sizes); then the chunks, ordered
   (etp source, ep source, local expert), are sorted to (local expert, etp source, ep source). Combine runs the
   inverse: unsort, reduce-scatter over expert TP, all-to-all back, ``unpermute``.
+
+``token_permutation`` = ``dispatch_preprocess`` (local work) -> ``token_dispatch`` (the communication) ->
+``dispatch_postprocess`` (local work), ``token_unpermutation`` = ``combine_preprocess`` -> ``token_combine`` ->
+``combine_postprocess``: megatron-core's six stages, which its combined 1F1B schedule runs as separate nodes.
 """
 from __future__ import annotations
 
@@ -62,30 +66,61 @@ class MoETokenDispatcher:
         self.etp_size = _size(self.etp_group)
         self.etp_rank = _rank(self.etp_group)
 
+    def token_permutation(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        """dispatch_preprocess -> token_dispatch -> dispatch_postprocess: ``(tokens, tokens_per_expert,
+        permuted_probs)``."""
+        hidden_states, probs = self.dispatch_preprocess(hidden_states, routing_map, probs)
+        hidden_states, probs = self.token_dispatch(hidden_states, probs)
+        return self.dispatch_postprocess(hidden_states, probs)
+
+    def token_unpermutation(self, expert_output: torch.Tensor, bias: torch.Tensor = None):
+        """combine_preprocess -> token_combine -> combine_postprocess: the tokens' outputs in the input's shape."""
+        if bias is not None:
+            raise ValueError("expert biases are added inside the experts")
+        return self.combine_postprocess(self.token_combine(self.combine_preprocess(expert_output)))
+
 
 class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
-    def token_permutation(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Flatten the tokens to ``[tokens, h]`` (the routing map is kept for the gather)."""
         self.hidden_shape = hidden_states.shape
-        hidden = hidden_states.reshape(-1, self.hidden_shape[-1])
+        self.routing_map = routing_map
+        return hidden_states.reshape(-1, self.hidden_shape[-1]), probs
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """All-gather tokens, probabilities and routing map over ``tp-ep``."""
+        routing_map, self.routing_map = self.routing_map, None
         if self.tp_ep_size > 1:
-            hidden = gather_along_first_dim(hidden, self.tp_ep_group)
+            hidden_states = gather_along_first_dim(hidden_states, self.tp_ep_group)
             probs = gather_along_first_dim(probs, self.tp_ep_group)
             with torch.no_grad():
                 routing_map = gather_along_first_dim(routing_map.to(torch.uint8), self.tp_ep_group).bool()
-        self.hidden_shape_before_permute = hidden.shape
+        self.gathered_routing_map = routing_map
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Keep the local experts' columns and ``permute``: ``(tokens, tokens_per_expert, permuted_probs)``."""
+        routing_map, self.gathered_routing_map = self.gathered_routing_map, None
+        self.hidden_shape_before_permute = hidden_states.shape
         local_map = routing_map[:, self.local_expert_indices]
         local_probs = probs[:, self.local_expert_indices]
         tokens_per_expert = local_map.sum(dim=0).tolist()
-        permuted, permuted_probs, self.sorted_indices = permute(hidden, local_map, local_probs)
+        permuted, permuted_probs, self.sorted_indices = permute(hidden_states, local_map, local_probs)
         return permuted, tokens_per_expert, permuted_probs
 
-    def token_unpermutation(self, expert_output: torch.Tensor, bias: torch.Tensor = None):
-        if bias is not None:
-            raise ValueError("expert biases are added inside the experts")
-        out = unpermute(expert_output, self.sorted_indices, self.hidden_shape_before_permute)
+    def combine_preprocess(self, expert_output: torch.Tensor):
+        """``unpermute`` into the gathered token layout."""
+        return unpermute(expert_output, self.sorted_indices, self.hidden_shape_before_permute)
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        """Reduce-scatter over ``tp-ep`` (back to this rank's tokens, expert-TP partial sums added)."""
         if self.tp_ep_size > 1:
-            out = reduce_scatter_along_first_dim(out, self.tp_ep_group)
-        return out.reshape(self.hidden_shape)
+            hidden_states = reduce_scatter_along_first_dim(hidden_states, self.tp_ep_group)
+        return hidden_states
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        """Back to the input's shape."""
+        return hidden_states.reshape(self.hidden_shape)
 
 
 class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
@@ -118,33 +153,49 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
                              for e in range(nl)]
         return tokens_per_expert
 
-    def token_permutation(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Flatten, count the tokens per expert and rank (``_splits``, a collective over ``tp-ep``), ``permute``
+        the local tokens by expert: ``(permuted_tokens, permuted_probs)``."""
         self.hidden_shape = hidden_states.shape
         hidden = hidden_states.reshape(-1, self.hidden_shape[-1])
         self.hidden_shape_before_permute = hidden.shape
-        tokens_per_expert = self._splits(routing_map)
+        self.tokens_per_expert = self._splits(routing_map)
         permuted, permuted_probs, self.sorted_indices = permute(hidden, routing_map, probs)
-        if self.ep_size > 1:
-            permuted = all_to_all(self.ep_group, permuted, self.output_splits, self.input_splits)
-            permuted_probs = all_to_all(self.ep_group, permuted_probs, self.output_splits, self.input_splits)
-        if self.etp_size > 1:
-            permuted = gather_along_first_dim(permuted, self.etp_group, self.output_splits_tp)
-            permuted_probs = gather_along_first_dim(permuted_probs, self.etp_group, self.output_splits_tp)
-        if self.num_local_experts > 1 or self.etp_size > 1:
-            permuted, permuted_probs = sort_chunks_by_idxs(permuted, self.chunk_sizes, self.chunk_order,
-                                                           permuted_probs)
-        return permuted, tokens_per_expert, permuted_probs
+        return permuted, permuted_probs
 
-    def token_unpermutation(self, expert_output: torch.Tensor, bias: torch.Tensor = None):
-        if bias is not None:
-            raise ValueError("expert biases are added inside the experts")
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """The all-to-all over EP (then the all-gather over expert TP)."""
+        if self.ep_size > 1:
+            hidden_states = all_to_all(self.ep_group, hidden_states, self.output_splits, self.input_splits)
+            probs = all_to_all(self.ep_group, probs, self.output_splits, self.input_splits)
+        if self.etp_size > 1:
+            hidden_states = gather_along_first_dim(hidden_states, self.etp_group, self.output_splits_tp)
+            probs = gather_along_first_dim(probs, self.etp_group, self.output_splits_tp)
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Sort the received chunks by local expert: ``(tokens, tokens_per_expert, permuted_probs)``."""
+        if self.num_local_experts > 1 or self.etp_size > 1:
+            hidden_states, probs = sort_chunks_by_idxs(hidden_states, self.chunk_sizes, self.chunk_order, probs)
+        return hidden_states, self.tokens_per_expert, probs
+
+    def combine_preprocess(self, expert_output: torch.Tensor):
+        """Unsort the chunks to the received order."""
         if self.num_local_experts > 1 or self.etp_size > 1:
             sizes_sorted = [self.chunk_sizes[j] for j in self.chunk_order]
             inverse = sorted(range(len(self.chunk_order)), key=lambda j: self.chunk_order[j])
             expert_output, _ = sort_chunks_by_idxs(expert_output, sizes_sorted, inverse)
+        return expert_output
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        """The reduce-scatter over expert TP, then the all-to-all back over EP."""
         if self.etp_size > 1:
-            expert_output = reduce_scatter_along_first_dim(expert_output, self.etp_group, self.output_splits_tp)
+            hidden_states = reduce_scatter_along_first_dim(hidden_states, self.etp_group, self.output_splits_tp)
         if self.ep_size > 1:
-            expert_output = all_to_all(self.ep_group, expert_output, self.input_splits, self.output_splits)
-        out = unpermute(expert_output, self.sorted_indices, self.hidden_shape_before_permute)
+            hidden_states = all_to_all(self.ep_group, hidden_states, self.input_splits, self.output_splits)
+        return hidden_states
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        """``unpermute`` (weighted scatter-add into the tokens), back to the input's shape."""
+        out = unpermute(hidden_states, self.sorted_indices, self.hidden_shape_before_permute)
         return out.reshape(self.hidden_shape)

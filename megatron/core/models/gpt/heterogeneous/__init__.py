@@ -1,0 +1,1 @@
+"""GPT layer specs of heterogeneous transformers (:mod:`.heterogeneous_layer_specs`)."""

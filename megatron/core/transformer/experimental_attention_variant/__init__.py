@@ -1,0 +1,1 @@
+"""megatron-core's experimental attention variants: DeepSeek sparse attention (:mod:`.dsa`)."""
