@@ -12,6 +12,10 @@ implementations of the same function, chosen per call and printed once:
 * with context parallelism (``config.context_parallel_size > 1``) the pure-PyTorch ring / all-gather attention of
   :mod:`megatron.core.transformer.context_parallel` (``--cp-comm-type p2p`` or ``all_gather``), causal or no mask.
 
+Packed sequences (megatron-core's ``PackedSeqParams`` with ``qkv_format='thd'``: several documents in one row,
+bounded by ``cu_seqlens``) attend within each document only: ``softmax(Q_i K_i^T / sqrt(d) + causal) V_i`` per
+document ``i``, which is what running each document alone gives (not with context parallelism yet).
+
 Masks are boolean with True = masked. Rows that are masked entirely (padding queries in BERT) get the
 uniform average of the values in the explicit path (all scores equal -10000); the SDPA path reproduces
 that instead of returning NaNs.
@@ -188,9 +192,66 @@ class CoreAttention(MegatronModule):
             dropout=self.attention_dropout if dropout_p > 0.0 else None,
             dropout_rng=self._dropout_rng() if dropout_p > 0.0 else None)
 
-    def forward(self, query_layer, key_layer, value_layer, attention_mask):
+    def forward(self, query_layer, key_layer, value_layer, attention_mask, packed_seq_params=None):
+        if packed_seq_params is not None:
+            return self._packed_forward(query_layer, key_layer, value_layer, packed_seq_params)
         if self.cp_size > 1:
             return self._context_parallel_forward(query_layer, key_layer, value_layer, attention_mask)
+        return self._local_forward(query_layer, key_layer, value_layer, attention_mask)
+
+    # -------------------------------------------------------------------------------- packed sequences
+    def _packed_forward(self, query_layer, key_layer, value_layer, packed_seq_params):
+        """Packed sequences (THD): document ``i`` holds the rows ``start_i .. start_i + L_i`` of the packed tensors
+        (``start`` from ``cu_seqlens_*_padded`` when given, else ``cu_seqlens_*``; ``L_i`` from ``cu_seqlens_*``),
+        and attends to its own keys only, causally for a causal layer: each document goes through this layer's
+        attention alone, with no mask (as Transformer Engine's ``thd`` kernels, ``attention_mask`` is not used).
+        Rows past a document's real length (padding) give zeros. Inputs are ``[t, 1, np, hn]`` (output
+        ``[t, 1, np * hv]``) or megatron-core's squeezed ``[t, np, hn]`` (output ``[t, np * hv]``)."""
+        if packed_seq_params.qkv_format != "thd":
+            raise NotImplementedError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: the local "
+                                      "attention supports packed sequences in the 'thd' format only")
+        if self.cp_size > 1:
+            raise NotImplementedError("packed sequences (packed_seq_params) with context parallelism "
+                                      f"(context_parallel_size {self.cp_size}) are not supported by the local "
+                                      "attention: run packed batches with context_parallel_size 1")
+        squeezed = query_layer.dim() == 3
+        if squeezed:
+            query_layer, key_layer, value_layer = (x.unsqueeze(1) for x in (query_layer, key_layer, value_layer))
+        if query_layer.size(1) != 1:
+            raise ValueError(f"packed sequences (thd): the batch dimension must be 1, got {query_layer.size(1)}")
+        p = packed_seq_params
+        cu_q = p.cu_seqlens_q
+        cu_kv = p.cu_seqlens_kv if p.cu_seqlens_kv is not None else cu_q
+        if cu_q is None:
+            raise ValueError("packed sequences (thd): packed_seq_params.cu_seqlens_q is required")
+        pad_q = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else cu_q
+        pad_kv = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else cu_kv
+        cu_q, cu_kv, pad_q, pad_kv = ([int(x) for x in c.tolist()] for c in (cu_q, cu_kv, pad_q, pad_kv))
+        total = query_layer.size(0)
+        if not (len(cu_q) == len(cu_kv) == len(pad_q) == len(pad_kv)) or pad_q[-1] > total or pad_kv[-1] > \
+                key_layer.size(0):
+            raise ValueError(f"packed sequences (thd): cu_seqlens describe {pad_q[-1]} query / {pad_kv[-1]} key rows "
+                             f"but the tensors have {total} / {key_layer.size(0)}, or their lengths differ")
+        log_once("attention_packed", "attention: packed sequences (thd), each document attended alone")
+        pieces, row = [], 0
+        width = self.hidden_size_per_partition
+        for i in range(len(cu_q) - 1):
+            start, length = pad_q[i], cu_q[i + 1] - cu_q[i]
+            k_start, k_length = pad_kv[i], cu_kv[i + 1] - cu_kv[i]
+            if start > row:
+                pieces.append(query_layer.new_zeros(start - row, 1, width))
+            if length > 0:
+                pieces.append(self._local_forward(query_layer[start:start + length],
+                                                  key_layer[k_start:k_start + k_length],
+                                                  value_layer[k_start:k_start + k_length], None))
+            row = start + length
+        if total > row:
+            pieces.append(query_layer.new_zeros(total - row, 1, width))
+        out = torch.cat(pieces, dim=0)
+        return out.squeeze(1) if squeezed else out
+
+    def _local_forward(self, query_layer, key_layer, value_layer, attention_mask):
+        """Attention of one rank's whole sequence (no context parallelism)."""
         groups = query_layer.size(2) // key_layer.size(2)
         if groups > 1:
             key_layer = key_layer.repeat_interleave(groups, dim=2)
@@ -316,6 +377,4 @@ class DotProductAttention(CoreAttention):
             self.cp_comm_type = cp_comm_type
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences (packed_seq_params) are not supported by this attention")
-        return super().forward(query, key, value, attention_mask)
+        return super().forward(query, key, value, attention_mask, packed_seq_params=packed_seq_params)

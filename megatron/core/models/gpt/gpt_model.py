@@ -131,6 +131,20 @@ class LanguageModule(MegatronModule):
                               tp_group=getattr(self, "tp_group", None))
 
 
+def _packed_max_seqlen(packed_seq_params) -> int:
+    """The longest document of a packed batch: ``max(max_seqlen_q, max_seqlen_kv)`` (megatron-core's rotary
+    length), else the largest step of ``cu_seqlens_*_padded`` / ``cu_seqlens_*``."""
+    p = packed_seq_params
+    given = [m for m in (p.max_seqlen_q, p.max_seqlen_kv) if m is not None]
+    if given:
+        return int(max(given))
+    steps = [int((c[1:] - c[:-1]).max()) for c in (p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded, p.cu_seqlens_q,
+                                                    p.cu_seqlens_kv) if c is not None and c.numel() > 1]
+    if not steps:
+        raise ValueError("GPTModel: packed_seq_params has neither max_seqlen_q / max_seqlen_kv nor cu_seqlens")
+    return max(steps)
+
+
 class GPTModel(LanguageModule):
     """``GPTModel(config, transformer_layer_spec, vocab_size, max_sequence_length, pre_process=True,
     post_process=True, fp16_lm_cross_entropy=False, parallel_output=True, share_embeddings_and_output_weights=False,
@@ -246,10 +260,15 @@ class GPTModel(LanguageModule):
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, inference_params=None,
                 packed_seq_params=None, extra_block_kwargs=None, loss_mask=None):
+        if packed_seq_params is not None and self.mtp_process:
+            raise NotImplementedError("GPTModel: packed sequences (packed_seq_params) with multi-token prediction "
+                                      "(mtp_num_layers) are not supported")
         decoder_input, rotary_pos_emb, *_ = self._preprocess(input_ids, position_ids, decoder_input,
-                                                             inference_context=inference_params)
+                                                             inference_context=inference_params,
+                                                             packed_seq_params=packed_seq_params)
+        packed = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                                     inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
+                                     inference_params=inference_params, rotary_pos_emb=rotary_pos_emb, **packed)
         return self._postprocess(hidden_states, input_ids, position_ids, labels, rotary_pos_emb, None, None,
                                  mtp_in_postprocess=True, loss_mask=loss_mask, decoder_input=decoder_input,
                                  attention_mask=attention_mask)
@@ -259,20 +278,22 @@ class GPTModel(LanguageModule):
         """Before the decoder: the embedding (first stage, unless ``decoder_input`` is given) and the rotary
         angles of this context-parallel rank's positions. Returns megatron-core's 6-tuple ``(decoder_input,
         rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset, padding_mask)`` (cos / sin /
-        offset are None here: attention applies the angles itself)."""
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences (packed_seq_params) are not supported")
+        offset are None here: attention applies the angles itself). Packed sequences (``packed_seq_params``, one
+        row ``[1, t]`` of documents): the angles of positions ``0 .. max(max_seqlen_q, max_seqlen_kv)``, not split
+        by context parallelism (the attention picks each document's rows)."""
         if padding_mask is not None:
             raise NotImplementedError("GPTModel: padding_mask is not supported")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
         if hasattr(self, "rotary_pos_emb"):
-            rotary_pos_emb = self.rotary_pos_emb(self._rotary_seq_len(input_ids, decoder_input, inference_context))
+            rotary_len = (self._rotary_seq_len(input_ids, decoder_input, inference_context)
+                          if packed_seq_params is None else _packed_max_seqlen(packed_seq_params))
+            rotary_pos_emb = self.rotary_pos_emb(rotary_len)
             if isinstance(rotary_pos_emb, tuple):  # YaRN: (angles, concentration); attention applies the latter
                 rotary_pos_emb = rotary_pos_emb[0]
             cp = pg_size(self.pg_collection, "cp")
-            if cp > 1:
+            if cp > 1 and packed_seq_params is None:
                 # Angles of this CP rank's positions (chunks r and 2CP-1-r), as the batch was split.
                 rotary_pos_emb = get_pos_emb_on_this_cp_rank(rotary_pos_emb, seq_dim=0, cp_size=cp,
                                                              cp_rank=pg_rank(self.pg_collection, "cp"))

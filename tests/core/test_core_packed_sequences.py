@@ -1,0 +1,126 @@
+"""Packed sequences (megatron-core's ``PackedSeqParams``, ``qkv_format='thd'``) in the local attention path.
+
+A tiny GPT (rotary, grouped-query attention) on one packed row of 3 documents must give, per document, the logits
+and per-token losses of running that document alone (an ordinary causal batch of one document), and its gradients
+must be the sum of the separate runs' gradients. The core attention with padded ``cu_seqlens`` is checked against
+plain ``scaled_dot_product_attention`` per document; the rotary rows against positions written by hand. What is
+still unsupported (packed with context parallelism, a non-thd format) is refused with a clear message.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers.models_helpers import causal_mask, single_rank  # noqa: F401  (fixture)
+
+VOCAB, LENGTHS = 64, (5, 7, 4)
+
+
+def _config(**extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                  hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                  position_embedding_type="rope")
+    fields.update(extra)
+    return TransformerConfig(**fields)
+
+
+def _packed(lengths, padded=None):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_pad = None if padded is None else torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()],
+                                                      dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
+                           cu_seqlens_kv_padded=cu_pad, max_seqlen_q=max(padded or lengths),
+                           max_seqlen_kv=max(padded or lengths))
+
+
+@pytest.fixture(scope="module")
+def gpt(single_rank):  # noqa: F811
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(0)
+    return GPTModel(_config(), get_gpt_layer_local_spec(), VOCAB, 32)
+
+
+def test_packed_gpt_matches_documents_run_alone(gpt):
+    g = torch.Generator().manual_seed(1)
+    total = sum(LENGTHS)
+    ids = torch.randint(0, VOCAB, (1, total), generator=g)
+    labels = torch.randint(0, VOCAB, (1, total), generator=g)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
+    packed = _packed(LENGTHS)
+
+    gpt.zero_grad(set_to_none=True)
+    logits = gpt(ids, positions, None, packed_seq_params=packed)
+    loss = gpt(ids, positions, None, labels=labels, packed_seq_params=packed)
+    loss.sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in gpt.named_parameters()}
+
+    gpt.zero_grad(set_to_none=True)
+    start = 0
+    for n in LENGTHS:
+        doc = slice(start, start + n)
+        ref_logits = gpt(ids[:, doc], torch.arange(n).unsqueeze(0), causal_mask(n))
+        ref_loss = gpt(ids[:, doc], torch.arange(n).unsqueeze(0), causal_mask(n), labels=labels[:, doc])
+        torch.testing.assert_close(logits[:, doc], ref_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss[:, doc], ref_loss, rtol=1e-5, atol=1e-5)
+        ref_loss.sum().backward()
+        start += n
+    # Not the same as attending across documents: the packed row run as one sequence differs.
+    whole = gpt(ids, torch.arange(total).unsqueeze(0), causal_mask(total))
+    assert not torch.allclose(whole[:, LENGTHS[0]:], logits[:, LENGTHS[0]:], atol=1e-3)
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, gpt.get_parameter(name).grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_core_attention_padded_thd_matches_sdpa_per_document(single_rank):  # noqa: F811
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    attn = DotProductAttention(_config(num_query_groups=4), 1, AttnMaskType.causal)
+    lengths, padded = (3, 6, 2), (4, 6, 4)
+    total, heads, hn = sum(padded) + 2, 4, 8  # two trailing rows beyond the last document
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(total, heads, hn, generator=g) for _ in range(3))
+    out = attn(q, k, v, None, packed_seq_params=_packed(lengths, padded))  # megatron-core's squeezed [t, np, hn]
+    assert out.shape == (total, heads * hn)
+    start = 0
+    for n, p in zip(lengths, padded):
+        rows = slice(start, start + n)
+        ref = F.scaled_dot_product_attention(*(x[rows].transpose(0, 1) for x in (q, k, v)), is_causal=True)
+        torch.testing.assert_close(out[rows], ref.transpose(0, 1).reshape(n, -1), rtol=1e-5, atol=1e-6)
+        assert out[start + n:start + p].abs().sum() == 0  # padding rows
+        start += p
+    assert out[start:].abs().sum() == 0
+
+
+def test_packed_rotary_rows_restart_per_document():
+    from megatron.core.transformer.rotary import packed_sequence_rotary_freqs
+
+    freqs = torch.arange(16.0).view(16, 1, 1, 1)  # row i holds position i
+    cu = torch.tensor([0, 3, 8, 12], dtype=torch.int32)
+    got = packed_sequence_rotary_freqs(freqs, cu).flatten().tolist()
+    assert got == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]
+    # Context parallelism 2, rank 1: chunks 1 and 2 of each document's 4 chunks.
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    assert packed_sequence_rotary_freqs(freqs, cu, cp_size=2, cp_rank=1).flatten().tolist() == [1, 2, 2, 3, 4, 5]
+    # One row per packed token: each document reads from its own offset.
+    assert packed_sequence_rotary_freqs(freqs[:12], cu).flatten().tolist() == list(range(12))
+
+
+def test_unsupported_packed_cases_are_refused(single_rank):  # noqa: F811
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    q = torch.randn(8, 4, 8)
+    attn = DotProductAttention(_config(context_parallel_size=2), 1, AttnMaskType.causal)
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        attn(q, q, q, None, packed_seq_params=_packed((3, 5)))
+    attn = DotProductAttention(_config(), 1, AttnMaskType.causal)
+    sbhd = _packed((3, 5))
+    sbhd.qkv_format = "sbhd"
+    with pytest.raises(NotImplementedError, match="'thd' format only"):
+        attn(q.unsqueeze(1), q.unsqueeze(1), q.unsqueeze(1), None, packed_seq_params=sbhd)
