@@ -264,8 +264,8 @@ class ParallelTransformer(MegatronModule):
                                      inference_params=inference_params, **packed)
             return hidden_states
         if packed_seq_params is not None:
-            raise NotImplementedError(f"packed sequences (packed_seq_params) are not supported by {type(layer).__name__} "
-                                      "layers (only megatron-core TransformerLayer)")
+            raise NotImplementedError(f"packed sequences (packed_seq_params) are not supported by "
+                                      f"{type(layer).__name__} layers (only megatron-core TransformerLayer)")
         return layer(hidden_states, attention_mask, encoder_output=encoder_output,
                      enc_dec_attn_mask=enc_dec_attn_mask, inference_params=inference_params,
                      rotary_pos_emb=rotary_pos_emb)
