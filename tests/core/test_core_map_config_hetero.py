@@ -274,7 +274,9 @@ def test_training_flags_build_the_heterogeneous_gpt_and_log_configs(tmp_path, si
     logits = model(cases_ids := torch.zeros(1, SEQ, dtype=torch.long), torch.arange(SEQ)[None], causal_mask(SEQ))
     assert logits.shape == (1, SEQ, VOCAB)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    FP32Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), OptimizerConfig(config_logger_dir=str(logs)))
+    # (a stand-in for the torch optimizer: torch.optim's first use imports torch._dynamo, seconds on this machine)
+    FP32Optimizer(SimpleNamespace(param_groups=[{"params": list(ddp.parameters()), "lr": 0.1}]),
+                  OptimizerConfig(config_logger_dir=str(logs)))
     files = sorted(os.listdir(logs))
     assert files == ["DistributedDataParallel.rank_0_0_0_0_0.iter0.json", "FP32Optimizer.rank_0_0_0_0_0.iter0.json",
                      "GPTModel.rank_0_0_0_0_0.iter0.json", "GPTModel_init_ckpt.rank_0_0_0_0_0.iter0.pth",
