@@ -1,6 +1,9 @@
 """``PackedSeqParams``: the cumulative sequence lengths of a batch of packed sequences (THD layout), megatron-core's
-dataclass. The attention of this library refuses packed sequences (``packed_seq_params`` must be None): this is
-the type callers build."""
+dataclass. ``qkv_format='thd'``: documents packed along one row ``[t, 1, h]``, document ``i`` in rows
+``cu_seqlens_q_padded[i] ..`` (or ``cu_seqlens_q[i] ..``) of real length ``cu_seqlens_q[i+1] - cu_seqlens_q[i]``;
+the local attention attends within each document and RoPE restarts at each (not with context parallelism).
+``qkv_format='sbhd'`` with ``cp_group`` / ``local_cp_size``: one hybrid-context-parallel sample, whose attention runs
+over its own CP group."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,7 +6,8 @@ run through the plain ``GPTModel.forward`` and one autograd pass, or through ``f
 The same model (a copy) run through ``GPTModel.build_schedule_plan`` and the schedule nodes (pre-process, per layer
 attn / dispatch / experts / combine, post-process), through ``combined_1f1b_schedule_for_no_pipelining`` and
 through ``combined_1f1b_schedule_for_interleaved_pipelining`` must give the same losses and the same gradient on
-every parameter. Plus the node machinery on a plain function (chain rule, freed inputs) and the refusals.
+every parameter. Plus the node machinery on a plain function (chain rule, freed inputs) and the refusals; and
+(marked slow: 4 gloo ranks) the interleaved pipeline schedule with ``overlap_moe_expert_parallel_comm``.
 """
 import gc
 
@@ -276,3 +277,52 @@ def test_weak_method_free_input_rules_and_refusals(model):
         with pytest.raises(ValueError, match=message):
             _config(overlap_moe_expert_parallel_comm=True, **extra)
     assert _config(overlap_moe_expert_parallel_comm=True).overlap_moe_expert_parallel_comm
+
+
+def interleaved_body():
+    """PP 4 x VPP 2 (8 layers, one per chunk; MoE and dense), deallocated pipeline outputs: the interleaved schedule
+    with ``overlap_moe_expert_parallel_comm`` (every step a merged step of combined_1f1b) against without."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
+
+    parallel_state.initialize_model_parallel(1, 4, virtual_pipeline_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    rank = torch.distributed.get_rank()
+    calls, out = [], {}
+
+    def step(data_iterator, model, return_schedule_plan=False):
+        calls.append(return_schedule_plan)
+        return _forward_step(data_iterator, model, return_schedule_plan=return_schedule_plan)
+
+    for flag in (False, True):
+        chunks = []
+        for vp in range(2):
+            config = _config(num_layers=8, moe_layer_freq=[1, 0, 1, 1, 1, 0, 1, 1], pipeline_model_parallel_size=4,
+                             virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                             deallocate_pipeline_outputs=True, overlap_moe_expert_parallel_comm=flag)
+            torch.manual_seed(100 + vp)
+            parallel_state.set_virtual_pipeline_model_parallel_rank(vp)
+            chunks.append(GPTModel(config, get_gpt_decoder_block_spec(config), VOCAB, SEQ, vp_stage=vp,
+                                   pre_process=rank == 0 and vp == 0, post_process=rank == 3 and vp == 1))
+        store = forward_backward_pipelining_with_interleaving(
+            forward_step_func=step, data_iterator=[iter([_batch(m) for m in range(4)]) for _ in range(2)],
+            model=chunks, num_microbatches=4, seq_length=SEQ, micro_batch_size=BATCH)
+        out[flag] = ([s["lm loss"] for s in store],
+                     {f"{c}.{n}": p.grad.clone() for c, m in enumerate(chunks) for n, p in m.named_parameters()
+                      if p.grad is not None})
+    return calls, out
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_with_the_flag_equals_plain_interleaved():
+    from helpers.dist_harness import run_distributed
+
+    for rank, (calls, out) in enumerate(run_distributed(interleaved_body, 4, timeout=300)):
+        assert calls.count(True) == calls.count(False) == 8, "4 micro-batches x 2 chunks on each path"
+        (losses_ref, grads_ref), (losses, grads) = out[False], out[True]
+        assert len(losses) == len(losses_ref) == (4 if rank == 3 else 0)
+        for a, b in zip(losses, losses_ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        _assert_same_grads(grads_ref, grads)

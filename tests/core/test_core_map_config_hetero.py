@@ -274,7 +274,9 @@ def test_training_flags_build_the_heterogeneous_gpt_and_log_configs(tmp_path, si
     logits = model(cases_ids := torch.zeros(1, SEQ, dtype=torch.long), torch.arange(SEQ)[None], causal_mask(SEQ))
     assert logits.shape == (1, SEQ, VOCAB)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    FP32Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), OptimizerConfig(config_logger_dir=str(logs)))
+    # (a stand-in for the torch optimizer: torch.optim's first use imports torch._dynamo, seconds on this machine)
+    FP32Optimizer(SimpleNamespace(param_groups=[{"params": list(ddp.parameters()), "lr": 0.1}]),
+                  OptimizerConfig(config_logger_dir=str(logs)))
     files = sorted(os.listdir(logs))
     assert files == ["DistributedDataParallel.rank_0_0_0_0_0.iter0.json", "FP32Optimizer.rank_0_0_0_0_0.iter0.json",
                      "GPTModel.rank_0_0_0_0_0.iter0.json", "GPTModel_init_ckpt.rank_0_0_0_0_0.iter0.pth",
@@ -357,6 +359,32 @@ def test_mamba_inference_state_config_from_model(single_rank, tmp_path):  # noqa
     no_mamba = MambaModel(cfg, get_mamba_stack_spec(), 64, 16, hybrid_layer_pattern="*--")
     assert get_mamba_inference_state_config_from_model(no_mamba) is None
     assert no_mamba.decoder.mamba_state_shapes_per_request() is None
+
+
+def test_first_last_layers_bf16_builds_those_layers_without_fp8(single_rank):  # noqa: F811
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True, fp8="hybrid")
+    with pytest.raises(ValueError, match="Delayed scaling does not support"):
+        TransformerConfig(**base, first_last_layers_bf16=True)
+    with pytest.raises(ValueError, match="num_layers_at_end_in_bf16 \\(5\\) must be between 0"):
+        TransformerConfig(**base, fp8_recipe="tensorwise", first_last_layers_bf16=True, num_layers_at_end_in_bf16=5)
+    config = TransformerConfig(**base, fp8_recipe="tensorwise", first_last_layers_bf16=True,
+                               num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=2)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1, use_fp8=True)
+    try:
+        block = TransformerBlock(config, get_gpt_layer_local_spec())
+    finally:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, 1)
+    fp8_layers = [layer.self_attention.linear_qkv.fp8_meta is not None and layer.mlp.linear_fc2.fp8_meta is not None
+                  for layer in block.layers]
+    assert fp8_layers == [False, True, False, False]  # layer 0 (start) and layers 2, 3 (end) in bf16
+    assert block.layers[0].config.fp8 is None and block.layers[1].config is config
 
 
 # The tests that compare with the oracle run last (its subprocess started with the module).

@@ -113,6 +113,12 @@ def _fsdp_body():
     out["state_dict_keys"] = sorted(sd) == sorted(f"module.{n}" for n in ref_weights)
     head = sd["module.2.weight"]  # 5 rows over 2 ranks: blocks of 3 and 2 rows
     out["head_chunk"] = (tuple(head.__create_chunk_list__()[0].offsets), tuple(head.to_local().shape))
+    saved = {k: v.detach().clone() for k, v in sd.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(saved)
+    out["reload_err"] = max((w - ref_weights[n]).abs().max().item() for n, w in _full_weights(model).items())
 
     # 2. fully_shard_model + fully_shard_optimizer (ZeRO-2, import path as unit, explicit mesh).
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
@@ -190,7 +196,7 @@ def test_fully_shard_trains_like_an_unsharded_model_on_two_gloo_ranks():
             ours, ref = out[key]
             assert ours == pytest.approx(ref, rel=1e-5, abs=1e-6), key
         assert out["zero3_weights_err"] < 1e-5 and out["zero2_weights_err"] < 1e-5
-        assert out["state_dict_keys"]
+        assert out["state_dict_keys"] and out["reload_err"] < 1e-5
         assert out["head_chunk"] == (((0, 0), (3, HIDDEN)) if rank == 0 else ((3, 0), (2, HIDDEN)))
         assert out["zero2_index"]
         assert out["meta_init_err"] == 0.0

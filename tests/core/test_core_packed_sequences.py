@@ -74,6 +74,24 @@ def test_packed_gpt_matches_documents_run_alone(gpt):
     assert not torch.allclose(whole[:, LENGTHS[0]:], logits[:, LENGTHS[0]:], atol=1e-3)
     for name, grad in packed_grads.items():
         torch.testing.assert_close(grad, gpt.get_parameter(name).grad, rtol=1e-4, atol=1e-6, msg=name)
+    _same_with_recompute_and_unfused(gpt, ids, positions, labels, packed, loss, packed_grads)
+
+
+def _same_with_recompute_and_unfused(gpt, ids, positions, labels, packed, loss, grads):
+    """The packed batch through selective (core attention) / full recompute and the explicit (unfused) softmax."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.enums import AttnBackend
+
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    for extra in (dict(recompute_granularity="selective", attention_backend=AttnBackend.unfused),
+                  dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
+        other = GPTModel(_config(**extra), get_gpt_layer_local_spec(), VOCAB, 32)
+        other.load_state_dict(gpt.state_dict())
+        got = other(ids, positions, None, labels=labels, packed_seq_params=packed)
+        got.sum().backward()
+        torch.testing.assert_close(got, loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(other.get_parameter(name).grad, grads[name], rtol=1e-4, atol=1e-6)
 
 
 def test_core_attention_padded_thd_matches_sdpa_per_document(single_rank):  # noqa: F811
@@ -111,6 +129,32 @@ def test_packed_rotary_rows_restart_per_document():
     assert packed_sequence_rotary_freqs(freqs[:12], cu).flatten().tolist() == list(range(12))
 
 
+def test_rope_utils_apply_rotary_pos_emb_thd_restarts_per_document():
+    """megatron-core's ``apply_rotary_pos_emb(t, freqs, config, cu_seqlens)`` on a packed ``[t, np, hn]`` tensor
+    against the rotate-half rotation written out with each document's positions 0, 1, ..."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    d, lengths = 8, (3, 5)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    angles = torch.arange(16).float()[:, None] * inv_freq  # [positions, d/2] (not 8 rows: one per packed token)
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    t = torch.randn(sum(lengths), 2, d + 4, generator=torch.Generator().manual_seed(4))  # 4 channels pass through
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    out = apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=None)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    cos, sin = angles[pos].cos()[:, None, :], angles[pos].sin()[:, None, :]
+    a, b = t[..., :d // 2], t[..., d // 2:d]
+    ref = torch.cat((a * cos - b * sin, a * sin + b * cos, t[..., d:]), dim=-1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    # Without cu_seqlens: [s, b, np, hn], positions 0 .. s-1 (the second document is no longer restarted).
+    plain = apply_rotary_pos_emb(t.unsqueeze(1), freqs[:8], config).squeeze(1)
+    torch.testing.assert_close(plain[:3], ref[:3])
+    assert not torch.allclose(plain[3:], ref[3:])
+
+
 def test_unsupported_packed_cases_are_refused(single_rank):  # noqa: F811
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
@@ -120,7 +164,87 @@ def test_unsupported_packed_cases_are_refused(single_rank):  # noqa: F811
     with pytest.raises(NotImplementedError, match="context parallelism"):
         attn(q, q, q, None, packed_seq_params=_packed((3, 5)))
     attn = DotProductAttention(_config(), 1, AttnMaskType.causal)
-    sbhd = _packed((3, 5))
-    sbhd.qkv_format = "sbhd"
-    with pytest.raises(NotImplementedError, match="'thd' format only"):
-        attn(q.unsqueeze(1), q.unsqueeze(1), q.unsqueeze(1), None, packed_seq_params=sbhd)
+    other = _packed((3, 5))
+    other.qkv_format = "bshd"
+    with pytest.raises(NotImplementedError, match="'thd' and 'sbhd' formats only"):
+        attn(q.unsqueeze(1), q.unsqueeze(1), q.unsqueeze(1), None, packed_seq_params=other)
+    other.qkv_format = "sbhd"  # documents of different lengths in one row
+    with pytest.raises(NotImplementedError, match="pack them in the 'thd' format"):
+        attn(q.unsqueeze(1), q.unsqueeze(1), q.unsqueeze(1), None, packed_seq_params=other)
+
+
+# Hybrid context parallelism, 2 gloo ranks (DP 1 x CP 2, at most 4 tokens per rank): one packed sample of 4
+# documents; the document of 8 tokens runs on both ranks (ring attention over its own group), the others on one.
+_HYBRID_DOCS = (8, 3, 4, 2)
+
+
+def _hybrid_config(**extra):
+    return _config(calculate_per_token_loss=True, max_seqlen_per_dp_cp_rank=4, **extra)
+
+
+def _hybrid_docs():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, VOCAB, (n,), generator=g), torch.randint(0, VOCAB, (n,), generator=g))
+            for n in _HYBRID_DOCS]
+
+
+def _hybrid_train_body():
+    from megatron.core import parallel_state as ps
+    from megatron.core.datasets.data_schedule import HybridCPDataLoaderWrapper
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from megatron.core.utils import get_batch_on_this_hybrid_cp_rank
+
+    ps.initialize_model_parallel(1, 1, context_parallel_size=2, hybrid_context_parallel=True)
+    config = _hybrid_config(context_parallel_size=2, hybrid_context_parallel=True)
+    torch.manual_seed(0)
+    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, 32)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    docs = _hybrid_docs()
+    bounds = torch.tensor([0, *torch.tensor(_HYBRID_DOCS).cumsum(0).tolist()])
+    packed = {"tokens": torch.cat([t for t, _ in docs]), "labels": torch.cat([lab for _, lab in docs]),
+              "position_ids": torch.cat([torch.arange(n) for n in _HYBRID_DOCS]), "cu_seqlens": bounds,
+              "max_seqlen": torch.tensor([max(_HYBRID_DOCS)])}
+    seen = []
+
+    def forward_step_func(data_iterator, model):
+        sample = next(data_iterator)
+        local_cp_size = int(sample.pop("local_cp_size"))
+        batch, params = get_batch_on_this_hybrid_cp_rank(sample, local_cp_size)
+        seen.append((params.max_seqlen_q, local_cp_size))
+        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params)
+        n = torch.tensor(loss.numel())
+        return loss.sum(), lambda out: (out, n, {"loss": torch.stack([out.detach(), n.float()])})
+
+    wrapper = HybridCPDataLoaderWrapper(iter([[packed]]), config)
+    store = forward_backward_no_pipelining(forward_step_func=forward_step_func, data_iterator=wrapper, model=model,
+                                           num_microbatches=1, seq_length=8, micro_batch_size=1)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ps.destroy_model_parallel()
+    return {"initial": initial, "grads": grads, "seen": seen, "loss": sum(float(d["loss"][0]) for d in store),
+            "tokens": sum(int(d["loss"][1]) for d in store)}
+
+
+def test_tiny_gpt_trains_through_hybrid_context_parallel_schedule(single_rank):  # noqa: F811
+    """Sum over the 2 ranks of the hybrid schedule's losses and gradients = the documents run alone (1 process)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from helpers.dist_harness import run_distributed
+
+    results = run_distributed(_hybrid_train_body, world_size=2)
+    assert sorted(s for out in results for s in out["seen"]) == [(2, 1), (3, 1), (4, 1), (8, 2), (8, 2)]
+    assert sum(out["tokens"] for out in results) == sum(_HYBRID_DOCS)
+    ref = GPTModel(_hybrid_config(), get_gpt_layer_local_spec(), VOCAB, 32)
+    ref.load_state_dict(results[0]["initial"])
+    total = 0.0
+    for tokens, labels in _hybrid_docs():
+        n = tokens.numel()
+        loss = ref(tokens[None], torch.arange(n)[None], causal_mask(n), labels=labels[None]).sum()
+        loss.backward()
+        total += float(loss.detach())
+    assert abs(sum(out["loss"] for out in results) - total) <= 1e-5 * abs(total)
+    for name, param in ref.named_parameters():
+        got = sum(out["grads"][name] for out in results)
+        torch.testing.assert_close(got, param.grad, rtol=1e-4, atol=1e-6, msg=name)

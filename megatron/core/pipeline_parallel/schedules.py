@@ -47,7 +47,7 @@ from megatron.core.pipeline_parallel.schedule_helpers import (clear_embedding_ac
                                                               finish_embedding_wgrad_compute, get_pp_rank_microbatches,
                                                               set_current_microbatch)
 from megatron.core.process_groups_config import is_pp_stage_after_split_of, pg_group, pg_rank, pg_size
-from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type, log_once
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None):
@@ -573,10 +573,8 @@ def forward_backward_pipelining_with_interleaving(
         raise RuntimeError(f"{len(model)} model chunks but {len(data_iterator)} data iterators")
     config = get_model_config(model[0])
     model_type = _check_model_type(model[0], interleaved=True)
-    if config.overlap_moe_expert_parallel_comm and not forward_only:
-        log_once("combined_1f1b_interleaved", "overlap_moe_expert_parallel_comm: the interleaved schedule runs its "
-                 "plain forward and backward steps (megatron-core's merged steps, combined_1f1b."
-                 "combined_1f1b_schedule_for_interleaved_pipelining, are not wired into it here; the same math)")
+    # megatron-core's combined 1F1B (EP all-to-all overlap): every step through combined_1f1b's merged step.
+    combined = config.overlap_moe_expert_parallel_comm and not forward_only
     # Gradient reduction stays off until each chunk's own last backward pass (one toggle per chunk), or
     # until the step's last backward pass when the caller gave a single no_sync_func.
     if config.no_sync_func is not None:
@@ -628,24 +626,31 @@ def forward_backward_pipelining_with_interleaving(
     if param_sync_func is not None and not forward_only:
         param_sync_func[0]()
 
-    def forward_helper(k):
+    def forward_pre(k):
         c = chunk_id(k, forward=True)
         set_chunk(c)
         if param_sync_func is not None and not forward_only and k == c * pp_size and c + 1 < num_chunks:
             param_sync_func[c + 1]()
         if pipe.first() and len(input_tensors[c]) == len(output_tensors[c]):
             input_tensors[c].append(None)
-        output_tensor, num_tokens = forward_step(forward_step_func, data_iterator[c], model[c], num_microbatches,
-                                                 input_tensors[c][-1], forward_data_store, config, pipe.cp_size,
-                                                 collect_non_loss_data, is_last_stage=pipe.last(), after_split=False)
+        return c, input_tensors[c][-1]
+
+    def forward_post(c, output_tensor, num_tokens):
         total_num_tokens.add_(num_tokens.to(total_num_tokens.device))
         output_tensors[c].append(output_tensor)
         if forward_only:
             input_tensors[c].pop()
             output_tensors[c].pop()
+
+    def forward_helper(k):
+        c, input_tensor = forward_pre(k)
+        output_tensor, num_tokens = forward_step(forward_step_func, data_iterator[c], model[c], num_microbatches,
+                                                 input_tensor, forward_data_store, config, pipe.cp_size,
+                                                 collect_non_loss_data, is_last_stage=pipe.last(), after_split=False)
+        forward_post(c, output_tensor, num_tokens)
         return output_tensor
 
-    def backward_helper(k):
+    def backward_pre(k):
         c = chunk_id(k, forward=False)
         set_chunk(c)
         if pipe.last() and len(output_tensor_grads[c]) == 0:
@@ -655,8 +660,25 @@ def forward_backward_pipelining_with_interleaving(
             toggles[c].enable()  # this chunk's last backward: let its DDP reduce gradients
         elif len(toggles) == 1 and k == total - 1:
             toggles[0].enable()
-        return backward_step(input_tensors[c].pop(0), output_tensors[c].pop(0), output_tensor_grads[c].pop(0),
-                             model_type, config, after_split=False)
+        return input_tensors[c].pop(0), output_tensors[c].pop(0), output_tensor_grads[c].pop(0)
+
+    def backward_helper(k):
+        return backward_step(*backward_pre(k), model_type, config, after_split=False)
+
+    if combined:  # megatron-core's merged steps: forward of virtual micro-batch f with backward of b
+        from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_interleaved_pipelining
+
+        def merged_step(f, b):
+            return combined_1f1b_schedule_for_interleaved_pipelining(
+                config, forward_step_func, data_iterator, model, num_microbatches, forward_data_store,
+                lambda vmb, c, mb: forward_pre(vmb)[1], forward_post, lambda vmb, c: backward_pre(vmb),
+                lambda vmb: None, lambda vmb, forward: table[vmb % total][0], chunk_id,
+                functools.partial(check_first_val_step, first_val_step, forward_only),
+                lambda vmb: table[vmb % total][0] == 0, collect_non_loss_data,
+                f_virtual_microbatch_id=f, b_virtual_microbatch_id=b)
+
+        forward_helper = lambda k: merged_step(k, None)[0]  # noqa: E731
+        backward_helper = lambda k: merged_step(None, k)[1]  # noqa: E731
 
     # Warm-up: forward passes only.
     set_chunk(0)
@@ -682,8 +704,11 @@ def forward_backward_pipelining_with_interleaving(
     # Steady state: one forward and one backward per step.
     for k in range(num_remaining):
         forward_k = k + num_warmup
-        output_tensor = forward_helper(forward_k)
-        input_tensor_grad = backward_helper(k)
+        if combined:
+            output_tensor, input_tensor_grad = merged_step(forward_k, k)
+        else:
+            output_tensor = forward_helper(forward_k)
+            input_tensor_grad = backward_helper(k)
 
         set_chunk(chunk_id(forward_k, forward=True))
         if pipe.last():

@@ -135,10 +135,14 @@ class ScheduleNode:
 
     def default_backward_func(self, outputs, output_grad):
         """One autograd pass from ``outputs`` with ``output_grad`` (gradients accumulate in the leaves, the graph
-        is freed); a ``None`` output or one that does not require grad is skipped. Returns ``output_grad``."""
-        pairs = [(o, g) for o, g in zip(outputs, output_grad) if torch.is_tensor(o) and o.requires_grad]
+        is freed); an output that does not require grad, or has no gradient, is skipped. Returns ``output_grad``."""
+        pairs = [(o, g) for o, g in zip(outputs, output_grad)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
         if pairs:
-            torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
+            # The engine itself, without the shape check: a pipeline schedule may have freed a sent output's data.
+            torch.autograd.Variable._execution_engine.run_backward(
+                tensors=tuple(o for o, _ in pairs), grad_tensors=tuple(g for _, g in pairs), keep_graph=False,
+                create_graph=False, inputs=(), allow_unreachable=True, accumulate_grad=True)
         return output_grad
 
     def forward(self, inputs=()):

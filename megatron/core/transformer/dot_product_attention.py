@@ -14,7 +14,9 @@ implementations of the same function, chosen per call and printed once:
 
 Packed sequences (megatron-core's ``PackedSeqParams`` with ``qkv_format='thd'``: several documents in one row,
 bounded by ``cu_seqlens``) attend within each document only: ``softmax(Q_i K_i^T / sqrt(d) + causal) V_i`` per
-document ``i``, which is what running each document alone gives (not with context parallelism yet).
+document ``i``, which is what running each document alone gives (not with context parallelism yet). With
+``qkv_format='sbhd'`` (hybrid context parallelism: one whole sample per row) the attention is the ordinary one, with
+context parallelism over the sample's own ``packed_seq_params.cp_group`` (none for ``local_cp_size`` 1).
 
 Masks are boolean with True = masked. Rows that are masked entirely (padding queries in BERT) get the
 uniform average of the values in the explicit path (all scores equal -10000); the SDPA path reproduces
@@ -171,11 +173,15 @@ class CoreAttention(MegatronModule):
             return False
         return attention_mask is None or attention_mask.dtype == torch.bool
 
-    def _context_parallel_forward(self, query_layer, key_layer, value_layer, attention_mask):
+    def _context_parallel_forward(self, query_layer, key_layer, value_layer, attention_mask, group=None):
+        """Attention over the context-parallel ``group`` (default: this layer's CP group, which must have
+        ``config.context_parallel_size`` ranks; hybrid CP passes each sample's own group)."""
         from megatron.core.transformer.context_parallel import context_parallel_attention
 
-        group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
-        if torch.distributed.get_world_size(group=group) != self.cp_size:
+        own = group is None
+        if own:
+            group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
+        if own and torch.distributed.get_world_size(group=group) != self.cp_size:
             raise RuntimeError(f"config.context_parallel_size is {self.cp_size} but the context-parallel group has "
                                f"{torch.distributed.get_world_size(group=group)} ranks: pass the same size to "
                                "initialize_model_parallel(context_parallel_size=...) or in pg_collection.cp")
@@ -193,13 +199,41 @@ class CoreAttention(MegatronModule):
             dropout_rng=self._dropout_rng() if dropout_p > 0.0 else None)
 
     def forward(self, query_layer, key_layer, value_layer, attention_mask, packed_seq_params=None):
-        if packed_seq_params is not None:
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._packed_forward(query_layer, key_layer, value_layer, packed_seq_params)
+        if packed_seq_params is not None:
+            return self._per_sample_cp_forward(query_layer, key_layer, value_layer, attention_mask,
+                                               packed_seq_params)
         if self.cp_size > 1:
             return self._context_parallel_forward(query_layer, key_layer, value_layer, attention_mask)
         return self._local_forward(query_layer, key_layer, value_layer, attention_mask)
 
     # -------------------------------------------------------------------------------- packed sequences
+    def _per_sample_cp_forward(self, query_layer, key_layer, value_layer, attention_mask, packed_seq_params):
+        """``sbhd`` packed params (hybrid context parallelism: one whole sample per batch row, ``cu_seqlens``
+        ``[0, S, 2S, ...]``): the ordinary attention, with context parallelism over the sample's own group
+        ``packed_seq_params.cp_group`` (none when it is None or has one rank, e.g. ``local_cp_size`` 1), in place
+        of the layer's CP group (megatron-core's dynamic CP group)."""
+        p = packed_seq_params
+        if p.qkv_format != "sbhd":
+            raise NotImplementedError(f"packed_seq_params.qkv_format={p.qkv_format!r}: the local attention "
+                                      "supports packed sequences in the 'thd' and 'sbhd' formats only")
+        for cu in (p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded):
+            if cu is not None and cu.numel() > 2 and len(set((cu[1:] - cu[:-1]).tolist())) > 1:
+                raise NotImplementedError("packed_seq_params in the 'sbhd' format with sequences of different "
+                                          "lengths (padding) are not supported: pack them in the 'thd' format")
+        group = p.cp_group
+        if group is None and p.local_cp_size not in (None, 1):
+            raise ValueError(f"packed_seq_params.local_cp_size={p.local_cp_size} needs its cp_group")
+        if group is None and p.local_cp_size is None:
+            return self.forward(query_layer, key_layer, value_layer, attention_mask)  # the layer's own CP
+        if group is None or torch.distributed.get_world_size(group=group) == 1:
+            return self._local_forward(query_layer, key_layer, value_layer, attention_mask)
+        if self.window is not None or self.softmax_offset is not None:
+            raise NotImplementedError("hybrid context parallelism with a sliding window or attention sinks is not "
+                                      "implemented: the ring attention has no window or sink")
+        return self._context_parallel_forward(query_layer, key_layer, value_layer, attention_mask, group=group)
+
     def _packed_forward(self, query_layer, key_layer, value_layer, packed_seq_params):
         """Packed sequences (THD): document ``i`` holds the rows ``start_i .. start_i + L_i`` of the packed tensors
         (``start`` from ``cu_seqlens_*_padded`` when given, else ``cu_seqlens_*``; ``L_i`` from ``cu_seqlens_*``),
@@ -210,10 +244,13 @@ class CoreAttention(MegatronModule):
         if packed_seq_params.qkv_format != "thd":
             raise NotImplementedError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: the local "
                                       "attention supports packed sequences in the 'thd' format only")
-        if self.cp_size > 1:
-            raise NotImplementedError("packed sequences (packed_seq_params) with context parallelism "
-                                      f"(context_parallel_size {self.cp_size}) are not supported by the local "
-                                      "attention: run packed batches with context_parallel_size 1")
+        group = packed_seq_params.cp_group
+        cp = (torch.distributed.get_world_size(group=group) if group is not None
+              else 1 if packed_seq_params.local_cp_size == 1 else self.cp_size)
+        if cp > 1:
+            raise NotImplementedError(f"packed sequences in the 'thd' format with context parallelism ({cp} ranks) "
+                                      "are not supported by the local attention: run packed batches with "
+                                      "context_parallel_size 1")
         squeezed = query_layer.dim() == 3
         if squeezed:
             query_layer, key_layer, value_layer = (x.unsqueeze(1) for x in (query_layer, key_layer, value_layer))

@@ -6,6 +6,7 @@ built from a layer spec. Submodule names (``layers.{i}``, ``final_layernorm``) a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
@@ -14,6 +15,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.enums import ModelType
+from megatron.core.fp8_utils import is_first_last_bf16_layer
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.process_groups_config import group_of, pg_rank, pg_size
 from megatron.core.transformer.module import MegatronModule
@@ -180,6 +182,8 @@ class ParallelTransformer(MegatronModule):
             # A heterogeneous config (Nemotron-NAS) gives each global layer its own config.
             layer_config = (config.get_config_for_layer(layer_number)
                             if getattr(config, "heterogeneous_block_specs", False) else config)
+            if getattr(config, "fp8", None) and is_first_last_bf16_layer(config, layer_number - 1):
+                layer_config = dataclasses.replace(layer_config, fp8=None)  # --first-last-layers-bf16
             if isinstance(layer_spec, TransformerBlockSubmodules):
                 return build_module(_spec_of_layer(layer_spec.layer_specs, layer_number, offset, config.num_layers,
                                                    self.num_layers), config=layer_config,
@@ -260,8 +264,8 @@ class ParallelTransformer(MegatronModule):
                                      inference_params=inference_params, **packed)
             return hidden_states
         if packed_seq_params is not None:
-            raise NotImplementedError(f"packed sequences (packed_seq_params) are not supported by {type(layer).__name__} "
-                                      "layers (only megatron-core TransformerLayer)")
+            raise NotImplementedError(f"packed sequences (packed_seq_params) are not supported by "
+                                      f"{type(layer).__name__} layers (only megatron-core TransformerLayer)")
         return layer(hidden_states, attention_mask, encoder_output=encoder_output,
                      enc_dec_attn_mask=enc_dec_attn_mask, inference_params=inference_params,
                      rotary_pos_emb=rotary_pos_emb)

@@ -146,12 +146,14 @@ class TransformerConfig(ModelParallelConfig):
     fp8_amax_compute_algo: str = flag("most_recent", "How the FP8 amax is computed from its history.",
                                                      choices=("most_recent", "max"))
     fp8_wgrad: bool = flag(True, "Compute the weight gradients in higher precision under FP8.")
-    # megatron-core's per-layer FP8 exemption, read by fp8_utils.is_first_last_bf16_layer: the first / last
-    # num_layers_at_{start,end}_in_bf16 global layers stay in bf16 when first_last_layers_bf16 (no flag here: the FP8
-    # linear layers of this library do not yet skip those layers).
-    first_last_layers_bf16: bool = False
-    num_layers_at_start_in_bf16: int = 1
-    num_layers_at_end_in_bf16: int = 1
+    # megatron-core's per-layer FP8 exemption (fp8_utils.is_first_last_bf16_layer): the transformer block builds the
+    # first / last num_layers_at_{start,end}_in_bf16 global layers without FP8.
+    first_last_layers_bf16: bool = flag(False, "With FP8, keep the first and last layers of the model in bf16 "
+                                               "(--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16).")
+    num_layers_at_start_in_bf16: int = flag(1, "Layers at the start of the model kept in bf16 with "
+                                               "--first-last-layers-bf16.")
+    num_layers_at_end_in_bf16: int = flag(1, "Layers at the end of the model kept in bf16 with "
+                                             "--first-last-layers-bf16.")
 
     normalization: str = flag("LayerNorm", "Normalization layer type.", choices=("LayerNorm", "RMSNorm"))
     # --qk-layernorm: normalise each head's queries and keys (the config's normalization) before RoPE/scores.
@@ -400,6 +402,7 @@ class TransformerConfig(ModelParallelConfig):
 
         if self.fp8 is not None:
             fp8_recipe_from_config(self)  # raises a ValueError naming the flag for an invalid combination
+            self._validate_first_last_bf16()
 
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
@@ -477,6 +480,20 @@ class TransformerConfig(ModelParallelConfig):
             problems.append("virtual_pipeline_model_parallel_size when pipeline_model_parallel_size > 1")
         if problems:
             raise ValueError("overlap_moe_expert_parallel_comm needs " + "; ".join(problems))
+
+    def _validate_first_last_bf16(self):
+        """megatron-core's rules for --first-last-layers-bf16 under FP8: not with delayed scaling, and each count in
+        [0, layers per pipeline stage]."""
+        if not self.first_last_layers_bf16:
+            return
+        if self.fp8_recipe == "delayed":
+            raise ValueError("Delayed scaling does not support first / last layer in BF16: --first-last-layers-bf16 "
+                             "needs --fp8-recipe tensorwise")
+        per_stage = self.num_layers // self.pipeline_model_parallel_size
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if not 0 <= getattr(self, name) <= per_stage:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be between 0 and number of layers per "
+                                 f"pipeline stage ({per_stage}).")
 
     def _validate_moe(self):
         """megatron-core's MoE checks (the flags are also checked in validate_args, before any process group)."""

@@ -220,7 +220,8 @@ BLOCKS = (
         names("""--fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window
               --hysteresis --accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16 --fp16-lm-cross-entropy
               --fp8-format --fp8-recipe --fp8-margin --fp8-interval --fp8-amax-history-len
-              --fp8-amax-compute-algo --no-fp8-wgrad"""),
+              --fp8-amax-compute-algo --no-fp8-wgrad --first-last-layers-bf16 --num-layers-at-start-in-bf16
+              --num-layers-at-end-in-bf16"""),
         group="precision",
     ),
     Block(

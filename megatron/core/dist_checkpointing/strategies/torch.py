@@ -152,8 +152,7 @@ def sharded_tensor_to_torch_sharded_tensor(sh_tens: List[ShardedTensor], rank: O
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as ShardedTensorProperties
 
-    if load_legacy_1d_flatten_tensors:
-        raise CheckpointingException("flattened (1-D) legacy tensors do not exist in this library's checkpoints")
+    # load_legacy_1d_flatten_tensors: accepted and without effect, as in megatron-core 0.16.1 (no flattened blocks)
     rank = torch.distributed.get_rank() if rank is None else rank
     world = torch.distributed.get_world_size()
     first = sh_tens[0]

@@ -145,6 +145,19 @@ def _packed_max_seqlen(packed_seq_params) -> int:
     return max(steps)
 
 
+def _rotary_cp_split(pg_collection, packed_seq_params):
+    """``(size, rank)`` of the context-parallel split of the rotary angles: the model's CP group; none for packed
+    ``thd`` sequences (the attention picks each document's rows); a hybrid-CP sample's own ``cp_group`` (none for
+    ``local_cp_size`` 1) with ``sbhd`` packed params."""
+    if packed_seq_params is None or (packed_seq_params.qkv_format != "thd" and packed_seq_params.cp_group is None
+                                     and packed_seq_params.local_cp_size is None):
+        return pg_size(pg_collection, "cp"), pg_rank(pg_collection, "cp")
+    group = packed_seq_params.cp_group
+    if packed_seq_params.qkv_format == "thd" or group is None:
+        return 1, 0
+    return torch.distributed.get_world_size(group=group), torch.distributed.get_rank(group=group)
+
+
 class GPTModel(LanguageModule):
     """``GPTModel(config, transformer_layer_spec, vocab_size, max_sequence_length, pre_process=True,
     post_process=True, fp16_lm_cross_entropy=False, parallel_output=True, share_embeddings_and_output_weights=False,
@@ -292,11 +305,10 @@ class GPTModel(LanguageModule):
             rotary_pos_emb = self.rotary_pos_emb(rotary_len)
             if isinstance(rotary_pos_emb, tuple):  # YaRN: (angles, concentration); attention applies the latter
                 rotary_pos_emb = rotary_pos_emb[0]
-            cp = pg_size(self.pg_collection, "cp")
-            if cp > 1 and packed_seq_params is None:
+            cp, cp_rank = _rotary_cp_split(self.pg_collection, packed_seq_params)
+            if cp > 1:
                 # Angles of this CP rank's positions (chunks r and 2CP-1-r), as the batch was split.
-                rotary_pos_emb = get_pos_emb_on_this_cp_rank(rotary_pos_emb, seq_dim=0, cp_size=cp,
-                                                             cp_rank=pg_rank(self.pg_collection, "cp"))
+                rotary_pos_emb = get_pos_emb_on_this_cp_rank(rotary_pos_emb, seq_dim=0, cp_size=cp, cp_rank=cp_rank)
         return decoder_input, rotary_pos_emb, None, None, None, None
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
