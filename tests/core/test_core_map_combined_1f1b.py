@@ -67,10 +67,11 @@ def model(single_rank):  # noqa: F811
     return _model()
 
 
-@pytest.mark.parametrize("case", ["decoder", "mtp", "dense_last"])
+@pytest.mark.parametrize("case", ["decoder", "mtp", "dense_last", "packed"])
 def test_schedule_plan_nodes_equal_plain_forward_backward(model, case):
     """``mtp``: one multi-token prediction depth (an MoE layer) whose loss rides on the main hidden states;
-    ``dense_last``: the decoder's final norm follows a dense layer's MLP node."""
+    ``dense_last``: the decoder's final norm follows a dense layer's MLP node; ``packed``: two documents packed
+    in each row (``PackedSeqParams``, thd) reach every attention node."""
     from megatron.core.models.common.model_chunk_schedule_plan import (
         TransformerLayerSchedulePlan, TransformerModelChunkSchedulePlan)
     from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
@@ -81,6 +82,15 @@ def test_schedule_plan_nodes_equal_plain_forward_backward(model, case):
              "dense_last": {"moe_layer_freq": [1, 0, 0]}}.get(case, {})
     ref, got = _model(**extra), _model(**extra)
     batch = dict(_batch(0), loss_mask=(_batch(0)["labels"] % 3 != 0).float())
+    if case == "packed":
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = torch.tensor([0, 3, SEQ], dtype=torch.int32)
+        batch.update(input_ids=batch["input_ids"][:1], labels=batch["labels"][:1],
+                     loss_mask=batch["loss_mask"][:1], attention_mask=None,
+                     position_ids=torch.cat([torch.arange(3), torch.arange(SEQ - 3)]).unsqueeze(0),
+                     packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                       max_seqlen_q=SEQ - 3, max_seqlen_kv=SEQ - 3))
     loss_ref = ref(**batch)
     (loss_ref * torch.linspace(0.5, 1.5, loss_ref.numel()).view_as(loss_ref)).sum().backward()
     if mtp:
@@ -95,7 +105,7 @@ def test_schedule_plan_nodes_equal_plain_forward_backward(model, case):
     assert isinstance(plan.get_layer(2).moe_combine, NoopScheduleNode if case == "dense_last" else TransformerLayerNode)
     assert isinstance(plan.get_layer(2 + mtp).mtp_post_process, TransformerLayerNode if mtp else NoopScheduleNode)
     loss = TransformerModelChunkSchedulePlan.run(plan, None)
-    assert loss.shape == (BATCH, SEQ)
+    assert loss.shape == loss_ref.shape
     torch.testing.assert_close(loss, loss_ref.detach(), rtol=1e-6, atol=1e-6)
     assert loss.grad_fn is not None and not any(p.grad is not None for p in got.parameters()), \
         "the forward of a plan must not backpropagate"

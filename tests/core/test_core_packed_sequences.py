@@ -74,6 +74,24 @@ def test_packed_gpt_matches_documents_run_alone(gpt):
     assert not torch.allclose(whole[:, LENGTHS[0]:], logits[:, LENGTHS[0]:], atol=1e-3)
     for name, grad in packed_grads.items():
         torch.testing.assert_close(grad, gpt.get_parameter(name).grad, rtol=1e-4, atol=1e-6, msg=name)
+    _same_with_recompute_and_unfused(gpt, ids, positions, labels, packed, loss, packed_grads)
+
+
+def _same_with_recompute_and_unfused(gpt, ids, positions, labels, packed, loss, grads):
+    """The packed batch through selective (core attention) / full recompute and the explicit (unfused) softmax."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.enums import AttnBackend
+
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    for extra in (dict(recompute_granularity="selective", attention_backend=AttnBackend.unfused),
+                  dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
+        other = GPTModel(_config(**extra), get_gpt_layer_local_spec(), VOCAB, 32)
+        other.load_state_dict(gpt.state_dict())
+        got = other(ids, positions, None, labels=labels, packed_seq_params=packed)
+        got.sum().backward()
+        torch.testing.assert_close(got, loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(other.get_parameter(name).grad, grads[name], rtol=1e-4, atol=1e-6)
 
 
 def test_core_attention_padded_thd_matches_sdpa_per_document(single_rank):  # noqa: F811

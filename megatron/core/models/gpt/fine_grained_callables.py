@@ -251,7 +251,8 @@ def build_transformer_layer_callables(layer: TransformerLayer):
         state = node.chunk_state
         with rng():
             hidden_states, _ = layer._forward_attention(hidden_states, attention_mask=state.attention_mask,
-                                                        rotary_pos_emb=state.rotary_pos_emb)
+                                                        rotary_pos_emb=state.rotary_pos_emb,
+                                                        packed_seq_params=state.packed_seq_params)
             if not is_moe:
                 return hidden_states
             moe = layer.mlp
@@ -322,6 +323,9 @@ def build_mtp_layer_callables(layer):
 
     def mtp_attn_forward(node, hidden_states):
         state = node.chunk_state
+        if state.packed_seq_params is not None:
+            raise NotImplementedError("multi-token prediction with packed sequences (packed_seq_params) is not "
+                                      "supported")
         if node.is_first_layer:
             state.mtp_hidden_states = [hidden_states]
         state.input_ids, _ = roll_tensor(state.input_ids, cp_group)
