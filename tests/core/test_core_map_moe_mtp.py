@@ -3,15 +3,20 @@
 * moe_utils' layer-wise aux-loss tracker (save / clear / reduce / track_moe_metrics) against the contract computed
   by hand, and ``reduce_moe_losses`` (the training loop's MoE logging) going through it;
 * router replay (record, replay in the forward and, first-in first-out, in the backward) against ``torch.topk``
-  and gathered scores;
+  and gathered scores; ``--moe-enable-routing-replay`` reaching the config;
 * ``MoESubmodules.router`` (a ``RouterBuilder``) building the layer's router with keywords;
 * ``set_tensor_grad_fn_sequence_sr``: the order in which autograd runs two ready nodes;
 * ``MultimodalRotaryEmbedding`` against Hugging Face's Qwen2-VL M-RoPE; ``apply_rotary_pos_emb_with_cos_sin``
-  against Hugging Face's Llama rotation and a complex-number rotation.
+  against Hugging Face's Llama rotation and a complex-number rotation;
+* ``VocabParallelCrossEntropy``'s steps on two vocabulary shards against ``torch.nn.functional.cross_entropy``;
+* the MTP loss log (``MTPLossLoggingHelper``, ``reduce_mtp_losses``) and the tied MTP state-dict entries;
+* upcycling: a granularity-1 upcycled MoE GPT gives the dense GPT's logits; granularity 2 splits and scales the
+  dense weights as stated.
 """
 import pytest
 import torch
 
+from helpers.args_test_helpers import clean_env, validated  # noqa: F401  (fixture)
 from helpers.models_helpers import single_rank, tiny_config  # noqa: F401  (fixture)
 
 
@@ -148,6 +153,15 @@ def test_router_replay_records_and_replays(single_rank):
     assert torch.equal(rmap, torch.zeros(10, 4, dtype=torch.bool).scatter(1, logits[0].topk(2, dim=1).indices, True))
     RouterReplay.clear_global_router_replay_instances()
     assert RouterReplay.global_router_replay_instances == []
+
+
+def test_moe_enable_routing_replay_flag_reaches_the_config(clean_env):
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    for extra, expected in (("", False), (" --moe-enable-routing-replay", True)):
+        args = validated("--num-experts 4 --moe-router-topk 2" + extra)
+        assert args.moe_enable_routing_replay is expected
+        assert core_transformer_config_from_args(args).moe_enable_routing_replay is expected
 
 
 def test_moe_layer_builds_its_router_with_a_router_builder(single_rank):

@@ -256,8 +256,10 @@ class TransformerConfig(ModelParallelConfig):
     moe_router_force_load_balancing: bool = flag(
         False, "Benchmarking only: route on random logits (normal draws from the expert-parallel RNG stream) so "
                "every expert gets a balanced load; the gradient passes straight through to the router.")
-    # One RouterReplay per router (megatron.core.transformer.moe.router_replay); library use, no flag here.
-    moe_enable_routing_replay: bool = False
+    moe_enable_routing_replay: bool = flag(
+        False, "Give every MoE router a RouterReplay (megatron.core.transformer.moe.router_replay) that can record "
+               "its top-k choices or replay given ones; routing is unchanged until an action is set through that "
+               "API.")
     moe_aux_loss_coeff: Union[float, List[float]] = 0.0
     moe_z_loss_coeff: Optional[float] = flag(None, "Coefficient of the router z-loss.")
     moe_input_jitter_eps: Optional[float] = flag(None, "Multiply the router input by U(1-eps, 1+eps).")

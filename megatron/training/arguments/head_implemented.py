@@ -211,7 +211,7 @@ BLOCKS = (
               --moe-router-topk-scaling-factor --moe-router-enable-expert-bias --moe-router-bias-update-rate
               --moe-aux-loss-coeff --moe-z-loss-coeff --moe-input-jitter-eps --moe-per-layer-logging
               --moe-token-dispatcher-type --moe-expert-capacity-factor --moe-pad-expert-input-to-capacity
-              --moe-token-drop-policy --moe-router-force-load-balancing"""),
+              --moe-token-drop-policy --moe-router-force-load-balancing --moe-enable-routing-replay"""),
         group="mixture of experts",
     ),
     Block(
