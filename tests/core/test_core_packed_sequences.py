@@ -96,6 +96,36 @@ def _same_with_recompute_and_unfused(gpt, ids, positions, labels, packed, loss, 
         torch.testing.assert_close(other.get_parameter(name).grad, grads[name], rtol=1e-4, atol=1e-6)
 
 
+def test_packed_mla_gpt_matches_documents_run_alone(single_rank):  # noqa: F811
+    """Multi-latent attention (its own YaRN rotary on the d_r channels) on the packed row: logits per document and
+    summed gradients as the documents run alone."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                                  multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=8, qk_head_dim=8,
+                                  qk_pos_emb_head_dim=4, v_head_dim=6, original_max_position_embeddings=16,
+                                  rotary_scaling_factor=2.0, hidden_dropout=0.0, attention_dropout=0.0,
+                                  use_cpu_initialization=True, position_embedding_type="none")
+    torch.manual_seed(0)
+    model = GPTModel(config, get_gpt_layer_local_spec(multi_latent_attention=True), VOCAB, 32,
+                     position_embedding_type="none")
+    ids = torch.randint(0, VOCAB, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(5))
+    logits = model(ids, None, None, packed_seq_params=_packed(LENGTHS))
+    logits.square().sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    start = 0
+    for n in LENGTHS:
+        ref = model(ids[:, start:start + n], None, causal_mask(n))
+        torch.testing.assert_close(logits[:, start:start + n], ref, rtol=1e-5, atol=1e-5)
+        ref.square().sum().backward()
+        start += n
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_core_attention_padded_thd_matches_sdpa_per_document(single_rank):  # noqa: F811
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType

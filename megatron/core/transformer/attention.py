@@ -25,12 +25,12 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
 from megatron.core.transformer.attention_variants import l2_norm
-from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention
+from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention, packed_rotary_rows
 from megatron.core.transformer.enums import AttnMaskType, AttnType
 from megatron.core.utils import log_once
 from megatron.core.process_groups_config import group_of
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.rotary import apply_rotary_pos_emb, packed_sequence_rotary_freqs
+from megatron.core.transformer.rotary import apply_rotary_pos_emb
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import divide
 
@@ -244,16 +244,8 @@ class ParallelAttention(MegatronModule):
     def _packed_rotary(self, rotary_pos_emb, packed_seq_params):
         """Packed sequences (thd): the rows of the angles for each document's positions, restarting at 0 at every
         document (``cu_seqlens_*_padded`` when given, else ``cu_seqlens_*``, as megatron-core)."""
-        p = packed_seq_params
-        cu_q = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
-        cu_kv = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else p.cu_seqlens_kv
-        cu_kv = cu_kv if cu_kv is not None else cu_q
-        cp_size, cp_rank = 1, 0
-        if hasattr(self.core_attention, "packed_cp_group"):  # context parallelism: this rank's chunks of each
-            _, cp_size, cp_rank = self.core_attention.packed_cp_group(p)
         q_pos_emb, k_pos_emb = rotary_pos_emb
-        return (packed_sequence_rotary_freqs(q_pos_emb, cu_q, cp_size, cp_rank),
-                packed_sequence_rotary_freqs(k_pos_emb, cu_kv, cp_size, cp_rank))
+        return packed_rotary_rows(self.core_attention, packed_seq_params, q_pos_emb, k_pos_emb)
 
     def _allocate_memory(self, inference_max_sequence_len, batch_size, device, dtype):
         return torch.empty(inference_max_sequence_len, batch_size, self.num_query_groups_per_partition,

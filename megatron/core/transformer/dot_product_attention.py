@@ -40,6 +40,8 @@ from megatron.core.process_groups_config import group_of
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.device import init_device, param_device, weights_on_meta
 from megatron.core.utils import context_parallel_chunk_indices, divide
+from megatron.core.packed_seq_params import packed_layout_cu_seqlens
+from megatron.core.transformer.rotary import packed_sequence_rotary_freqs
 
 _CAUSAL_CHECK_CACHE = {}
 
@@ -67,6 +69,17 @@ def _log_sdpa_mode(is_causal: bool, keep, q: torch.Tensor) -> None:
                                          else "CPU kernel")
     log_once(f"sdpa_mode:{mode}:{q.device.type}", f"attention SDPA call: {mode}, {q.dtype} on {q.device.type}: "
                                                   f"{kernels}")
+
+
+def packed_rotary_rows(core_attention, packed_seq_params, q_pos_emb, k_pos_emb):
+    """The query and key angles of a packed (thd) batch's rows: each document's positions from 0, this rank's chunks
+    of each under the context parallelism ``core_attention`` splits the batch over (its ``packed_cp_group``)."""
+    cu_q, cu_kv = packed_layout_cu_seqlens(packed_seq_params)
+    cp_size, cp_rank = 1, 0
+    if hasattr(core_attention, "packed_cp_group"):
+        _, cp_size, cp_rank = core_attention.packed_cp_group(packed_seq_params)
+    return (packed_sequence_rotary_freqs(q_pos_emb, cu_q, cp_size, cp_rank),
+            packed_sequence_rotary_freqs(k_pos_emb, cu_kv, cp_size, cp_rank))
 
 
 class CoreAttention(MegatronModule):

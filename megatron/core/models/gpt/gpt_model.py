@@ -14,6 +14,7 @@ from megatron.core.config_logger import has_config_logger_enabled, log_config_to
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_model import logits_or_loss
+from megatron.core.packed_seq_params import packed_max_seqlen
 from megatron.core.process_groups_config import group_of, is_pp_first_stage_of, pg_rank, pg_size
 from megatron.core.transformer.module import MegatronModule, sync_tied_weight_across_pipeline
 from megatron.core.transformer.rotary import RotaryEmbedding, YarnRotaryEmbedding, get_pos_emb_on_this_cp_rank
@@ -129,23 +130,6 @@ class LanguageModule(MegatronModule):
         return logits_or_loss(logits, labels, self.fp16_lm_cross_entropy,
                               fused=getattr(self.config, "cross_entropy_loss_fusion", False),
                               tp_group=getattr(self, "tp_group", None))
-
-
-def _packed_max_seqlen(packed_seq_params) -> int:
-    """The longest document of a packed batch: ``max(max_seqlen_q, max_seqlen_kv)`` (megatron-core's rotary
-    length; at least the longest padded document), else the largest step of ``cu_seqlens_*_padded`` /
-    ``cu_seqlens_*``."""
-    p = packed_seq_params
-    given = [int(m) for m in (p.max_seqlen_q, p.max_seqlen_kv) if m is not None]
-    padded = [int((c[1:] - c[:-1]).max()) for c in (p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)
-              if c is not None and c.numel() > 1]
-    if given:
-        return max(given + padded)  # a padded document may be longer than max_seqlen
-    steps = padded + [int((c[1:] - c[:-1]).max()) for c in (p.cu_seqlens_q, p.cu_seqlens_kv)
-                      if c is not None and c.numel() > 1]
-    if not steps:
-        raise ValueError("GPTModel: packed_seq_params has neither max_seqlen_q / max_seqlen_kv nor cu_seqlens")
-    return max(steps)
 
 
 def _rotary_cp_split(pg_collection, packed_seq_params):
@@ -304,7 +288,7 @@ class GPTModel(LanguageModule):
         rotary_pos_emb = None
         if hasattr(self, "rotary_pos_emb"):
             rotary_len = (self._rotary_seq_len(input_ids, decoder_input, inference_context)
-                          if packed_seq_params is None else _packed_max_seqlen(packed_seq_params))
+                          if packed_seq_params is None else packed_max_seqlen(packed_seq_params))
             rotary_pos_emb = self.rotary_pos_emb(rotary_len)
             if isinstance(rotary_pos_emb, tuple):  # YaRN: (angles, concentration); attention applies the latter
                 rotary_pos_emb = rotary_pos_emb[0]
