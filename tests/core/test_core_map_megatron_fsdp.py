@@ -145,6 +145,11 @@ def _fsdp_body():
     out["hsdp_losses"] = (_train(model_h, fully_shard_optimizer(torch.optim.Adam(model_h.parameters(), lr=lr)),
                                  rank, world), ref_losses)
 
+    # 3c. A bf16 module: fp32 main weights (the optimizer's DTensors), bf16 compute and outputs.
+    model_b = fully_shard_model(_model().bfloat16(), fsdp_unit_modules=[Block])
+    y = model_b(_batches(world)[0][0][:ROWS].bfloat16())
+    out["bf16"] = ({p.dtype for p in model_b.parameters()}, y.dtype)
+
     # 4. Meta-device build: each rank draws its blocks, equal to the ordinary build's weights.
     meta = fully_shard_model(_model(seed=5, device="meta"), fsdp_unit_modules=[Block], init_model_with_meta_device=True,
                              preproc_state_dict_for_dcp_ckpt=False)
@@ -197,6 +202,7 @@ def test_fully_shard_trains_like_an_unsharded_model_on_two_gloo_ranks():
             assert ours == pytest.approx(ref, rel=1e-5, abs=1e-6), key
         assert out["zero3_weights_err"] < 1e-5 and out["zero2_weights_err"] < 1e-5
         assert out["state_dict_keys"] and out["reload_err"] < 1e-5
+        assert out["bf16"] == ({torch.float32}, torch.bfloat16)
         assert out["head_chunk"] == (((0, 0), (3, HIDDEN)) if rank == 0 else ((3, 0), (2, HIDDEN)))
         assert out["zero2_index"]
         assert out["meta_init_err"] == 0.0

@@ -97,7 +97,9 @@ class FullyShardedModule(torch.nn.Module):
     ``strategy``: ``optim_grads`` or ``optim_grads_params`` (module docstring).
     Shards over ``fsdp_mesh`` (experts over ``expert_mesh``) when given, else over the DP x CP group
     (``dp_cp_group``, default parallel_state's; experts over ``expert_dp_group``).
-    ``config`` supplies ``params_dtype`` (the compute dtype) and ``calculate_per_token_loss``.
+    ``config`` supplies ``params_dtype`` (the compute dtype) and ``calculate_per_token_loss``; ``fp32_outputs``: the
+    root's low-precision outputs are cast to fp32 (Megatron's ``Float16Module`` behaviour; the standalone API
+    returns them in the compute dtype).
     """
 
     uses_fully_shard = True
@@ -105,7 +107,8 @@ class FullyShardedModule(torch.nn.Module):
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
                  units: Iterable[torch.nn.Module], strategy: str = "optim_grads_params",
                  reshard_after_forward: bool = True, dp_cp_group=None, tp_group=None, expert_dp_group=None,
-                 fsdp_mesh: Optional[DeviceMesh] = None, expert_mesh: Optional[DeviceMesh] = None):
+                 fsdp_mesh: Optional[DeviceMesh] = None, expert_mesh: Optional[DeviceMesh] = None,
+                 fp32_outputs: bool = True):
         super().__init__()
         unsharded = fsdp_mesh is not None and fsdp_mesh.ndim == 2 and fsdp_mesh.shape[1] == 1
         if strategy not in FULLY_SHARDED_STRATEGIES and not (strategy == "no_shard" and unsharded):
@@ -158,7 +161,7 @@ class FullyShardedModule(torch.nn.Module):
             self.units.append(m)
             shard_sizes.append(self.fsdp_mesh.shape[-1])
         fully_shard(module, mesh=self.fsdp_mesh, reshard_after_forward=kwargs["reshard_after_forward"],
-                    mp_policy=_mp_policy(config, ddp_config, root=True))
+                    mp_policy=_mp_policy(config, ddp_config, root=fp32_outputs))
         self.units.append(module)
         shard_sizes.append(self.fsdp_mesh.shape[-1])
         gloo = torch.distributed.get_backend(dp_cp_group) == "gloo"

@@ -18,8 +18,8 @@ data-parallel mean gradient, so an element-wise optimizer over ``model.parameter
   mesh; blocks are cut over ``dp_shard`` and replicated over ``dp_outer``, gradients reduce-scattered over
   ``dp_shard``, all-reduced over ``dp_outer`` and divided by the product of the two sizes.
 
-Low-precision modules (bf16 / fp16 parameters) keep fp32 main weights and compute in their dtype
-(``preserve_fp32_weights``, the default); otherwise the parameters' own dtype is kept. With
+Low-precision modules (bf16 / fp16 parameters) keep fp32 main weights and compute (and return outputs) in their
+dtype (``preserve_fp32_weights``, the default); otherwise the parameters' own dtype is kept. With
 ``init_model_with_meta_device`` the module is built on the meta device and each rank draws only its blocks, with the
 values of an ordinary build from the present generator state (every parameter must belong to a module with
 ``reset_parameters()``).
@@ -141,7 +141,7 @@ class MegatronFSDP(FullyShardedModule):
             if strategy == "no_shard":  # FSDP2's replicate dimension over the same ranks (module docstring)
                 mesh = mesh._unflatten(0, (mesh.size(), 1), ("dp_replicate", "dp_unsharded"))
         super().__init__(settings, ddp_config, module, units, strategy=strategy, fsdp_mesh=mesh,
-                         dp_cp_group=dist_index.get_dp_group(), expert_mesh=expert_mesh)
+                         dp_cp_group=dist_index.get_dp_group(), expert_mesh=expert_mesh, fp32_outputs=False)
         if init_model_with_meta_device:
             allocate_sharded(self.module, target_device)
             materialize(self.module, None, init_dtypes, target_device)
