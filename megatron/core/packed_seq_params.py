@@ -1,7 +1,8 @@
 """``PackedSeqParams``: the cumulative sequence lengths of a batch of packed sequences (THD layout), megatron-core's
 dataclass. ``qkv_format='thd'``: documents packed along one row ``[t, 1, h]``, document ``i`` in rows
 ``cu_seqlens_q_padded[i] ..`` (or ``cu_seqlens_q[i] ..``) of real length ``cu_seqlens_q[i+1] - cu_seqlens_q[i]``;
-the local attention attends within each document and RoPE restarts at each (not with context parallelism).
+the local attention attends within each document and RoPE restarts at each (with context parallelism: each
+padded document through the ring attention, a rank holding two chunks of each).
 ``qkv_format='sbhd'`` with ``cp_group`` / ``local_cp_size``: one hybrid-context-parallel sample, whose attention runs
 over its own CP group."""
 from __future__ import annotations

@@ -4,7 +4,9 @@ A tiny GPT (rotary, grouped-query attention) on one packed row of 3 documents mu
 and per-token losses of running that document alone (an ordinary causal batch of one document), and its gradients
 must be the sum of the separate runs' gradients. The core attention with padded ``cu_seqlens`` is checked against
 plain ``scaled_dot_product_attention`` per document; the rotary rows against positions written by hand. What is
-still unsupported (packed with context parallelism, a non-thd format) is refused with a clear message.
+still unsupported (a format other than thd / sbhd, padded documents under CP without a causal mask) is refused
+with a clear message. On 2 gloo ranks (one launch): a tiny GPT trained through the hybrid context-parallel schedule,
+and the same documents as one THD row with CP 2, against the documents run alone.
 """
 import pytest
 import torch
@@ -160,9 +162,6 @@ def test_unsupported_packed_cases_are_refused(single_rank):  # noqa: F811
     from megatron.core.transformer.enums import AttnMaskType
 
     q = torch.randn(8, 4, 8)
-    attn = DotProductAttention(_config(context_parallel_size=2), 1, AttnMaskType.causal)
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        attn(q, q, q, None, packed_seq_params=_packed((3, 5)))
     attn = DotProductAttention(_config(), 1, AttnMaskType.causal)
     other = _packed((3, 5))
     other.qkv_format = "bshd"
@@ -222,12 +221,54 @@ def _hybrid_train_body():
                                            num_microbatches=1, seq_length=8, micro_batch_size=1)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     ps.destroy_model_parallel()
-    return {"initial": initial, "grads": grads, "seen": seen, "loss": sum(float(d["loss"][0]) for d in store),
-            "tokens": sum(int(d["loss"][1]) for d in store)}
+    out = {"initial": initial, "grads": grads, "seen": seen, "loss": sum(float(d["loss"][0]) for d in store),
+           "tokens": sum(int(d["loss"][1]) for d in store)}
+    out.update(_thd_context_parallel(initial, docs))
+    return out
+
+
+def _thd_context_parallel(initial, docs):
+    """The same documents packed in one THD row (each padded to a multiple of 2 x CP), CP 2 with the model's CP
+    group (``get_thd_batch_on_this_cp_rank``): this rank's masked loss sum and gradients."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.utils import get_thd_batch_on_this_cp_rank
+
+    ps.initialize_model_parallel(1, 1, context_parallel_size=2)
+    config = _config(context_parallel_size=2)
+    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, 32)
+    model.load_state_dict(initial)
+    padded = [-(-n // 4) * 4 for n in _HYBRID_DOCS]
+    pad = [torch.zeros(p - n, dtype=torch.long) for n, p in zip(_HYBRID_DOCS, padded)]
+    batch = {"tokens": torch.cat([x for (t, _), z in zip(docs, pad) for x in (t, z)])[None],
+             "labels": torch.cat([x for (_, lab), z in zip(docs, pad) for x in (lab, z)])[None],
+             "loss_mask": torch.cat([x for n, z in zip(_HYBRID_DOCS, pad) for x in (torch.ones(n), z.float())])[None],
+             "position_ids": torch.cat([torch.arange(p) for p in padded])[None]}
+    cu = torch.tensor([0, *torch.tensor(_HYBRID_DOCS).cumsum(0).tolist()], dtype=torch.int32)
+    cu_pad = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    batch, params = get_thd_batch_on_this_cp_rank(batch, cu, cu_pad, torch.tensor([max(_HYBRID_DOCS)]))
+    loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params)
+    loss = (loss * batch["loss_mask"]).sum()
+    loss.backward()
+    refused = ""
+    attn = DotProductAttention(config, 1, AttnMaskType.padding)  # no causal mask: padding keys would be seen
+    q = torch.randn(int(cu_pad[-1]) // 2, 4, 8)
+    try:
+        attn(q, q, q, None, packed_seq_params=params)
+    except NotImplementedError as err:
+        refused = str(err)
+    ps.destroy_model_parallel()
+    return {"thd_loss": float(loss.detach()), "thd_grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "thd_refused": refused}
 
 
 def test_tiny_gpt_trains_through_hybrid_context_parallel_schedule(single_rank):  # noqa: F811
-    """Sum over the 2 ranks of the hybrid schedule's losses and gradients = the documents run alone (1 process)."""
+    """Sum over the 2 ranks of the hybrid schedule's losses and gradients = the documents run alone (1 process);
+    the same for the documents packed in one THD row with CP 2 (and a non-causal layer refusing padded documents
+    with CP)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -245,6 +286,9 @@ def test_tiny_gpt_trains_through_hybrid_context_parallel_schedule(single_rank): 
         loss.backward()
         total += float(loss.detach())
     assert abs(sum(out["loss"] for out in results) - total) <= 1e-5 * abs(total)
+    assert abs(sum(out["thd_loss"] for out in results) - total) <= 1e-5 * abs(total)
     for name, param in ref.named_parameters():
-        got = sum(out["grads"][name] for out in results)
-        torch.testing.assert_close(got, param.grad, rtol=1e-4, atol=1e-6, msg=name)
+        for key in ("grads", "thd_grads"):
+            got = sum(out[key][name] for out in results)
+            torch.testing.assert_close(got, param.grad, rtol=1e-4, atol=1e-6, msg=f"{key} {name}")
+    assert all("need a causal attention layer" in out["thd_refused"] for out in results)

@@ -248,8 +248,12 @@ class ParallelAttention(MegatronModule):
         cu_q = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
         cu_kv = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else p.cu_seqlens_kv
         cu_kv = cu_kv if cu_kv is not None else cu_q
+        cp_size, cp_rank = 1, 0
+        if hasattr(self.core_attention, "packed_cp_group"):  # context parallelism: this rank's chunks of each
+            _, cp_size, cp_rank = self.core_attention.packed_cp_group(p)
         q_pos_emb, k_pos_emb = rotary_pos_emb
-        return packed_sequence_rotary_freqs(q_pos_emb, cu_q), packed_sequence_rotary_freqs(k_pos_emb, cu_kv)
+        return (packed_sequence_rotary_freqs(q_pos_emb, cu_q, cp_size, cp_rank),
+                packed_sequence_rotary_freqs(k_pos_emb, cu_kv, cp_size, cp_rank))
 
     def _allocate_memory(self, inference_max_sequence_len, batch_size, device, dtype):
         return torch.empty(inference_max_sequence_len, batch_size, self.num_query_groups_per_partition,

@@ -14,7 +14,8 @@ implementations of the same function, chosen per call and printed once:
 
 Packed sequences (megatron-core's ``PackedSeqParams`` with ``qkv_format='thd'``: several documents in one row,
 bounded by ``cu_seqlens``) attend within each document only: ``softmax(Q_i K_i^T / sqrt(d) + causal) V_i`` per
-document ``i``, which is what running each document alone gives (not with context parallelism yet). With
+document ``i``, which is what running each document alone gives; with context parallelism each document goes
+through the ring attention in turn (a rank holds two chunks of every padded document). With
 ``qkv_format='sbhd'`` (hybrid context parallelism: one whole sample per row) the attention is the ordinary one, with
 context parallelism over the sample's own ``packed_seq_params.cp_group`` (none for ``local_cp_size`` 1).
 
@@ -38,7 +39,7 @@ from megatron.core.transformer.attention_variants import attention_with_sinks, w
 from megatron.core.process_groups_config import group_of
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.device import init_device, param_device, weights_on_meta
-from megatron.core.utils import divide
+from megatron.core.utils import context_parallel_chunk_indices, divide
 
 _CAUSAL_CHECK_CACHE = {}
 
@@ -234,23 +235,31 @@ class CoreAttention(MegatronModule):
                                       "implemented: the ring attention has no window or sink")
         return self._context_parallel_forward(query_layer, key_layer, value_layer, attention_mask, group=group)
 
+    def packed_cp_group(self, packed_seq_params):
+        """``(group, size, rank)`` of the context parallelism a packed batch is split over: its own ``cp_group``;
+        none (``(None, 1, 0)``) for ``local_cp_size`` 1; else this layer's CP group when
+        ``context_parallel_size > 1``."""
+        group = packed_seq_params.cp_group
+        if group is None and (packed_seq_params.local_cp_size == 1 or self.cp_size == 1):
+            return None, 1, 0
+        if group is None:
+            group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
+        return group, torch.distributed.get_world_size(group=group), torch.distributed.get_rank(group=group)
+
     def _packed_forward(self, query_layer, key_layer, value_layer, packed_seq_params):
         """Packed sequences (THD): document ``i`` holds the rows ``start_i .. start_i + L_i`` of the packed tensors
         (``start`` from ``cu_seqlens_*_padded`` when given, else ``cu_seqlens_*``; ``L_i`` from ``cu_seqlens_*``),
         and attends to its own keys only, causally for a causal layer: each document goes through this layer's
         attention alone, with no mask (as Transformer Engine's ``thd`` kernels, ``attention_mask`` is not used).
         Rows past a document's real length (padding) give zeros. Inputs are ``[t, 1, np, hn]`` (output
-        ``[t, 1, np * hv]``) or megatron-core's squeezed ``[t, np, hn]`` (output ``[t, np * hv]``)."""
+        ``[t, 1, np * hv]``) or megatron-core's squeezed ``[t, np, hn]`` (output ``[t, np * hv]``).
+
+        With context parallelism over ``CP`` ranks (:meth:`packed_cp_group`) a rank holds, per document in order,
+        chunks ``r`` and ``2 CP - 1 - r`` of the padded document (``get_thd_batch_on_this_cp_rank``): each document
+        runs through the ring attention over the group, one after the other (the same order on every rank)."""
         if packed_seq_params.qkv_format != "thd":
             raise NotImplementedError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: the local "
                                       "attention supports packed sequences in the 'thd' format only")
-        group = packed_seq_params.cp_group
-        cp = (torch.distributed.get_world_size(group=group) if group is not None
-              else 1 if packed_seq_params.local_cp_size == 1 else self.cp_size)
-        if cp > 1:
-            raise NotImplementedError(f"packed sequences in the 'thd' format with context parallelism ({cp} ranks) "
-                                      "are not supported by the local attention: run packed batches with "
-                                      "context_parallel_size 1")
         squeezed = query_layer.dim() == 3
         if squeezed:
             query_layer, key_layer, value_layer = (x.unsqueeze(1) for x in (query_layer, key_layer, value_layer))
@@ -264,11 +273,17 @@ class CoreAttention(MegatronModule):
         pad_q = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else cu_q
         pad_kv = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else cu_kv
         cu_q, cu_kv, pad_q, pad_kv = ([int(x) for x in c.tolist()] for c in (cu_q, cu_kv, pad_q, pad_kv))
+        group, cp, cp_rank = self.packed_cp_group(p)
         total = query_layer.size(0)
-        if not (len(cu_q) == len(cu_kv) == len(pad_q) == len(pad_kv)) or pad_q[-1] > total or pad_kv[-1] > \
-                key_layer.size(0):
+        if not (len(cu_q) == len(cu_kv) == len(pad_q) == len(pad_kv)) or pad_q[-1] > total * cp or \
+                pad_kv[-1] > key_layer.size(0) * cp:
             raise ValueError(f"packed sequences (thd): cu_seqlens describe {pad_q[-1]} query / {pad_kv[-1]} key rows "
-                             f"but the tensors have {total} / {key_layer.size(0)}, or their lengths differ")
+                             f"but the tensors have {total} / {key_layer.size(0)} (x {cp} context-parallel ranks), or "
+                             "their lengths differ")
+        if cp > 1:
+            out = self._packed_cp_forward(query_layer, key_layer, value_layer, cu_q, cu_kv, pad_q, pad_kv, group, cp,
+                                          cp_rank)
+            return out.squeeze(1) if squeezed else out
         log_once("attention_packed", "attention: packed sequences (thd), each document attended alone")
         pieces, row = [], 0
         width = self.hidden_size_per_partition
@@ -286,6 +301,41 @@ class CoreAttention(MegatronModule):
             pieces.append(query_layer.new_zeros(total - row, 1, width))
         out = torch.cat(pieces, dim=0)
         return out.squeeze(1) if squeezed else out
+
+    def _packed_cp_forward(self, query_layer, key_layer, value_layer, cu_q, cu_kv, pad_q, pad_kv, group, cp,
+                           cp_rank):
+        """:meth:`_packed_forward` with context parallelism: the ring attention per padded document; rows of
+        padding (past the real length, at the document's end) give zeros. Keys past the real length are never seen
+        by a real query of a causal layer; a non-causal layer with padding is refused."""
+        causal = self.attn_mask_type == AttnMaskType.causal
+        if cu_q != cu_kv or pad_q != pad_kv:
+            raise NotImplementedError("packed sequences with context parallelism: queries and keys must share "
+                                      "their cu_seqlens (self attention)")
+        if not causal and cu_q != pad_q:
+            raise NotImplementedError("packed sequences with context parallelism and padding "
+                                      "(cu_seqlens_*_padded) need a causal attention layer")
+        if self.window is not None or self.softmax_offset is not None:
+            raise NotImplementedError("packed sequences with context parallelism and a sliding window or attention "
+                                      "sinks are not implemented: the ring attention has no window or sink")
+        log_once("attention_packed_cp", f"attention: packed sequences (thd) over {cp} context-parallel ranks, "
+                                        "the ring attention per document")
+        pieces, row = [], 0
+        for i in range(len(cu_q) - 1):
+            padded, real = pad_q[i + 1] - pad_q[i], cu_q[i + 1] - cu_q[i]
+            local = padded // cp
+            if local == 0:
+                continue
+            rows = slice(row, row + local)
+            out = self._context_parallel_forward(query_layer[rows], key_layer[rows], value_layer[rows], None,
+                                                 group=group)
+            if real < padded:
+                keep = context_parallel_chunk_indices(padded, cp, cp_rank).to(out.device) < real
+                out = out * keep.view(-1, 1, 1).to(out.dtype)
+            pieces.append(out)
+            row += local
+        if query_layer.size(0) > row:
+            pieces.append(query_layer.new_zeros(query_layer.size(0) - row, 1, self.hidden_size_per_partition))
+        return torch.cat(pieces, dim=0)
 
     def _local_forward(self, query_layer, key_layer, value_layer, attention_mask):
         """Attention of one rank's whole sequence (no context parallelism)."""

@@ -133,13 +133,16 @@ class LanguageModule(MegatronModule):
 
 def _packed_max_seqlen(packed_seq_params) -> int:
     """The longest document of a packed batch: ``max(max_seqlen_q, max_seqlen_kv)`` (megatron-core's rotary
-    length), else the largest step of ``cu_seqlens_*_padded`` / ``cu_seqlens_*``."""
+    length; at least the longest padded document), else the largest step of ``cu_seqlens_*_padded`` /
+    ``cu_seqlens_*``."""
     p = packed_seq_params
-    given = [m for m in (p.max_seqlen_q, p.max_seqlen_kv) if m is not None]
+    given = [int(m) for m in (p.max_seqlen_q, p.max_seqlen_kv) if m is not None]
+    padded = [int((c[1:] - c[:-1]).max()) for c in (p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)
+              if c is not None and c.numel() > 1]
     if given:
-        return int(max(given))
-    steps = [int((c[1:] - c[:-1]).max()) for c in (p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded, p.cu_seqlens_q,
-                                                    p.cu_seqlens_kv) if c is not None and c.numel() > 1]
+        return max(given + padded)  # a padded document may be longer than max_seqlen
+    steps = padded + [int((c[1:] - c[:-1]).max()) for c in (p.cu_seqlens_q, p.cu_seqlens_kv)
+                      if c is not None and c.numel() > 1]
     if not steps:
         raise ValueError("GPTModel: packed_seq_params has neither max_seqlen_q / max_seqlen_kv nor cu_seqlens")
     return max(steps)
