@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch.distributed import DeviceMesh, ProcessGroup
