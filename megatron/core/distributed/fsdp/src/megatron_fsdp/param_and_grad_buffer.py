@@ -1,565 +1,649 @@
-"""Pieces of megatron-core's ``megatron_fsdp.param_and_grad_buffer`` that stand on their own: the bucketing policy,
-bucket / prefetch enums, the layout of a flat data-parallel buffer (:func:`build_data_parallel_buffer_index`), the
-temporary-bucket allocators, the gradient pre-scaling before a reduction, the meta-device reset context, and the
-construction of a Megatron-FSDP DTensor from a rank's block.
+"""megatron-core's ``megatron_fsdp.param_and_grad_buffer``: the buffer pieces of :mod:`._data_parallel_buffer`
+(re-exported), and the engine built from them: :class:`ParamAndGradBuffer` (a module's parameters grouped into
+flat data-parallel buckets of model weights, main weights and gradients, sharded as the DDP config's
+``data_parallel_sharding_strategy`` says), :class:`AllGatherPipeline` (gathers the ranks' weight shards into
+temporary buckets and releases them) and :class:`GradReducePipeline` (reduce-scatters, or all-reduces for
+``no_shard``, gradient buckets into the main-gradient shards).
 
-Buffer layout. Items (tensor shapes) are laid end to end in a flat buffer cut into cells of ``chunk_size_factor``
-(``c``) elements. Items of at least ``c`` elements are placed in order; one that does not fill its last cell leaves
-a gap of ``c - (n mod c)``, into which the first later item whose own remainder fits is pulled (its remainder
-ending exactly at the cell boundary, so it spans whole cells after), then the small items (fewer than ``c``
-elements, in their order) that still fit. Small items left over go at the end. The buffer is padded to a multiple
-of ``world_size * c`` unless nothing is sharded (``no_shard``), and rank ``r``'s shard is elements
-``[r * size / world, (r + 1) * size / world)`` (a sharded buffer stores only those, from local index 0).
-
-:class:`DataParallelBuffer` is one such flat bucket with this rank's (possibly virtual) shard stored, and the maps
-between an item, the bucket and the shard; :class:`ParameterGroup` the record of a group of parameters and their
-buffers. The engine built from them in megatron-core (``ParamAndGradBuffer``, the all-gather / gradient-reduce
-pipelines) is not here: this library's Megatron-FSDP keeps each parameter's shard as an FSDP2 DTensor
-(``megatron.core.distributed.fsdp.sharded_module``), which plays its role.
-
-``make_fsdp_dtensor``'s placement: a block of a parameter sharded over the ``dp_shard_dim`` mesh is ``Shard(0)``
-(rows of the parameter, uneven sizes allowed); an unsharded one ``Replicate()``; a Megatron tensor-parallel slice
-(``tensor_model_parallel``, ``partition_dim``) adds the ``tp_dim`` mesh dimension with ``Shard(partition_dim)``
-(``Replicate()`` for a TP-duplicated parameter), the data-parallel shard being taken inside the TP slice.
+This library trains with Megatron-FSDP on PyTorch FSDP2 (``megatron.core.distributed.fsdp``); these classes give
+megatron-core's buffer API on plain ``torch.distributed`` (gloo or NCCL). Collectives run in order on the
+caller's thread: the CUDA streams megatron-core overlaps them on, NCCL user-buffer registration and FP8
+parameters are not here (no-ops, or NotImplementedError where the result would differ).
 """
 from __future__ import annotations
 
-import dataclasses
-import logging
 import math
 import warnings
-from collections import defaultdict, namedtuple
-from contextlib import ExitStack, nullcontext
-from enum import Enum
-from typing import Callable, Dict, List, Optional, Tuple
+from collections import defaultdict
+from contextlib import nullcontext
+from typing import List, Optional, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (update_uneven_dtensor_chunk_metadata,
-                                                                             validate_uneven_dtensor)
-from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import (
-    FSDPDistributedIndex, get_cuda_rng_tracker, get_global_memory_buffer, get_mcore_tensor_parallel_partition_dim,
-    is_mcore_tensor_model_parallel, is_mcore_tensor_parallel_duplicated)
-from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME
-from megatron.core.utils import to_local_if_dtensor
-
-logger = logging.getLogger(__name__)
+from megatron.core.distributed.fsdp.src.megatron_fsdp._data_parallel_buffer import (  # noqa: F401 (re-exported)
+    Bucket, BucketIndex, BucketingPolicy, BucketStatus, DataParallelBuffer, FixedPoolAllocator, ParameterGroup,
+    PrefetchOrder, ResetParametersContext, RotaryBucketAllocator, ShardBucketIndex, StorageResizeBasedBucketAllocator,
+    TemporaryBucketAllocator, TensorItemIndex, _resize_storage, build_data_parallel_buffer_index, check_gpu_memory,
+    gradient_reduce_preprocessing, make_fsdp_dtensor, override_sharded_param_methods_with_safety_checks)
+from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import FSDPDistributedIndex
+from megatron.core.utils import _ALL_GATHER_TENSOR_NAME, _REDUCE_SCATTER_TENSOR_NAME, to_local_if_dtensor
 
 __all__ = ["BucketingPolicy", "Bucket", "BucketStatus", "PrefetchOrder", "build_data_parallel_buffer_index",
            "TemporaryBucketAllocator", "StorageResizeBasedBucketAllocator", "RotaryBucketAllocator",
            "FixedPoolAllocator", "DataParallelBuffer", "ParameterGroup", "gradient_reduce_preprocessing",
-           "check_gpu_memory", "ResetParametersContext",
-           "override_sharded_param_methods_with_safety_checks", "to_local_if_dtensor", "make_fsdp_dtensor"]
+           "check_gpu_memory", "ResetParametersContext", "override_sharded_param_methods_with_safety_checks",
+           "to_local_if_dtensor", "make_fsdp_dtensor", "ParamAndGradBuffer", "GradReducePipeline",
+           "AllGatherPipeline"]
 
-TensorItemIndex = namedtuple("TensorItemIndex", ["global_data_index", "size", "item_id", "bucket_id", "shape"])
-BucketIndex = namedtuple("BucketIndex", ["bucket_id", "global_data_index", "size", "items"])
-ShardBucketIndex = namedtuple("ShardBucketIndex",
-                              ["bucket_id", "global_data_index", "local_data_index", "bucket_data_index", "size"])
-
-
-@dataclasses.dataclass
-class BucketingPolicy:
-    """How parameters are grouped for communication: about ``suggested_bucket_size`` elements per bucket, each
-    instance of a class in ``fsdp_unit_modules`` its own unit, under ``data_parallel_sharding_strategy``."""
-
-    suggested_bucket_size: Optional[int] = 40_000_000
-    fsdp_unit_modules: List[torch.nn.Module] = dataclasses.field(default_factory=list)
-    data_parallel_sharding_strategy: str = "no_shard"
+_COPIED_PARAM_ATTRS = ("requires_grad", "sequence_parallel", "shared", "tensor_model_parallel", "partition_dim",
+                       "partition_stride", "is_embedding_or_output_parameter", "_mcore_tp", "_tp_duplicated",
+                       "_tp_partition_dim")
 
 
-@dataclasses.dataclass
-class Bucket:
-    """The flat tensor ``data`` holding a group of parameters (or gradients) communicated together."""
-
-    data: torch.Tensor
+_SHARDED = {"no_shard": (False, False, False), "optim": (False, True, False),
+            "optim_grads": (False, True, True), "optim_grads_params": (True, True, True)}  # (weights, main, grads)
 
 
-def build_data_parallel_buffer_index(elements: List[torch.Size], data_parallel_rank: int,
-                                     data_parallel_world_size: int, is_data_distributed: bool,
-                                     ddp_config, bucket_id: int = 0,
-                                     chunk_size_factor: int = 1) -> Tuple[dict, BucketIndex, ShardBucketIndex]:
-    """The layout of ``elements`` in one flat bucket (module docstring): ``({item_id: TensorItemIndex}`` in
-    placement order``, BucketIndex, this rank's ShardBucketIndex)``."""
-    c = chunk_size_factor
-    index = {}
-
-    def place(item_id, shape, offset):
-        index[item_id] = TensorItemIndex(offset, shape.numel(), item_id, bucket_id, shape)
-
-    small = [(i, e) for i, e in enumerate(elements) if e.numel() < c]
-    large = [(i, e) for i, e in enumerate(elements) if e.numel() >= c]
-    end = 0
-    while large:
-        item_id, shape = large.pop(0)
-        place(item_id, shape, end)
-        remainder = shape.numel() % c
-        if remainder == 0:
-            end += shape.numel()
-            continue
-        gap_at, gap = end + shape.numel(), c - remainder
-        end += (shape.numel() // c + 1) * c
-        partner = next(((j, e) for j, e in large if 0 < e.numel() % c <= gap), None)
-        if partner is not None:
-            large.remove(partner)
-            place(partner[0], partner[1], end - partner[1].numel() % c)
-            gap -= partner[1].numel() % c
-            end += partner[1].numel() // c * c
-        for item in list(small):
-            if item[1].numel() <= gap:
-                place(item[0], item[1], gap_at)
-                gap -= item[1].numel()
-                gap_at += item[1].numel()
-                small.remove(item)
-    for item_id, shape in small:
-        place(item_id, shape, end)
-        end += shape.numel()
-    if ddp_config.data_parallel_sharding_strategy != "no_shard":
-        end = math.ceil(end / (data_parallel_world_size * c)) * data_parallel_world_size * c
-    bucket = BucketIndex(bucket_id, 0, end, list(index.values()))
-    shard_size = end // data_parallel_world_size
-    in_bucket = shard_size * data_parallel_rank
-    start = bucket.global_data_index + in_bucket
-    shard = ShardBucketIndex(bucket_id, start, 0 if is_data_distributed else start, in_bucket, shard_size)
-    return index, bucket, shard
+def _dist_fn(name_attr):
+    return getattr(torch.distributed, name_attr)
 
 
-def _resize_storage(tensor: torch.Tensor, numel: int) -> None:
-    """Give ``tensor``'s storage ``numel`` elements (0 frees it; the tensor object and its views stay)."""
-    with torch.no_grad():
-        storage = tensor.untyped_storage()
-        if storage.nbytes() != numel * tensor.element_size():
-            if numel and storage.nbytes():
-                raise RuntimeError("a bucket's storage is resized from empty to full or back, never in between")
-            storage.resize_(numel * tensor.element_size())
+def _get_parameter_groups(module: torch.nn.Module, policy: BucketingPolicy, meta_device_init_fp8_params: dict,
+                          bucket_group_by_fsdp_unit: bool = True):
+    """``(buckets, {param: bucket id}, {bucket id: the bucket ids reduced together})``. Parameters (in
+    ``named_parameters`` order) are grouped by (dtype, expert (``.experts.`` in the name), requires_grad, outermost
+    FSDP unit module); a group outside any unit is cut once it reaches ``suggested_bucket_size`` elements, and a
+    ``shared_embedding`` parameter gets a bucket of its own when anything is sharded. Each bucket's parameters are
+    ordered by row size (``numel / shape[0]``), largest first, and its ``chunk_size_factor`` is the least common
+    multiple of the row sizes that do not already divide it (so every shard boundary falls on a row boundary). The
+    buckets of one FSDP unit (per expert flag) are reduced together."""
+    unit_of, n_units = {}, 0
+    for m in module.modules():
+        if policy.fsdp_unit_modules and isinstance(m, tuple(policy.fsdp_unit_modules)):
+            new = [p for p in m.parameters() if p not in unit_of]
+            unit_of.update({p: n_units for p in new})
+            n_units += bool(new)
+    groups = {}
+    for name, p in module.named_parameters():
+        key = (p.dtype, ".experts." in name, p.requires_grad, unit_of.get(p))
+        groups.setdefault(key, []).append(p)
+    buckets = []
+    for (dtype, expert, requires_grad, unit), params in groups.items():
+        attrs = dict(dtype=dtype, is_expert_param=expert, requires_grad=requires_grad, fsdp_unit_id=unit)
+        current = []
+        for p in params:
+            if getattr(p, "shared_embedding", False) and policy.data_parallel_sharding_strategy != "no_shard":
+                buckets += [(current, attrs)] if current else []
+                buckets.append(([p], attrs))
+                current = []
+                continue
+            current.append(p)
+            if unit is None and policy.suggested_bucket_size and \
+                    sum(to_local_if_dtensor(q).numel() for q in current) >= policy.suggested_bucket_size:
+                buckets.append((current, attrs))
+                current = []
+        buckets += [(current, attrs)] if current else []
+    parameter_groups = []
+    for params, attrs in buckets:
+        params = sorted(params, key=lambda q: to_local_if_dtensor(q).shape[1:].numel(), reverse=True)
+        c = to_local_if_dtensor(params[0]).shape[1:].numel()
+        for q in params:
+            shape = to_local_if_dtensor(q).shape
+            row = shape[1:].numel()
+            if not (row == c or (c % row == 0 and shape.numel() % c == 0) or shape.numel() < c):
+                c = math.lcm(c, row)
+        parameter_groups.append(ParameterGroup(params, chunk_size_factor=c, **attrs))
+    param_to_group = {p: i for i, g in enumerate(parameter_groups) for p in g.params}
+    bucket_group = {i: [i] for i in range(len(parameter_groups))}
+    if bucket_group_by_fsdp_unit:
+        together = defaultdict(list)
+        for i, g in enumerate(parameter_groups):
+            if g.fsdp_unit_id is not None:
+                together[(g.fsdp_unit_id, g.is_expert_param)].append(i)
+        for ids in together.values():
+            bucket_group.update({i: ids for i in ids})
+    return parameter_groups, param_to_group, bucket_group
 
 
-class TemporaryBucketAllocator:
-    """Temporary buckets (all-gathered parameters, gradients before their reduction) by bucket id: ``allocate``
-    creates one of ``size`` elements unless the id has one; ``free`` releases its storage and forgets it."""
+class ParamAndGradBuffer:
+    """A module's parameters in :class:`ParameterGroup` buckets (:func:`_get_parameter_groups`), each with its
+    :class:`DataParallelBuffer` s over the FSDP data-parallel group of ``dist_index``: the model weights (not with
+    ``no_shard``; the parameters' ``.data`` become views of its bucket), fp32 main weights
+    (``preserve_fp32_weights``) and the main gradients (fp32 with ``grad_reduce_in_fp32``). Which of them store only
+    this rank's shard is ``ddp_config.data_parallel_sharding_strategy``'s: ``no_shard`` none, ``optim`` the main
+    weights, ``optim_grads`` also the gradients, ``optim_grads_params`` also the model weights (then a parameter has
+    no storage between all-gathers). ``optimizer_named_parameters`` are DTensors over the main weights' (else the
+    model weights', else the parameter's) rows on this rank; :meth:`update_main_grads` gives them the matching rows
+    of the reduced gradient.
 
-    def __init__(self):
-        self.buckets = {}
+    Not here: NCCL user-buffer registration (``nccl_ub``: the allocation context is a no-op), FP8 parameters and
+    sharded hybrid FSDP (``outer_dp_sharding_strategy != "no_shard"``, NotImplementedError; this library's training
+    runs hybrid FSDP on PyTorch FSDP2). A meta-device module is materialised on ``device`` (``reset_parameters`` of
+    each module owning meta parameters) before the grouping."""
 
-    def allocate(self, bucket_id: int, size: int, dtype: torch.dtype, device: torch.device,
-                 mem_alloc_context: Optional[Callable] = None) -> Bucket:
-        if bucket_id not in self.buckets:
-            self.buckets[bucket_id] = Bucket(data=torch.empty(size, dtype=dtype, device=device))
-        return self.buckets[bucket_id]
-
-    def free(self, bucket_id: int):
-        bucket = self.buckets.pop(bucket_id, None)
-        if bucket is not None:
-            _resize_storage(bucket.data, 0)
-
-
-class StorageResizeBasedBucketAllocator(TemporaryBucketAllocator):
-    """Keeps each bucket's tensor object; ``free`` resizes its storage to nothing and ``allocate`` back to
-    ``size`` elements (references to the tensor stay valid across steps)."""
-
-    def allocate(self, bucket_id: int, size: int, dtype: torch.dtype, device: torch.device,
-                 mem_alloc_context: Optional[Callable] = None) -> Bucket:
-        bucket = super().allocate(bucket_id, size, dtype, device, mem_alloc_context)
-        _resize_storage(bucket.data, size)
-        return bucket
-
-    def free(self, bucket_id: int):
-        if bucket_id in self.buckets:
-            _resize_storage(self.buckets[bucket_id].data, 0)
-
-
-class RotaryBucketAllocator(TemporaryBucketAllocator):
-    """A pool of global scratch buffers (``<name>_<k>`` in :func:`get_global_memory_buffer`) handed out in turn:
-    a bucket takes the oldest idle buffer (a new one when none is idle) and gives it back on ``free``."""
-
-    def __init__(self, name: str):
-        super().__init__()
-        self.name = name
-        self.num_global_buffer = 0
-        self.idle_buffer = []
-        self.using_buffer = {}
-
-    def _get_gbuf_name(self, buffer_id: int):
-        return f"{self.name}_{buffer_id}"
-
-    def allocate(self, bucket_id: int, size: int, dtype: torch.dtype, device: torch.device,
-                 mem_alloc_context: Optional[Callable] = None) -> Bucket:
-        if bucket_id not in self.using_buffer:
-            if not self.idle_buffer:
-                self.idle_buffer.append(self.num_global_buffer)
-                self.num_global_buffer += 1
-            self.using_buffer[bucket_id] = self.idle_buffer.pop(0)
-        name = self._get_gbuf_name(self.using_buffer[bucket_id])
-        return Bucket(data=get_global_memory_buffer().get_tensor([size], dtype=dtype, name=name,
-                                                                 mem_alloc_context=mem_alloc_context))
-
-    def free(self, bucket_id: int):
-        if bucket_id in self.using_buffer:
-            self.idle_buffer.append(self.using_buffer.pop(bucket_id))
-
-
-class FixedPoolAllocator(TemporaryBucketAllocator):
-    """``size`` sets of global buffers (double buffering by default) shared by the FSDP units whose buckets match
-    one another (same count, dtypes and element counts): the largest such family of units. A bucket of one of those
-    units takes buffer ``(set, its position in the unit)`` from the first set where it is idle; other buckets go to
-    a plain :class:`TemporaryBucketAllocator`. ``fsdp_param_groups[i]`` describes bucket ``i`` (``fsdp_unit_id``,
-    ``dtype``, ``params``)."""
-
-    def __init__(self, name: str, fsdp_param_groups: List["ParameterGroup"], size: int = 2):  # noqa: F821
-        self.name = name
-        self.fsdp_param_groups = fsdp_param_groups
-        self.size = size
-        self.allocation_tracker = {}
-        self.fsdp_unit_buckets = defaultdict(list)
-        for bucket_id, group in enumerate(fsdp_param_groups):
-            if group.fsdp_unit_id not in (None, -1):
-                self.fsdp_unit_buckets[group.fsdp_unit_id].append(bucket_id)
-        families = [[u for u in self.fsdp_unit_buckets if self._is_two_bucket_group_equal(
-            self.fsdp_unit_buckets[u], buckets)] for buckets in self.fsdp_unit_buckets.values()]
-        self.fsdp_double_buffer_units = max(families, key=len, default=[])
-        if not self.fsdp_double_buffer_units:
-            raise AssertionError("Found no FSDP units to use fixed-size buffering")
-        per_unit = len(self.fsdp_unit_buckets[self.fsdp_double_buffer_units[0]])
-        self.idle_buffer = [(k, j) for k in range(size) for j in range(per_unit)]
-        self.using_buffer = {}
-        self.backup_allocator = TemporaryBucketAllocator()
-
-    def _is_two_bucket_group_equal(self, group_a, group_b):
-        def signature(bucket_ids):
-            return [(self.fsdp_param_groups[b].dtype, sum(p.numel() for p in self.fsdp_param_groups[b].params))
-                    for b in bucket_ids]
-
-        return signature(group_a) == signature(group_b)
-
-    def _get_gbuf_name(self, buf_group_id: int, bucket_index: int):
-        return f"{self.name}_{buf_group_id}_{bucket_index}"
-
-    def allocate(self, bucket_id: int, size: int, dtype: torch.dtype, device: torch.device,
-                 mem_alloc_context: Optional[Callable] = None) -> Bucket:
-        unit = self.fsdp_param_groups[bucket_id].fsdp_unit_id
-        if unit not in self.fsdp_double_buffer_units:
-            return self.backup_allocator.allocate(bucket_id=bucket_id, size=size, dtype=dtype, device=device)
-        if bucket_id not in self.using_buffer:
-            position = self.fsdp_unit_buckets[unit].index(bucket_id)
-            free = next(((k, position) for k in range(self.size) if (k, position) in self.idle_buffer), None)
-            if free is None:
-                raise AssertionError(f"[{self.name}] no idle buffer for bucket {bucket_id} (FSDP unit {unit}, "
-                                     f"position {position}); in use: {self.using_buffer}")
-            self.idle_buffer.remove(free)
-            self.using_buffer[bucket_id] = free
-        name = self._get_gbuf_name(*self.using_buffer[bucket_id])
-        if mem_alloc_context not in (None, nullcontext) and self.allocation_tracker.get((name, dtype), -1) < size:
-            self.allocation_tracker[(name, dtype)] = size  # a new registered allocation: wait for the device first
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-        return Bucket(data=get_global_memory_buffer().get_tensor([size], dtype=dtype, name=name,
-                                                                 mem_alloc_context=mem_alloc_context))
-
-    def free(self, bucket_id: int):
-        unit = self.fsdp_param_groups[bucket_id].fsdp_unit_id
-        if unit not in self.fsdp_double_buffer_units:
-            self.backup_allocator.free(bucket_id)
-        elif bucket_id in self.using_buffer:
-            self.idle_buffer.append(self.using_buffer.pop(bucket_id))
-
-
-class DataParallelBuffer:
-    """One flat bucket of ``params`` (one dtype) laid out by :func:`build_data_parallel_buffer_index`, of which
-    this rank stores its shard (``is_data_distributed``) or the whole bucket (then the shard is *virtual*: the
-    same coordinates, read from the whole). ``data`` (given to :meth:`init_data`) holds ``data_size`` elements.
-
-    Coordinates: item ``i`` occupies ``[g_i, g_i + n_i)`` of the bucket; the shard ``[s, s + m)``; the part of
-    the item in the shard is the intersection, which sits at ``local_data_index + (g_i - s)`` of ``data`` (0-based
-    for a stored shard, the bucket position for a whole bucket). Communication is the caller's: a whole bucket comes
-    from :meth:`fetch_bucket` (this buffer itself when it stores the whole bucket in its own dtype, else a temporary
-    bucket of ``temporary_bucket_allocator``)."""
-
-    def __init__(self, ddp_config: DistributedDataParallelConfig, params: List[torch.nn.Parameter],
-                 is_data_distributed: bool, bucket_id: int, dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device] = None,
-                 data_parallel_group: Optional[torch.distributed.ProcessGroup] = None, dp_rank: Optional[int] = None,
-                 temporary_bucket_allocator: Optional[TemporaryBucketAllocator] = None,
-                 is_transpose_buffer: bool = False, gradient_scaling_factor: Optional[float] = None,
-                 chunk_size_factor: int = 1, mem_alloc_context: Optional[Callable] = None,
-                 item_index_map: Optional[Dict[int, TensorItemIndex]] = None,
-                 bucket_index: Optional[BucketIndex] = None,
-                 shard_bucket_index: Optional[ShardBucketIndex] = None) -> None:
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise AssertionError(f"params have different dtypes: {dtypes}")
-        self.ddp_config = ddp_config
-        self.params = params
-        self.is_data_distributed = is_data_distributed
-        self.bucket_id = bucket_id
-        self.dtype = dtype or next(iter(dtypes))
-        self.device = device
-        self.data_parallel_group = data_parallel_group
-        self.dp_rank = dp_rank if dp_rank is not None else torch.distributed.get_rank(data_parallel_group)
-        self.dp_world_size = torch.distributed.get_world_size(data_parallel_group)
-        self.temporary_bucket_allocator = temporary_bucket_allocator or TemporaryBucketAllocator()
-        self.is_transpose_buffer = is_transpose_buffer
+    def __init__(self, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
+                 bucketing_policy: BucketingPolicy, dist_index: FSDPDistributedIndex,
+                 preserve_fp32_weights: bool = True, grad_reduce_in_fp32: bool = True,
+                 gradient_scaling_factor: Optional[float] = None,
+                 expert_gradient_scaling_factor: Optional[float] = None, device: torch.device = torch.device("cuda"),
+                 only_create_grad_buffer_and_main_weight_buffer_for_param_requires_grad: bool = True,
+                 reset_parameters_for_meta_device_init_module: bool = False):
+        bucketing_policy.data_parallel_sharding_strategy = ddp_config.data_parallel_sharding_strategy
+        if ddp_config.data_parallel_sharding_strategy not in _SHARDED:
+            raise ValueError(f"Invalid data_parallel_sharding_strategy: {ddp_config.data_parallel_sharding_strategy}")
+        if dist_index.use_hybrid_fsdp and ddp_config.outer_dp_sharding_strategy != "no_shard":
+            raise NotImplementedError("ParamAndGradBuffer: hybrid FSDP sharded over the outer DP group is not "
+                                      "implemented here (use this library's FSDP2-based Megatron-FSDP)")
+        self.ddp_config, self.module, self.bucketing_policy, self.dist_index = (ddp_config, module,
+                                                                                bucketing_policy, dist_index)
+        self.preserve_fp32_weights, self.grad_reduce_in_fp32 = preserve_fp32_weights, grad_reduce_in_fp32
         self.gradient_scaling_factor = gradient_scaling_factor
-        self.mem_alloc_context = mem_alloc_context or nullcontext
-        given = (item_index_map, bucket_index, shard_bucket_index)
-        if any(x is not None for x in given):
-            if any(x is None for x in given):
-                raise AssertionError("item_index_map, bucket_index and shard_bucket_index are given together")
-            self.item_index_map, self.bucket_index, self.shard_bucket_index = given
+        self.expert_gradient_scaling_factor = expert_gradient_scaling_factor
+        self.device = device
+        self.only_create_grad_buffer_and_main_weight_buffer_for_param_requires_grad = \
+            only_create_grad_buffer_and_main_weight_buffer_for_param_requires_grad
+        self.reset_parameters_for_meta_device_init_module = reset_parameters_for_meta_device_init_module
+        self.ubr_groups, self.already_registered = None, False
+        self.mem_alloc_context = self.get_mem_alloc_context()
+        if reset_parameters_for_meta_device_init_module:
+            for m in module.modules():
+                if any(p.is_meta for p in m.parameters(recurse=False)):
+                    m.to_empty(device=device, recurse=False)
+                    with ResetParametersContext(init_param_with_fp8=ddp_config.fp8_param_gather):
+                        (m.reset_parameters if hasattr(m, "reset_parameters") else m._reset_parameters)()
+        self.param_to_name = {p: name for name, p in module.named_parameters()}
+        self.params = list(module.parameters())
+        self.parameter_groups, self.param_to_param_group, self.bucket_to_bucket_group = _get_parameter_groups(
+            module, bucketing_policy, {})
+        self._init_each_parameter_group_buffers({})
+        self._init_distributed_params()
+        self.optimizer_named_parameters = self._init_optimizer_named_parameters()
+
+    def get_mem_alloc_context(self, groups=None, symmetric=True):
+        """The context buffers are allocated in: NCCL user-buffer registration is CUDA's, so always a no-op."""
+        return nullcontext
+
+    def manual_buffer_registration(self):
+        """Register the buffers with NCCL (``fsdp_manual_registration``): a no-op without NCCL user buffers."""
+        self.already_registered = True
+
+    def _init_each_parameter_group_buffers(self, meta_device_init_fp8_params):
+        """Create and fill each group's buffers (class docstring)."""
+        cfg = self.ddp_config
+        shard_w, shard_m, shard_g = _SHARDED[cfg.data_parallel_sharding_strategy]
+        if cfg.fsdp_double_buffer and self.bucketing_policy.fsdp_unit_modules:
+            self.weight_alloc = FixedPoolAllocator("fsdp_params", self.parameter_groups)
+            self.transpose_weight_alloc = FixedPoolAllocator("fsdp_fp8_transpose_params", self.parameter_groups)
+            self.main_grad_alloc = FixedPoolAllocator("fsdp_grads", self.parameter_groups)
+            self.double_buf_units = self.weight_alloc.fsdp_double_buffer_units
         else:
-            self.item_index_map, self.bucket_index, self.shard_bucket_index = build_data_parallel_buffer_index(
-                [to_local_if_dtensor(p).shape for p in params], self.dp_rank, self.dp_world_size,
-                is_data_distributed, ddp_config, bucket_id=bucket_id, chunk_size_factor=chunk_size_factor)
-        self.data_size = self.shard_bucket_index.size if is_data_distributed else self.bucket_index.size
-        self.param_idx = {p: i for i, p in enumerate(params)}
-
-    def init_data(self, data: torch.Tensor):
-        """Use ``data`` (``data_size`` elements of ``dtype``) as this buffer's storage."""
-        if data.dtype != self.dtype or data.numel() != self.data_size:
-            raise AssertionError(f"DataParallelBuffer {self.bucket_id}: data of {data.numel()} x {data.dtype}, "
-                                 f"expected {self.data_size} x {self.dtype}")
-        self.data = data
-
-    def fetch_bucket(self, dtype: Optional[torch.dtype] = None, set_param_data: bool = False) -> Bucket:
-        """The whole bucket to communicate into (see the class docstring); with ``set_param_data`` every
-        parameter's ``.data`` becomes its view of the bucket."""
-        dtype = dtype or self.dtype
-        index = self.bucket_index
-        if not self.is_data_distributed and dtype == self.dtype:
-            bucket = Bucket(data=self.data[index.global_data_index:index.global_data_index + index.size])
-        else:
-            bucket = self.temporary_bucket_allocator.allocate(bucket_id=index.bucket_id, size=index.size,
-                                                              dtype=dtype, device=self.device,
-                                                              mem_alloc_context=self.mem_alloc_context)
-        if set_param_data:
-            for param in self.params:
-                local = to_local_if_dtensor(param)
-                local.data = self.get_item_from_bucket(bucket, self.param_idx[param]).view(local.shape)
-        return bucket
-
-    def free_bucket_storage(self):
-        """Release the temporary bucket of a sharded buffer (and the parameters' ``main_grad`` views of it)."""
-        if not self.is_data_distributed:
-            return
-        self.temporary_bucket_allocator.free(self.bucket_index.bucket_id)
-        for param in self.params:
-            if hasattr(param, "main_grad"):
-                param.main_grad = None
-
-    def _get_item_slice_in_shard(self, item_id: int) -> Tuple[int, int]:
-        """The part of item ``item_id`` inside this (possibly virtual) shard, in the item's coordinates
-        (``(0, 0)`` when none)."""
-        item, shard = self.item_index_map[item_id], self.shard_bucket_index
-        lo = max(item.global_data_index, shard.global_data_index)
-        hi = min(item.global_data_index + item.size, shard.global_data_index + shard.size)
-        return (lo - item.global_data_index, hi - item.global_data_index) if lo < hi else (0, 0)
-
-    def locate_item_in_global_item(self, item_id: int) -> Tuple[int, int]:
-        """The part of the item this buffer stores, in the item's coordinates (all of it when not sharded)."""
-        if not self.is_data_distributed:
-            return (0, self.item_index_map[item_id].size)
-        return self._get_item_slice_in_shard(item_id)
-
-    def _get_item_local_shard_index(self, item_id: int) -> Tuple[int, int]:
-        """Where the item's part in the shard lies in ``data`` (``(0, 0)`` when none)."""
-        start, end = self._get_item_slice_in_shard(item_id)
-        if start == end:
-            return (0, 0)
-        item, shard = self.item_index_map[item_id], self.shard_bucket_index
-        offset = item.global_data_index - shard.global_data_index + shard.local_data_index
-        return (offset + start, offset + end)
-
-    def _get_item_local_index(self, item_id: int) -> Tuple[int, int]:
-        """Where the item's stored part lies in ``data`` (the whole item when not sharded)."""
-        if not self.is_data_distributed:
-            item = self.item_index_map[item_id]
-            return (item.global_data_index, item.global_data_index + item.size)
-        return self._get_item_local_shard_index(item_id)
-
-    def set_item(self, item_id: int, item_data: torch.Tensor) -> None:
-        """Store ``item_data`` (the whole item) into this buffer: its part in the shard, or all of it."""
-        flat = item_data.flatten()
-        if self.is_data_distributed:
-            start, end = self._get_item_slice_in_shard(item_id)
-            flat = flat[start:end]
-        lo, hi = self._get_item_local_index(item_id)
-        if hi > lo:
+            self.weight_alloc, self.transpose_weight_alloc = (StorageResizeBasedBucketAllocator(),
+                                                              StorageResizeBasedBucketAllocator())
+            self.main_grad_alloc, self.double_buf_units = None, []
+        self.buffer_all_in_one = False
+        for i, g in enumerate(self.parameter_groups):
+            dp = self.dist_index.get_fsdp_group(is_expert_parallel=g.is_expert_param)
+            ag = None if g.is_expert_param else self.dist_index.get_fsdp_group(independent_all_gather=True)
+            kw = dict(device=self.device, bucket_id=i, chunk_size_factor=g.chunk_size_factor,
+                      mem_alloc_context=self.mem_alloc_context)
+            if cfg.data_parallel_sharding_strategy != "no_shard":
+                wdp = ag if ag is not None else dp
+                g.model_weight_buffer = DataParallelBuffer(cfg, g.params, shard_w and wdp.size() > 1, dtype=g.dtype,
+                                                           data_parallel_group=wdp,
+                                                           temporary_bucket_allocator=self.weight_alloc, **kw)
+            if g.requires_grad or not self.only_create_grad_buffer_and_main_weight_buffer_for_param_requires_grad:
+                if self.preserve_fp32_weights:
+                    g.main_weight_buffer = DataParallelBuffer(cfg, g.params, shard_m and dp.size() > 1,
+                                                              dtype=torch.float32, data_parallel_group=dp, **kw)
+                scale = self.expert_gradient_scaling_factor if g.is_expert_param else self.gradient_scaling_factor
+                g.main_grad_buffer = DataParallelBuffer(
+                    cfg, g.params, shard_g and dp.size() > 1, data_parallel_group=dp,
+                    dtype=torch.float32 if self.grad_reduce_in_fp32 else g.dtype, gradient_scaling_factor=scale,
+                    temporary_bucket_allocator=self.main_grad_alloc, **kw)
+            wbuf, mbuf, gbuf = g.model_weight_buffer, g.main_weight_buffer, g.main_grad_buffer
+            for buf in (wbuf, mbuf, gbuf):
+                if buf is not None:
+                    buf.init_data(torch.zeros(buf.data_size, dtype=buf.dtype, device=self.device))
+            bucket = wbuf.fetch_bucket() if wbuf else None
             with torch.no_grad():
-                self.data[lo:hi].copy_(flat)
+                for item_id, p in enumerate(g.params):
+                    local = to_local_if_dtensor(p)
+                    if mbuf:
+                        mbuf.set_item(item_id, local)
+                    if wbuf:
+                        wbuf.set_item(item_id, local)
+                        view = wbuf.get_item_from_bucket(bucket, item_id).view(local.shape)
+                        view.copy_(local)
+                        local.data = view
+                    if gbuf:
+                        p._gbuf, p._item_id = gbuf, item_id
+                        p.get_main_grad = (lambda q: q._gbuf.get_item_from_bucket(
+                            q._gbuf.fetch_bucket(), q._item_id).view(to_local_if_dtensor(q).shape)).__get__(p)
+            if wbuf and wbuf.is_data_distributed:
+                wbuf.free_bucket_storage()
 
-    def get_item(self, item_id: int, only_shard: bool = False) -> torch.Tensor:
-        """The stored part of the item (a view of ``data``); ``only_shard``: its part in the (virtual) shard."""
-        lo, hi = self._get_item_local_shard_index(item_id) if only_shard else self._get_item_local_index(item_id)
-        return self.data[lo:hi]
+    def _init_distributed_params(self):
+        """``dist_main_weight``: per parameter name, the DTensor the optimizer steps (class docstring)."""
+        sharded = self.bucketing_policy.data_parallel_sharding_strategy != "no_shard"
+        self.dist_main_weight, self.dist_main_grad = {}, {}
+        for g in self.parameter_groups:
+            buf = g.main_weight_buffer or g.model_weight_buffer
+            for item_id, p in enumerate(g.params):
+                local = buf.get_item(item_id, only_shard=sharded) if buf else p.data
+                self.dist_main_weight[self.param_to_name[p]] = make_fsdp_dtensor(
+                    local, p, self.dist_index, is_sharded_param=sharded and buf is not None,
+                    is_expert_param=g.is_expert_param, run_check=True,
+                    update_uneven_dtensor_chunk_meta=sharded and buf is not None, force_sync_tp_duplicated_param=True)
 
-    def get_item_from_bucket(self, bucket: Bucket, item_id: int):
-        """The item's elements in a whole ``bucket``."""
-        item = self.item_index_map[item_id]
-        start = item.global_data_index - self.bucket_index.global_data_index
-        return bucket.data[start:start + item.size]
+    def _init_optimizer_named_parameters(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        named = []
+        for g in self.parameter_groups:
+            for item_id, p in enumerate(g.params):
+                name = self.param_to_name[p]
+                dist_param = torch.nn.Parameter(self.dist_main_weight[name])
 
-    def get_shard_from_bucket(self, bucket: Bucket):
-        """This rank's shard of a whole ``bucket``."""
-        shard = self.shard_bucket_index
-        return bucket.data[shard.bucket_data_index:shard.bucket_data_index + shard.size]
+                def reset_attribute(_dist=dist_param, _orig=p):
+                    for attr in _COPIED_PARAM_ATTRS:
+                        if hasattr(_orig, attr):
+                            setattr(_dist, attr, getattr(_orig, attr))
 
-    def get_shard_from_local_buffer(self) -> torch.Tensor:
-        """This rank's (virtual) shard in ``data``."""
-        shard = self.shard_bucket_index
-        return self.data[shard.local_data_index:shard.local_data_index + shard.size]
+                dist_param.reset_attribute, dist_param.orig_param = reset_attribute, p
+                dist_param.megatron_fsdp_dist_index = self.dist_index
+                if g.model_weight_buffer:
+                    dist_param.megatron_fsdp_slice = slice(*g.model_weight_buffer._get_item_slice_in_shard(item_id))
+                reset_attribute()
+                named.append((name, dist_param))
+        return named
 
-
-@dataclasses.dataclass
-class ParameterGroup:
-    """Parameters grouped for communication and their buffers: ``dtype``, whether they are experts'
-    (``is_expert_param``), ``requires_grad``, their FSDP unit (``fsdp_unit_id``), the layout cell
-    (``chunk_size_factor``), and the :class:`DataParallelBuffer` of the model weights (and their transposes), the
-    main weights, the main gradients, and hybrid FSDP's weight / gradient buffers."""
-
-    params: List[torch.nn.Parameter]
-    dtype: Optional[torch.dtype] = None
-    is_expert_param: bool = False
-    requires_grad: Optional[bool] = None
-    fsdp_unit_id: Optional[int] = None
-    chunk_size_factor: int = 1
-    model_weight_buffer: Optional[DataParallelBuffer] = None
-    transpose_weight_buffer: Optional[DataParallelBuffer] = None
-    main_weight_buffer: Optional[DataParallelBuffer] = None
-    main_grad_buffer: Optional[DataParallelBuffer] = None
-    hsdp_wbuf: Optional[DataParallelBuffer] = None
-    hsdp_gbuf: Optional[DataParallelBuffer] = None
-
-
-class BucketStatus(Enum):
-    """A communication bucket is ``EMPTY``, ``COMMUNICATING`` or ``READY_TO_USE``."""
-
-    EMPTY = 1
-    COMMUNICATING = 2
-    READY_TO_USE = 3
-
-
-class PrefetchOrder(Enum):
-    """Which order parameters are gathered ahead in: the forward pass's or the backward pass's."""
-
-    FORWARD_PASS_ORDER = 0
-    BACKWARD_PASS_ORDER = 1
-
-
-def gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config):
-    """The reduce op for ``grad_data`` so that the reduction yields ``scaling_factor * sum`` over the ranks:
-    ``SUM`` when ``scaling_factor`` is None (per-token loss: summed); ``AVG`` with ``average_in_collective``;
-    NCCL's pre-multiplied sum with ``gradient_reduce_div_fusion`` (not for bf16, and only where NCCL runs: CUDA);
-    otherwise ``grad_data`` is multiplied by ``scaling_factor`` in place and ``SUM`` returned."""
-    if scaling_factor is None:
-        return torch.distributed.ReduceOp.SUM
-    if ddp_config.average_in_collective:
-        return torch.distributed.ReduceOp.AVG
-    if ddp_config.gradient_reduce_div_fusion and grad_data.dtype != torch.bfloat16 and grad_data.is_cuda:
-        return torch.distributed._make_nccl_premul_sum(scaling_factor)
-    grad_data.mul_(scaling_factor)
-    return torch.distributed.ReduceOp.SUM
-
-
-def check_gpu_memory(threshold=0.9):
-    """Whether the current GPU's allocated or reserved memory is at least ``threshold`` of its total (logged when
-    so); False without a GPU."""
-    if not torch.cuda.is_available():
-        return False
-    device = torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(device).total_memory
-    allocated = torch.cuda.memory_allocated(device) / total
-    reserved = torch.cuda.memory_reserved(device) / total
-    if allocated >= threshold or reserved >= threshold:
-        logger.info(f"GPU Memory: Allocated: {allocated:.2%}, Reserved: {reserved:.2%}")
-        return True
-    return False
-
-
-class ResetParametersContext:
-    """The context a module's ``reset_parameters()`` runs in when Megatron-FSDP materialises a meta-device model:
-    with ``with_cuda_rng_tracker``, inside the model-parallel RNG tracker's fork when that state is registered.
-    ``init_param_with_fp8`` (Transformer Engine's quantized init) is refused: FP8 parameters are not here."""
-
-    def __init__(self, init_param_with_fp8=False, with_cuda_rng_tracker=False):
-        if init_param_with_fp8:
-            raise NotImplementedError("ResetParametersContext(init_param_with_fp8=True) needs Transformer Engine's "
-                                      "FP8 parameters, which this library does not implement")
-        self.init_param_with_fp8 = init_param_with_fp8
-        self.with_cuda_rng_tracker = with_cuda_rng_tracker
-
-    def __enter__(self):
-        self.stack = ExitStack()
-        if self.with_cuda_rng_tracker:
-            tracker = get_cuda_rng_tracker()
-            if _MODEL_PARALLEL_RNG_TRACKER_NAME in tracker.get_states():
-                self.stack.enter_context(tracker.fork())
-        return self
-
-    def __exit__(self, *exc_details):
-        return self.stack.__exit__(*exc_details)
-
-
-def override_sharded_param_methods_with_safety_checks(params, all_gather_pipeline):
-    """Make ``p.to(...)`` / ``p.cpu()`` of each parameter warn and return an empty tensor while its storage is
-    freed (sharded away between uses) instead of failing inside torch; otherwise they behave as before."""
-    for p in params:
-        for method, device in (("to", None), ("cpu", "cpu")):
-            original = getattr(p, method)
-
-            def guarded(*args, _p=p, _original=original, _method=method, _device=device, **kwargs):
-                if _p.untyped_storage().nbytes() == 0:
-                    warnings.warn(f"The parameter may be sharded by Megatron-FSDP, no actual '{_method}' operation "
-                                  "is performed.")
-                    return torch.empty([], device=_device) if _device else torch.empty([])
-                return _original(*args, **kwargs)
-
-            setattr(p, method, guarded)
-
-
-def make_fsdp_dtensor(local_tensor: torch.Tensor, param: torch.nn.Parameter, dist_index: FSDPDistributedIndex,
-                      is_sharded_param: bool = True, is_expert_param: bool = False, run_check: bool = False,
-                      update_uneven_dtensor_chunk_meta: bool = False, force_sync_tp_duplicated_param: bool = False):
-    """The DTensor of ``param``'s global shape whose block on this rank is ``local_tensor`` (flat or shaped;
-    reshaped to ``(-1, *param.shape[1:])``), placed as the module docstring says. ``run_check`` validates the
-    blocks' coverage (:func:`validate_uneven_dtensor`); ``update_uneven_dtensor_chunk_meta`` attaches the uneven
-    chunk metadata; ``force_sync_tp_duplicated_param`` broadcasts a TP-duplicated block from TP rank 0."""
-    if not is_sharded_param and param.numel() != local_tensor.numel():
-        raise ValueError(f"make_fsdp_dtensor: an unsharded parameter of shape {tuple(param.shape)} with a local "
-                         f"tensor of shape {tuple(local_tensor.shape)}: they must have the same elements")
-    dp_dims = (dist_index.dp_outer_dim, dist_index.dp_shard_dim) if dist_index.use_hybrid_fsdp \
-        else (dist_index.dp_shard_dim,)
-    if not is_sharded_param:
-        dp_places = [Replicate()] * len(dp_dims)
-    elif dist_index.use_hybrid_fsdp:
-        dp_places = [Shard(0) if dist_index.hsdp_outer_dp_shard else Replicate(), Shard(0)]
-    else:
-        dp_places = [Shard(0)]
-    dims, places, global_shape = dp_dims, dp_places, tuple(param.shape)
-    if is_mcore_tensor_model_parallel(param):
-        if isinstance(param, DTensor):
-            raise ValueError("make_fsdp_dtensor: a DTensor parameter marked tensor_model_parallel")
-        tp_mesh = dist_index.get_submesh(dist_index.tp_dim, is_expert_parallel=is_expert_param)
-        if tp_mesh.size() > 1:
-            if is_mcore_tensor_parallel_duplicated(param):
-                tp_place = Replicate()
-                if force_sync_tp_duplicated_param and local_tensor.numel() > 0:
-                    torch.distributed.broadcast(local_tensor, group=tp_mesh.get_group(), group_src=0)
+    def update_main_grads(self):
+        """Give each optimizer parameter the gradient rows matching its own (a view of the main-gradient buffer,
+        in the parameter's dtype; ``decoupled_grad`` for a precision-aware optimizer)."""
+        sharded = self.bucketing_policy.data_parallel_sharding_strategy != "no_shard"
+        for name, param in self.optimizer_named_parameters:
+            orig = param.orig_param
+            g = self.parameter_groups[self.param_to_param_group[orig]]
+            if g.main_grad_buffer is None:
+                continue
+            local = g.main_grad_buffer.get_item(g.main_grad_buffer.param_idx[orig], only_shard=sharded)
+            if g.main_weight_buffer is not None and not getattr(self, "use_precision_aware_optimizer", False):
+                local = local.to(param.dtype)
+            if name not in self.dist_main_grad:
+                self.dist_main_grad[name] = make_fsdp_dtensor(local, orig, self.dist_index, is_sharded_param=sharded,
+                                                              is_expert_param=g.is_expert_param)
             else:
-                tp_dim = get_mcore_tensor_parallel_partition_dim(param)
-                tp_place = Shard(tp_dim)
-                shape = list(global_shape)
-                shape[tp_dim] *= tp_mesh.size()
-                global_shape = tuple(shape)
-            dims, places = dp_dims + (dist_index.tp_dim,), dp_places + [tp_place]
-    mesh = dist_index.get_submesh(dims, is_expert_parallel=is_expert_param)
-    if is_sharded_param and len(dims) > len(dp_dims):  # the DP shard is taken inside the TP slice
-        mesh._shard_order = list(range(len(dims)))[::-1]
-    block = local_tensor.view((-1,) + tuple(param.shape[1:]))
-    stride = torch.empty(global_shape, device="meta").stride()
-    out = DTensor.from_local(block, device_mesh=mesh, placements=places, run_check=False,
-                             shape=torch.Size(global_shape), stride=stride)
-    if run_check:
-        validate_uneven_dtensor(out)
-    if update_uneven_dtensor_chunk_meta:
-        update_uneven_dtensor_chunk_metadata(out)
-    return out
+                self.dist_main_grad[name]._local_tensor = local.view((-1,) + tuple(orig.shape[1:]))
+            grad = self.dist_main_grad[name] if local.numel() else None
+            if getattr(self, "use_precision_aware_optimizer", False):
+                param.decoupled_grad = grad
+            else:
+                param.grad = grad.to(param.dtype) if grad is not None else None
+
+    @property
+    def num_buckets(self):
+        return len(self.parameter_groups)
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply the main gradients by ``scaling_factor`` (and refresh the optimizer's gradients)."""
+        for g in self.parameter_groups:
+            if g.main_grad_buffer is not None:
+                g.main_grad_buffer.data *= scaling_factor
+        self.update_main_grads()
+
+    def zero_grad(self):
+        """Zero the main-gradient buffers and drop the optimizer parameters' gradients."""
+        for name, param in self.optimizer_named_parameters:
+            param.grad = None
+            if hasattr(param, "decoupled_grad"):
+                param.decoupled_grad = None
+            if name in self.dist_main_grad:
+                self.dist_main_grad[name]._local_tensor = None
+        for g in self.parameter_groups:
+            for buf in (g.main_grad_buffer, g.hsdp_gbuf):
+                if buf is not None:
+                    buf.data.zero_()
+
+    @torch.no_grad()
+    def copy_main_weights_to_model_weights(self):
+        """Model weights := main weights, element by element (this rank's shard when either buffer is sharded;
+        :meth:`all_gather_parameters` then completes an unsharded model-weight buffer). FP8 is not here."""
+        for g in self.parameter_groups:
+            mbuf, wbuf = g.main_weight_buffer, g.model_weight_buffer
+            if mbuf is None:
+                continue
+            for p in g.params:
+                i = mbuf.param_idx[p]
+                if wbuf is None:
+                    to_local_if_dtensor(p).data.copy_(mbuf.get_item(i).view(to_local_if_dtensor(p).shape))
+                else:
+                    shard = wbuf.is_data_distributed or mbuf.is_data_distributed
+                    wbuf.get_item(i, only_shard=shard).copy_(mbuf.get_item(i, only_shard=shard))
+
+    @torch.no_grad()
+    def copy_model_weights_to_main_weights(self):
+        """Main weights := model weights (the shard when the main weights are sharded; the parameters themselves
+        with ``no_shard``)."""
+        for g in self.parameter_groups:
+            mbuf, wbuf = g.main_weight_buffer, g.model_weight_buffer
+            if mbuf is not None and wbuf is None:
+                for p in g.params:
+                    mbuf.set_item(mbuf.param_idx[p], to_local_if_dtensor(p))
+            elif mbuf is not None:
+                mbuf.data.copy_(wbuf.get_shard_from_local_buffer() if mbuf.is_data_distributed else wbuf.data)
+
+    def _check_unsharded(self, kind, what):
+        if any(b.is_data_distributed for b in (getattr(g, kind) for g in self.parameter_groups) if b):
+            raise AssertionError(f"{what}() should only be called when its buffers are not sharded")
+
+    def all_gather_parameters(self, async_op: bool = True):
+        """Make every rank's unsharded model-weight buffer whole from the ranks' shards (``optim``)."""
+        self._check_unsharded("model_weight_buffer", "all_gather_parameters")
+        works = [_dist_fn(_ALL_GATHER_TENSOR_NAME)(b.data, b.get_shard_from_local_buffer().clone(),
+                                                   group=b.data_parallel_group, async_op=async_op)
+                 for g in self.parameter_groups for b in (g.model_weight_buffer, g.transpose_weight_buffer) if b]
+        for w in works if async_op else ():
+            w.wait()
+
+    def reduce_scatter_gradients(self, async_op: bool = True):
+        """Reduce the unsharded gradient buffers into this rank's shard of each (scaled as
+        :func:`gradient_reduce_preprocessing` says)."""
+        self._check_unsharded("main_grad_buffer", "reduce_scatter_gradients")
+        works = []
+        for g in self.parameter_groups:
+            b = g.main_grad_buffer
+            if b is not None:
+                op = gradient_reduce_preprocessing(b.data, b.gradient_scaling_factor, self.ddp_config)
+                works.append(_dist_fn(_REDUCE_SCATTER_TENSOR_NAME)(
+                    b.get_shard_from_local_buffer(), b.data.clone(), op=op, group=b.data_parallel_group,
+                    async_op=async_op))
+        for w in works if async_op else ():
+            w.wait()
+
+    def all_reduce_gradients(self, async_op: bool = False):
+        """All-reduce the unsharded gradient buffers (scaled as :func:`gradient_reduce_preprocessing` says)."""
+        self._check_unsharded("main_grad_buffer", "all_reduce_gradients")
+        works = []
+        for g in self.parameter_groups:
+            b = g.main_grad_buffer
+            if b is not None:
+                op = gradient_reduce_preprocessing(b.data, b.gradient_scaling_factor, self.ddp_config)
+                works.append(torch.distributed.all_reduce(b.data, op=op, group=b.data_parallel_group,
+                                                          async_op=async_op))
+        for w in works if async_op else ():
+            w.wait()
+
+
+class GradReducePipeline:
+    """Reduces a bucket's gradients once all its parameters' gradients are in (and those of its bucket group).
+    The gradients sit in each parameter's ``main_grad`` view of the bucket (``p.get_main_grad()``); the reduction
+    (``gradient_reduce_preprocessing``: summed, averaged or scaled by the buffer's ``gradient_scaling_factor``) is
+    an all-reduce of the bucket with ``no_shard``, else a reduce-scatter whose result is added to this rank's
+    stored gradient shard (a sharded buffer accumulates over micro-batches) or, for an unsharded buffer (``optim``,
+    where the bucket is the buffer), written into its shard. With ``outer_fsdp_group_grad_reduce`` (hybrid FSDP)
+    the shard is then all-reduced over the outer DP group. Collectives run in order on the caller's thread:
+    ``rs_stream`` (a CUDA stream) is kept but unused; queued reductions are completed, and their temporary buckets
+    freed, by :meth:`wait_for_previous_grad_reduce`."""
+
+    def __init__(self, param_and_grad_buffer: ParamAndGradBuffer, rs_stream: Optional["torch.cuda.Stream"] = None,
+                 check_nans: bool = False) -> None:
+        self.buffer = param_and_grad_buffer
+        self.grad_reduce_queue = []
+        self.bucket_status = {i: BucketStatus.EMPTY for i, g in enumerate(self.buffer.parameter_groups)
+                              if g.main_grad_buffer}
+        self.bucket_grad_ready_params = [set() for _ in range(self.buffer.num_buckets)]
+        self.rs_stream, self.check_nans = rs_stream, check_nans
+        self.outer_fsdp_group_grad_reduce = self.buffer.dist_index.use_hybrid_fsdp
+
+    @property
+    def num_buckets(self):
+        return self.buffer.num_buckets
+
+    def reset(self):
+        """Finish every queued reduction and free the gradient buckets (no bucket may be half ready)."""
+        self.wait_for_previous_grad_reduce(0)
+        for bucket_id, ready in enumerate(self.bucket_grad_ready_params):
+            if ready:
+                raise AssertionError(f"bucket {bucket_id}: {len(ready)} parameters' gradients are ready but not "
+                                     f"reduced while the pipeline is reset: "
+                                     f"{[self.buffer.param_to_name[p] for p in ready]}")
+        for bucket_id in self.bucket_status:
+            self.get_fsdp_buffer(bucket_id).free_bucket_storage()
+            self.bucket_status[bucket_id] = BucketStatus.EMPTY
+
+    def reduce_gradients(self, params: List[torch.Tensor], suggested_queue_capacity: Optional[int] = None,
+                         outer_fsdp_group_grad_reduce: bool = False):
+        """Mark ``params``' gradients ready; reduce each bucket group that becomes complete."""
+        for param in sorted(params, key=lambda p: self.buffer.param_to_param_group[p]):
+            bucket_id = self.buffer.param_to_param_group[param]
+            group = self.buffer.parameter_groups[bucket_id]
+            if bool(param.requires_grad) != bool(group.requires_grad):
+                raise AssertionError(f"{self.buffer.param_to_name[param]}: requires_grad={param.requires_grad} in "
+                                     f"a parameter group with requires_grad={group.requires_grad}")
+            if not param.requires_grad:
+                continue
+            self.bucket_grad_ready_params[bucket_id].add(param)
+            bucket_group = self.get_ready_bucket_group_for_reduction(bucket_id)
+            if bucket_group:
+                self.wait_for_previous_grad_reduce(suggested_queue_capacity=suggested_queue_capacity)
+                self._bucket_group_gradient_reduce(bucket_group, async_op=True,
+                                                   outer_fsdp_group_grad_reduce=outer_fsdp_group_grad_reduce)
+
+    def wait_for_previous_grad_reduce(self, suggested_queue_size: int = 1,
+                                      suggested_queue_capacity: Optional[int] = None):
+        """Complete the oldest queued reductions until at most ``suggested_queue_size`` buckets (capped at
+        ``num_buckets - 1``), or at most ``suggested_queue_capacity`` bucket elements, remain queued."""
+        def size(entry):
+            return self.buffer.parameter_groups[entry[2]].main_grad_buffer.bucket_index.size
+
+        limit = max(0, min(suggested_queue_size, self.num_buckets - 1))
+        while self.grad_reduce_queue and (
+                sum(map(size, self.grad_reduce_queue)) > suggested_queue_capacity
+                if suggested_queue_capacity is not None else len(self.grad_reduce_queue) > limit):
+            work, free_up, _ = self.grad_reduce_queue.pop(0)
+            work.wait()
+            free_up()
+
+    def _enforce_double_buffer_limit(self, add_buckets):
+        """With ``fsdp_double_buffer``, keep at most two double-buffered FSDP units' gradient buckets in use."""
+        if not self.buffer.ddp_config.fsdp_double_buffer:
+            return
+        groups = self.buffer.parameter_groups
+        units = {groups[b].fsdp_unit_id for b in add_buckets if groups[b].fsdp_unit_id in self.buffer.double_buf_units}
+        if len(units) > 2:
+            raise AssertionError(f"Double buffer limit exceeded. Current double_buf_units: {units}.")
+        keep = len(self.grad_reduce_queue)
+        for _, _, bucket_id in reversed(self.grad_reduce_queue):
+            units.add(groups[bucket_id].fsdp_unit_id)
+            keep -= len(units) > 2
+        self.wait_for_previous_grad_reduce(keep)
+
+    def get_ready_bucket_group_for_reduction(self, bucket_id: int) -> Optional[List[int]]:
+        """The bucket group of ``bucket_id`` (those with a gradient buffer) when all their gradients are in."""
+        group = [b for b in self.buffer.bucket_to_bucket_group[bucket_id]
+                 if self.buffer.parameter_groups[b].main_grad_buffer]
+        ready = all(len(self.bucket_grad_ready_params[b]) == len(self.buffer.parameter_groups[b].params)
+                    for b in group)
+        return group if ready else None
+
+    def get_fsdp_buffer(self, bucket_id: int) -> DataParallelBuffer:
+        group = self.buffer.parameter_groups[bucket_id]
+        return group.hsdp_gbuf if self.buffer.ddp_config.outer_dp_sharding_strategy != "no_shard" \
+            else group.main_grad_buffer
+
+    def _bucket_group_gradient_reduce(self, bucket_group: List[int], async_op: bool = False,
+                                      outer_fsdp_group_grad_reduce: bool = False) -> bool:
+        """Reduce the buckets of ``bucket_group`` (class docstring); queued with ``async_op``."""
+        cfg = self.buffer.ddp_config
+        self._enforce_double_buffer_limit(bucket_group)
+        for bucket_id in bucket_group:
+            gbuf = self.get_fsdp_buffer(bucket_id)
+            bucket = gbuf.fetch_bucket()
+            if self.check_nans and not torch.isfinite(bucket.data).all():
+                raise RuntimeError(f"NaN or Inf in the gradients of bucket {bucket_id} before their reduction")
+            op = gradient_reduce_preprocessing(bucket.data, gbuf.gradient_scaling_factor, cfg)
+            self.bucket_status[bucket_id] = BucketStatus.COMMUNICATING
+            if cfg.data_parallel_sharding_strategy == "no_shard":
+                torch.distributed.all_reduce(bucket.data, op=op, group=gbuf.data_parallel_group)
+            else:
+                reduced = torch.empty_like(gbuf.get_shard_from_bucket(bucket))
+                _dist_fn(_REDUCE_SCATTER_TENSOR_NAME)(reduced, bucket.data, op=op, group=gbuf.data_parallel_group)
+                local = gbuf.get_shard_from_local_buffer()
+                local.add_(reduced) if gbuf.is_data_distributed else local.copy_(reduced)
+            if outer_fsdp_group_grad_reduce:
+                shard = gbuf.get_shard_from_local_buffer() if cfg.data_parallel_sharding_strategy != "no_shard" \
+                    else bucket.data
+                torch.distributed.all_reduce(shard, group=self.buffer.dist_index.get_outer_fsdp_group(),
+                                             op=torch.distributed.ReduceOp.AVG if cfg.average_in_collective
+                                             else torch.distributed.ReduceOp.SUM)
+
+            def free_up(bucket_id=bucket_id, gbuf=gbuf):
+                self.bucket_grad_ready_params[bucket_id] = set()
+                if gbuf.is_data_distributed:
+                    gbuf.free_bucket_storage()
+                self.bucket_status[bucket_id] = BucketStatus.EMPTY
+
+            if async_op:
+                self.grad_reduce_queue.append((_DONE, free_up, bucket_id))
+            else:
+                free_up()
+        return True
+
+
+class _Done:
+    """A finished collective (they run synchronously here): ``wait`` returns at once."""
+
+    def wait(self):
+        return True
+
+
+_DONE = _Done()
+
+
+class AllGatherPipeline:
+    """All-gathers weight buckets: each bucket of ``param_and_grad_buffer`` (and, in the backward pass, its
+    transpose buffer when it has one) is ``EMPTY``, ``COMMUNICATING`` or ``READY_TO_USE``. :meth:`all_gather_params`
+    fetches the temporary bucket of every bucket holding one of ``params`` (plus, with ``prefetch``, the next
+    buckets in ``prefetch_order`` up to ``suggested_AG_prefetch_size`` elements), points the parameters' ``.data``
+    at it and gathers the ranks' shards into it; :meth:`wait_bucket_ready` completes a gather;
+    :meth:`release_bucket` frees the bucket (``lazy``: at the next gather, :meth:`recycle_unused_buckets`). The
+    gathers run in order on the caller's thread: ``ag_stream`` (a CUDA stream) is kept but unused."""
+
+    def __init__(self, param_and_grad_buffer: ParamAndGradBuffer,
+                 ag_stream: Optional["torch.cuda.Stream"] = None) -> None:
+        self.buffer = param_and_grad_buffer
+        self.ag_stream = ag_stream
+        self.param_gather_event_map = {}
+        keys = {self.get_bucket_key(i, bwd) for i in range(self.num_buckets) for bwd in (False, True)}
+        self.bucket_status = {k: BucketStatus.EMPTY for k in keys}
+        self.bucket_can_be_released = {k: False for k in keys}
+        self.bucket_to_bucket_group = {}
+        for group in self.buffer.bucket_to_bucket_group.values():
+            if any(b not in self.bucket_to_bucket_group for b in group):
+                gid = len(set(self.bucket_to_bucket_group.values())) + 1
+                self.bucket_to_bucket_group.update({b: gid for b in group})
+
+    def get_bucket_key(self, bucket_id, bwd):
+        """``(bucket_id, uses the transpose buffer)``."""
+        return (bucket_id, bwd and self.buffer.parameter_groups[bucket_id].transpose_weight_buffer is not None)
+
+    @property
+    def num_buckets(self):
+        return self.buffer.num_buckets
+
+    def reset(self):
+        """Complete pending gathers (with a warning) and release every bucket."""
+        if self.param_gather_event_map:
+            warnings.warn(f"There are still pending all-gather tasks, process them. Bucket status: "
+                          f"{self.bucket_status}.", UserWarning)
+            for bucket_id, bwd in list(self.param_gather_event_map):
+                self.wait_bucket_ready(bucket_id, bwd)
+        for key in self.bucket_can_be_released:
+            self.bucket_can_be_released[key] = True
+        self.recycle_unused_buckets()
+        if any(s is not BucketStatus.EMPTY for s in self.bucket_status.values()):
+            raise AssertionError(f"There are still working buckets, it is not safe to reset: {self.bucket_status}")
+
+    def all_gather_params(self, params: List[torch.Tensor], prefetch: bool = False,
+                          prefetch_order: PrefetchOrder = PrefetchOrder.FORWARD_PASS_ORDER,
+                          suggested_AG_prefetch_size: Optional[int] = None, async_param_gather: bool = True,
+                          outer_fsdp_group_param_gather: bool = False, bwd: bool = False):
+        """Gather the buckets of ``params`` (class docstring); with ``async_param_gather=False`` they are ready
+        on return. ``outer_fsdp_group_param_gather`` (sharded hybrid FSDP) is not here."""
+        if not params:
+            return
+        if outer_fsdp_group_param_gather:
+            raise NotImplementedError("AllGatherPipeline: outer-DP parameter gathers (sharded hybrid FSDP)")
+        groups = self.buffer.parameter_groups
+        buckets = sorted({self.buffer.param_to_param_group[p] for p in params})
+        for b in buckets:
+            self.bucket_can_be_released[self.get_bucket_key(b, bwd)] = False
+        if prefetch:
+            limit = 500_000_000 if suggested_AG_prefetch_size is None else suggested_AG_prefetch_size
+            size = lambda ids: sum(groups[i].model_weight_buffer.bucket_index.size for i in ids)  # noqa: E731
+            base, step = size(buckets), 1 if prefetch_order == PrefetchOrder.FORWARD_PASS_ORDER else -1
+            while size(buckets) - base < limit:
+                nxt = (buckets[0] if step > 0 else buckets[-1]) + step  # the first bucket after a run
+                while nxt in buckets:
+                    nxt += step
+                if not 0 <= nxt < self.num_buckets:
+                    break
+                buckets = sorted(set(buckets) | set(self.buffer.bucket_to_bucket_group[nxt]))
+        for b in buckets:
+            if self.bucket_status[self.get_bucket_key(b, bwd)] == BucketStatus.EMPTY:
+                self.async_bucket_gather(b, bwd)
+        if not async_param_gather:
+            for b in buckets:
+                self.wait_bucket_ready(b, bwd)
+
+    def wait_bucket_ready(self, bucket_id, bwd, empty_ok=False):
+        """Complete the bucket's gather (ValueError for an empty bucket unless ``empty_ok``)."""
+        key = self.get_bucket_key(bucket_id, bwd)
+        if self.bucket_status[key] == BucketStatus.EMPTY:
+            if empty_ok:
+                return
+            raise ValueError(f"Bucket {bucket_id} is empty.")
+        if self.bucket_status[key] == BucketStatus.COMMUNICATING:
+            work = self.param_gather_event_map.pop(key)
+            work.wait()
+            self.bucket_status[key] = BucketStatus.READY_TO_USE
+
+    @torch.no_grad()
+    def release_bucket(self, bucket_id, bwd, lazy: bool = False):
+        """Free the bucket's gathered weights (``lazy``: mark it for :meth:`recycle_unused_buckets`)."""
+        key = self.get_bucket_key(bucket_id, bwd)
+        if self.bucket_status[key] == BucketStatus.EMPTY:
+            return
+        if lazy:
+            self.bucket_can_be_released[key] = True
+            return
+        self.wait_bucket_ready(bucket_id, bwd, empty_ok=True)
+        self.get_fsdp_buffer(bucket_id, bwd).free_bucket_storage()
+        self.bucket_status[key] = BucketStatus.EMPTY
+
+    def recycle_unused_buckets(self):
+        """Release the buckets marked for a lazy release."""
+        for (bucket_id, transpose), release in list(self.bucket_can_be_released.items()):
+            if release:
+                self.release_bucket(bucket_id, transpose)
+                self.bucket_can_be_released[(bucket_id, transpose)] = False
+
+    def get_fsdp_buffer(self, bucket_id: int, bwd=False) -> DataParallelBuffer:
+        group = self.buffer.parameter_groups[bucket_id]
+        if bwd and group.transpose_weight_buffer is not None:
+            return group.transpose_weight_buffer
+        return group.model_weight_buffer
+
+    @torch.no_grad()
+    def async_bucket_gather(self, bucket_id, bwd) -> None:
+        """Start gathering the bucket: fetch it, point its parameters at it, all-gather the shards into it."""
+        key = self.get_bucket_key(bucket_id, bwd)
+        self.bucket_can_be_released[key] = False
+        if self.bucket_status[key] != BucketStatus.EMPTY:
+            return
+        self.bucket_status[key] = BucketStatus.COMMUNICATING
+        wbuf = self.get_fsdp_buffer(bucket_id, bwd)
+        self.recycle_unused_buckets()
+        bucket = wbuf.fetch_bucket(set_param_data=True)
+        self.param_gather_event_map[key] = _dist_fn(_ALL_GATHER_TENSOR_NAME)(
+            bucket.data, wbuf.get_shard_from_local_buffer().clone() if not wbuf.is_data_distributed
+            else wbuf.get_shard_from_local_buffer(), group=wbuf.data_parallel_group, async_op=True)
