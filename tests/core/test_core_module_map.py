@@ -34,6 +34,7 @@ GPU_ONLY_MODULES = {
     "megatron.core.transformer.moe.grouped_gemm_util": "the grouped_gemm CUDA library",
     "megatron.core.pipeline_parallel.fine_grained_activation_offload": "pinned-memory offload on CUDA streams",
     "megatron.core.tensor_parallel.inference_layers": "Transformer Engine layers with triton symmetric-memory collectives",
+    "megatron.core.transformer.custom_layers": "a package holding only the triton batch-invariant kernels",
 }
 GPU_ONLY_NAMES = {
     **{f"megatron.core.fp8_utils.{n}": "Transformer Engine FP8 tensors" for n in (
