@@ -57,6 +57,8 @@ GPU_ONLY_NAMES = {
     "megatron.core.parallel_state.destroy_global_symmetric_memory_buffer": "CUDA symmetric memory",
     "megatron.core.utils.GlobalSymmetricMemoryBuffer": "CUDA symmetric memory",
     "megatron.core.utils.configure_nvtx_profiling": "NVTX",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.MultiGroupUBRAllocator":
+        "NCCL user-buffer registration",
     **{f"megatron.core.pipeline_parallel.utils.{n}": "CUDA streams / GPU affinity" for n in (
         "set_ideal_affinity_for_current_gpu", "stream_acquire_context", "set_streams", "get_comp_stream",
         "get_comm_stream")},
