@@ -57,6 +57,8 @@ GPU_ONLY_NAMES = {
     "megatron.core.parallel_state.destroy_global_symmetric_memory_buffer": "CUDA symmetric memory",
     "megatron.core.utils.GlobalSymmetricMemoryBuffer": "CUDA symmetric memory",
     "megatron.core.utils.configure_nvtx_profiling": "NVTX",
+    "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_inference_spec":
+        "Transformer Engine inference layers (InferenceSpecProvider)",
     "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.MultiGroupUBRAllocator":
         "NCCL user-buffer registration",
     **{f"megatron.core.pipeline_parallel.utils.{n}": "CUDA streams / GPU affinity" for n in (
