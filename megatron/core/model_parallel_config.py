@@ -58,6 +58,12 @@ class ModelParallelConfig:
                                               "only).")
     deallocate_pipeline_outputs: bool = False
     no_sync_func: Optional[Callable] = None
+    # megatron-core's EP all-to-all overlap: forward_backward_no_pipelining runs the combined 1F1B schedule
+    # (megatron.core.pipeline_parallel.combined_1f1b). The command line leaves it off (core_transformer_config_from_args).
+    overlap_moe_expert_parallel_comm: bool = flag(
+        False, "Accepted for Megatron's scripts: the plain schedule runs, with no overlap of the expert-parallel "
+               "all-to-all. Set on the config by a megatron-core library user, forward_backward_no_pipelining runs "
+               "the combined 1F1B schedule (the nodes in order on one stream: the same math).")
     grad_sync_func: Optional[Callable] = None
     param_sync_func: Optional[Callable] = None
     # Called by the schedules after the last backward pass of a step with the list of model chunks

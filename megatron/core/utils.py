@@ -10,6 +10,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer  # noqa: F401  (megatron-core's path)
 from megatron.core.wgrad_compute import accumulate_into_main_grad as _accumulate_into_main_grad
+from megatron.core.straggler_detector import StragglerDetector  # noqa: F401  (megatron-core's path)
 from megatron.core.cp_batch import (context_parallel_chunk_indices, get_batch_on_this_cp_rank,  # noqa: F401
                                     get_batch_on_this_hybrid_cp_rank, get_thd_batch_on_this_cp_rank,
                                     thd_partitioned_indices)
@@ -193,6 +194,21 @@ def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_mod
             raise RuntimeError(f"couldn't find attribute {attr} on the model or its wrappers")
         model = model.module
     return model if return_model_obj else getattr(model, attr)
+
+
+def get_mamba_inference_state_config_from_model(model):
+    """A :class:`MambaInferenceStateConfig` (layer symbols, per-request conv and SSM state shapes) when the model's
+    decoder (through its wrappers) is a hybrid stack with a Mamba layer (``"M"``, the hybrid pattern's symbol);
+    None otherwise."""
+    from megatron.core.inference.contexts.attention_context.mamba_metadata import MambaInferenceStateConfig
+
+    decoder = get_attr_wrapped_model(model, "decoder")
+    layer_type_list = getattr(decoder, "layer_type_list", None)
+    if layer_type_list is None or "M" not in layer_type_list:
+        return None
+    conv_shape, ssm_shape = decoder.mamba_state_shapes_per_request()
+    return MambaInferenceStateConfig(layer_type_list=layer_type_list, mamba_conv_states_shape=conv_shape,
+                                     mamba_ssm_states_shape=ssm_shape)
 
 
 def get_model_type(model):

@@ -6,7 +6,8 @@ run through the plain ``GPTModel.forward`` and one autograd pass, or through ``f
 The same model (a copy) run through ``GPTModel.build_schedule_plan`` and the schedule nodes (pre-process, per layer
 attn / dispatch / experts / combine, post-process), through ``combined_1f1b_schedule_for_no_pipelining`` and
 through ``combined_1f1b_schedule_for_interleaved_pipelining`` must give the same losses and the same gradient on
-every parameter. Plus the node machinery on a plain function (chain rule, freed inputs) and the refusals.
+every parameter. Plus the node machinery on a plain function (chain rule, freed inputs) and the refusals; and
+(marked slow: 4 gloo ranks) the interleaved pipeline schedule with ``overlap_moe_expert_parallel_comm``.
 """
 import gc
 
@@ -66,10 +67,11 @@ def model(single_rank):  # noqa: F811
     return _model()
 
 
-@pytest.mark.parametrize("case", ["decoder", "mtp", "dense_last"])
+@pytest.mark.parametrize("case", ["decoder", "mtp", "dense_last", "packed"])
 def test_schedule_plan_nodes_equal_plain_forward_backward(model, case):
     """``mtp``: one multi-token prediction depth (an MoE layer) whose loss rides on the main hidden states;
-    ``dense_last``: the decoder's final norm follows a dense layer's MLP node."""
+    ``dense_last``: the decoder's final norm follows a dense layer's MLP node; ``packed``: two documents packed
+    in each row (``PackedSeqParams``, thd) reach every attention node."""
     from megatron.core.models.common.model_chunk_schedule_plan import (
         TransformerLayerSchedulePlan, TransformerModelChunkSchedulePlan)
     from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
@@ -80,6 +82,15 @@ def test_schedule_plan_nodes_equal_plain_forward_backward(model, case):
              "dense_last": {"moe_layer_freq": [1, 0, 0]}}.get(case, {})
     ref, got = _model(**extra), _model(**extra)
     batch = dict(_batch(0), loss_mask=(_batch(0)["labels"] % 3 != 0).float())
+    if case == "packed":
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = torch.tensor([0, 3, SEQ], dtype=torch.int32)
+        batch.update(input_ids=batch["input_ids"][:1], labels=batch["labels"][:1],
+                     loss_mask=batch["loss_mask"][:1], attention_mask=None,
+                     position_ids=torch.cat([torch.arange(3), torch.arange(SEQ - 3)]).unsqueeze(0),
+                     packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                       max_seqlen_q=SEQ - 3, max_seqlen_kv=SEQ - 3))
     loss_ref = ref(**batch)
     (loss_ref * torch.linspace(0.5, 1.5, loss_ref.numel()).view_as(loss_ref)).sum().backward()
     if mtp:
@@ -94,7 +105,7 @@ def test_schedule_plan_nodes_equal_plain_forward_backward(model, case):
     assert isinstance(plan.get_layer(2).moe_combine, NoopScheduleNode if case == "dense_last" else TransformerLayerNode)
     assert isinstance(plan.get_layer(2 + mtp).mtp_post_process, TransformerLayerNode if mtp else NoopScheduleNode)
     loss = TransformerModelChunkSchedulePlan.run(plan, None)
-    assert loss.shape == (BATCH, SEQ)
+    assert loss.shape == loss_ref.shape
     torch.testing.assert_close(loss, loss_ref.detach(), rtol=1e-6, atol=1e-6)
     assert loss.grad_fn is not None and not any(p.grad is not None for p in got.parameters()), \
         "the forward of a plan must not backpropagate"
@@ -119,17 +130,18 @@ def _forward_step(data_iterator, model, return_schedule_plan=False):
     return model(**batch, loss_mask=loss_mask), partial(_loss_func, loss_mask)
 
 
-@pytest.mark.parametrize("early_attn", [False, True], ids=["attn_bwd_last", "attn_bwd_early"])
-def test_combined_1f1b_no_pipelining_equals_plain_schedule(model, early_attn, monkeypatch):
-    """``early_attn``: megatron-core's ``ep_overlap_early_attn_memory_release`` order (a layer's attention backward
-    before the other micro-batch's expert forward; not a config field here, set on the config object)."""
+@pytest.mark.parametrize("how", ["direct", "attn_bwd_early", "config_flag"])
+def test_combined_1f1b_no_pipelining_equals_plain_schedule(model, how, monkeypatch):
+    """``attn_bwd_early``: megatron-core's ``ep_overlap_early_attn_memory_release`` order (a layer's attention
+    backward before the other micro-batch's expert forward; not a config field here, set on the config object);
+    ``config_flag``: ``forward_backward_no_pipelining`` with ``config.overlap_moe_expert_parallel_comm``."""
     import contextlib
 
     from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     ref, got = _model(), _model()
-    if early_attn:
+    if how == "attn_bwd_early":
         monkeypatch.setattr(got.config, "ep_overlap_early_attn_memory_release", True, raising=False)
     store_ref = forward_backward_no_pipelining(forward_step_func=_forward_step,
                                                data_iterator=iter([_batch(m) for m in range(M)]), model=ref,
@@ -142,9 +154,21 @@ def test_combined_1f1b_no_pipelining_equals_plain_schedule(model, early_attn, mo
         yield
         syncs.append("exit")
 
-    store, total = combined_1f1b_schedule_for_no_pipelining(
-        _forward_step, iter([_batch(m) for m in range(M)]), got, M, None, None, [], got.config, False, None, False,
-        no_sync, torch.zeros((), dtype=torch.int64), lambda cond: cond)
+    if how == "config_flag":
+        monkeypatch.setattr(got.config, "overlap_moe_expert_parallel_comm", True)
+        monkeypatch.setattr(got.config, "no_sync_func", no_sync)
+        plans = []
+        build = got.build_schedule_plan
+        monkeypatch.setattr(got, "build_schedule_plan", lambda *a, **k: plans.append(1) or build(*a, **k))
+        store = forward_backward_no_pipelining(forward_step_func=_forward_step,
+                                               data_iterator=iter([_batch(m) for m in range(M)]), model=got,
+                                               num_microbatches=M, seq_length=SEQ, micro_batch_size=BATCH)
+        assert len(plans) == M, "the flag must take the combined path"
+        total = sum(int(s["lm loss"][1]) for s in store_ref)
+    else:
+        store, total = combined_1f1b_schedule_for_no_pipelining(
+            _forward_step, iter([_batch(m) for m in range(M)]), got, M, None, None, [], got.config, False, None,
+            False, no_sync, torch.zeros((), dtype=torch.int64), lambda cond: cond)
     assert syncs == ["enter", "exit"]
     assert [layer.current_microbatch for layer in got.decoder.layers] == [M - 1] * 3
     assert len(store) == len(store_ref) == M
@@ -256,3 +280,59 @@ def test_weak_method_free_input_rules_and_refusals(model):
             TransformerModelChunkSchedulePlan(model, **_batch(0))
     finally:
         cfg.recompute_granularity = None
+    for extra, message in (({"moe_token_dispatcher_type": "allgather"}, "alltoall or flex"),
+                           ({"recompute_granularity": "full", "recompute_method": "uniform",
+                             "recompute_num_layers": 1}, "no full recompute"),
+                           ({"mtp_num_layers": 2}, "at most one multi-token")):
+        with pytest.raises(ValueError, match=message):
+            _config(overlap_moe_expert_parallel_comm=True, **extra)
+    assert _config(overlap_moe_expert_parallel_comm=True).overlap_moe_expert_parallel_comm
+
+
+def interleaved_body():
+    """PP 4 x VPP 2 (8 layers, one per chunk; MoE and dense), deallocated pipeline outputs: the interleaved schedule
+    with ``overlap_moe_expert_parallel_comm`` (every step a merged step of combined_1f1b) against without."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
+
+    parallel_state.initialize_model_parallel(1, 4, virtual_pipeline_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    rank = torch.distributed.get_rank()
+    calls, out = [], {}
+
+    def step(data_iterator, model, return_schedule_plan=False):
+        calls.append(return_schedule_plan)
+        return _forward_step(data_iterator, model, return_schedule_plan=return_schedule_plan)
+
+    for flag in (False, True):
+        chunks = []
+        for vp in range(2):
+            config = _config(num_layers=8, moe_layer_freq=[1, 0, 1, 1, 1, 0, 1, 1], pipeline_model_parallel_size=4,
+                             virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                             deallocate_pipeline_outputs=True, overlap_moe_expert_parallel_comm=flag)
+            torch.manual_seed(100 + vp)
+            parallel_state.set_virtual_pipeline_model_parallel_rank(vp)
+            chunks.append(GPTModel(config, get_gpt_decoder_block_spec(config), VOCAB, SEQ, vp_stage=vp,
+                                   pre_process=rank == 0 and vp == 0, post_process=rank == 3 and vp == 1))
+        store = forward_backward_pipelining_with_interleaving(
+            forward_step_func=step, data_iterator=[iter([_batch(m) for m in range(4)]) for _ in range(2)],
+            model=chunks, num_microbatches=4, seq_length=SEQ, micro_batch_size=BATCH)
+        out[flag] = ([s["lm loss"] for s in store],
+                     {f"{c}.{n}": p.grad.clone() for c, m in enumerate(chunks) for n, p in m.named_parameters()
+                      if p.grad is not None})
+    return calls, out
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_with_the_flag_equals_plain_interleaved():
+    from helpers.dist_harness import run_distributed
+
+    for rank, (calls, out) in enumerate(run_distributed(interleaved_body, 4, timeout=300)):
+        assert calls.count(True) == calls.count(False) == 8, "4 micro-batches x 2 chunks on each path"
+        (losses_ref, grads_ref), (losses, grads) = out[False], out[True]
+        assert len(losses) == len(losses_ref) == (4 if rank == 3 else 0)
+        for a, b in zip(losses, losses_ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        _assert_same_grads(grads_ref, grads)

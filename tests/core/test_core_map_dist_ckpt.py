@@ -10,8 +10,6 @@ two DCP checkpoints (metadata entries and data files, as the DCP format stores t
 """
 import logging
 import os
-import pickle
-import shutil
 
 import pytest
 import torch
@@ -228,34 +226,66 @@ def test_async_worker_error_is_raised_at_finalization_without_finalizing():
         frozen.add_finalize_fn(print)
 
 
-def test_remove_sharded_tensors_on_a_hand_assembled_checkpoint(tmp_path):
+def test_separation_hint_files_and_remove_sharded_tensors(tmp_path):
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.sharded_io import read_dcp_metadata
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     w, m = torch.arange(6.0).reshape(2, 3), torch.arange(4.0)
-    dc.save({"w": ShardedTensor.from_rank_offsets("model.w", w.clone())}, str(tmp_path / "a"))
-    dc.save({"m": ShardedTensor.from_rank_offsets("opt.m", m.clone())}, str(tmp_path / "b"))
-    # one checkpoint: model.w in __0_0.distcp, opt.m in opt.__0_0.distcp (a save separated by key prefix)
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(tmp_path / "a", ckpt)
-    shutil.copy(tmp_path / "b" / "__0_0.distcp", ckpt / "opt.__0_0.distcp")
-    md, md_b = read_dcp_metadata(str(ckpt)), read_dcp_metadata(str(tmp_path / "b"))
-    md.state_dict_metadata.update(md_b.state_dict_metadata)
-    for index, info in md_b.storage_data.items():
-        md.storage_data[index] = type(info)(relative_path="opt.__0_0.distcp", offset=info.offset,
-                                            length=info.length)
-    with open(ckpt / ".metadata", "wb") as f:
-        pickle.dump(md, f)
+    dc.save({"w": ShardedTensor.from_rank_offsets("model.w", w.clone()),
+             "m": ShardedTensor.from_rank_offsets("opt.m", m.clone())}, str(ckpt),
+            sharded_strategy=TorchDistSaveShardedStrategy(separation_hint="opt."))
+    # the entries under the hint are in their own data file, named with the hint (DCP metadata says where)
+    files = {i.fqn: info.relative_path for i, info in read_dcp_metadata(str(ckpt)).storage_data.items()}
+    assert files == {"model.w": "__0_0.distcp", "opt.m": "opt.__0_1.distcp"}
     assert set(dc.load_plain_tensors(str(ckpt))) == {"model.w", "opt.m"}
 
     with pytest.warns(UserWarning, match="Skipping removal"):
         dc.serialization.remove_sharded_tensors(str(ckpt), "nothing.")
     dc.serialization.remove_sharded_tensors(str(ckpt), "opt.")
-    assert not (ckpt / "opt.__0_0.distcp").exists() and (ckpt / "__0_0.distcp").exists()
+    assert sorted(f for f in os.listdir(ckpt) if f.endswith("distcp")) == ["__0_0.distcp"]
     assert not any(name.endswith((".tmp", ".bck")) for name in os.listdir(ckpt))
+    assert set(read_dcp_metadata(str(ckpt)).state_dict_metadata) == {"model.w"}
     plain = dc.load_plain_tensors(str(ckpt))
     assert set(plain) == {"model.w"} and torch.equal(plain["model.w"], w)
+
+
+def test_filesystem_writer_async_stages(tmp_path):
+    """The staged write driven by hand: bucket and resolve, write (a worker per file), results, .metadata."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+    from megatron.core.dist_checkpointing.sharded_io import LocalShard, _ShardSavePlanner, load_full_state_dict
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    big = torch.arange(20.0)
+    state = {"a": LocalShard(big[:8], (8,), (0,)), "b": LocalShard(torch.ones(2, 2), (2, 2), (0, 0)),
+             "obj": {"step": 3}}
+    writer = FileSystemWriterAsync(str(tmp_path), thread_count=2)
+    planner = _ShardSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    plan = writer.prepare_local_plan(planner.create_local_plan())
+    plan = writer.prepare_global_plan([plan])[0]
+    assert plan.storage_data == _StoragePrefix("__0_")
+    writer.prepare_write_data(plan, planner)
+    assert sorted(name for _, name, _ in writer.write_buckets) == ["__0_0.distcp", "__0_1.distcp"]
+    staged_a = [t for _, _, (_, ts) in writer.write_buckets for i, t in ts if i.index.fqn == "a"][0]
+    assert staged_a.untyped_storage().size() == 8 * 4  # a view of 20 floats was copied to its own 8
+    write, stage, args = writer.get_save_function_and_args()
+    args[1] = stage()
+    write(*args)
+    results = writer.retrieve_write_results()
+    assert sorted(r.index.fqn for r in results) == ["a", "b", "obj"]
+    metadata = planner.create_global_plan([plan])[1]
+    writer.finish(metadata, [results])
+    whole = load_full_state_dict(str(tmp_path))
+    assert torch.equal(whole["a"], big[:8]) and torch.equal(whole["b"], torch.ones(2, 2)) and whole["obj"] == {
+        "step": 3}
+    with pytest.raises(NotImplementedError, match="object storage"):
+        FileSystemWriterAsync(str(tmp_path), use_msc=True)
+    assert dcp  # DCP's reader read the files above (load_full_state_dict)
 
 
 def test_debug_time_logs_in_nested_scopes(caplog):

@@ -113,6 +113,12 @@ def _fsdp_body():
     out["state_dict_keys"] = sorted(sd) == sorted(f"module.{n}" for n in ref_weights)
     head = sd["module.2.weight"]  # 5 rows over 2 ranks: blocks of 3 and 2 rows
     out["head_chunk"] = (tuple(head.__create_chunk_list__()[0].offsets), tuple(head.to_local().shape))
+    saved = {k: v.detach().clone() for k, v in sd.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(saved)
+    out["reload_err"] = max((w - ref_weights[n]).abs().max().item() for n, w in _full_weights(model).items())
 
     # 2. fully_shard_model + fully_shard_optimizer (ZeRO-2, import path as unit, explicit mesh).
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
@@ -128,6 +134,21 @@ def _fsdp_body():
     out["no_shard_whole"] = all(p.to_local().shape == p.shape for p in model0.parameters())
     out["no_shard_losses"] = (_train(model0, fully_shard_optimizer(torch.optim.Adam(model0.parameters(), lr=lr)),
                                      rank, world), ref_losses)
+
+    # 3b. Hybrid FSDP: replicas over an outer dimension of 2, shards over an inner one of 1 (all a 2-rank run allows),
+    # built on the meta device (each rank draws its blocks of the (replicate, shard) mesh).
+    hsdp_mesh = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("outer", "inner", "tp"))
+    model_h = fully_shard_model(_model(device="meta"), device_mesh=hsdp_mesh, dp_outer_dim="outer",
+                                dp_shard_dim="inner", tp_dim="tp", init_model_with_meta_device=True,
+                                hybrid_fsdp_group=hsdp_mesh["outer", "inner"]._flatten().get_group(),
+                                fsdp_unit_modules=[Block])
+    out["hsdp_losses"] = (_train(model_h, fully_shard_optimizer(torch.optim.Adam(model_h.parameters(), lr=lr)),
+                                 rank, world), ref_losses)
+
+    # 3c. A bf16 module: fp32 main weights (the optimizer's DTensors), bf16 compute and outputs.
+    model_b = fully_shard_model(_model().bfloat16(), fsdp_unit_modules=[Block])
+    y = model_b(_batches(world)[0][0][:ROWS].bfloat16())
+    out["bf16"] = ({p.dtype for p in model_b.parameters()}, y.dtype)
 
     # 4. Meta-device build: each rank draws its blocks, equal to the ordinary build's weights.
     meta = fully_shard_model(_model(seed=5, device="meta"), fsdp_unit_modules=[Block], init_model_with_meta_device=True,
@@ -176,11 +197,12 @@ def test_fully_shard_trains_like_an_unsharded_model_on_two_gloo_ranks():
     for rank, out in enumerate(results):
         assert out["zero3_dtensor_shards"]
         assert out["no_shard_whole"]
-        for key in ("zero3_losses", "zero2_losses", "no_shard_losses"):
+        for key in ("zero3_losses", "zero2_losses", "no_shard_losses", "hsdp_losses"):
             ours, ref = out[key]
             assert ours == pytest.approx(ref, rel=1e-5, abs=1e-6), key
         assert out["zero3_weights_err"] < 1e-5 and out["zero2_weights_err"] < 1e-5
-        assert out["state_dict_keys"]
+        assert out["state_dict_keys"] and out["reload_err"] < 1e-5
+        assert out["bf16"] == ({torch.float32}, torch.bfloat16)
         assert out["head_chunk"] == (((0, 0), (3, HIDDEN)) if rank == 0 else ((3, 0), (2, HIDDEN)))
         assert out["zero2_index"]
         assert out["meta_init_err"] == 0.0
@@ -253,7 +275,8 @@ def test_buffer_layout_and_bucket_allocators():
     data = temp.allocate(0, 6, torch.float32, torch.device("cpu")).data
     temp.free(0)
     assert data.untyped_storage().nbytes() == 0
-    assert temp.allocate(0, 6, torch.float32, torch.device("cpu")).data is data and data.untyped_storage().nbytes() == 24
+    assert temp.allocate(0, 6, torch.float32, torch.device("cpu")).data is data
+    assert data.untyped_storage().nbytes() == 24
 
     rotary = pgb.RotaryBucketAllocator("t_rot")
     a = rotary.allocate(0, 4, torch.float32, torch.device("cpu"))
@@ -270,4 +293,5 @@ def test_buffer_layout_and_bucket_allocators():
     b0, b2 = (pool.allocate(i, 3, torch.float32, torch.device("cpu")) for i in (0, 2))
     assert b0.data.data_ptr() != b2.data.data_ptr() and pool.using_buffer == {0: (0, 0), 2: (1, 0)}
     pool.free(0)
-    assert pool.allocate(4, 7, torch.float32, torch.device("cpu")).data.numel() == 7 and 4 in pool.backup_allocator.buckets
+    assert pool.allocate(4, 7, torch.float32, torch.device("cpu")).data.numel() == 7
+    assert 4 in pool.backup_allocator.buckets

@@ -3,15 +3,20 @@
 * moe_utils' layer-wise aux-loss tracker (save / clear / reduce / track_moe_metrics) against the contract computed
   by hand, and ``reduce_moe_losses`` (the training loop's MoE logging) going through it;
 * router replay (record, replay in the forward and, first-in first-out, in the backward) against ``torch.topk``
-  and gathered scores;
+  and gathered scores; ``--moe-enable-routing-replay`` reaching the config;
 * ``MoESubmodules.router`` (a ``RouterBuilder``) building the layer's router with keywords;
 * ``set_tensor_grad_fn_sequence_sr``: the order in which autograd runs two ready nodes;
 * ``MultimodalRotaryEmbedding`` against Hugging Face's Qwen2-VL M-RoPE; ``apply_rotary_pos_emb_with_cos_sin``
-  against Hugging Face's Llama rotation and a complex-number rotation.
+  against Hugging Face's Llama rotation and a complex-number rotation;
+* ``VocabParallelCrossEntropy``'s steps on two vocabulary shards against ``torch.nn.functional.cross_entropy``;
+* the MTP loss log (``MTPLossLoggingHelper``, ``reduce_mtp_losses``) and the tied MTP state-dict entries;
+* upcycling: a granularity-1 upcycled MoE GPT gives the dense GPT's logits; granularity 2 splits and scales the
+  dense weights as stated.
 """
 import pytest
 import torch
 
+from helpers.args_test_helpers import clean_env, validated  # noqa: F401  (fixture)
 from helpers.models_helpers import single_rank, tiny_config  # noqa: F401  (fixture)
 
 
@@ -87,6 +92,9 @@ def test_reduce_moe_losses_goes_through_the_tracker(single_rank):
     for r in routers:
         for name, value in r.tracked_losses.items():
             expected.setdefault(name, []).append(float(value))
+    # An entry left by an earlier parallel_state initialisation (a restart in the same process) holds dead groups.
+    mu.get_moe_layer_wise_logging_tracker()["z_loss"] = {"values": torch.zeros(2), "reduce_group": "dead group",
+                                                         "avg_group": "dead group", "reduce_group_has_dp": True}
     out = reduce_moe_losses(routers, num_microbatches=2, num_moe_layers=2, per_layer_logging=True)
     for name, per_layer in expected.items():  # one rank: sum over layers / micro-batches / MoE layers
         assert out[name] == pytest.approx(sum(per_layer) / 2 / 2, rel=1e-6), (name, out)
@@ -145,6 +153,15 @@ def test_router_replay_records_and_replays(single_rank):
     assert torch.equal(rmap, torch.zeros(10, 4, dtype=torch.bool).scatter(1, logits[0].topk(2, dim=1).indices, True))
     RouterReplay.clear_global_router_replay_instances()
     assert RouterReplay.global_router_replay_instances == []
+
+
+def test_moe_enable_routing_replay_flag_reaches_the_config(clean_env):
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    for extra, expected in (("", False), (" --moe-enable-routing-replay", True)):
+        args = validated("--num-experts 4 --moe-router-topk 2" + extra)
+        assert args.moe_enable_routing_replay is expected
+        assert core_transformer_config_from_args(args).moe_enable_routing_replay is expected
 
 
 def test_moe_layer_builds_its_router_with_a_router_builder(single_rank):
@@ -248,3 +265,139 @@ def test_apply_rotary_pos_emb_with_cos_sin():
     assert torch.allclose(ours, hf_q, atol=1e-6)
     half = apply_rotary_pos_emb_with_cos_sin(t.bfloat16(), cos, sin)
     assert half.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------ multi-token prediction
+def test_mtp_loss_logging_helper_and_reduce_mtp_losses(single_rank):
+    from megatron.core.transformer.multi_token_prediction import (
+        MTPLossLoggingHelper,
+        MultiTokenPredictionBlock,
+        reduce_mtp_losses,
+    )
+
+    helper = MTPLossLoggingHelper
+    helper.tracker.clear()
+    world = torch.distributed.group.WORLD
+    helper.save_loss_to_tracker(torch.tensor(3.0), 0, 2, avg_group=world)
+    helper.save_loss_to_tracker(torch.tensor(1.0), 0, 2, avg_group=world)
+    helper.save_loss_to_tracker(torch.tensor(5.0), 1, 2, avg_group=world)
+    helper.save_loss_to_tracker(torch.tensor(7.0), None, 2)  # no layer number: not saved
+    assert helper.tracker["values"].tolist() == [4.0, 5.0] and helper.tracker["avg_group"] is world
+    writer, wandb, totals = _Writer(), _Writer(), {"mtp_1 loss": torch.tensor(1.0)}
+    helper.track_mtp_metrics(0.5, 3, writer, wandb_writer=wandb, total_loss_dict=totals)
+    assert float(totals["mtp_1 loss"]) == 3.0 and float(totals["mtp_2 loss"]) == 2.5
+    assert writer.scalars == [("mtp_1 loss", 2.0, 3), ("mtp_2 loss", 2.5, 3)]
+    assert wandb.logs == [({"mtp_1 loss": 2.0}, 3), ({"mtp_2 loss": 2.5}, 3)]
+    assert helper.tracker["values"].tolist() == [0.0, 0.0] and helper.tracker["avg_group"] is None
+    # The training loop's reduce_mtp_losses runs through the helper: per depth, sum / micro-batches (one rank).
+    block = MultiTokenPredictionBlock.__new__(MultiTokenPredictionBlock)
+    torch.nn.Module.__init__(block)
+    block.layers = torch.nn.ModuleList([torch.nn.Identity() for _ in range(3)])
+    block.pg_collection, block.tracked_losses = None, {0: torch.tensor(2.0), 2: torch.tensor(6.0)}
+    assert reduce_mtp_losses(block, 2) == {"mtp_1 loss": 1.0, "mtp_2 loss": 0.0, "mtp_3 loss": 3.0}
+    assert block.tracked_losses == {} and reduce_mtp_losses(block, 2) == {}
+    helper.tracker.clear()
+
+
+def test_tie_mtp_state_dict_entries(single_rank):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.multi_token_prediction import (
+        tie_output_layer_state_dict,
+        tie_word_embeddings_state_dict,
+    )
+
+    world = torch.distributed.group.WORLD
+    for tie, key in ((tie_word_embeddings_state_dict, "embedding.word_embeddings.weight"),
+                     (tie_output_layer_state_dict, "output_layer.weight")):
+        weight = torch.randn(12, 4)
+        sd = {key: "the stage's own entry", "other": 1}
+        tie(sd, weight, key, tp_group=world, dp_cp_group=world)
+        leaf = sd[key]
+        assert isinstance(leaf, ShardedTensor) and leaf.key == key and leaf.data is weight
+        assert leaf.replica_id == (1, 0, 0) and leaf.allow_shape_mismatch and sd["other"] == 1
+        assert leaf.global_shape == (12, 4)
+        with pytest.raises(KeyError, match="not in the sharded state dict"):
+            tie({}, weight, key, tp_group=world, dp_cp_group=world)
+
+
+# ------------------------------------------------------------------------------------------ cross entropy
+def test_vocab_parallel_cross_entropy_steps_match_torch():
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as V
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 3, 16, generator=g, dtype=torch.float64).float() * 3
+    target = torch.randint(0, 16, (5, 3), generator=g)
+    grad_out = torch.rand(5, 3, generator=g)
+    full = logits.clone().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(full.view(-1, 16), target.view(-1), reduction="none").view(5, 3)
+    (ref * grad_out).sum().backward()
+    # Two vocabulary shards of 8, the all-reduces done by hand (MAX of the maxima, SUM of the rest).
+    shards, maxima = [], []
+    for r in range(2):
+        local, local_max = V.calculate_logits_max(logits[..., 8 * r:8 * (r + 1)].clone())
+        shards.append(local)
+        maxima.append(local_max)
+    m = torch.maximum(*maxima)
+    parts = [V.calculate_predicted_logits(shards[r], target, m, 8 * r, 8 * (r + 1)) for r in range(2)]
+    predicted = parts[0][2] + parts[1][2]
+    sum_exp = parts[0][3] + parts[1][3]
+    grads = []
+    for r in range(2):
+        mask, masked_1d, _, _, exp_logits = parts[r]
+        softmax, loss = V.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
+        assert torch.allclose(loss, ref.detach(), atol=1e-5)
+        grad_2d, rows, update, grad_input = V.prepare_gradient_calculation_operands(softmax, mask)
+        assert update.tolist() == (~mask).float().view(-1).tolist()
+        grads.append(V.calculate_gradients(grad_2d, rows, masked_1d, update, grad_input, grad_out))
+    assert torch.allclose(torch.cat(grads, dim=-1), full.grad, atol=1e-6)
+    # fp32 input: the steps work in place on the caller's tensor (megatron-core's contract); bf16 is upcast.
+    x = torch.randn(2, 4)
+    assert V.calculate_logits_max(x)[0] is x and V.calculate_logits_max(x.bfloat16())[0].dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------ upcycling
+def _gpt(config):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return GPTModel(config, get_gpt_decoder_block_spec(config), config.padded_vocab_size,
+                    config.max_position_embeddings)
+
+
+def test_upcycling_a_dense_gpt(single_rank):
+    from helpers.models_helpers import gpt_inputs
+    from megatron.core.transformer.moe.upcycling_utils import load_and_upcycle_model, upcycle_state_dict
+
+    torch.manual_seed(5)
+    dense = _gpt(tiny_config(ffn_hidden_size=32))
+    # Granularity 1, softmax after top-k: every expert is the dense MLP, so the MoE model computes the dense one.
+    moe = _gpt(_moe_config(ffn_hidden_size=32, moe_ffn_hidden_size=32, add_bias_linear=True,
+                           moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None))
+    router_before = moe.decoder.layers[0].mlp.router.weight.detach().clone()
+    loaded = []
+    out = load_and_upcycle_model(lambda *a, **k: loaded.append((a, k)) or (7, 1.5e9), [moe], [dense],
+                                 load_args=("ckpt",), load_kwargs={"strict": True})
+    assert out == (7, 1.5e9) and loaded == [(("ckpt",), {"strict": True})]
+    assert torch.equal(moe.decoder.layers[0].mlp.router.weight, router_before)  # g = 1: rows kept
+    ids, pos, mask, _ = gpt_inputs(vocab=64)
+    dense.eval(), moe.eval()
+    with torch.no_grad():
+        assert torch.allclose(moe(ids, pos, mask), dense(ids, pos, mask), atol=1e-5)
+    # Granularity 2 (dense width 32, experts 16), 4 experts: expert e holds block e mod 2 scaled by sqrt(2) (gelu);
+    # fc2's bias is repeated unscaled; the router's first 2 rows each appear twice.
+    fine = _gpt(_moe_config(ffn_hidden_size=32, moe_ffn_hidden_size=16, add_bias_linear=True))
+    sd = upcycle_state_dict([fine], [dense])["model"]
+    d1 = dense.state_dict()["decoder.layers.1.mlp.linear_fc1.weight"]
+    d2 = dense.state_dict()["decoder.layers.1.mlp.linear_fc2.weight"]
+    b2 = dense.state_dict()["decoder.layers.1.mlp.linear_fc2.bias"]
+    for e in range(4):
+        prefix = f"decoder.layers.1.mlp.experts.local_experts.{e}."
+        block = e % 2
+        assert torch.allclose(sd[prefix + "linear_fc1.weight"], d1[16 * block:16 * (block + 1)] * 2 ** 0.5)
+        assert torch.allclose(sd[prefix + "linear_fc2.weight"], d2[:, 16 * block:16 * (block + 1)] * 2 ** 0.5)
+        assert torch.equal(sd[prefix + "linear_fc2.bias"], b2)
+    router = fine.state_dict()["decoder.layers.1.mlp.router.weight"]
+    assert torch.equal(sd["decoder.layers.1.mlp.router.weight"], router[[0, 0, 1, 1]])
+    assert torch.equal(sd["embedding.word_embeddings.weight"], dense.state_dict()["embedding.word_embeddings.weight"])
+    with pytest.raises(ValueError, match="divisible"):
+        upcycle_state_dict([_gpt(_moe_config(ffn_hidden_size=32, moe_ffn_hidden_size=12))], [dense])

@@ -30,15 +30,39 @@ def require_oracle() -> str:
     return oracle
 
 
-def run_oracle(argv, cwd, timeout: float = 400) -> str:
-    """Run ``python <argv>`` with the oracle as the only PYTHONPATH entry, in ``cwd`` (outside our repository, so
-    that its ``megatron`` package is the one imported); fail with its stderr unless it exits 0; return its stdout."""
-    import subprocess
-    import sys
+class OracleRun:
+    """A megatron-core oracle subprocess started by :func:`start_oracle`; :meth:`result` waits for it."""
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=require_oracle(), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, *[str(a) for a in argv]], cwd=str(cwd), env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, f"megatron-core oracle failed:\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    def __init__(self, argv, cwd):
+        import subprocess
+        import sys
+
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(PYTHONPATH=require_oracle(), OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, *[str(a) for a in argv]], cwd=str(cwd), env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self, timeout: float = 400) -> str:
+        """Its stdout; fails with its stderr unless it exits 0 (killed after ``timeout`` seconds)."""
+        import subprocess
+
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            raise
+        assert self.proc.returncode == 0, f"megatron-core oracle failed:\n{err[-4000:]}"
+        return out
+
+
+def start_oracle(argv, cwd) -> OracleRun:
+    """Start ``python <argv>`` with the oracle as the only PYTHONPATH entry, in ``cwd`` (outside our repository, so
+    that its ``megatron`` package is the one imported), without waiting: in-process tests can run meanwhile on the
+    other core."""
+    return OracleRun(argv, cwd)
+
+
+def run_oracle(argv, cwd, timeout: float = 400) -> str:
+    """:func:`start_oracle` and wait: its stdout; fails with its stderr unless it exits 0."""
+    return start_oracle(argv, cwd).result(timeout)

@@ -158,11 +158,18 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
         pass  # resolve_tensor returned a view of the destination: the reader copied into it
 
 
-def save_sharded(state_dict: Dict[str, Any], checkpoint_dir: str, process_group=None, no_dist: bool = False) -> None:
-    """Collective: write every rank's shards and objects under ``checkpoint_dir`` (DCP files + ``.metadata``).
-    ``no_dist``: one process writes everything (offline tools), even where a process group exists."""
-    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(checkpoint_dir, thread_count=1),
-             planner=_ShardSavePlanner(), process_group=process_group, no_dist=no_dist)
+def save_sharded(state_dict: Dict[str, Any], checkpoint_dir: str, process_group=None, no_dist: bool = False,
+                 separation_hint: Optional[str] = None) -> None:
+    """Collective: write every rank's shards and objects under ``checkpoint_dir`` (DCP files + ``.metadata``):
+    one data file per rank, ``__<rank>_0.distcp``; with ``separation_hint`` the entries whose keys begin with it
+    go to a second file ``<hint>__<rank>_1.distcp``. ``no_dist``: one process writes everything (offline tools),
+    even where a process group exists."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    writer = FileSystemWriterAsync(checkpoint_dir, thread_count=1 if separation_hint is None else 2,
+                                   separation_hint=separation_hint)
+    dcp.save(state_dict, storage_writer=writer, planner=_ShardSavePlanner(), process_group=process_group,
+             no_dist=no_dist)
 
 
 def load_sharded(state_dict: Dict[str, Any], checkpoint_dir: str, allow_shape_mismatch: Sequence[str] = (),

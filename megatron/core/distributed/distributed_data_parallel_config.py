@@ -40,7 +40,7 @@ class DistributedDataParallelConfig:
     (``megatron.core.distributed.fsdp.src.megatron_fsdp``), which builds this config:
 
     outer_dp_sharding_strategy: sharding over the outer DP dimension of hybrid FSDP (HSDP); only ``no_shard``
-        (no HSDP) exists here, ``optim`` is refused.
+        (replicas over the outer dimension) exists here, ``optim`` is refused.
     preserve_fp32_weights: Megatron-FSDP keeps fp32 main weights of low-precision parameters (True); False keeps the
         parameters' own dtype as the optimizer's weights (honoured by the standalone ``MegatronFSDP``).
     check_for_large_grads, fp8_param_gather, reuse_grad_buf_for_mxfp8_param_ag: not implemented; True is refused.
@@ -82,7 +82,8 @@ class DistributedDataParallelConfig:
                 raise ValueError(f"DistributedDataParallelConfig.{name}=True is not implemented in this library")
         if self.outer_dp_sharding_strategy != "no_shard":
             raise ValueError("DistributedDataParallelConfig.outer_dp_sharding_strategy: only 'no_shard' exists here "
-                             f"(hybrid FSDP is not implemented), got {self.outer_dp_sharding_strategy!r}")
+                             "(hybrid FSDP replicates over the outer dimension; sharding over it is not implemented),"
+                             f" got {self.outer_dp_sharding_strategy!r}")
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"DistributedDataParallelConfig.bucket_size must be positive, got {self.bucket_size}")
         # Megatron-FSDP's sharded strategies gather parameters themselves (FSDP2 prefetches the next unit).

@@ -12,8 +12,9 @@ backward.
 
 Without pipelining, for ``M`` micro-batches: step 0 = forward(0); step k = forward(k) + backward(k-1) for k < M
 (under ``no_sync_func``); step M = backward(M-1). Each micro-batch's forward and backward are those of the plain
-schedule and the micro-batches are independent, so the losses and the accumulated gradients equal
-``forward_backward_no_pipelining``'s; the overlap itself (CUDA streams) is a GPU-only performance matter, and on CPU
+schedule and the micro-batches are independent, so the losses equal ``forward_backward_no_pipelining``'s and the
+accumulated gradients equal its gradients to rounding (the nodes sum a tensor's gradient contributions in another
+order); the overlap itself (CUDA streams) is a GPU-only performance matter, and on CPU
 the nodes run in order on one stream.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import List, Union
 import torch
 
 from megatron.core.pipeline_parallel.schedule_helpers import set_current_microbatch
+from megatron.core.process_groups_config import pg_size
 from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan, ScheduleNode
 from megatron.core.utils import get_attr_wrapped_model
 
@@ -183,9 +185,11 @@ def combined_forward_backward_step(forward_step_func, data_iterator, f_model, nu
     num_tokens = None
     if f_model is not None:
         loss_node = ScheduleNode(loss_func, None, f_schedule_plan.event, name="loss_func")
-        output_tensor, num_tokens = forward_step_calc_loss(f_model, output_tensor, loss_node.forward, config,
-                                                           f_model_chunk_id, collect_non_loss_data,
-                                                           num_microbatches, forward_data_store)
+        # The chunk's own pipeline position and CP size (with virtual stages parallel_state's virtual rank is the
+        # backward chunk's by now).
+        output_tensor, num_tokens = forward_step_calc_loss(
+            f_model, output_tensor, loss_node.forward, config, f_model_chunk_id, collect_non_loss_data,
+            num_microbatches, forward_data_store, pg_size(unwrapped.pg_collection, "cp"), unwrapped.post_process)
         output_tensor.schedule_plan = f_schedule_plan
         output_tensor.loss_func = loss_node
         if not unwrap_output_tensor:

@@ -34,6 +34,7 @@ exchanges. Without them: parallel_state's groups.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -361,6 +362,16 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     forward_data_store = []
     input_tensor, output_tensor_grad = None, None
     total_num_tokens = _zero_tokens()
+    if config.overlap_moe_expert_parallel_comm and not forward_only:
+        # megatron-core's combined 1F1B schedule: a micro-batch's forward merged with the previous one's backward.
+        from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
+
+        forward_data_store, total_num_tokens = combined_1f1b_schedule_for_no_pipelining(
+            forward_step_func, data_iterator, model, num_microbatches, input_tensor, output_tensor_grad,
+            forward_data_store, config, collect_non_loss_data, first_val_step, forward_only, no_sync,
+            total_num_tokens, functools.partial(check_first_val_step, first_val_step, forward_only))
+        _finalize(config, [model], forward_only, total_num_tokens, pg_collection, force_all_reduce)
+        return forward_data_store
     if getattr(config, "hybrid_context_parallel", False):
         from megatron.core.pipeline_parallel.hybrid_cp_schedule import hybrid_context_parallel_forward_backward
 
@@ -562,6 +573,8 @@ def forward_backward_pipelining_with_interleaving(
         raise RuntimeError(f"{len(model)} model chunks but {len(data_iterator)} data iterators")
     config = get_model_config(model[0])
     model_type = _check_model_type(model[0], interleaved=True)
+    # megatron-core's combined 1F1B (EP all-to-all overlap): every step through combined_1f1b's merged step.
+    combined = config.overlap_moe_expert_parallel_comm and not forward_only
     # Gradient reduction stays off until each chunk's own last backward pass (one toggle per chunk), or
     # until the step's last backward pass when the caller gave a single no_sync_func.
     if config.no_sync_func is not None:
@@ -613,24 +626,31 @@ def forward_backward_pipelining_with_interleaving(
     if param_sync_func is not None and not forward_only:
         param_sync_func[0]()
 
-    def forward_helper(k):
+    def forward_pre(k):
         c = chunk_id(k, forward=True)
         set_chunk(c)
         if param_sync_func is not None and not forward_only and k == c * pp_size and c + 1 < num_chunks:
             param_sync_func[c + 1]()
         if pipe.first() and len(input_tensors[c]) == len(output_tensors[c]):
             input_tensors[c].append(None)
-        output_tensor, num_tokens = forward_step(forward_step_func, data_iterator[c], model[c], num_microbatches,
-                                                 input_tensors[c][-1], forward_data_store, config, pipe.cp_size,
-                                                 collect_non_loss_data, is_last_stage=pipe.last(), after_split=False)
+        return c, input_tensors[c][-1]
+
+    def forward_post(c, output_tensor, num_tokens):
         total_num_tokens.add_(num_tokens.to(total_num_tokens.device))
         output_tensors[c].append(output_tensor)
         if forward_only:
             input_tensors[c].pop()
             output_tensors[c].pop()
+
+    def forward_helper(k):
+        c, input_tensor = forward_pre(k)
+        output_tensor, num_tokens = forward_step(forward_step_func, data_iterator[c], model[c], num_microbatches,
+                                                 input_tensor, forward_data_store, config, pipe.cp_size,
+                                                 collect_non_loss_data, is_last_stage=pipe.last(), after_split=False)
+        forward_post(c, output_tensor, num_tokens)
         return output_tensor
 
-    def backward_helper(k):
+    def backward_pre(k):
         c = chunk_id(k, forward=False)
         set_chunk(c)
         if pipe.last() and len(output_tensor_grads[c]) == 0:
@@ -640,8 +660,25 @@ def forward_backward_pipelining_with_interleaving(
             toggles[c].enable()  # this chunk's last backward: let its DDP reduce gradients
         elif len(toggles) == 1 and k == total - 1:
             toggles[0].enable()
-        return backward_step(input_tensors[c].pop(0), output_tensors[c].pop(0), output_tensor_grads[c].pop(0),
-                             model_type, config, after_split=False)
+        return input_tensors[c].pop(0), output_tensors[c].pop(0), output_tensor_grads[c].pop(0)
+
+    def backward_helper(k):
+        return backward_step(*backward_pre(k), model_type, config, after_split=False)
+
+    if combined:  # megatron-core's merged steps: forward of virtual micro-batch f with backward of b
+        from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_interleaved_pipelining
+
+        def merged_step(f, b):
+            return combined_1f1b_schedule_for_interleaved_pipelining(
+                config, forward_step_func, data_iterator, model, num_microbatches, forward_data_store,
+                lambda vmb, c, mb: forward_pre(vmb)[1], forward_post, lambda vmb, c: backward_pre(vmb),
+                lambda vmb: None, lambda vmb, forward: table[vmb % total][0], chunk_id,
+                functools.partial(check_first_val_step, first_val_step, forward_only),
+                lambda vmb: table[vmb % total][0] == 0, collect_non_loss_data,
+                f_virtual_microbatch_id=f, b_virtual_microbatch_id=b)
+
+        forward_helper = lambda k: merged_step(k, None)[0]  # noqa: E731
+        backward_helper = lambda k: merged_step(None, k)[1]  # noqa: E731
 
     # Warm-up: forward passes only.
     set_chunk(0)
@@ -667,8 +704,11 @@ def forward_backward_pipelining_with_interleaving(
     # Steady state: one forward and one backward per step.
     for k in range(num_remaining):
         forward_k = k + num_warmup
-        output_tensor = forward_helper(forward_k)
-        input_tensor_grad = backward_helper(k)
+        if combined:
+            output_tensor, input_tensor_grad = merged_step(forward_k, k)
+        else:
+            output_tensor = forward_helper(forward_k)
+            input_tensor_grad = backward_helper(k)
 
         set_chunk(chunk_id(forward_k, forward=True))
         if pipe.last():

@@ -68,12 +68,12 @@ def make_viewless(e):
 # requires_grad) and keeps its outputs y_k = f_k(x_k'); its backward is one autograd pass
 #     d x_k' = (d y_k / d x_k')^T . g_k          (plus the parameters' gradients, accumulated as usual)
 # from the given output gradients g_k, and returns the inputs' gradients d x_k' for node k-1. Chaining the nodes in
-# reverse order is the chain rule through f_n o ... o f_1: exactly the gradients of one autograd pass through the
-# whole chunk. What the cut buys on a GPU is freedom of order: the combined 1F1B schedule runs the forward nodes of
+# reverse order is the chain rule through f_n o ... o f_1: the gradients of one autograd pass through the whole
+# chunk (up to the order in which a tensor's gradient contributions are summed: rounding, ~1e-8 in fp32). What the cut buys on a GPU is freedom of order: the combined 1F1B schedule runs the forward nodes of
 # one micro-batch between the backward nodes of another, each on its CUDA stream (computation vs. the MoE
 # all-to-all), so communication hides behind computation. That overlap is a GPU-only performance matter: with
 # ``stream=None`` (CPU, or the current stream) the nodes run in program order on one stream and compute the
-# same numbers as the plain schedule.
+# plain schedule's losses and (to rounding) its gradients.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -135,10 +135,14 @@ class ScheduleNode:
 
     def default_backward_func(self, outputs, output_grad):
         """One autograd pass from ``outputs`` with ``output_grad`` (gradients accumulate in the leaves, the graph
-        is freed); a ``None`` output or one that does not require grad is skipped. Returns ``output_grad``."""
-        pairs = [(o, g) for o, g in zip(outputs, output_grad) if torch.is_tensor(o) and o.requires_grad]
+        is freed); an output that does not require grad, or has no gradient, is skipped. Returns ``output_grad``."""
+        pairs = [(o, g) for o, g in zip(outputs, output_grad)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
         if pairs:
-            torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
+            # The engine itself, without the shape check: a pipeline schedule may have freed a sent output's data.
+            torch.autograd.Variable._execution_engine.run_backward(
+                tensors=tuple(o for o, _ in pairs), grad_tensors=tuple(g for _, g in pairs), keep_graph=False,
+                create_graph=False, inputs=(), allow_unreachable=True, accumulate_grad=True)
         return output_grad
 
     def forward(self, inputs=()):

@@ -104,6 +104,14 @@ class MambaStack(MegatronModule):
                 out.update(sharded_state_dict_default(module, f"{prefix}{name}.", (), metadata))
         return out
 
+    def mamba_state_shapes_per_request(self):
+        """``(conv state shape, SSM state shape)`` per sequence of this stage's first Mamba layer; None when the
+        stage has none (megatron-core's)."""
+        for symbol, layer in zip(self.layer_type_list, self.layers):
+            if symbol == Symbols.MAMBA:
+                return layer.mamba_state_shapes_per_request()
+        return None
+
     def set_input_tensor(self, input_tensor):
         """The activation received from the previous pipeline stage (used instead of forward's input)."""
         self.input_tensor = input_tensor

@@ -52,6 +52,10 @@ class MambaLayer(GraphableMegatronModule):
         return apply_sharded_keys_map(super().sharded_state_dict(prefix, sharded_offsets, metadata), prefix,
                                       self.sharded_state_dict_keys_map)
 
+    def mamba_state_shapes_per_request(self):
+        """The mixer's ``(conv state shape, SSM state shape)`` per sequence."""
+        return self.mixer.mamba_state_shapes_per_request()
+
     def forward(self, hidden_states, attention_mask=None, inference_params=None, rotary_pos_emb=None, **unused):
         out_with_bias = self.mixer(self.norm(hidden_states), inference_params=inference_params)
         output = self.mamba_bda(self.training, self.config.bias_dropout_fusion)(

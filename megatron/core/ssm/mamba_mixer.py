@@ -241,6 +241,11 @@ class MambaMixer(MegatronModule):
         return out, out_bias
 
 
+    def mamba_state_shapes_per_request(self) -> Tuple[Tuple[int, int], Tuple[int, int, int]]:
+        """The inference state one sequence needs on this TP rank (megatron-core's): the conv state
+        ``(conv channels, d_conv)`` and the SSM state ``(heads, head dim, state dim)``."""
+        return (self.conv1d.weight.shape[0], self.d_conv), (self.heads, self.dims.head_dim, self.dims.state)
+
     def _state_dtype(self):
         """bfloat16 for the inter-chunk states in training with --mamba-training-ssm-states-dtype bf16."""
         if self.training and self.config.mamba_training_ssm_states_dtype == "bf16":

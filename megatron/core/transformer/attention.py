@@ -10,6 +10,9 @@ Fused QKV layout (per TP partition): the output of ``query_key_value`` viewed as
 holds, for each of the ``ng`` query groups, the group's ``np/ng`` query heads, then its key head, then its value
 head. Without GQA (``ng == np``) that is ``[q_h, k_h, v_h]`` per head. Splitting the weight's rows into TP
 contiguous chunks therefore gives each rank whole groups.
+
+Packed sequences (``packed_seq_params`` with ``qkv_format='thd'``, hidden states ``[t, 1, h]``): the rotary angles
+restart at each document's start and the core attention attends within each document only.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.legacy_names import install_legacy_state_dict_names
 from megatron.core.transformer.attention_variants import l2_norm
-from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention
+from megatron.core.transformer.dot_product_attention import CoreAttention, DotProductAttention, packed_rotary_rows
 from megatron.core.transformer.enums import AttnMaskType, AttnType
 from megatron.core.utils import log_once
 from megatron.core.process_groups_config import group_of
@@ -223,13 +226,26 @@ class ParallelAttention(MegatronModule):
                                **({} if self.tp_group is None else {"tp_group": self.tp_group}))
 
     # ------------------------------------------------------------------------------------------ helpers
-    def _checkpointed_attention_forward(self, query_layer, key_layer, value_layer, attention_mask):
+    def _checkpointed_attention_forward(self, query_layer, key_layer, value_layer, attention_mask,
+                                        packed_seq_params=None):
         """Selective recompute: keep no activations of the core attention (the s^2 part) for backward."""
 
         def custom_forward(*inputs):
-            return self.core_attention(inputs[0], inputs[1], inputs[2], inputs[3])
+            return self._core_attention(inputs[0], inputs[1], inputs[2], inputs[3], packed_seq_params)
 
         return tensor_parallel.checkpoint(custom_forward, False, query_layer, key_layer, value_layer, attention_mask)
+
+    def _core_attention(self, query_layer, key_layer, value_layer, attention_mask, packed_seq_params=None):
+        if packed_seq_params is None:
+            return self.core_attention(query_layer, key_layer, value_layer, attention_mask)
+        return self.core_attention(query_layer, key_layer, value_layer, attention_mask,
+                                   packed_seq_params=packed_seq_params)
+
+    def _packed_rotary(self, rotary_pos_emb, packed_seq_params):
+        """Packed sequences (thd): the rows of the angles for each document's positions, restarting at 0 at every
+        document (``cu_seqlens_*_padded`` when given, else ``cu_seqlens_*``, as megatron-core)."""
+        q_pos_emb, k_pos_emb = rotary_pos_emb
+        return packed_rotary_rows(self.core_attention, packed_seq_params, q_pos_emb, k_pos_emb)
 
     def _allocate_memory(self, inference_max_sequence_len, batch_size, device, dtype):
         return torch.empty(inference_max_sequence_len, batch_size, self.num_query_groups_per_partition,
@@ -254,7 +270,11 @@ class ParallelAttention(MegatronModule):
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, hidden_states, attention_mask, encoder_output=None, inference_params=None,
-                rotary_pos_emb=None):
+                rotary_pos_emb=None, packed_seq_params=None):
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if packed and inference_params is not None:
+            raise NotImplementedError("attention: packed sequences (packed_seq_params) with inference_params (KV "
+                                      "cache) are not supported")
         is_first_step = False
         if inference_params is not None:
             memory = inference_params.key_value_memory_dict
@@ -300,6 +320,8 @@ class ParallelAttention(MegatronModule):
                     q_pos_emb = q_pos_emb[:sequence_end]
                 rotary_pos_emb = (q_pos_emb, k_pos_emb[:sequence_end])
 
+        if rotary_pos_emb is not None and packed:
+            rotary_pos_emb = self._packed_rotary(rotary_pos_emb, packed_seq_params)
         if rotary_pos_emb is not None:
             q_pos_emb, k_pos_emb = rotary_pos_emb
             rope_fusion = self.config.apply_rope_fusion
@@ -309,7 +331,7 @@ class ParallelAttention(MegatronModule):
             key_layer = apply_rotary_pos_emb(key_layer, k_pos_emb[: key_layer.size(0)], fused=rope_fusion,
                                              interleaved=interleaved, mscale=self.rope_mscale)
 
-        if self.use_flash_attn:
+        if self.use_flash_attn and packed_seq_params is None:
             groups = query_layer.size(2) // key_layer.size(2)
             if groups > 1:
                 key_layer = key_layer.repeat_interleave(groups, dim=2)
@@ -321,9 +343,11 @@ class ParallelAttention(MegatronModule):
                 context_layer = self.core_attention_flash(q, k, v)
             context_layer = context_layer.transpose(0, 1).reshape(context_layer.size(1), context_layer.size(0), -1)
         elif self.recompute_core_attention and self.training:
-            context_layer = self._checkpointed_attention_forward(query_layer, key_layer, value_layer, attention_mask)
+            context_layer = self._checkpointed_attention_forward(query_layer, key_layer, value_layer, attention_mask,
+                                                                 packed_seq_params)
         else:
-            context_layer = self.core_attention(query_layer, key_layer, value_layer, attention_mask)
+            context_layer = self._core_attention(query_layer, key_layer, value_layer, attention_mask,
+                                                 packed_seq_params)
 
         output, bias = self.linear_proj(context_layer)
         return output, bias
@@ -341,7 +365,8 @@ class SelfAttention(ParallelAttention):
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_params=None,
                 rotary_pos_emb=None, packed_seq_params=None):
-        return super().forward(hidden_states, attention_mask, None, inference_params, rotary_pos_emb)
+        return super().forward(hidden_states, attention_mask, None, inference_params, rotary_pos_emb,
+                               packed_seq_params=packed_seq_params)
 
 
 class CrossAttention(ParallelAttention):
@@ -355,6 +380,8 @@ class CrossAttention(ParallelAttention):
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_params=None,
                 rotary_pos_emb=None, packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("cross attention: packed sequences (packed_seq_params) are not supported")
         return super().forward(hidden_states, attention_mask, key_value_states, inference_params, rotary_pos_emb)
 
 

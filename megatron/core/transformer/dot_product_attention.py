@@ -12,6 +12,13 @@ implementations of the same function, chosen per call and printed once:
 * with context parallelism (``config.context_parallel_size > 1``) the pure-PyTorch ring / all-gather attention of
   :mod:`megatron.core.transformer.context_parallel` (``--cp-comm-type p2p`` or ``all_gather``), causal or no mask.
 
+Packed sequences (megatron-core's ``PackedSeqParams`` with ``qkv_format='thd'``: several documents in one row,
+bounded by ``cu_seqlens``) attend within each document only: ``softmax(Q_i K_i^T / sqrt(d) + causal) V_i`` per
+document ``i``, which is what running each document alone gives; with context parallelism each document goes
+through the ring attention in turn (a rank holds two chunks of every padded document). With
+``qkv_format='sbhd'`` (hybrid context parallelism: one whole sample per row) the attention is the ordinary one, with
+context parallelism over the sample's own ``packed_seq_params.cp_group`` (none for ``local_cp_size`` 1).
+
 Masks are boolean with True = masked. Rows that are masked entirely (padding queries in BERT) get the
 uniform average of the values in the explicit path (all scores equal -10000); the SDPA path reproduces
 that instead of returning NaNs.
@@ -32,7 +39,9 @@ from megatron.core.transformer.attention_variants import attention_with_sinks, w
 from megatron.core.process_groups_config import group_of
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.device import init_device, param_device, weights_on_meta
-from megatron.core.utils import divide
+from megatron.core.utils import context_parallel_chunk_indices, divide
+from megatron.core.packed_seq_params import packed_layout_cu_seqlens
+from megatron.core.transformer.rotary import packed_sequence_rotary_freqs
 
 _CAUSAL_CHECK_CACHE = {}
 
@@ -60,6 +69,17 @@ def _log_sdpa_mode(is_causal: bool, keep, q: torch.Tensor) -> None:
                                          else "CPU kernel")
     log_once(f"sdpa_mode:{mode}:{q.device.type}", f"attention SDPA call: {mode}, {q.dtype} on {q.device.type}: "
                                                   f"{kernels}")
+
+
+def packed_rotary_rows(core_attention, packed_seq_params, q_pos_emb, k_pos_emb):
+    """The query and key angles of a packed (thd) batch's rows: each document's positions from 0, this rank's chunks
+    of each under the context parallelism ``core_attention`` splits the batch over (its ``packed_cp_group``)."""
+    cu_q, cu_kv = packed_layout_cu_seqlens(packed_seq_params)
+    cp_size, cp_rank = 1, 0
+    if hasattr(core_attention, "packed_cp_group"):
+        _, cp_size, cp_rank = core_attention.packed_cp_group(packed_seq_params)
+    return (packed_sequence_rotary_freqs(q_pos_emb, cu_q, cp_size, cp_rank),
+            packed_sequence_rotary_freqs(k_pos_emb, cu_kv, cp_size, cp_rank))
 
 
 class CoreAttention(MegatronModule):
@@ -167,11 +187,15 @@ class CoreAttention(MegatronModule):
             return False
         return attention_mask is None or attention_mask.dtype == torch.bool
 
-    def _context_parallel_forward(self, query_layer, key_layer, value_layer, attention_mask):
+    def _context_parallel_forward(self, query_layer, key_layer, value_layer, attention_mask, group=None):
+        """Attention over the context-parallel ``group`` (default: this layer's CP group, which must have
+        ``config.context_parallel_size`` ranks; hybrid CP passes each sample's own group)."""
         from megatron.core.transformer.context_parallel import context_parallel_attention
 
-        group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
-        if torch.distributed.get_world_size(group=group) != self.cp_size:
+        own = group is None
+        if own:
+            group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
+        if own and torch.distributed.get_world_size(group=group) != self.cp_size:
             raise RuntimeError(f"config.context_parallel_size is {self.cp_size} but the context-parallel group has "
                                f"{torch.distributed.get_world_size(group=group)} ranks: pass the same size to "
                                "initialize_model_parallel(context_parallel_size=...) or in pg_collection.cp")
@@ -188,9 +212,146 @@ class CoreAttention(MegatronModule):
             dropout=self.attention_dropout if dropout_p > 0.0 else None,
             dropout_rng=self._dropout_rng() if dropout_p > 0.0 else None)
 
-    def forward(self, query_layer, key_layer, value_layer, attention_mask):
+    def forward(self, query_layer, key_layer, value_layer, attention_mask, packed_seq_params=None):
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._packed_forward(query_layer, key_layer, value_layer, packed_seq_params)
+        if packed_seq_params is not None:
+            return self._per_sample_cp_forward(query_layer, key_layer, value_layer, attention_mask,
+                                               packed_seq_params)
         if self.cp_size > 1:
             return self._context_parallel_forward(query_layer, key_layer, value_layer, attention_mask)
+        return self._local_forward(query_layer, key_layer, value_layer, attention_mask)
+
+    # -------------------------------------------------------------------------------- packed sequences
+    def _per_sample_cp_forward(self, query_layer, key_layer, value_layer, attention_mask, packed_seq_params):
+        """``sbhd`` packed params (hybrid context parallelism: one whole sample per batch row, ``cu_seqlens``
+        ``[0, S, 2S, ...]``): the ordinary attention, with context parallelism over the sample's own group
+        ``packed_seq_params.cp_group`` (none when it is None or has one rank, e.g. ``local_cp_size`` 1), in place
+        of the layer's CP group (megatron-core's dynamic CP group)."""
+        p = packed_seq_params
+        if p.qkv_format != "sbhd":
+            raise NotImplementedError(f"packed_seq_params.qkv_format={p.qkv_format!r}: the local attention "
+                                      "supports packed sequences in the 'thd' and 'sbhd' formats only")
+        for cu in (p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded):
+            if cu is not None and cu.numel() > 2 and len(set((cu[1:] - cu[:-1]).tolist())) > 1:
+                raise NotImplementedError("packed_seq_params in the 'sbhd' format with sequences of different "
+                                          "lengths (padding) are not supported: pack them in the 'thd' format")
+        group = p.cp_group
+        if group is None and p.local_cp_size not in (None, 1):
+            raise ValueError(f"packed_seq_params.local_cp_size={p.local_cp_size} needs its cp_group")
+        if group is None and p.local_cp_size is None:
+            return self.forward(query_layer, key_layer, value_layer, attention_mask)  # the layer's own CP
+        if group is None or torch.distributed.get_world_size(group=group) == 1:
+            return self._local_forward(query_layer, key_layer, value_layer, attention_mask)
+        if self.window is not None or self.softmax_offset is not None:
+            raise NotImplementedError("hybrid context parallelism with a sliding window or attention sinks is not "
+                                      "implemented: the ring attention has no window or sink")
+        return self._context_parallel_forward(query_layer, key_layer, value_layer, attention_mask, group=group)
+
+    def packed_cp_group(self, packed_seq_params):
+        """``(group, size, rank)`` of the context parallelism a packed batch is split over: its own ``cp_group``;
+        none (``(None, 1, 0)``) for ``local_cp_size`` 1; else this layer's CP group when
+        ``context_parallel_size > 1``."""
+        group = packed_seq_params.cp_group
+        if group is None and (packed_seq_params.local_cp_size == 1 or self.cp_size == 1):
+            return None, 1, 0
+        if group is None:
+            group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
+        return group, torch.distributed.get_world_size(group=group), torch.distributed.get_rank(group=group)
+
+    def _packed_forward(self, query_layer, key_layer, value_layer, packed_seq_params):
+        """Packed sequences (THD): document ``i`` holds the rows ``start_i .. start_i + L_i`` of the packed tensors
+        (``start`` from ``cu_seqlens_*_padded`` when given, else ``cu_seqlens_*``; ``L_i`` from ``cu_seqlens_*``),
+        and attends to its own keys only, causally for a causal layer: each document goes through this layer's
+        attention alone, with no mask (as Transformer Engine's ``thd`` kernels, ``attention_mask`` is not used).
+        Rows past a document's real length (padding) give zeros. Inputs are ``[t, 1, np, hn]`` (output
+        ``[t, 1, np * hv]``) or megatron-core's squeezed ``[t, np, hn]`` (output ``[t, np * hv]``).
+
+        With context parallelism over ``CP`` ranks (:meth:`packed_cp_group`) a rank holds, per document in order,
+        chunks ``r`` and ``2 CP - 1 - r`` of the padded document (``get_thd_batch_on_this_cp_rank``): each document
+        runs through the ring attention over the group, one after the other (the same order on every rank)."""
+        if packed_seq_params.qkv_format != "thd":
+            raise NotImplementedError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: the local "
+                                      "attention supports packed sequences in the 'thd' format only")
+        squeezed = query_layer.dim() == 3
+        if squeezed:
+            query_layer, key_layer, value_layer = (x.unsqueeze(1) for x in (query_layer, key_layer, value_layer))
+        if query_layer.size(1) != 1:
+            raise ValueError(f"packed sequences (thd): the batch dimension must be 1, got {query_layer.size(1)}")
+        p = packed_seq_params
+        cu_q = p.cu_seqlens_q
+        cu_kv = p.cu_seqlens_kv if p.cu_seqlens_kv is not None else cu_q
+        if cu_q is None:
+            raise ValueError("packed sequences (thd): packed_seq_params.cu_seqlens_q is required")
+        pad_q = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else cu_q
+        pad_kv = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else cu_kv
+        cu_q, cu_kv, pad_q, pad_kv = ([int(x) for x in c.tolist()] for c in (cu_q, cu_kv, pad_q, pad_kv))
+        group, cp, cp_rank = self.packed_cp_group(p)
+        total = query_layer.size(0)
+        if not (len(cu_q) == len(cu_kv) == len(pad_q) == len(pad_kv)) or pad_q[-1] > total * cp or \
+                pad_kv[-1] > key_layer.size(0) * cp:
+            raise ValueError(f"packed sequences (thd): cu_seqlens describe {pad_q[-1]} query / {pad_kv[-1]} key rows "
+                             f"but the tensors have {total} / {key_layer.size(0)} (x {cp} context-parallel ranks), or "
+                             "their lengths differ")
+        if cp > 1:
+            out = self._packed_cp_forward(query_layer, key_layer, value_layer, cu_q, cu_kv, pad_q, pad_kv, group, cp,
+                                          cp_rank)
+            return out.squeeze(1) if squeezed else out
+        log_once("attention_packed", "attention: packed sequences (thd), each document attended alone")
+        pieces, row = [], 0
+        width = self.hidden_size_per_partition
+        for i in range(len(cu_q) - 1):
+            start, length = pad_q[i], cu_q[i + 1] - cu_q[i]
+            k_start, k_length = pad_kv[i], cu_kv[i + 1] - cu_kv[i]
+            if start > row:
+                pieces.append(query_layer.new_zeros(start - row, 1, width))
+            if length > 0:
+                pieces.append(self._local_forward(query_layer[start:start + length],
+                                                  key_layer[k_start:k_start + k_length],
+                                                  value_layer[k_start:k_start + k_length], None))
+            row = start + length
+        if total > row:
+            pieces.append(query_layer.new_zeros(total - row, 1, width))
+        out = torch.cat(pieces, dim=0)
+        return out.squeeze(1) if squeezed else out
+
+    def _packed_cp_forward(self, query_layer, key_layer, value_layer, cu_q, cu_kv, pad_q, pad_kv, group, cp,
+                           cp_rank):
+        """:meth:`_packed_forward` with context parallelism: the ring attention per padded document; rows of
+        padding (past the real length, at the document's end) give zeros. Keys past the real length are never seen
+        by a real query of a causal layer; a non-causal layer with padding is refused."""
+        causal = self.attn_mask_type == AttnMaskType.causal
+        if cu_q != cu_kv or pad_q != pad_kv:
+            raise NotImplementedError("packed sequences with context parallelism: queries and keys must share "
+                                      "their cu_seqlens (self attention)")
+        if not causal and cu_q != pad_q:
+            raise NotImplementedError("packed sequences with context parallelism and padding "
+                                      "(cu_seqlens_*_padded) need a causal attention layer")
+        if self.window is not None or self.softmax_offset is not None:
+            raise NotImplementedError("packed sequences with context parallelism and a sliding window or attention "
+                                      "sinks are not implemented: the ring attention has no window or sink")
+        log_once("attention_packed_cp", f"attention: packed sequences (thd) over {cp} context-parallel ranks, "
+                                        "the ring attention per document")
+        pieces, row = [], 0
+        for i in range(len(cu_q) - 1):
+            padded, real = pad_q[i + 1] - pad_q[i], cu_q[i + 1] - cu_q[i]
+            local = padded // cp
+            if local == 0:
+                continue
+            rows = slice(row, row + local)
+            out = self._context_parallel_forward(query_layer[rows], key_layer[rows], value_layer[rows], None,
+                                                 group=group)
+            if real < padded:
+                keep = context_parallel_chunk_indices(padded, cp, cp_rank).to(out.device) < real
+                out = out * keep.view(-1, 1, 1).to(out.dtype)
+            pieces.append(out)
+            row += local
+        if query_layer.size(0) > row:
+            pieces.append(query_layer.new_zeros(query_layer.size(0) - row, 1, self.hidden_size_per_partition))
+        return torch.cat(pieces, dim=0)
+
+    def _local_forward(self, query_layer, key_layer, value_layer, attention_mask):
+        """Attention of one rank's whole sequence (no context parallelism)."""
         groups = query_layer.size(2) // key_layer.size(2)
         if groups > 1:
             key_layer = key_layer.repeat_interleave(groups, dim=2)
@@ -316,6 +477,4 @@ class DotProductAttention(CoreAttention):
             self.cp_comm_type = cp_comm_type
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences (packed_seq_params) are not supported by this attention")
-        return super().forward(query, key, value, attention_mask)
+        return super().forward(query, key, value, attention_mask, packed_seq_params=packed_seq_params)

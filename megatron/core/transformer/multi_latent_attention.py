@@ -33,7 +33,8 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import group_of, pg_rank, pg_size
-from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.packed_seq_params import packed_max_seqlen
+from megatron.core.transformer.dot_product_attention import DotProductAttention, packed_rotary_rows
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary import (
@@ -165,6 +166,14 @@ class MLASelfAttention(MegatronModule):
             emb = get_pos_emb_on_this_cp_rank(emb, seq_dim=0, cp_size=cp, cp_rank=pg_rank(self.pg_collection, "cp"))
         return emb[start:start + seq_len], mscale
 
+    def _packed_rotary(self, packed_seq_params):
+        """Packed (thd) batch: (angles of each document's positions from 0, this rank's chunks of each under
+        context parallelism, ``[t, 1, 1, d_r]``; concentration)."""
+        emb = self.rotary_pos_emb(packed_max_seqlen(packed_seq_params))
+        emb, mscale = emb if isinstance(emb, tuple) else (emb, 1.0)
+        rows, _ = packed_rotary_rows(self.core_attention, packed_seq_params, emb, emb)
+        return rows, mscale
+
     def _up_projections(self, q_latent, kv_latent, k_r, freqs, mscale):
         """Latents -> ``(Q [s, b, n/t, d_q], K [s, b, n/t, d_q], V [s, b, n/t, d_v])`` (norms, up projections, RoPE)."""
         if self.q_lora_rank is None:
@@ -206,9 +215,10 @@ class MLASelfAttention(MegatronModule):
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_params=None,
                 rotary_pos_emb=None, packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise NotImplementedError("multi-latent attention with packed sequences (packed_seq_params) is not "
-                                      "supported")
+        if packed_seq_params is not None and (packed_seq_params.qkv_format != "thd" or inference_params is not None
+                                              or self.config.experimental_attention_variant == "dsa"):
+            raise NotImplementedError("multi-latent attention supports packed sequences (packed_seq_params) in the "
+                                      "'thd' format only, without inference_params or DeepSeek sparse attention")
         if self.q_lora_rank is None:
             q_latent, _ = self.linear_q_proj(hidden_states)
         else:
@@ -221,7 +231,8 @@ class MLASelfAttention(MegatronModule):
             k_r = tensor_parallel.gather_from_sequence_parallel_region(k_r, group=self.tp_group)
         else:
             k_r = tensor_parallel.copy_to_tensor_model_parallel_region(k_r, group=self.tp_group)
-        freqs, mscale = self._rotary(k_r.size(0), inference_params)
+        freqs, mscale = (self._rotary(k_r.size(0), inference_params) if packed_seq_params is None
+                         else self._packed_rotary(packed_seq_params))
         if self.recompute_up_proj and self.training and torch.is_grad_enabled():
             query, key, value = tensor_parallel.checkpoint(
                 lambda q, kv, kr: self._up_projections(q, kv, kr, freqs, mscale), False, q_latent, kv_latent, k_r)
@@ -235,7 +246,11 @@ class MLASelfAttention(MegatronModule):
             context = self.core_attention(query, key, value, attention_mask, x=hidden_states, qr=qr,
                                           attn_mask_type=self.attn_mask_type)
         elif self.recompute_core_attention and self.training and torch.is_grad_enabled():
-            context = tensor_parallel.checkpoint(self.core_attention, False, query, key, value, attention_mask)
+            packed = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
+            context = tensor_parallel.checkpoint(lambda q, k, v: self.core_attention(q, k, v, attention_mask, **packed),
+                                                 False, query, key, value)
+        elif packed_seq_params is not None:
+            context = self.core_attention(query, key, value, attention_mask, packed_seq_params=packed_seq_params)
         else:
             context = self.core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)

@@ -35,8 +35,9 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import group_of, pg_group, pg_size
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_utils import loss_auto_scaler
+from megatron.core.transformer.moe.moe_utils import all_reduce_logged, loss_auto_scaler
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.utils import get_pg_rank, make_tp_sharded_tensor_for_checkpoint
 
 
 @dataclass
@@ -281,17 +282,98 @@ def mtp_blocks(model) -> List[MultiTokenPredictionBlock]:
 
 def reduce_mtp_losses(model, num_microbatches: int) -> Dict[str, float]:
     """``{'mtp_{k} loss': value}`` of the last step (module docstring), on the ranks holding an MTP block (the last
-    pipeline stage; collective over its DP x CP group); clears the tracked sums."""
-    out = {}
+    pipeline stage; collective over its DP x CP group); clears the tracked sums. The per-depth sums go through
+    :class:`MTPLossLoggingHelper` (averaged over ``dp_cp``, scaled by ``1 / num_microbatches``)."""
+    totals = {}
     for block in mtp_blocks(model):
         if not block.tracked_losses:
             continue
-        first = next(iter(block.tracked_losses.values()))
-        values = torch.stack([torch.as_tensor(block.tracked_losses.get(k, 0.0), dtype=torch.float32,
-                                              device=first.device) for k in range(len(block.layers))])
-        block.tracked_losses.clear()
+        depths = len(block.layers)
+        tracker = MTPLossLoggingHelper.tracker
+        if "values" in tracker and len(tracker["values"]) != depths:
+            tracker.clear()  # another model's layout
         group = pg_group(block.pg_collection, "dp_cp")
-        torch.distributed.all_reduce(values, group=group)
-        values /= torch.distributed.get_world_size(group=group) * num_microbatches
-        out.update({f"mtp_{k + 1} loss": float(v) for k, v in enumerate(values)})
-    return out
+        for depth, value in sorted(block.tracked_losses.items()):
+            MTPLossLoggingHelper.save_loss_to_tracker(value, depth, depths, avg_group=group)
+        block.tracked_losses.clear()
+        MTPLossLoggingHelper.track_mtp_metrics(1.0 / num_microbatches, 0, None, total_loss_dict=totals)
+    return {name: float(value) for name, value in totals.items()}
+
+
+def _tied_copy(sharded_state_dict, tensor, key: str, tp_group, dp_cp_group) -> None:
+    """Replace ``sharded_state_dict[key]`` by a non-main replica ``(1, 0, dp_cp rank)`` of ``tensor``, split over
+    ``tp_group`` along axis 0 (vocabulary padding may differ: shape mismatch allowed)."""
+    if key not in sharded_state_dict:
+        raise KeyError(f"{key!r} is not in the sharded state dict (keys: {sorted(sharded_state_dict)[:8]} ...)")
+    del sharded_state_dict[key]
+    sharded_state_dict[key] = make_tp_sharded_tensor_for_checkpoint(
+        tensor=tensor, key=key, replica_id=(1, 0, get_pg_rank(dp_cp_group)), allow_shape_mismatch=True,
+        tp_group=tp_group, dp_cp_group=dp_cp_group)
+
+
+def tie_word_embeddings_state_dict(sharded_state_dict, word_emb_weight: torch.Tensor, word_emb_weight_key: str,
+                                   tp_group, dp_cp_group) -> None:
+    """In place: the MTP stage's copy of the word embeddings becomes a replica of the first stage's
+    (``replica_id (1, 0, dp_cp rank)``, so only the first stage saves it)."""
+    _tied_copy(sharded_state_dict, word_emb_weight, word_emb_weight_key, tp_group, dp_cp_group)
+
+
+def tie_output_layer_state_dict(sharded_state_dict, output_layer_weight: torch.Tensor, output_layer_weight_key: str,
+                                tp_group, dp_cp_group) -> None:
+    """In place: the MTP stage's copy of the output layer becomes a replica of the post-process stage's
+    (``replica_id (1, 0, dp_cp rank)``)."""
+    _tied_copy(sharded_state_dict, output_layer_weight, output_layer_weight_key, tp_group, dp_cp_group)
+
+
+class MTPLossLoggingHelper:
+    """megatron-core's MTP loss log: ``tracker = {"values": [num_layers], "reduce_group", "avg_group"}``, one per
+    process. ``values[d]`` accumulates depth ``d``'s (0-based) loss; reduction: SUM over ``reduce_group``, then MEAN
+    over ``avg_group`` (where given); ``track_mtp_metrics`` logs ``loss_scale * values[d]`` as ``mtp_{d+1} loss``
+    and zeroes the tracker."""
+
+    tracker = {}
+
+    @staticmethod
+    def save_loss_to_tracker(loss: torch.Tensor, layer_number: int, num_layers: int, reduce_group=None,
+                             avg_group=None):
+        """Add ``loss`` (detached) to ``values[layer_number]`` (0-based; nothing when None), creating a zero vector
+        of ``num_layers`` on ``loss``'s device first."""
+        if layer_number is None:
+            return
+        tracker = MTPLossLoggingHelper.tracker
+        if "values" not in tracker:
+            tracker["values"] = torch.zeros(num_layers, device=loss.device)
+        tracker["values"][layer_number] += loss.detach().to(tracker["values"].dtype)
+        tracker["reduce_group"], tracker["avg_group"] = reduce_group, avg_group
+
+    @staticmethod
+    def clean_loss_in_tracker():
+        tracker = MTPLossLoggingHelper.tracker
+        tracker["values"].zero_()
+        tracker["reduce_group"] = tracker["avg_group"] = None
+
+    @staticmethod
+    def reduce_loss_in_tracker():
+        tracker = MTPLossLoggingHelper.tracker
+        if "values" not in tracker:
+            return
+        all_reduce_logged(tracker["values"], tracker.get("reduce_group"))
+        all_reduce_logged(tracker["values"], tracker.get("avg_group"), mean=True)
+
+    @staticmethod
+    def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
+        """Reduce, then per depth ``d``: ``total_loss_dict["mtp_{d+1} loss"] += loss_scale * values[d]``,
+        ``writer.add_scalar`` / ``wandb_writer.log`` of the same; then zero the tracker."""
+        MTPLossLoggingHelper.reduce_loss_in_tracker()
+        tracker = MTPLossLoggingHelper.tracker
+        if "values" not in tracker:
+            return
+        for depth, loss in enumerate(tracker["values"] * loss_scale):
+            name = f"mtp_{depth + 1} loss"
+            if total_loss_dict is not None:
+                total_loss_dict[name] = total_loss_dict[name] + loss if name in total_loss_dict else loss
+            if writer is not None:
+                writer.add_scalar(name, loss, iteration)
+            if wandb_writer is not None:
+                wandb_writer.log({name: loss}, iteration)
+        MTPLossLoggingHelper.clean_loss_in_tracker()

@@ -12,6 +12,12 @@ Context parallelism: a rank holds the positions of ``context_parallel_chunk_indi
 ``2 CP - 1 - r`` of ``2 CP``), so the angles are built for the full sequence and sliced the same way
 (:func:`get_pos_emb_on_this_cp_rank`); the batch's ``position_ids`` are not used for RoPE, as in megatron-core.
 
+Packed sequences (THD, ``cu_seqlens``: document ``i`` fills rows ``cu[i] .. cu[i+1]`` of the packed tensor): each
+document's positions restart at 0, so its rows get the angles ``freqs[0 .. len_i)``
+(:func:`packed_sequence_rotary_freqs`); with context parallelism a rank holds chunks ``r`` and ``2 CP - 1 - r`` of
+each document (``len_i / CP`` rows). When ``freqs`` has one row per packed token (``cu[-1]`` rows) they are taken
+at the document's own offset instead (positions chosen by the caller, e.g. multimodal RoPE).
+
 ``rope_scaling`` (Llama-3.x) rescales ``inv_freq`` with ``factor`` (8 by default), low/high frequency factors 1 and
 4 and an original context of 8192 tokens: with wavelength ``w = 2 pi / f``, ``w < 8192/4`` keeps ``f``,
 ``w > 8192/1`` gives ``f / factor``, in between ``s = (8192 / w - 1) / (4 - 1)`` and ``f' = (1 - s) f / factor + s f``.
@@ -161,6 +167,30 @@ def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int = 0, cp_size
         return pos_emb
     index = context_parallel_chunk_indices(pos_emb.size(seq_dim), cp_size, cp_rank).to(pos_emb.device)
     return pos_emb.index_select(seq_dim, index)
+
+
+def packed_sequence_rotary_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int = 1,
+                                 cp_rank: int = 0) -> torch.Tensor:
+    """The angles of a packed (THD) tensor's rows: for document ``i`` (``L = cu_seqlens[i+1] - cu_seqlens[i]``
+    tokens, of which this rank holds ``L / cp_size``), the rows of ``freqs`` at its positions ``0 .. L-1``, or
+    with ``cp_size > 1`` at chunks ``cp_rank`` and ``2 cp_size - 1 - cp_rank`` of its ``2 cp_size`` chunks;
+    concatenated in document order (``[sum_i L_i / cp_size, ...]``). If ``freqs`` has exactly ``cu_seqlens[-1]``
+    rows, document ``i`` reads them from offset ``cu_seqlens[i]`` instead of 0."""
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    per_token = freqs.size(0) == bounds[-1]
+    index = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        length, offset = end - start, (start if per_token else 0)
+        positions = (context_parallel_chunk_indices(length, cp_size, cp_rank) if cp_size > 1
+                     else torch.arange(length))
+        index.append(positions + offset)
+    if not index:
+        return freqs[:0]
+    rows = torch.cat(index).to(freqs.device)
+    if int(rows.max()) >= freqs.size(0):
+        raise ValueError(f"packed sequence: a document of {int(rows.max()) + 1} positions but rotary angles for "
+                         f"{freqs.size(0)} only (max_seqlen_q / max_seqlen_kv of PackedSeqParams too small?)")
+    return freqs.index_select(0, rows)
 
 
 def deinterleave_rotary_pairs(x: torch.Tensor) -> torch.Tensor:

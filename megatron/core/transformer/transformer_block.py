@@ -6,6 +6,7 @@ built from a layer spec. Submodule names (``layers.{i}``, ``final_layernorm``) a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
@@ -14,6 +15,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.enums import ModelType
+from megatron.core.fp8_utils import is_first_last_bf16_layer
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.process_groups_config import group_of, pg_rank, pg_size
 from megatron.core.transformer.module import MegatronModule
@@ -180,6 +182,8 @@ class ParallelTransformer(MegatronModule):
             # A heterogeneous config (Nemotron-NAS) gives each global layer its own config.
             layer_config = (config.get_config_for_layer(layer_number)
                             if getattr(config, "heterogeneous_block_specs", False) else config)
+            if getattr(config, "fp8", None) and is_first_last_bf16_layer(config, layer_number - 1):
+                layer_config = dataclasses.replace(layer_config, fp8=None)  # --first-last-layers-bf16
             if isinstance(layer_spec, TransformerBlockSubmodules):
                 return build_module(_spec_of_layer(layer_spec.layer_specs, layer_number, offset, config.num_layers,
                                                    self.num_layers), config=layer_config,
@@ -252,24 +256,29 @@ class ParallelTransformer(MegatronModule):
 
     @staticmethod
     def _run_layer(layer, hidden_states, attention_mask, encoder_output, enc_dec_attn_mask, inference_params,
-                   rotary_pos_emb):
+                   rotary_pos_emb, packed_seq_params=None):
         if isinstance(layer, TransformerLayer):
+            packed = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
             hidden_states, _ = layer(hidden_states, attention_mask, context=encoder_output,
                                      context_mask=enc_dec_attn_mask, rotary_pos_emb=rotary_pos_emb,
-                                     inference_params=inference_params)
+                                     inference_params=inference_params, **packed)
             return hidden_states
+        if packed_seq_params is not None:
+            raise NotImplementedError(f"packed sequences (packed_seq_params) are not supported by "
+                                      f"{type(layer).__name__} layers (only megatron-core TransformerLayer)")
         return layer(hidden_states, attention_mask, encoder_output=encoder_output,
                      enc_dec_attn_mask=enc_dec_attn_mask, inference_params=inference_params,
                      rotary_pos_emb=rotary_pos_emb)
 
     def _checkpointed_forward(self, hidden_states, attention_mask, encoder_output, enc_dec_attn_mask,
-                              rotary_pos_emb):
+                              rotary_pos_emb, packed_seq_params=None):
         """Full recompute: only the inputs of each recomputed chunk of layers are kept for backward."""
 
         def custom(start, end):
             def custom_forward(x_, mask, enc_out, enc_dec_mask, rope):
                 for index in range(start, end):
-                    x_ = self._run_layer(self._get_layer(index), x_, mask, enc_out, enc_dec_mask, None, rope)
+                    x_ = self._run_layer(self._get_layer(index), x_, mask, enc_out, enc_dec_mask, None, rope,
+                                         packed_seq_params)
                 return x_
 
             return custom_forward
@@ -298,7 +307,7 @@ class ParallelTransformer(MegatronModule):
 
     def forward(self, hidden_states, attention_mask, encoder_output=None, enc_dec_attn_mask=None,
                 retriever_input=None, retriever_output=None, retriever_attn_mask=None, inference_params=None,
-                rotary_pos_emb=None):
+                rotary_pos_emb=None, packed_seq_params=None):
         if not self.pre_process:
             hidden_states = self.input_tensor
         # Viewless so that the pipeline schedule can free it after sending (see make_viewless_tensor).
@@ -310,11 +319,12 @@ class ParallelTransformer(MegatronModule):
         with rng_context:
             if self.recompute_granularity == "full" and self.training:
                 hidden_states = self._checkpointed_forward(hidden_states, attention_mask, encoder_output,
-                                                           enc_dec_attn_mask, rotary_pos_emb)
+                                                           enc_dec_attn_mask, rotary_pos_emb, packed_seq_params)
             else:
                 for layer in self.layers:
                     hidden_states = self._run_layer(layer, hidden_states, attention_mask, encoder_output,
-                                                    enc_dec_attn_mask, inference_params, rotary_pos_emb)
+                                                    enc_dec_attn_mask, inference_params, rotary_pos_emb,
+                                                    packed_seq_params)
 
         if self.post_process and self.post_layer_norm:
             hidden_states = self.final_layernorm(hidden_states)
@@ -358,4 +368,5 @@ class TransformerBlock(ParallelTransformer):
     def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
                 inference_params=None, packed_seq_params=None):
         return super().forward(hidden_states, attention_mask, encoder_output=context, enc_dec_attn_mask=context_mask,
-                               inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
+                               inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
+                               packed_seq_params=packed_seq_params)

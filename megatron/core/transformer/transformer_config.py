@@ -146,12 +146,14 @@ class TransformerConfig(ModelParallelConfig):
     fp8_amax_compute_algo: str = flag("most_recent", "How the FP8 amax is computed from its history.",
                                                      choices=("most_recent", "max"))
     fp8_wgrad: bool = flag(True, "Compute the weight gradients in higher precision under FP8.")
-    # megatron-core's per-layer FP8 exemption, read by fp8_utils.is_first_last_bf16_layer: the first / last
-    # num_layers_at_{start,end}_in_bf16 global layers stay in bf16 when first_last_layers_bf16 (no flag here: the FP8
-    # linear layers of this library do not yet skip those layers).
-    first_last_layers_bf16: bool = False
-    num_layers_at_start_in_bf16: int = 1
-    num_layers_at_end_in_bf16: int = 1
+    # megatron-core's per-layer FP8 exemption (fp8_utils.is_first_last_bf16_layer): the transformer block builds the
+    # first / last num_layers_at_{start,end}_in_bf16 global layers without FP8.
+    first_last_layers_bf16: bool = flag(False, "With FP8, keep the first and last layers of the model in bf16 "
+                                               "(--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16).")
+    num_layers_at_start_in_bf16: int = flag(1, "Layers at the start of the model kept in bf16 with "
+                                               "--first-last-layers-bf16.")
+    num_layers_at_end_in_bf16: int = flag(1, "Layers at the end of the model kept in bf16 with "
+                                             "--first-last-layers-bf16.")
 
     normalization: str = flag("LayerNorm", "Normalization layer type.", choices=("LayerNorm", "RMSNorm"))
     # --qk-layernorm: normalise each head's queries and keys (the config's normalization) before RoPE/scores.
@@ -254,8 +256,10 @@ class TransformerConfig(ModelParallelConfig):
     moe_router_force_load_balancing: bool = flag(
         False, "Benchmarking only: route on random logits (normal draws from the expert-parallel RNG stream) so "
                "every expert gets a balanced load; the gradient passes straight through to the router.")
-    # One RouterReplay per router (megatron.core.transformer.moe.router_replay); library use, no flag here.
-    moe_enable_routing_replay: bool = False
+    moe_enable_routing_replay: bool = flag(
+        False, "Give every MoE router a RouterReplay (megatron.core.transformer.moe.router_replay) that can record "
+               "its top-k choices or replay given ones; routing is unchanged until an action is set through that "
+               "API.")
     moe_aux_loss_coeff: Union[float, List[float]] = 0.0
     moe_z_loss_coeff: Optional[float] = flag(None, "Coefficient of the router z-loss.")
     moe_input_jitter_eps: Optional[float] = flag(None, "Multiply the router input by U(1-eps, 1+eps).")
@@ -398,6 +402,7 @@ class TransformerConfig(ModelParallelConfig):
 
         if self.fp8 is not None:
             fp8_recipe_from_config(self)  # raises a ValueError naming the flag for an invalid combination
+            self._validate_first_last_bf16()
 
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
@@ -447,12 +452,48 @@ class TransformerConfig(ModelParallelConfig):
         self._validate_moe()
         self._validate_attention_variants()
         self._validate_llama4_settings()
+        self._validate_moe_overlap()
 
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, max(self.num_layers, 1),
                                                                       multiplier=1.0 if self.is_hybrid_model else 2.0)
+
+    def _validate_moe_overlap(self):
+        """megatron-core's conditions of ``overlap_moe_expert_parallel_comm`` (its combined 1F1B schedule) that are
+        not about speed: the alltoall (or flex) dispatcher, no layer recompute, no shared-expert overlap, at most
+        one MTP depth, virtual stages with PP > 1. (Its EP > 1 and bf16 / fp16 conditions are not required here.)"""
+        if not self.overlap_moe_expert_parallel_comm:
+            return
+        problems = []
+        if self.moe_token_dispatcher_type not in ("alltoall", "flex"):
+            problems.append("the alltoall or flex token dispatcher")
+        if self.recompute_granularity == "full" or self.recompute_method is not None \
+                or self.recompute_num_layers is not None:
+            problems.append("no full recompute (recompute_granularity / recompute_method / recompute_num_layers)")
+        if self.moe_shared_expert_overlap:
+            problems.append("moe_shared_expert_overlap off")
+        if (self.mtp_num_layers or 0) > 1:
+            problems.append("at most one multi-token prediction layer")
+        if self.pipeline_model_parallel_size > 1 and self.virtual_pipeline_model_parallel_size is None:
+            problems.append("virtual_pipeline_model_parallel_size when pipeline_model_parallel_size > 1")
+        if problems:
+            raise ValueError("overlap_moe_expert_parallel_comm needs " + "; ".join(problems))
+
+    def _validate_first_last_bf16(self):
+        """megatron-core's rules for --first-last-layers-bf16 under FP8: not with delayed scaling, and each count in
+        [0, layers per pipeline stage]."""
+        if not self.first_last_layers_bf16:
+            return
+        if self.fp8_recipe == "delayed":
+            raise ValueError("Delayed scaling does not support first / last layer in BF16: --first-last-layers-bf16 "
+                             "needs --fp8-recipe tensorwise")
+        per_stage = self.num_layers // self.pipeline_model_parallel_size
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if not 0 <= getattr(self, name) <= per_stage:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be between 0 and number of layers per "
+                                 f"pipeline stage ({per_stage}).")
 
     def _validate_moe(self):
         """megatron-core's MoE checks (the flags are also checked in validate_args, before any process group)."""

@@ -216,10 +216,10 @@ class ParallelTransformerLayer(GraphableMegatronModule, BaseTransformerLayer):
                            inference_params=None):
         """The attention half of the layer (megatron-core's split): ``x + attn(norm(x))`` (then the cross
         attention of a decoder layer); returns ``(hidden_states, context)``. The other arguments of megatron-core's
-        signature (precomputed cos / sin, attention bias, packed sequences, a sequence offset) are refused."""
+        signature (precomputed cos / sin, attention bias, a sequence offset) are refused; packed sequences
+        (``packed_seq_params``) go to the self attention."""
         for name, value in (("rotary_pos_cos", rotary_pos_cos), ("rotary_pos_sin", rotary_pos_sin),
-                            ("attention_bias", attention_bias), ("packed_seq_params", packed_seq_params),
-                            ("sequence_len_offset", sequence_len_offset)):
+                            ("attention_bias", attention_bias), ("sequence_len_offset", sequence_len_offset)):
             if value is not None:
                 raise NotImplementedError(f"transformer layer: {name} is not supported")
         inference_params = inference_params if inference_params is not None else inference_context
@@ -229,12 +229,16 @@ class ParallelTransformerLayer(GraphableMegatronModule, BaseTransformerLayer):
         else:
             layernorm_output = self._norm(self.input_layernorm, hidden_states)
             # The mask by keyword, as megatron-core passes it (a linear replacement takes other positionals).
+            packed = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
             attention_output, attention_bias = self.self_attention(
                 layernorm_output, attention_mask=attention_mask, inference_params=inference_params,
-                rotary_pos_emb=rotary_pos_emb)
+                rotary_pos_emb=rotary_pos_emb, **packed)
             residual = layernorm_output if self.apply_residual_connection_post_layernorm else hidden_states
             layernorm_input = self._bias_dropout_add(attention_output, attention_bias, residual, "self_attention")
         if self.has_cross_attention:
+            if packed_seq_params is not None:
+                raise NotImplementedError("transformer layer: packed sequences (packed_seq_params) with cross "
+                                          "attention are not supported")
             layernorm_output = self._norm(self.pre_cross_attn_layernorm, layernorm_input)
             attention_output, attention_bias = self.cross_attention(layernorm_output, context_mask, context)
             residual = layernorm_output if self.apply_residual_connection_post_layernorm else layernorm_input
@@ -298,12 +302,16 @@ class TransformerLayer(ParallelTransformerLayer):
 
     def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
                 inference_params=None, packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences (packed_seq_params) are not supported")
-        output = super().forward(hidden_states, attention_mask, encoder_output=context,
-                                 enc_dec_attn_mask=context_mask, inference_params=inference_params,
-                                 rotary_pos_emb=rotary_pos_emb)
-        return output, context
+        if packed_seq_params is None:
+            output = super().forward(hidden_states, attention_mask, encoder_output=context,
+                                     enc_dec_attn_mask=context_mask, inference_params=inference_params,
+                                     rotary_pos_emb=rotary_pos_emb)
+            return output, context
+        hidden_states, _ = self._forward_attention(hidden_states, attention_mask, context=context,
+                                                   context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
+                                                   inference_params=inference_params,
+                                                   packed_seq_params=packed_seq_params)
+        return self._forward_mlp(hidden_states), context
 
 
 class MoETransformerLayer(TransformerLayer):

@@ -211,7 +211,7 @@ BLOCKS = (
               --moe-router-topk-scaling-factor --moe-router-enable-expert-bias --moe-router-bias-update-rate
               --moe-aux-loss-coeff --moe-z-loss-coeff --moe-input-jitter-eps --moe-per-layer-logging
               --moe-token-dispatcher-type --moe-expert-capacity-factor --moe-pad-expert-input-to-capacity
-              --moe-token-drop-policy --moe-router-force-load-balancing"""),
+              --moe-token-drop-policy --moe-router-force-load-balancing --moe-enable-routing-replay"""),
         group="mixture of experts",
     ),
     Block(
@@ -220,7 +220,8 @@ BLOCKS = (
         names("""--fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window
               --hysteresis --accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16 --fp16-lm-cross-entropy
               --fp8-format --fp8-recipe --fp8-margin --fp8-interval --fp8-amax-history-len
-              --fp8-amax-compute-algo --no-fp8-wgrad"""),
+              --fp8-amax-compute-algo --no-fp8-wgrad --first-last-layers-bf16 --num-layers-at-start-in-bf16
+              --num-layers-at-end-in-bf16"""),
         group="precision",
     ),
     Block(

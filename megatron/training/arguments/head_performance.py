@@ -79,8 +79,7 @@ BLOCKS = (
         PERFORMANCE,
         "no overlap of the expert-parallel all-to-all or of deferred weight-gradient GEMMs: each runs in order on one "
         "stream",
-        names("""--moe-shared-expert-overlap""") + (
-            switch("--overlap-moe-expert-parallel-comm"),
+        names("""--moe-shared-expert-overlap --overlap-moe-expert-parallel-comm""") + (
             switch("--delay-wgrad-compute"),
             switch("--overlap-dispatch-backward-with-experts-wgrad"),
             switch("--ep-overlap-early-attn-memory-release"),

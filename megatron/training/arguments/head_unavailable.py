@@ -442,9 +442,6 @@ BLOCKS = (
             switch("--fp4-param-gather"),
             value("--fp8-quantizer-factory"),
             switch("--fp8-output-proj"),
-            switch("--first-last-layers-bf16"),
-            value("--num-layers-at-start-in-bf16", type=int, default=1),
-            value("--num-layers-at-end-in-bf16", type=int, default=1),
             value("--te-precision-config-file"),
             switch("--reuse-grad-buf-for-mxfp8-param-ag"),
             switch("--moe-router-padding-for-fp8"),
@@ -457,12 +454,11 @@ BLOCKS = (
     ),
     Block(
         NOT_AVAILABLE,
-        "these MoE variants (upcycling, routing replay, forced or quantile balancing, latent or interleaved expert "
+        "these MoE variants (upcycling during training, forced or quantile balancing, latent or interleaved expert "
         "weights, per-rank capacity) are not part of this library",
         (
             switch("--moe-use-upcycling"),
             value("--moe-upcycling-granularity", type=int, default=1),
-            switch("--moe-enable-routing-replay"),
             value("--moe-router-force-biased", type=float),
             value("--moe-router-quantile-balancing-ema", type=float, default=0.0),
             value("--moe-shared-expert-glu-interleave-size", type=int),

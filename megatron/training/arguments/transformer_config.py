@@ -70,6 +70,9 @@ def core_transformer_config_from_args(args, config_class=None):
     kw_args["deallocate_pipeline_outputs"] = True
     kw_args["pipeline_dtype"] = args.params_dtype
     kw_args["batch_p2p_comm"] = not args.overlap_p2p_comm
+    # Performance-only on the command line: the plain schedule runs (bit-identical losses); megatron-core's combined
+    # 1F1B schedule is for library users who set the config field.
+    kw_args["overlap_moe_expert_parallel_comm"] = False
 
     activation_func, gated = _mlp_activation(args)
     kw_args["activation_func"] = activation_func

@@ -152,8 +152,7 @@ def sharded_tensor_to_torch_sharded_tensor(sh_tens: List[ShardedTensor], rank: O
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as ShardedTensorProperties
 
-    if load_legacy_1d_flatten_tensors:
-        raise CheckpointingException("flattened (1-D) legacy tensors do not exist in this library's checkpoints")
+    # load_legacy_1d_flatten_tensors: accepted and without effect, as in megatron-core 0.16.1 (no flattened blocks)
     rank = torch.distributed.get_rank() if rank is None else rank
     world = torch.distributed.get_world_size()
     first = sh_tens[0]
@@ -331,9 +330,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                  thread_count: int = 2, cached_metadata: bool = False, separation_hint: Optional[str] = None,
                  process_group=None):
         super().__init__(backend, version)
-        if separation_hint is not None:
-            raise NotImplementedError("TorchDistSaveShardedStrategy(separation_hint=...) is not implemented: every "
-                                      "rank writes one file")
+        self.separation_hint = separation_hint  # keys beginning with it are written to their own files
         self.thread_count = thread_count  # DCP writes one file per rank here; kept for megatron-core's signature
         self.cached_metadata = cached_metadata
         self.keep_only_main_replica = keep_only_main_replica
@@ -345,12 +342,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def save(self, sharded_state_dict, checkpoint_dir: str) -> None:
         save_sharded(to_storage(sharded_state_dict, self.keep_only_main_replica), str(checkpoint_dir),
-                     process_group=self.process_group)
+                     process_group=self.process_group, separation_hint=self.separation_hint)
 
     def async_save(self, sharded_state_dict, checkpoint_dir: str) -> AsyncRequest:
         storage = to_storage(sharded_state_dict, self.keep_only_main_replica, snapshot=True)
         group = self.process_group if self.process_group is not None else async_process_group()
-        return AsyncRequest(save_sharded, (storage, str(checkpoint_dir)), [], {"process_group": group})
+        return AsyncRequest(save_sharded, (storage, str(checkpoint_dir)), [],
+                            {"process_group": group, "separation_hint": self.separation_hint})
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):

@@ -82,8 +82,9 @@ def _place(param: torch.nn.Parameter, full: torch.Tensor, on: torch.device) -> N
         if isinstance(param, DTensor):
             local = param.to_local()
             mesh = param.device_mesh
-            blocks = torch.chunk(full, mesh.size(), dim=0)
-            rank = mesh.get_local_rank()
+            shard_dim = mesh.ndim - 1  # FSDP2 shards over the last mesh dimension (replicates over any other)
+            blocks = torch.chunk(full, mesh.shape[shard_dim], dim=0)
+            rank = mesh.get_local_rank(shard_dim)
             block = blocks[rank] if rank < len(blocks) else full[:0]
             if tuple(block.shape) != tuple(local.shape):
                 raise MetaInitError(f"{FLAG}: a shard of {tuple(local.shape)} where torch.chunk gives "

@@ -97,7 +97,9 @@ class FullyShardedModule(torch.nn.Module):
     ``strategy``: ``optim_grads`` or ``optim_grads_params`` (module docstring).
     Shards over ``fsdp_mesh`` (experts over ``expert_mesh``) when given, else over the DP x CP group
     (``dp_cp_group``, default parallel_state's; experts over ``expert_dp_group``).
-    ``config`` supplies ``params_dtype`` (the compute dtype) and ``calculate_per_token_loss``.
+    ``config`` supplies ``params_dtype`` (the compute dtype) and ``calculate_per_token_loss``; ``fp32_outputs``: the
+    root's low-precision outputs are cast to fp32 (Megatron's ``Float16Module`` behaviour; the standalone API
+    returns them in the compute dtype).
     """
 
     uses_fully_shard = True
@@ -105,18 +107,20 @@ class FullyShardedModule(torch.nn.Module):
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
                  units: Iterable[torch.nn.Module], strategy: str = "optim_grads_params",
                  reshard_after_forward: bool = True, dp_cp_group=None, tp_group=None, expert_dp_group=None,
-                 fsdp_mesh: Optional[DeviceMesh] = None, expert_mesh: Optional[DeviceMesh] = None):
+                 fsdp_mesh: Optional[DeviceMesh] = None, expert_mesh: Optional[DeviceMesh] = None,
+                 fp32_outputs: bool = True):
         super().__init__()
-        replicated = fsdp_mesh is not None and fsdp_mesh.ndim == 2
-        if strategy not in FULLY_SHARDED_STRATEGIES and not (strategy == "no_shard" and replicated):
+        unsharded = fsdp_mesh is not None and fsdp_mesh.ndim == 2 and fsdp_mesh.shape[1] == 1
+        if strategy not in FULLY_SHARDED_STRATEGIES and not (strategy == "no_shard" and unsharded):
             raise ValueError(f"FullyShardedModule shards with {FULLY_SHARDED_STRATEGIES} (no_shard: over a "
                              f"(d, 1) replicate x shard mesh), got {strategy!r}")
         self.config = config
         self.ddp_config = ddp_config
         self.sharding_strategy = strategy
-        if fsdp_mesh is not None:  # a DeviceMesh given by the caller (the standalone Megatron-FSDP API)
+        if fsdp_mesh is not None:  # a DeviceMesh given by the caller (the standalone Megatron-FSDP API): 1-D, or
+            # (replicate, shard) for hybrid sharding; dp_cp_group then spans all its ranks (default: a 1-D mesh's)
             self.device_mesh = self.fsdp_mesh = fsdp_mesh
-            dp_cp_group = fsdp_mesh.get_group(0)
+            dp_cp_group = dp_cp_group if dp_cp_group is not None else fsdp_mesh.get_group(0)
         else:
             if dp_cp_group is None:
                 dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -125,7 +129,7 @@ class FullyShardedModule(torch.nn.Module):
             self.device_mesh = dp_tp_mesh(dp_cp_group, tp_group)
             self.fsdp_mesh = self.device_mesh["dp_cp"]
         self.data_parallel_group = dp_cp_group
-        dp_size = torch.distributed.get_world_size(dp_cp_group)
+        dp_size = fsdp_mesh.size() if fsdp_mesh is not None else torch.distributed.get_world_size(dp_cp_group)
         divide = 1.0 if config.calculate_per_token_loss else float(dp_size)
 
         # Parameters are the fp32 main weights; the policy casts the gathered copies for compute.
@@ -138,7 +142,7 @@ class FullyShardedModule(torch.nn.Module):
 
         self.expert_mesh = None
         self.units: List[FSDPModule] = []
-        mesh_sizes = []  # of each unit's mesh
+        shard_sizes = []  # the size of each unit's mesh dimension it shards over (the last)
         experts = [m for m in _outermost(module.modules(), _is_expert_container)]
         if experts:
             if expert_mesh is None:
@@ -149,25 +153,26 @@ class FullyShardedModule(torch.nn.Module):
             for m in experts:
                 fully_shard(m, mesh=self.expert_mesh, **kwargs)
                 self.units.append(m)
-                mesh_sizes.append(self.expert_mesh.size())
+                shard_sizes.append(self.expert_mesh.shape[-1])
         for m in units:
             if m is module or not any(True for _ in m.parameters()):
                 continue
             fully_shard(m, mesh=self.fsdp_mesh, **kwargs)
             self.units.append(m)
-            mesh_sizes.append(self.fsdp_mesh.size())
+            shard_sizes.append(self.fsdp_mesh.shape[-1])
         fully_shard(module, mesh=self.fsdp_mesh, reshard_after_forward=kwargs["reshard_after_forward"],
-                    mp_policy=_mp_policy(config, ddp_config, root=True))
+                    mp_policy=_mp_policy(config, ddp_config, root=fp32_outputs))
         self.units.append(module)
-        mesh_sizes.append(self.fsdp_mesh.size())
+        shard_sizes.append(self.fsdp_mesh.shape[-1])
         gloo = torch.distributed.get_backend(dp_cp_group) == "gloo"
-        for unit, mesh_size in zip(self.units, mesh_sizes):
+        for unit, shard_size in zip(self.units, shard_sizes):
             unit.set_gradient_divide_factor(divide)
-            # gloo has no PREMUL_SUM / AVG: reduce with SUM and scale locally. Not on a mesh of one rank (experts
-            # when the expert data-parallel size is 1): FSDP2 (torch 2.13) skips the reduce-scatter there and
-            # divides by the factor itself, and forced SUM would divide a second time (gradients / d^2). Nor on the
-            # (d, 1) replicate mesh of no_shard, whose all-reduce FSDP2 already divides once on gloo.
-            if gloo and mesh_size > 1 and not replicated:
+            # gloo has no PREMUL_SUM / AVG: reduce with SUM and scale locally. Not when the shard dimension has one
+            # rank (experts when the expert data-parallel size is 1; the (d, 1) mesh of no_shard): FSDP2 (torch
+            # 2.13) skips the reduce-scatter there and divides by the factor itself (after the replicate
+            # dimension's all-reduce, if any), and forced SUM would divide a second time (gradients / d^2).
+            # Measured with a (replicate, shard) mesh on gloo: (2, 2) needs the forced SUM, (2, 1) must not have it.
+            if gloo and shard_size > 1:
                 unit.set_force_sum_reduction_for_comms(True)
             if keep_whole:
                 unit.set_reshard_after_backward(False)

@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.gpt.gpt_model import LanguageModule
@@ -83,6 +84,8 @@ class T5Model(LanguageModule):
         # ``embd`` ties the word embeddings of the first, split and last stages, ``pos_embd`` the position
         # embeddings of the first and split stages.
         super().__init__(config, pg_collection, share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         if position_embedding_type not in ("learned_absolute", "rope"):
             raise NotImplementedError(f"T5 position_embedding_type {position_embedding_type!r}: only "
                                       "'learned_absolute' and 'rope' are implemented ('relative' needs Transformer "

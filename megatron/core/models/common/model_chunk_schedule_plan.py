@@ -14,8 +14,8 @@ computation of the other::
 
 Forward and backward are independent micro-batches, so any interleaving gives the numbers of running them one
 after the other; on a GPU the nodes run on a computation and a communication stream (the overlap is a GPU-only
-performance matter). Here the nodes run in this order on the current stream (``stream=None``, CPU), and the
-losses and gradients equal those of the plain schedule.
+performance matter). Here the nodes run in this order on the current stream (``stream=None``, CPU): the losses
+are the plain schedule's and the gradients equal its gradients to rounding.
 """
 from __future__ import annotations
 

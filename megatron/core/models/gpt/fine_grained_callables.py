@@ -17,8 +17,8 @@ A dense layer has ``attn`` (-> ``a``) and ``mlp`` (-> ``L(x)``). A tensor produc
 one other than through the outputs (the residual, the shared experts' output, the dispatched probabilities) is
 :meth:`TransformerLayerNode.detach` ed: the later node differentiates into the detached leaf, and the producing node's
 backward runs from its outputs *and* those tensors with their accumulated gradients, so chaining the nodes'
-backwards is the chain rule of the whole layer. On one stream (CPU) the nodes compute exactly what
-``GPTModel.forward`` computes; on a GPU the schedule overlaps a micro-batch's all-to-all with another's computation.
+backwards is the chain rule of the whole layer. On one stream (CPU) the nodes compute what ``GPTModel.forward``
+computes and its gradients (to rounding: contributions to one tensor's gradient are summed in another order); on a GPU the schedule overlaps a micro-batch's all-to-all with another's computation.
 
 A multi-token prediction depth is a layer of the plan too (:func:`build_mtp_layer_callables`): its ``attn`` node
 embeds the rolled tokens and projects ``[enorm(e), hnorm(h)]`` before the transformer layer's attention, and its
@@ -251,7 +251,8 @@ def build_transformer_layer_callables(layer: TransformerLayer):
         state = node.chunk_state
         with rng():
             hidden_states, _ = layer._forward_attention(hidden_states, attention_mask=state.attention_mask,
-                                                        rotary_pos_emb=state.rotary_pos_emb)
+                                                        rotary_pos_emb=state.rotary_pos_emb,
+                                                        packed_seq_params=state.packed_seq_params)
             if not is_moe:
                 return hidden_states
             moe = layer.mlp
@@ -322,6 +323,9 @@ def build_mtp_layer_callables(layer):
 
     def mtp_attn_forward(node, hidden_states):
         state = node.chunk_state
+        if state.packed_seq_params is not None:
+            raise NotImplementedError("multi-token prediction with packed sequences (packed_seq_params) is not "
+                                      "supported")
         if node.is_first_layer:
             state.mtp_hidden_states = [hidden_states]
         state.input_ids, _ = roll_tensor(state.input_ids, cp_group)

@@ -14,6 +14,7 @@ from megatron.core.config_logger import has_config_logger_enabled, log_config_to
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_model import logits_or_loss
+from megatron.core.packed_seq_params import packed_max_seqlen
 from megatron.core.process_groups_config import group_of, is_pp_first_stage_of, pg_rank, pg_size
 from megatron.core.transformer.module import MegatronModule, sync_tied_weight_across_pipeline
 from megatron.core.transformer.rotary import RotaryEmbedding, YarnRotaryEmbedding, get_pos_emb_on_this_cp_rank
@@ -131,6 +132,19 @@ class LanguageModule(MegatronModule):
                               tp_group=getattr(self, "tp_group", None))
 
 
+def _rotary_cp_split(pg_collection, packed_seq_params):
+    """``(size, rank)`` of the context-parallel split of the rotary angles: the model's CP group; none for packed
+    ``thd`` sequences (the attention picks each document's rows); a hybrid-CP sample's own ``cp_group`` (none for
+    ``local_cp_size`` 1) with ``sbhd`` packed params."""
+    if packed_seq_params is None or (packed_seq_params.qkv_format != "thd" and packed_seq_params.cp_group is None
+                                     and packed_seq_params.local_cp_size is None):
+        return pg_size(pg_collection, "cp"), pg_rank(pg_collection, "cp")
+    group = packed_seq_params.cp_group
+    if packed_seq_params.qkv_format == "thd" or group is None:
+        return 1, 0
+    return torch.distributed.get_world_size(group=group), torch.distributed.get_rank(group=group)
+
+
 class GPTModel(LanguageModule):
     """``GPTModel(config, transformer_layer_spec, vocab_size, max_sequence_length, pre_process=True,
     post_process=True, fp16_lm_cross_entropy=False, parallel_output=True, share_embeddings_and_output_weights=False,
@@ -246,10 +260,15 @@ class GPTModel(LanguageModule):
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, inference_params=None,
                 packed_seq_params=None, extra_block_kwargs=None, loss_mask=None):
+        if packed_seq_params is not None and self.mtp_process:
+            raise NotImplementedError("GPTModel: packed sequences (packed_seq_params) with multi-token prediction "
+                                      "(mtp_num_layers) are not supported")
         decoder_input, rotary_pos_emb, *_ = self._preprocess(input_ids, position_ids, decoder_input,
-                                                             inference_context=inference_params)
+                                                             inference_context=inference_params,
+                                                             packed_seq_params=packed_seq_params)
+        packed = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                                     inference_params=inference_params, rotary_pos_emb=rotary_pos_emb)
+                                     inference_params=inference_params, rotary_pos_emb=rotary_pos_emb, **packed)
         return self._postprocess(hidden_states, input_ids, position_ids, labels, rotary_pos_emb, None, None,
                                  mtp_in_postprocess=True, loss_mask=loss_mask, decoder_input=decoder_input,
                                  attention_mask=attention_mask)
@@ -259,23 +278,24 @@ class GPTModel(LanguageModule):
         """Before the decoder: the embedding (first stage, unless ``decoder_input`` is given) and the rotary
         angles of this context-parallel rank's positions. Returns megatron-core's 6-tuple ``(decoder_input,
         rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset, padding_mask)`` (cos / sin /
-        offset are None here: attention applies the angles itself)."""
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences (packed_seq_params) are not supported")
+        offset are None here: attention applies the angles itself). Packed sequences (``packed_seq_params``, one
+        row ``[1, t]`` of documents): the angles of positions ``0 .. max(max_seqlen_q, max_seqlen_kv)``, not split
+        by context parallelism (the attention picks each document's rows)."""
         if padding_mask is not None:
             raise NotImplementedError("GPTModel: padding_mask is not supported")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         rotary_pos_emb = None
         if hasattr(self, "rotary_pos_emb"):
-            rotary_pos_emb = self.rotary_pos_emb(self._rotary_seq_len(input_ids, decoder_input, inference_context))
+            rotary_len = (self._rotary_seq_len(input_ids, decoder_input, inference_context)
+                          if packed_seq_params is None else packed_max_seqlen(packed_seq_params))
+            rotary_pos_emb = self.rotary_pos_emb(rotary_len)
             if isinstance(rotary_pos_emb, tuple):  # YaRN: (angles, concentration); attention applies the latter
                 rotary_pos_emb = rotary_pos_emb[0]
-            cp = pg_size(self.pg_collection, "cp")
+            cp, cp_rank = _rotary_cp_split(self.pg_collection, packed_seq_params)
             if cp > 1:
                 # Angles of this CP rank's positions (chunks r and 2CP-1-r), as the batch was split.
-                rotary_pos_emb = get_pos_emb_on_this_cp_rank(rotary_pos_emb, seq_dim=0, cp_size=cp,
-                                                             cp_rank=pg_rank(self.pg_collection, "cp"))
+                rotary_pos_emb = get_pos_emb_on_this_cp_rank(rotary_pos_emb, seq_dim=0, cp_size=cp, cp_rank=cp_rank)
         return decoder_input, rotary_pos_emb, None, None, None, None
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron.core import tensor_parallel
+from megatron.core.config_logger import has_config_logger_enabled, log_config_to_disk
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embedding import LanguageModelEmbedding
 from megatron.core.models.gpt.gpt_model import LanguageModule
@@ -42,6 +43,8 @@ class MambaModel(LanguageModule):
                  vp_stage: Optional[int] = None, pg_collection=None, *, hybrid_layer_pattern: Optional[str] = None):
         super().__init__(config=config, pg_collection=pg_collection,
                          share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+        if has_config_logger_enabled(config):
+            log_config_to_disk(config, locals(), prefix=type(self).__name__)
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError("position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
                              f"got {position_embedding_type!r}")

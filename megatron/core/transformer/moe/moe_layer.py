@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Protocol, Tuple, Union
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.device import current_device
 from megatron.core.process_groups_config import pg_group, pg_rank, pg_size
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import param_device
@@ -260,17 +261,18 @@ def reduce_moe_losses(model, num_microbatches: int, num_moe_layers: int,
     num_layers = torch.tensor([num_layers], dtype=torch.int64)
     torch.distributed.all_reduce(num_layers, op=torch.distributed.ReduceOp.MAX)
     total_layers = int(num_layers.item())
-    groups = {"reduce_group": tensor_and_context_parallel_group(pg_collection)}
+    groups = {"reduce_group": tensor_and_context_parallel_group(pg_collection), "reduce_group_has_dp": False}
     global_groups = {"reduce_group": global_load_balancing_group(pg_collection), "reduce_group_has_dp": True}
     for name in names:
         entry = tracker.get(name)
         if entry is None or len(entry["values"]) != total_layers:
-            values = torch.zeros(total_layers)
+            values = torch.zeros(total_layers, device=current_device())
             if entry is not None:
                 values[:len(entry["values"])] += entry["values"].cpu()
-            tracker[name] = {"values": values, "avg_group": None, "reduce_group_has_dp": False, **groups}
-        if name == LOSS_NAMES["global_aux_loss"]:
-            tracker[name].update(global_groups)
+            tracker[name] = {"values": values}
+        # This step's groups (an entry may hold the groups of an earlier parallel_state initialisation).
+        kind = global_groups if name == LOSS_NAMES["global_aux_loss"] else groups
+        tracker[name].update(avg_group=None, **kind)
     for r in routers:
         for name, value in r.tracked_losses.items():
             kind = global_groups if name == LOSS_NAMES["global_aux_loss"] else groups

@@ -514,7 +514,7 @@ def clear_aux_losses_tracker() -> None:
         entry["values"].zero_()
 
 
-def _all_reduce(values: torch.Tensor, group, mean: bool = False) -> None:
+def all_reduce_logged(values: torch.Tensor, group, mean: bool = False) -> None:
     """In-place SUM (``mean``: SUM / group size, which gloo's missing AVG needs) over ``group``; nothing without
     an initialized process group or with no group."""
     if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -537,13 +537,13 @@ def reduce_aux_losses_tracker_across_ranks(track_names: Optional[List[str]] = No
     for name in names:
         entry = tracker[name]
         values = entry["values"]
-        _all_reduce(values, pp_group)
+        all_reduce_logged(values, pp_group)
         if entry.get("reduce_group") is not None:
-            _all_reduce(values, entry["reduce_group"])
+            all_reduce_logged(values, entry["reduce_group"])
             if not entry.get("reduce_group_has_dp", False):
-                _all_reduce(values, dp_group, mean=True)
+                all_reduce_logged(values, dp_group, mean=True)
         if entry.get("avg_group") is not None:
-            _all_reduce(values, entry["avg_group"], mean=True)
+            all_reduce_logged(values, entry["avg_group"], mean=True)
 
 
 def _count_moe_layers(num_layers, moe_layer_freq, mtp_num_layers) -> int:

@@ -5,7 +5,9 @@ Order of operations (Megatron's ``TopKRouter.forward``): optional input jitter `
 ``topk_routing_with_score_function`` -> capacity/token dropping (``--moe-expert-capacity-factor``) -> the
 load-balancing loss on separate aux scores (training, coefficient > 0). Losses are attached to the probabilities
 (aux) or the logits (z) with :class:`MoEAuxLossAutoScaler`, and ``loss / coeff`` is accumulated per layer in
-``tracked_losses`` for logging (see :func:`megatron.core.transformer.moe.moe_layer.reduce_moe_losses`).
+``tracked_losses`` for logging (:func:`megatron.core.transformer.moe.moe_layer.reduce_moe_losses` moves them into
+megatron-core's layer-wise tracker once per step). With ``config.moe_enable_routing_replay`` the top-k selection
+goes through a :class:`~megatron.core.transformer.moe.router_replay.RouterReplay` (record / replay).
 
 The sums of the load-balancing loss run over the tensor (x context) parallel group, whose ranks hold different
 tokens of the same sequences under sequence parallelism: ``c_e`` is all-reduced there and ``T_tot = T x |group|``,
@@ -27,7 +29,6 @@ import torch
 from megatron.core.process_groups_config import pg_group
 from megatron.core.transformer.norms import param_device, weights_on_meta
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     apply_random_logits,
@@ -38,6 +39,7 @@ from megatron.core.transformer.moe.moe_utils import (
     topk_routing_with_score_function,
     z_loss_func,
 )
+from megatron.core.transformer.moe.router_replay import RouterReplay
 
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
               "global_aux_loss": "global_load_balancing_loss"}

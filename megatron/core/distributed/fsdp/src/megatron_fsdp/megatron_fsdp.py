@@ -13,17 +13,21 @@ data-parallel mean gradient, so an element-wise optimizer over ``model.parameter
 * ``optim_grads`` (ZeRO-2): gathered weights stay until the optimizer step, after which
   :meth:`MegatronFSDP.install_optimized_model_weights` gathers the updated blocks again;
 * ``no_shard`` (DDP): a ``(d, 1)`` mesh whose first dimension FSDP2 replicates over: every rank keeps whole
-  weights and optimizer state, and each unit's gradients are all-reduced and divided by ``d``.
+  weights and optimizer state, and each unit's gradients are all-reduced and divided by ``d``;
+* hybrid FSDP (``dp_outer_dim`` with ``outer_dp_sharding_strategy="no_shard"``): the ``(dp_outer, dp_shard)``
+  mesh; blocks are cut over ``dp_shard`` and replicated over ``dp_outer``, gradients reduce-scattered over
+  ``dp_shard``, all-reduced over ``dp_outer`` and divided by the product of the two sizes.
 
-Low-precision modules (bf16 / fp16 parameters) keep fp32 main weights and compute in their dtype
-(``preserve_fp32_weights``, the default); otherwise the parameters' own dtype is kept. With
+Low-precision modules (bf16 / fp16 parameters) keep fp32 main weights and compute (and return outputs) in their
+dtype (``preserve_fp32_weights``, the default); otherwise the parameters' own dtype is kept. With
 ``init_model_with_meta_device`` the module is built on the meta device and each rank draws only its blocks, with the
 values of an ordinary build from the present generator state (every parameter must belong to a module with
 ``reset_parameters()``).
 
 Not here: ``optim`` (ZeRO-1: whole gradients with sharded optimizer state, which FSDP2 has no mode for; Megatron
 models get it from ``megatron.core.distributed.fsdp.FullyShardedDataParallel``'s DDP buckets with the distributed
-optimizer), hybrid FSDP (``dp_outer_dim``): both are refused with a message.
+optimizer), hybrid FSDP that also shards over the outer dimension (``outer_dp_sharding_strategy="optim"``) or
+with ``no_shard`` inside: refused with a message.
 """
 from __future__ import annotations
 
@@ -87,12 +91,13 @@ class MegatronFSDP(FullyShardedModule):
     """Shards ``module`` over ``dist_index``'s ``dp_shard_dim`` mesh (module docstring); ``self.module`` is the
     module, its parameters (``self.parameters()``) the sharded DTensors for the optimizer.
 
-    ``ddp_config``: its ``data_parallel_sharding_strategy`` (``optim_grads`` / ``optim_grads_params``) and
-    ``preserve_fp32_weights`` are used; None gives megatron-core's default (``optim_grads_params``, gradients reduced
-    in fp32). ``fsdp_unit_modules``: classes or their import paths. ``device``: the module is moved there first
-    (not with ``init_model_with_meta_device``). ``keep_fp8_transpose_cache``, ``nccl_ub``, ``fsdp_double_buffer``,
-    ``disable_symmetric_registration``, ``enable_fine_grained_param_gather_hook``, ``disable_bucketing``: GPU
-    scheduling of the same collectives, accepted without effect.
+    ``ddp_config``: its ``data_parallel_sharding_strategy`` (``no_shard`` / ``optim_grads`` /
+    ``optim_grads_params``) and ``preserve_fp32_weights`` are used; None gives megatron-core's default
+    (``optim_grads_params``, gradients reduced in fp32). ``fsdp_unit_modules``: classes or their import paths.
+    ``device``: the module is moved there first (not with ``init_model_with_meta_device``).
+    ``keep_fp8_transpose_cache``, ``nccl_ub``, ``fsdp_double_buffer``, ``disable_symmetric_registration``,
+    ``enable_fine_grained_param_gather_hook``, ``disable_bucketing``: GPU scheduling of the same collectives,
+    accepted without effect.
     """
 
     def __init__(self, module: torch.nn.Module, dist_index: FSDPDistributedIndex,
@@ -115,10 +120,11 @@ class MegatronFSDP(FullyShardedModule):
                              f"standalone Megatron-FSDP here ({FULLY_SHARDED_STRATEGIES + ('no_shard',)}); for "
                              "'optim' (ZeRO-1) wrap a Megatron model in "
                              "megatron.core.distributed.fsdp.FullyShardedDataParallel")
-        if dist_index.use_hybrid_fsdp:
-            raise ValueError("MegatronFSDP: hybrid FSDP (dp_outer_dim) is not implemented in this library; shard "
-                             "over one data-parallel mesh dimension (dp_shard_dim)")
-        self_device = device if device is not None else _device.current_device()
+        if dist_index.use_hybrid_fsdp and (strategy == "no_shard" or dist_index.hsdp_outer_dp_shard):
+            raise ValueError("MegatronFSDP: hybrid FSDP (dp_outer_dim) here replicates over dp_outer_dim and shards "
+                             "over dp_shard_dim: it needs zero_dp_strategy 'optim_grads' / 'optim_grads_params' and "
+                             "outer_dp_sharding_strategy 'no_shard'")
+        target_device = device if device is not None else _device.current_device()
         if device is not None and not init_model_with_meta_device:
             module = module.to(device)
         init_dtypes = {n: p.dtype for n, p in module.named_parameters(remove_duplicate=False)}
@@ -128,15 +134,18 @@ class MegatronFSDP(FullyShardedModule):
         shard_dim = dist_index.dp_shard_dim
         expert_mesh = dist_index.expt_device_mesh[shard_dim] if any(
             not getattr(p, "allreduce", True) for p in module.parameters()) else None
-        mesh = dist_index.device_mesh[shard_dim]
-        if strategy == "no_shard":  # FSDP2's replicate dimension over the same ranks (module docstring)
-            mesh = mesh._unflatten(0, (mesh.size(), 1), ("dp_replicate", "dp_unsharded"))
+        if dist_index.use_hybrid_fsdp:  # replicate over the outer dimension, shard over the inner one
+            mesh = dist_index.device_mesh[(dist_index.dp_outer_dim, shard_dim)]
+        else:
+            mesh = dist_index.device_mesh[shard_dim]
+            if strategy == "no_shard":  # FSDP2's replicate dimension over the same ranks (module docstring)
+                mesh = mesh._unflatten(0, (mesh.size(), 1), ("dp_replicate", "dp_unsharded"))
         super().__init__(settings, ddp_config, module, units, strategy=strategy, fsdp_mesh=mesh,
-                         expert_mesh=expert_mesh)
+                         dp_cp_group=dist_index.get_dp_group(), expert_mesh=expert_mesh, fp32_outputs=False)
         if init_model_with_meta_device:
-            allocate_sharded(self.module, self_device)
-            materialize(self.module, None, init_dtypes, self_device)
-        self.device = self_device
+            allocate_sharded(self.module, target_device)
+            materialize(self.module, None, init_dtypes, target_device)
+        self.device = target_device
         self.dist_index = dist_index
         self.fsdp_unit_modules = list(unit_classes)
         self.calculate_per_token_loss = calculate_per_token_loss

@@ -43,12 +43,14 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import (
     FSDPDistributedIndex, get_cuda_rng_tracker, get_global_memory_buffer, get_mcore_tensor_parallel_partition_dim,
     is_mcore_tensor_model_parallel, is_mcore_tensor_parallel_duplicated)
 from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME
+from megatron.core.utils import to_local_if_dtensor
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BucketingPolicy", "Bucket", "BucketStatus", "PrefetchOrder", "build_data_parallel_buffer_index",
            "TemporaryBucketAllocator", "StorageResizeBasedBucketAllocator", "RotaryBucketAllocator",
-           "FixedPoolAllocator", "DataParallelBuffer", "ParameterGroup", "gradient_reduce_preprocessing", "check_gpu_memory", "ResetParametersContext",
+           "FixedPoolAllocator", "DataParallelBuffer", "ParameterGroup", "gradient_reduce_preprocessing",
+           "check_gpu_memory", "ResetParametersContext",
            "override_sharded_param_methods_with_safety_checks", "to_local_if_dtensor", "make_fsdp_dtensor"]
 
 TensorItemIndex = namedtuple("TensorItemIndex", ["global_data_index", "size", "item_id", "bucket_id", "shape"])
@@ -512,11 +514,6 @@ def override_sharded_param_methods_with_safety_checks(params, all_gather_pipelin
                 return _original(*args, **kwargs)
 
             setattr(p, method, guarded)
-
-
-def to_local_if_dtensor(tensor):
-    """This rank's local tensor of a DTensor (the same storage); any other tensor unchanged."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def make_fsdp_dtensor(local_tensor: torch.Tensor, param: torch.nn.Parameter, dist_index: FSDPDistributedIndex,

@@ -71,9 +71,8 @@ def update_uneven_dtensor_chunk_metadata(dtensor: DTensor) -> dict:
         local = tensor.to_local()
         if local.numel() == 0:
             return []
-        return [WriteItem(type=WriteItemType.SHARD, index=MetadataIndex(fqn, chunk.offsets),
-                          tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(local),
-                                                      size=tensor.size()))]
+        data = TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=tensor.size())
+        return [WriteItem(type=WriteItemType.SHARD, index=MetadataIndex(fqn, chunk.offsets), tensor_data=data)]
 
     dtensor._local_tensor.__create_chunk_list__ = chunk_list
     dtensor._local_tensor.__create_write_items__ = write_items

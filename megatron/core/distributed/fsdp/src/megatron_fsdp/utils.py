@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch.distributed import DeviceMesh, ProcessGroup
 
+from megatron.core import parallel_state
 from megatron.core import utils as _core_utils
 from megatron.core.global_memory_buffer import GlobalMemoryBuffer
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, initialize_rng_tracker
@@ -84,8 +85,11 @@ class FSDPDistributedIndex:
             return mesh[dim].get_group() if contains_submesh(mesh, dim) else None
 
         self.fsdp_group = group_of(device_mesh, dp_shard_dim)
-        # A separate all-gather group (to overlap gathers with reductions) is a GPU-stream optimisation: none here.
-        self.fsdp_group_ag = None
+        # The separate DP x CP all-gather group (to overlap gathers with reductions) comes from parallel_state when
+        # initialize_model_parallel built one, as in megatron-core; FSDP2 here gathers over fsdp_group.
+        self.fsdp_group_ag = (parallel_state.get_data_parallel_group(with_context_parallel=True,
+                                                                     independent_all_gather=True)
+                              if parallel_state.has_separate_all_gather_group() else None)
         self.outer_fsdp_group = group_of(device_mesh, dp_outer_dim)
         self.expt_fsdp_group = group_of(self.expt_device_mesh, dp_shard_dim)
 

@@ -1,0 +1,1 @@
+"""Inference contexts (megatron-core\x27s path)."""

@@ -1,0 +1,1 @@
+"""Attention-context metadata (megatron-core\x27s path)."""
