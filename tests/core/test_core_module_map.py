@@ -65,8 +65,8 @@ GPU_ONLY_NAMES = {
         "set_ideal_affinity_for_current_gpu", "stream_acquire_context", "set_streams", "get_comp_stream",
         "get_comm_stream")},
 }
-MODULES_PRESENT = 123
-NAMES_PRESENT = 498
+MODULES_PRESENT = 154
+NAMES_PRESENT = 692
 
 
 def _oracle_map(root, leave_out_gpu=True):
