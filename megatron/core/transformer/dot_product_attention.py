@@ -283,8 +283,7 @@ class CoreAttention(MegatronModule):
         cu_kv = p.cu_seqlens_kv if p.cu_seqlens_kv is not None else cu_q
         if cu_q is None:
             raise ValueError("packed sequences (thd): packed_seq_params.cu_seqlens_q is required")
-        pad_q = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else cu_q
-        pad_kv = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else cu_kv
+        pad_q, pad_kv = packed_layout_cu_seqlens(p)
         cu_q, cu_kv, pad_q, pad_kv = ([int(x) for x in c.tolist()] for c in (cu_q, cu_kv, pad_q, pad_kv))
         group, cp, cp_rank = self.packed_cp_group(p)
         total = query_layer.size(0)
