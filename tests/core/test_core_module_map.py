@@ -34,6 +34,7 @@ GPU_ONLY_MODULES = {
     "megatron.core.transformer.moe.grouped_gemm_util": "the grouped_gemm CUDA library",
     "megatron.core.pipeline_parallel.fine_grained_activation_offload": "pinned-memory offload on CUDA streams",
     "megatron.core.tensor_parallel.inference_layers": "Transformer Engine layers with triton symmetric-memory collectives",
+    "megatron.core.transformer.custom_layers": "a package holding only the triton batch-invariant kernels",
 }
 GPU_ONLY_NAMES = {
     **{f"megatron.core.fp8_utils.{n}": "Transformer Engine FP8 tensors" for n in (
@@ -56,12 +57,16 @@ GPU_ONLY_NAMES = {
     "megatron.core.parallel_state.destroy_global_symmetric_memory_buffer": "CUDA symmetric memory",
     "megatron.core.utils.GlobalSymmetricMemoryBuffer": "CUDA symmetric memory",
     "megatron.core.utils.configure_nvtx_profiling": "NVTX",
+    "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_inference_spec":
+        "Transformer Engine inference layers (InferenceSpecProvider)",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.MultiGroupUBRAllocator":
+        "NCCL user-buffer registration",
     **{f"megatron.core.pipeline_parallel.utils.{n}": "CUDA streams / GPU affinity" for n in (
         "set_ideal_affinity_for_current_gpu", "stream_acquire_context", "set_streams", "get_comp_stream",
         "get_comm_stream")},
 }
-MODULES_PRESENT = 123
-NAMES_PRESENT = 498
+MODULES_PRESENT = 154
+NAMES_PRESENT = 692
 
 
 def _oracle_map(root, leave_out_gpu=True):
