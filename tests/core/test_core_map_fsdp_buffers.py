@@ -66,21 +66,17 @@ def _body():
         pipe = GradReducePipeline(buf)
         pipe.reduce_gradients(list(params.values()))
         pipe.wait_for_previous_grad_reduce(0)
-        err = 0.0
-        for n, p in params.items():
-            group = buf.parameter_groups[buf.param_to_param_group[p]]
-            gbuf, i = group.main_grad_buffer, group.main_grad_buffer.param_idx[p]
+        err, opt_grads = 0.0, True
+        buf.update_main_grads()
+        for n, q in buf.optimizer_named_parameters:
+            p = params[n]
+            gbuf = buf.parameter_groups[buf.param_to_param_group[p]].main_grad_buffer
+            i = gbuf.param_idx[p]
             lo, hi = gbuf._get_item_slice_in_shard(i) if strategy != "no_shard" else (0, p.numel())
             mine = gbuf.get_item(i, only_shard=strategy != "no_shard")
             err = max(err, (mine - ref_g[n].flatten()[lo:hi]).abs().max().item() if hi > lo else 0.0)
-        res["grad_err"] = err
-        buf.update_main_grads()
-        res["opt_grads"] = all(
-            torch.equal(q.grad.to_local().flatten(), buf.parameter_groups[buf.param_to_param_group[q.orig_param]]
-                        .main_grad_buffer.get_item(buf.parameter_groups[buf.param_to_param_group[q.orig_param]]
-                                                   .main_grad_buffer.param_idx[q.orig_param],
-                                                   only_shard=strategy != "no_shard"))
-            for _, q in buf.optimizer_named_parameters if q.grad is not None)
+            opt_grads &= q.grad is None if hi == lo else torch.equal(q.grad.to_local().flatten(), mine)
+        res["grad_err"], res["opt_grads"] = err, opt_grads
         if strategy != "no_shard":
             ag.reset()
             res["released"] = (set(ag.bucket_status.values()) == {BucketStatus.EMPTY},

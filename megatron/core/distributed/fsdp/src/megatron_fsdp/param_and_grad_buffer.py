@@ -344,33 +344,30 @@ class ParamAndGradBuffer:
         for w in works if async_op else ():
             w.wait()
 
+    def _reduce_gradient_buffers(self, scatter: bool, async_op: bool):
+        works = []
+        for g in self.parameter_groups:
+            b = g.main_grad_buffer
+            if b is None:
+                continue
+            op = gradient_reduce_preprocessing(b.data, b.gradient_scaling_factor, self.ddp_config)
+            works.append(_dist_fn(_REDUCE_SCATTER_TENSOR_NAME)(b.get_shard_from_local_buffer(), b.data.clone(),
+                                                               op=op, group=b.data_parallel_group, async_op=async_op)
+                         if scatter else torch.distributed.all_reduce(b.data, op=op, group=b.data_parallel_group,
+                                                                      async_op=async_op))
+        for w in works if async_op else ():
+            w.wait()
+
     def reduce_scatter_gradients(self, async_op: bool = True):
         """Reduce the unsharded gradient buffers into this rank's shard of each (scaled as
         :func:`gradient_reduce_preprocessing` says)."""
         self._check_unsharded("main_grad_buffer", "reduce_scatter_gradients")
-        works = []
-        for g in self.parameter_groups:
-            b = g.main_grad_buffer
-            if b is not None:
-                op = gradient_reduce_preprocessing(b.data, b.gradient_scaling_factor, self.ddp_config)
-                works.append(_dist_fn(_REDUCE_SCATTER_TENSOR_NAME)(
-                    b.get_shard_from_local_buffer(), b.data.clone(), op=op, group=b.data_parallel_group,
-                    async_op=async_op))
-        for w in works if async_op else ():
-            w.wait()
+        self._reduce_gradient_buffers(True, async_op)
 
     def all_reduce_gradients(self, async_op: bool = False):
         """All-reduce the unsharded gradient buffers (scaled as :func:`gradient_reduce_preprocessing` says)."""
         self._check_unsharded("main_grad_buffer", "all_reduce_gradients")
-        works = []
-        for g in self.parameter_groups:
-            b = g.main_grad_buffer
-            if b is not None:
-                op = gradient_reduce_preprocessing(b.data, b.gradient_scaling_factor, self.ddp_config)
-                works.append(torch.distributed.all_reduce(b.data, op=op, group=b.data_parallel_group,
-                                                          async_op=async_op))
-        for w in works if async_op else ():
-            w.wait()
+        self._reduce_gradient_buffers(False, async_op)
 
 
 class GradReducePipeline:
@@ -575,6 +572,9 @@ class AllGatherPipeline:
             raise NotImplementedError("AllGatherPipeline: outer-DP parameter gathers (sharded hybrid FSDP)")
         groups = self.buffer.parameter_groups
         buckets = sorted({self.buffer.param_to_param_group[p] for p in params})
+        if self.buffer.ddp_config.fsdp_double_buffer and len(
+                {groups[b].fsdp_unit_id for b in buckets} & set(self.buffer.double_buf_units)) > 2:
+            raise ValueError("more than 2 double-buffered FSDP units were requested: double buffers hold 2")
         for b in buckets:
             self.bucket_can_be_released[self.get_bucket_key(b, bwd)] = False
         if prefetch:
