@@ -66,7 +66,7 @@ GPU_ONLY_NAMES = {
         "get_comm_stream")},
 }
 MODULES_PRESENT = 154
-NAMES_PRESENT = 692
+NAMES_PRESENT = 695
 
 
 def _oracle_map(root, leave_out_gpu=True):
