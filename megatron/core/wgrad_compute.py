@@ -8,29 +8,27 @@ buffer's dtype. The implementation chosen is printed once.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron.core import device
 
-_FUSED_WGRAD_MODULE = None
-_FUSED_WGRAD_CHECKED = False
 
-
+@functools.lru_cache(maxsize=None)
 def fused_wgrad_module():
     """apex's fused weight-gradient accumulation kernel if installed (CUDA only), else None. Logged once."""
-    global _FUSED_WGRAD_MODULE, _FUSED_WGRAD_CHECKED
-    if not _FUSED_WGRAD_CHECKED:
-        _FUSED_WGRAD_CHECKED = True
-        if device.cuda_available():
-            try:
-                import fused_weight_gradient_mlp_cuda  # type: ignore
+    module = None
+    if device.cuda_available():
+        try:
+            import fused_weight_gradient_mlp_cuda  # type: ignore
 
-                _FUSED_WGRAD_MODULE = fused_weight_gradient_mlp_cuda
-            except ImportError:
-                _FUSED_WGRAD_MODULE = None
-        impl = "apex fused_weight_gradient_mlp_cuda" if _FUSED_WGRAD_MODULE else "torch addmm_"
-        print(f"> gradient accumulation fusion: using {impl}", flush=True)
-    return _FUSED_WGRAD_MODULE
+            module = fused_weight_gradient_mlp_cuda
+        except ImportError:
+            pass
+    impl = "apex fused_weight_gradient_mlp_cuda" if module else "torch addmm_"
+    print(f"> gradient accumulation fusion: using {impl}", flush=True)
+    return module
 
 
 def checked_main_grad(weight):

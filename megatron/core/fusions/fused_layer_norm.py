@@ -8,6 +8,7 @@ weight's dtype, as the "mixed" apex kernel does. ``megatron.core.transformer.nor
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -19,23 +20,17 @@ from megatron.core.device import init_device, param_device, weights_on_meta  # n
 from megatron.core.fusions import fused_kernels
 from megatron.core.utils import log_once
 
-_APEX_LN = None
-_APEX_CHECKED = False
-
-
+@functools.lru_cache(maxsize=None)
 def _apex_layer_norm():
     """apex's FusedLayerNormAffineFunction when apex is importable and a GPU is present, else None."""
-    global _APEX_LN, _APEX_CHECKED
-    if not _APEX_CHECKED:
-        _APEX_CHECKED = True
-        if device.cuda_available():
-            try:
-                from apex.normalization.fused_layer_norm import FusedLayerNormAffineFunction  # type: ignore
+    if device.cuda_available():
+        try:
+            from apex.normalization.fused_layer_norm import FusedLayerNormAffineFunction  # type: ignore
 
-                _APEX_LN = FusedLayerNormAffineFunction
-            except ImportError:
-                _APEX_LN = None
-    return _APEX_LN
+            return FusedLayerNormAffineFunction
+        except ImportError:
+            pass
+    return None
 
 
 def _mark_sequence_parallel(module: torch.nn.Module, sequence_parallel: bool) -> None:

@@ -14,17 +14,19 @@ Transformer Engine's fused layers use (``self_attention.in_proj.layer_norm_weigh
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import List, Optional
 
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_mlp_module_spec_for_backend
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec, get_mla_self_attention_spec,
+                                                      get_mlp_module_spec_for_backend)
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.dsa import (DSAIndexer, DSAIndexerSubmodules,
                                                                           DSAttention, DSAttentionSubmodules)
 from megatron.core.transformer.fusions import get_bias_dropout_add
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import IdentityOp, ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import (TransformerLayer, TransformerLayerSubmodules,
@@ -60,8 +62,8 @@ def get_gated_delta_net_module_spec(config, backend: BackendSpecProvider = None)
 
 
 def get_dsa_module_spec_for_backend(config, backend: BackendSpecProvider = None) -> ModuleSpec:
-    """Multi-latent attention whose core attention is :class:`DSAttention` (the indexer's linears duplicated,
-    its key norm a LayerNorm)."""
+    """Multi-latent attention (:func:`get_mla_self_attention_spec`) whose core attention is :class:`DSAttention`
+    (the indexer's linears duplicated, its key norm a LayerNorm)."""
     if not config.multi_latent_attention:
         raise ValueError("DeepSeek sparse attention needs multi-latent attention (--multi-latent-attention)")
     if config.qk_l2_norm:
@@ -69,19 +71,13 @@ def get_dsa_module_spec_for_backend(config, backend: BackendSpecProvider = None)
     backend = _backend(backend)
     from megatron.core.tensor_parallel import DuplicatedLinear
 
-    norm = backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=True) if config.qk_layernorm \
-        else IdentityOp
     indexer = ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
         linear_wq_b=DuplicatedLinear, linear_wk=DuplicatedLinear,
         k_norm=backend.layer_norm(rms_norm=False, for_qk=True), linear_weights_proj=DuplicatedLinear))
-    return ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                      submodules=MLASelfAttentionSubmodules(
-                          linear_q_proj=backend.column_parallel_linear(), linear_q_down_proj=DuplicatedLinear,
-                          linear_q_up_proj=backend.column_parallel_linear(), linear_kv_down_proj=DuplicatedLinear,
-                          linear_kv_up_proj=backend.column_parallel_linear(),
-                          core_attention=ModuleSpec(module=DSAttention,
-                                                    submodules=DSAttentionSubmodules(indexer=indexer)),
-                          linear_proj=backend.row_parallel_linear(), q_layernorm=norm, kv_layernorm=norm),
+    mla = get_mla_self_attention_spec(config.qk_layernorm)
+    core = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer))
+    return ModuleSpec(module=mla.module, params=dict(mla.params),
+                      submodules=dataclasses.replace(mla.submodules, core_attention=core),
                       metainfo={"fuse_input_layernorm": False})
 
 
